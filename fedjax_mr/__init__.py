@@ -1,0 +1,50 @@
+"""fedjax_mr: federated learning by model recombination, mutation and
+stitching, in JAX.
+
+Subpackages: `core` (interfaces), `data`, `models`, `server` (one module per
+algorithm), `training` (local training, round engine, experiment loop),
+`energy` (host-only Jetson energy tools; never imports jax).
+
+The names below are loaded on first use, so `import fedjax_mr.energy` does
+not import jax.
+"""
+
+import importlib
+
+__version__ = '0.1.0'
+
+_SUBPACKAGES = ('core', 'data', 'energy', 'models', 'server', 'training')
+
+# Re-exported names: name -> (module, attribute).
+_EXPORTS = {
+  'ClientData': ('fedjax_mr.data.client_data', 'ClientData'),
+  'ClientOutput': ('fedjax_mr.core.types', 'ClientOutput'),
+  'ServerTransform': ('fedjax_mr.core.types', 'ServerTransform'),
+  'ExperimentConfig': ('fedjax_mr.training.config', 'ExperimentConfig'),
+  'RoundState': ('fedjax_mr.training.engine', 'RoundState'),
+  'load_dataset': ('fedjax_mr.data.datasets', 'load'),
+  'from_partition': ('fedjax_mr.data.client_data', 'from_partition'),
+  'eval_data': ('fedjax_mr.data.client_data', 'eval_data'),
+  'get_model': ('fedjax_mr.models.model', 'get'),
+  'fedavg': ('fedjax_mr.server.fedavg', 'fedavg'),
+  'make_client_update': ('fedjax_mr.training.client', 'make_client_update'),
+  'make_round_fn': ('fedjax_mr.training.engine', 'make_round_fn'),
+  'make_evaluate': ('fedjax_mr.training.engine', 'make_evaluate'),
+  'init_state': ('fedjax_mr.training.engine', 'init_state'),
+  'train_and_evaluate': ('fedjax_mr.training.experiment', 'train_and_evaluate'),
+}
+
+__all__ = sorted(_EXPORTS) + list(_SUBPACKAGES)
+
+
+def __getattr__(name):
+  if name in _SUBPACKAGES:
+    return importlib.import_module(f'fedjax_mr.{name}')
+  if name in _EXPORTS:
+    module, attr = _EXPORTS[name]
+    return getattr(importlib.import_module(module), attr)
+  raise AttributeError(f'module fedjax_mr has no attribute {name!r}')
+
+
+def __dir__():
+  return __all__

@@ -1,0 +1,190 @@
+"""The configuration of one experiment, with its validation.
+
+Every field is also an absl flag of `experiments/run.py` (same name, the
+help text below). Fields marked `run_only` may change when a run resumes
+(how long to run, how often to log or save, how to execute); all the others
+define the run, and resuming a workdir with different values is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from fedjax_mr.core import errors
+
+ALGORITHMS = ('fedavg',)
+PARTITIONS = ('iid', 'dirichlet')
+
+
+def _field(default: Any, help_text: str, *, choices=None, run_only=False):
+  return dataclasses.field(
+    default=default,
+    metadata={'help': help_text, 'choices': choices, 'run_only': run_only},
+  )
+
+
+def _dataset_names():
+  from fedjax_mr.data import datasets
+
+  return datasets.NAMES
+
+
+def _model_names():
+  from fedjax_mr.models import model
+
+  return model.NAMES
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  """One federated training experiment (see each field's help)."""
+
+  algorithm: str = _field(
+    'fedavg', 'Federated algorithm.', choices=ALGORITHMS
+  )
+  dataset: str = _field('fashion_mnist', 'Dataset name.', choices='datasets')
+  data_dir: str = _field(
+    '',
+    'Folder with the dataset: IDX files for (fashion_)mnist (default '
+    '/usr/share/datasets/fashion-mnist for fashion_mnist), else a '
+    'tensorflow-datasets data dir.',
+    run_only=True,
+  )
+  model: str = _field('cnn_mnist', 'Model name.', choices='models')
+  num_clients: int = _field(100, 'Number of clients N.')
+  clients_per_round: int = _field(10, 'Clients sampled per round K.')
+  partition: str = _field(
+    'dirichlet', 'How to split data among clients.', choices=PARTITIONS
+  )
+  alpha: float = _field(0.1, 'Dirichlet concentration (partition=dirichlet).')
+  min_client_size: int = _field(
+    10, 'Minimum examples per client (partition=dirichlet).'
+  )
+  rounds: int = _field(20, 'Total number of rounds.', run_only=True)
+  local_epochs: int = _field(5, 'Local epochs E per round.')
+  batch_size: int = _field(50, 'Local batch size B.')
+  lr: float = _field(0.01, 'Client SGD learning rate.')
+  momentum: float = _field(0.9, 'Client SGD momentum (0 for plain SGD).')
+  weighted: bool = _field(
+    True, 'FedAvg: weight clients by their number of examples.'
+  )
+  eval_every: int = _field(
+    1, 'Evaluate on the test set every this many rounds (0: only at the '
+    'end); always at the end.', run_only=True,
+  )
+  eval_batch_size: int = _field(
+    1000, 'Batch size for evaluation.', run_only=True
+  )
+  seed: int = _field(0, 'Seed of the partition, the init and every round.')
+  workdir: str = _field(
+    '',
+    'Output folder (metrics, checkpoints, plots); a run there resumes. '
+    'Default: runs/<algorithm>-<dataset>-<model>-<partition>-s<seed>.',
+    run_only=True,
+  )
+  checkpoint_every: int = _field(
+    5, 'Save a checkpoint every this many rounds (0: only at the end).',
+    run_only=True,
+  )
+  keep_checkpoints: int = _field(
+    2, 'How many checkpoints to keep.', run_only=True
+  )
+  client_chunk: int = _field(
+    1,
+    'Clients trained together: 1 = one after another (fastest on CPU), '
+    '≥ clients_per_round = all vmapped (for accelerators), in between = '
+    'vmapped chunks.',
+    run_only=True,
+  )
+
+  def default_workdir(self) -> str:
+    part = self.partition
+    if part == 'dirichlet':
+      part += f'{self.alpha:g}'
+    return (
+      f'runs/{self.algorithm}-{self.dataset}-{self.model}-{part}-s{self.seed}'
+    )
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def identity(self) -> dict[str, Any]:
+    """The fields that define the run (all but the `run_only` ones)."""
+    return {
+      f.name: getattr(self, f.name)
+      for f in dataclasses.fields(self)
+      if not f.metadata['run_only']
+    }
+
+
+def choices(field: dataclasses.Field) -> tuple[str, ...] | None:
+  c = field.metadata['choices']
+  if c == 'datasets':
+    return _dataset_names()
+  if c == 'models':
+    return _model_names()
+  return c
+
+
+def validate(config: ExperimentConfig) -> None:
+  """Raises `ConfigError` naming the first bad flag and what it allows."""
+  for f in dataclasses.fields(config):
+    allowed = choices(f)
+    value = getattr(config, f.name)
+    if allowed and value not in allowed:
+      raise errors.ConfigError(
+        f'--{f.name}: unknown value {value!r}; choose one of '
+        f'{", ".join(allowed)}'
+      )
+  positive = (
+    'num_clients', 'clients_per_round', 'rounds', 'local_epochs',
+    'batch_size', 'eval_batch_size', 'keep_checkpoints', 'client_chunk',
+  )
+  for name in positive:
+    if getattr(config, name) < 1:
+      raise errors.ConfigError(
+        f'--{name} must be a positive integer, got {getattr(config, name)}'
+      )
+  for name in ('eval_every', 'checkpoint_every', 'min_client_size'):
+    if getattr(config, name) < 0:
+      raise errors.ConfigError(
+        f'--{name} must be ≥ 0, got {getattr(config, name)}'
+      )
+  if config.clients_per_round > config.num_clients:
+    raise errors.ConfigError(
+      f'--clients_per_round={config.clients_per_round} exceeds '
+      f'--num_clients={config.num_clients}; it must be between 1 and '
+      'num_clients'
+    )
+  if not config.lr > 0:
+    raise errors.ConfigError(f'--lr must be > 0, got {config.lr}')
+  if not 0 <= config.momentum < 1:
+    raise errors.ConfigError(
+      f'--momentum must be in [0, 1), got {config.momentum}'
+    )
+  if config.partition == 'dirichlet' and not config.alpha > 0:
+    raise errors.ConfigError(
+      f'--alpha must be > 0 for --partition=dirichlet, got {config.alpha}'
+    )
+
+
+def check_resumable(config: ExperimentConfig, saved_path: str) -> None:
+  """Raises `ConfigError` if `saved_path` (a config.json) defines another
+  run than `config`."""
+  try:
+    with open(saved_path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise errors.ConfigError(f'cannot read {saved_path}: {e}') from None
+  diffs = [
+    f'--{k}={saved.get(k)!r} there, {v!r} here'
+    for k, v in config.identity().items()
+    if saved.get(k) != v
+  ]
+  if diffs:
+    raise errors.ConfigError(
+      f'--workdir holds a run of a different config ({"; ".join(diffs)}); '
+      'pass another --workdir or the same flags'
+    )

@@ -1,0 +1,146 @@
+"""The federated round as one pure, jit-compatible function.
+
+`make_round_fn` closes over a server transform, a client update and the
+static counts, and returns `round_fn(state, data, key)`. The experiment
+jit-compiles it once (donating `state`) and calls it every round; the round
+index lives in the state, so resuming needs no saved RNG state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fedjax_mr.core import types
+from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.models import model as model_lib
+from fedjax_mr.training import client
+
+
+@flax.struct.dataclass
+class RoundState:
+  """Everything a run carries from one round to the next.
+
+  Attributes:
+    round: int32 scalar, number of rounds completed.
+    server: the server transform's state (exposes `.params`).
+  """
+
+  round: jax.Array
+  server: Any
+
+
+def init_state(
+  server: types.ServerTransform, variables: types.Variables
+) -> RoundState:
+  """The state before round 0, from the initial model variables."""
+  return RoundState(round=jnp.zeros((), jnp.int32), server=server.init(variables))
+
+
+def sample_clients(key: jax.Array, num_clients: int, k: int) -> jax.Array:
+  """K distinct client ids, uniformly without replacement: `[K]` int32."""
+  return jax.random.choice(key, num_clients, (k,), replace=False).astype(
+    jnp.int32
+  )
+
+
+def map_clients(fn: Callable, xs: Any, chunk: int) -> Any:
+  """Maps `fn` over the leading axis of `xs` (a tuple of trees).
+
+  `chunk` = 1 runs the clients one after another (`lax.map`); `chunk` ≥ K
+  vmaps all of them; in between, vmapped chunks of `chunk` clients run one
+  after another.
+  """
+  k = jax.tree.leaves(xs)[0].shape[0]
+  if chunk >= k:
+    return jax.vmap(fn)(*xs)
+  return lax.map(lambda a: fn(*a), xs, batch_size=chunk if chunk > 1 else None)
+
+
+def make_round_fn(
+  server: types.ServerTransform,
+  client_update: types.ClientUpdate,
+  *,
+  clients_per_round: int,
+  client_chunk: int = 1,
+) -> Callable[
+  [RoundState, client_data_lib.ClientData, jax.Array],
+  tuple[RoundState, dict[str, jax.Array]],
+]:
+  """Builds one federated round.
+
+  The round's key is `fold_in(key, state.round)`, split into the keys for
+  sampling, dispatch, the clients and aggregation.
+
+  Args:
+    server: the server transform.
+    client_update: local training of one client.
+    clients_per_round: K.
+    client_chunk: how clients are mapped (see `map_clients`).
+
+  Returns:
+    `round_fn(state, data, key) -> (state, metrics)`; metrics: `train_loss`
+    (per-example mean over the round's local training), `num_examples`,
+    `num_steps`, `client_ids` `[K]`, and the server's own metrics.
+  """
+  k = int(clients_per_round)
+
+  def round_fn(state, data, key):
+    rkey = jax.random.fold_in(key, state.round)
+    k_sample, k_dispatch, k_clients, k_aggregate = jax.random.split(rkey, 4)
+    ids = sample_clients(k_sample, data.num_clients, k)
+    inputs = server.dispatch(state.server, state.round, k_dispatch)
+    keys = jax.random.split(k_clients, k)
+    outputs = map_clients(
+      lambda v, c, ck: client_update(v, data, c, ck),
+      (inputs, ids, keys),
+      client_chunk,
+    )
+    server_state, server_metrics = server.aggregate(
+      state.server, outputs, state.round, k_aggregate
+    )
+    n = outputs.num_examples.astype(jnp.float32)
+    metrics = {
+      'train_loss': jnp.sum(n * outputs.loss) / jnp.sum(n),
+      'num_examples': jnp.sum(outputs.num_examples),
+      'num_steps': jnp.sum(outputs.num_steps),
+      'client_ids': ids,
+      **server_metrics,
+    }
+    return RoundState(round=state.round + 1, server=server_state), metrics
+
+  return round_fn
+
+
+def make_evaluate(
+  model: model_lib.Model,
+) -> Callable[[types.Variables, client_data_lib.EvalData], dict[str, jax.Array]]:
+  """Builds `evaluate(variables, eval_data) -> {'accuracy', 'loss'}`.
+
+  Inference mode (BatchNorm running statistics, no dropout); batches run
+  one after another with `lax.map`; padded examples are masked out.
+  """
+
+  def evaluate(variables, data):
+    def batch(args):
+      x, y, mask = args
+      logits = model.apply_eval(
+        variables, client_data_lib.normalize(x, data.scale, data.shift)
+      )
+      correct = jnp.sum((jnp.argmax(logits, -1) == y) * mask)
+      _, loss_sum = client.masked_cross_entropy(logits, y, mask)
+      return correct, loss_sum
+
+    correct, loss_sum = lax.map(batch, (data.x, data.y, data.mask))
+    count = jnp.sum(data.mask)
+    return {
+      'accuracy': jnp.sum(correct) / count,
+      'loss': jnp.sum(loss_sum) / count,
+    }
+
+  return evaluate
+

@@ -1,0 +1,327 @@
+"""`train_and_evaluate(config, workdir)`: a whole run, resumable.
+
+The host loop around the jit-compiled round: data and partition, model and
+algorithm from the config, then per round one metrics line (and an
+evaluation every `eval_every` rounds), checkpoints every
+`checkpoint_every` rounds, and a learning-curve PNG at the end. A workdir
+that holds a checkpoint resumes from it; the rounds after it are recomputed
+identically (every round's key is `fold_in(key, round)`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+import optax
+
+from fedjax_mr.core import errors
+from fedjax_mr.core import types
+from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.data import datasets
+from fedjax_mr.data import partition as partition_lib
+from fedjax_mr.models import model as model_lib
+from fedjax_mr.server import fedavg
+from fedjax_mr.training import checkpoint
+from fedjax_mr.training import client
+from fedjax_mr.training import config as config_lib
+from fedjax_mr.training import engine
+from fedjax_mr.training import metrics_io
+
+METRICS_FILE = 'metrics.jsonl'
+CONFIG_FILE = 'config.json'
+PARTITION_FILE = 'partition.json'
+CURVE_FILE = 'learning_curve.png'
+
+# Named subkeys of the run key.
+_INIT, _ROUNDS = 0, 1
+
+
+class Result(NamedTuple):
+  """What a finished run returns.
+
+  Attributes:
+    state: the final `RoundState`.
+    history: every metrics row of the run (resumed rounds included).
+    workdir: where everything was written.
+  """
+
+  state: engine.RoundState
+  history: list[dict[str, Any]]
+  workdir: str
+
+
+def build_server(config: config_lib.ExperimentConfig) -> types.ServerTransform:
+  """The server transform named by `config.algorithm`."""
+  if config.algorithm == 'fedavg':
+    return fedavg.fedavg(config.clients_per_round, weighted=config.weighted)
+  raise errors.ConfigError(
+    f'--algorithm: unknown {config.algorithm!r}; choose one of '
+    f'{", ".join(config_lib.ALGORITHMS)}'
+  )
+
+
+def make_partition(
+  config: config_lib.ExperimentConfig, labels: np.ndarray
+) -> list[np.ndarray]:
+  if config.partition == 'iid':
+    return partition_lib.iid(len(labels), config.num_clients, config.seed)
+  return partition_lib.dirichlet(
+    labels,
+    config.num_clients,
+    config.alpha,
+    config.seed,
+    min_size=config.min_client_size,
+  )
+
+
+def _log_default(line: str) -> None:
+  print(line, flush=True)
+
+
+def train_and_evaluate(
+  config: config_lib.ExperimentConfig,
+  workdir: str | None = None,
+  *,
+  log: Callable[[str], None] = _log_default,
+  on_round: Callable[[int, dict[str, Any]], None] | None = None,
+) -> Result:
+  """Runs (or resumes) an experiment.
+
+  Args:
+    config: the experiment.
+    workdir: output folder; default `config.workdir`, else
+      `config.default_workdir()`.
+    log: where progress lines go.
+    on_round: called with (round, metrics row) after each round is logged
+      and checkpointed (tests use it to interrupt a run).
+
+  Returns:
+    A `Result`.
+
+  Raises:
+    UserError: bad config, data or workdir (the message names the flag).
+    NonFiniteError: the train loss became non-finite; the metrics written
+      so far and the last checkpoint are kept.
+  """
+  config_lib.validate(config)
+  workdir = workdir or config.workdir or config.default_workdir()
+  os.makedirs(workdir, exist_ok=True)
+  config_path = os.path.join(workdir, CONFIG_FILE)
+  if os.path.exists(config_path):
+    config_lib.check_resumable(config, config_path)
+  with open(config_path, 'w') as f:
+    json.dump(config.to_dict(), f, indent=2)
+
+  dataset = datasets.load(config.dataset, config.data_dir or None)
+  model = model_lib.get(config.model, dataset.num_classes, dataset.input_shape)
+  parts = make_partition(config, dataset.y_train)
+  partition_lib.save_summary(
+    os.path.join(workdir, PARTITION_FILE),
+    partition_lib.summary(parts, dataset.y_train, dataset.num_classes),
+  )
+  data = client_data_lib.from_partition(
+    dataset.x_train, dataset.y_train, parts, dataset.scale, dataset.shift
+  )
+  test = client_data_lib.eval_data(
+    dataset.x_test,
+    dataset.y_test,
+    config.eval_batch_size,
+    dataset.scale,
+    dataset.shift,
+  )
+
+  key = jax.random.key(config.seed)
+  server = build_server(config)
+  client_update = client.make_client_update(
+    model,
+    optax.sgd(config.lr, momentum=config.momentum or None),
+    local_epochs=config.local_epochs,
+    batch_size=config.batch_size,
+  )
+  state = engine.init_state(server, model.init(jax.random.fold_in(key, _INIT)))
+  round_key = jax.random.fold_in(key, _ROUNDS)
+
+  ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+  metrics_path = os.path.join(workdir, METRICS_FILE)
+  start = ckpt.latest_round()
+  if start is not None:
+    state = ckpt.restore(start, state)
+    history = metrics_io.truncate(metrics_path, start)
+    log(f'resuming {workdir} after round {start}')
+  else:
+    start = 0
+    history = metrics_io.truncate(metrics_path, 0)
+  num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
+  log(
+    f'{config.algorithm} on {config.dataset} ({len(dataset.x_train)} train / '
+    f'{len(dataset.x_test)} test), {config.model} ({num_params:,} '
+    f'parameters), {config.num_clients} clients ({config.partition}), '
+    f'{config.clients_per_round} per round, {config.rounds} rounds'
+  )
+
+  round_fn = jax.jit(
+    engine.make_round_fn(
+      server,
+      client_update,
+      clients_per_round=config.clients_per_round,
+      client_chunk=config.client_chunk,
+    ),
+    donate_argnums=0,
+  )
+  evaluate = jax.jit(engine.make_evaluate(model))
+
+  def should(every: int, r: int) -> bool:
+    return r == config.rounds or (every > 0 and r % every == 0)
+
+  timer = _Timer(start, config.rounds)
+  saved_round = start
+  with _TerminationAsInterrupt():
+    try:
+      for r in range(start + 1, config.rounds + 1):
+        t0 = time.perf_counter()
+        state, metrics = round_fn(state, data, round_key)
+        metrics = jax.device_get(metrics)
+        row = {
+          'round': r,
+          'train_loss': float(metrics['train_loss']),
+          'num_examples': int(metrics['num_examples']),
+          'num_steps': int(metrics['num_steps']),
+        }
+        row.update(
+          {
+            k: _to_json(v)
+            for k, v in metrics.items()
+            if k not in row and k != 'client_ids'
+          }
+        )
+        if not math.isfinite(row['train_loss']):
+          metrics_io.append(metrics_path, row)
+          raise errors.NonFiniteError(
+            f'non-finite train loss ({row["train_loss"]}) at round {r}; '
+            f'stopped. Metrics up to it are in {metrics_path}; the last '
+            f'checkpoint (round {saved_round}) is kept. Try a smaller --lr.'
+          )
+        if should(config.eval_every, r):
+          ev = jax.device_get(evaluate(state.server.params, test))
+          row['test_accuracy'] = float(ev['accuracy'])
+          row['test_loss'] = float(ev['loss'])
+        row['round_time_s'] = time.perf_counter() - t0
+        timer.tick(r, row['round_time_s'])
+        row['elapsed_s'] = timer.elapsed
+        metrics_io.append(metrics_path, row)
+        history.append(row)
+        log(timer.progress_line(row))
+        if should(config.checkpoint_every, r):
+          ckpt.save(r, state)
+          saved_round = r
+        if on_round is not None:
+          on_round(r, row)
+    except KeyboardInterrupt:
+      if _alive(state) and int(state.round) > saved_round:
+        ckpt.save(int(state.round), state)
+        log(f'interrupted: saved a checkpoint after round {int(state.round)}')
+      ckpt.close()
+      raise
+  ckpt.close()
+  if history:
+    metrics_io.plot_curves(
+      {config.algorithm: history},
+      os.path.join(workdir, CURVE_FILE),
+      title=f'{config.dataset} {config.model} {config.partition}',
+    )
+  log(timer.summary(history, workdir))
+  return Result(state=state, history=history, workdir=workdir)
+
+
+def _to_json(v: Any) -> Any:
+  v = np.asarray(v)
+  return v.item() if v.ndim == 0 else v.tolist()
+
+
+def _alive(tree: Any) -> bool:
+  return not any(
+    getattr(x, 'is_deleted', lambda: False)() for x in jax.tree.leaves(tree)
+  )
+
+
+class _Timer:
+  """Elapsed time, rounds/s (after the compiling first round) and ETA."""
+
+  def __init__(self, start: int, total: int):
+    self.start, self.total = start, total
+    self.elapsed = 0.0
+    self.first = None  # time of this process's first (compiling) round
+    self.steady: list[float] = []
+
+  def tick(self, r: int, seconds: float) -> None:
+    self.elapsed += seconds
+    if self.first is None:
+      self.first = seconds
+    else:
+      self.steady.append(seconds)
+
+  def rate(self) -> float:
+    times = self.steady or [self.first or 0.0]
+    return 1.0 / max(float(np.mean(times)), 1e-9)
+
+  def progress_line(self, row: dict[str, Any]) -> str:
+    r = row['round']
+    eta = (self.total - r) / self.rate()
+    acc = (
+      f' | test acc {row["test_accuracy"]:.4f}' if 'test_accuracy' in row else ''
+    )
+    return (
+      f'round {r}/{self.total} | train loss {row["train_loss"]:.4f}{acc} | '
+      f'elapsed {self.elapsed:.1f}s | {self.rate():.2f} rounds/s | '
+      f'ETA {eta:.0f}s'
+    )
+
+  def summary(self, history: list[dict[str, Any]], workdir: str) -> str:
+    evals = [r for r in history if 'test_accuracy' in r]
+    lines = [f'done: {self.total} rounds; this process ran '
+             f'{self.total - self.start} in {self.elapsed:.1f}s']
+    if self.first is not None:
+      lines[0] += (
+        f' (first round incl. compile {self.first:.1f}s, then '
+        f'{1 / self.rate():.2f}s/round)'
+      )
+    if evals:
+      best = max(evals, key=lambda r: r['test_accuracy'])
+      last = evals[-1]
+      lines.append(
+        f'final test accuracy {last["test_accuracy"]:.4f} (loss '
+        f'{last["test_loss"]:.4f}) at round {last["round"]}; best '
+        f'{best["test_accuracy"]:.4f} at round {best["round"]}'
+      )
+    lines.append(
+      f'workdir {workdir}: {METRICS_FILE}, {CONFIG_FILE}, {PARTITION_FILE}, '
+      f'{CURVE_FILE}, checkpoints/'
+    )
+    return '\n'.join(lines)
+
+
+class _TerminationAsInterrupt:
+  """Turns SIGTERM into KeyboardInterrupt so a killed run checkpoints."""
+
+  def __enter__(self):
+    self._previous = None
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not in the main thread
+      pass
+    return self
+
+  def _handle(self, signum, frame):
+    raise KeyboardInterrupt
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+    return False

@@ -1,0 +1,76 @@
+"""Per-round metrics as JSON lines, and learning-curve plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Sequence
+
+
+def read(path: str) -> list[dict[str, Any]]:
+  """All rows of a metrics.jsonl file (empty if it does not exist)."""
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def append(path: str, row: Mapping[str, Any]) -> None:
+  """Appends one row and flushes it to disk."""
+  with open(path, 'a') as f:
+    f.write(json.dumps(row) + '\n')
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def truncate(path: str, max_round: int) -> list[dict[str, Any]]:
+  """Keeps only rows with `round <= max_round` (atomically); returns them."""
+  rows = [r for r in read(path) if r['round'] <= max_round]
+  tmp = path + '.tmp'
+  with open(tmp, 'w') as f:
+    for r in rows:
+      f.write(json.dumps(r) + '\n')
+  os.replace(tmp, path)
+  return rows
+
+
+def plot_curves(
+  runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str, title: str = ''
+) -> None:
+  """Writes a PNG: test accuracy (left) and train loss (right) per round.
+
+  Args:
+    runs: label → metrics rows (as in metrics.jsonl).
+    path: output PNG path.
+    title: figure title.
+  """
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
+  for label, rows in runs.items():
+    evals = [r for r in rows if 'test_accuracy' in r]
+    ax_acc.plot(
+      [r['round'] for r in evals],
+      [r['test_accuracy'] for r in evals],
+      marker='.' if len(evals) < 30 else None,
+      label=label,
+    )
+    ax_loss.plot(
+      [r['round'] for r in rows], [r['train_loss'] for r in rows], label=label
+    )
+  ax_acc.set_xlabel('round')
+  ax_acc.set_ylabel('test accuracy')
+  ax_acc.grid(alpha=0.3)
+  ax_loss.set_xlabel('round')
+  ax_loss.set_ylabel('train loss')
+  ax_loss.set_yscale('log')
+  ax_loss.grid(alpha=0.3)
+  ax_acc.legend()
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

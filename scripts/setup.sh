@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs fedjax_mr into ./.venv (with the test extra) and, when missing,
+# Debian's Fashion-MNIST IDX files (the embedded default dataset).
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+if ! .venv/bin/python -c 'import fedjax_mr, jax, flax, optax, orbax.checkpoint, tensorflow_datasets, pytest' 2>/dev/null \
+  || [ pyproject.toml -nt .venv/.installed ]; then
+  .venv/bin/python -m pip install --quiet --upgrade pip
+  .venv/bin/python -m pip install --quiet -e '.[test]'
+  touch .venv/.installed
+fi
+
+FMNIST=/usr/share/datasets/fashion-mnist
+if [ ! -f "$FMNIST/train-images-idx3-ubyte.gz" ]; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=''
+    if [ "$(id -u)" != 0 ]; then SUDO='sudo'; fi
+    echo 'installing dataset-fashion-mnist (Debian) ...'
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  else
+    echo "warning: $FMNIST is missing and apt-get is not available;" \
+      'pass --data_dir to a folder with the Fashion-MNIST IDX files' >&2
+  fi
+fi
