@@ -1,0 +1,56 @@
+"""Shared fixtures: small real Fashion-MNIST IDX folders and tiny models."""
+
+from __future__ import annotations
+
+import gzip
+import os
+
+import numpy as np
+import pytest
+
+from fedjax_mr.data import datasets
+
+FMNIST_DIR = datasets.DEFAULT_FASHION_MNIST_DIR
+
+
+def write_idx(path: str, array: np.ndarray) -> None:
+  """Writes a uint8 array as a gzipped IDX file."""
+  array = np.asarray(array, np.uint8)
+  header = bytes([0, 0, 0x08, array.ndim])
+  header += b''.join(int(d).to_bytes(4, 'big') for d in array.shape)
+  with gzip.open(path, 'wb') as f:
+    f.write(header + array.tobytes())
+
+
+def write_idx_dataset(folder, x_train, y_train, x_test, y_test) -> str:
+  os.makedirs(folder, exist_ok=True)
+  write_idx(os.path.join(folder, 'train-images-idx3-ubyte.gz'), x_train)
+  write_idx(os.path.join(folder, 'train-labels-idx1-ubyte.gz'), y_train)
+  write_idx(os.path.join(folder, 't10k-images-idx3-ubyte.gz'), x_test)
+  write_idx(os.path.join(folder, 't10k-labels-idx1-ubyte.gz'), y_test)
+  return str(folder)
+
+
+@pytest.fixture(scope='session')
+def fashion_mnist():
+  """The real Fashion-MNIST (installed by scripts/setup.sh)."""
+  if not os.path.exists(os.path.join(FMNIST_DIR, 't10k-labels-idx1-ubyte.gz')):
+    pytest.fail(
+      f'{FMNIST_DIR} is missing: run scripts/setup.sh (installs Debian\'s '
+      'dataset-fashion-mnist)'
+    )
+  return datasets.load('fashion_mnist')
+
+
+@pytest.fixture(scope='session')
+def small_fmnist_dir(tmp_path_factory, fashion_mnist):
+  """A real 1,500/500 subset of Fashion-MNIST as IDX files (fast runs)."""
+  ds = fashion_mnist
+  folder = tmp_path_factory.mktemp('fmnist_small')
+  return write_idx_dataset(
+    folder,
+    ds.x_train[:1500, ..., 0],
+    ds.y_train[:1500],
+    ds.x_test[:500, ..., 0],
+    ds.y_test[:500],
+  )

@@ -1,0 +1,105 @@
+import gzip
+import os
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from fedjax_mr.core import errors
+from fedjax_mr.data import datasets
+from fedjax_mr.data import idx
+from tests import conftest
+
+
+def test_read_idx_roundtrip(tmp_path):
+  a = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+  path = str(tmp_path / 'a.gz')
+  conftest.write_idx(path, a)
+  np.testing.assert_array_equal(idx.read_idx(path), a)
+
+
+def test_read_idx_plain_int32(tmp_path):
+  a = np.array([[1, -2], [300000, 4]], '>i4')
+  path = tmp_path / 'b'
+  path.write_bytes(bytes([0, 0, 0x0C, 2, 0, 0, 0, 2, 0, 0, 0, 2]) + a.tobytes())
+  np.testing.assert_array_equal(idx.read_idx(str(path)), a.astype(np.int32))
+
+
+def test_read_idx_rejects_garbage(tmp_path):
+  path = tmp_path / 'bad.gz'
+  with gzip.open(path, 'wb') as f:
+    f.write(b'not an idx file at all')
+  with pytest.raises(errors.DataError, match='not an IDX file'):
+    idx.read_idx(str(path))
+  trunc = tmp_path / 'trunc'
+  trunc.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))
+  with pytest.raises(errors.DataError, match='does not match'):
+    idx.read_idx(str(trunc))
+
+
+def test_real_fashion_mnist(fashion_mnist):
+  ds = fashion_mnist
+  assert ds.x_train.shape == (60000, 28, 28, 1)
+  assert ds.x_test.shape == (10000, 28, 28, 1)
+  assert ds.x_train.dtype == np.uint8
+  assert ds.num_classes == 10
+  np.testing.assert_array_equal(np.bincount(ds.y_train), [6000] * 10)
+  np.testing.assert_array_equal(np.bincount(ds.y_test), [1000] * 10)
+  assert ds.scale == pytest.approx(1 / 255) and ds.shift == 0.0
+
+
+def test_idx_from_data_dir(tmp_path):
+  rng = np.random.default_rng(0)
+  folder = conftest.write_idx_dataset(
+    tmp_path,
+    rng.integers(0, 256, (20, 28, 28)),
+    np.arange(20) % 10,
+    rng.integers(0, 256, (5, 28, 28)),
+    np.arange(5),
+  )
+  ds = datasets.load('mnist', folder)
+  assert ds.x_train.shape == (20, 28, 28, 1) and ds.y_test.tolist() == [
+    0, 1, 2, 3, 4,
+  ]
+
+
+def test_unknown_dataset():
+  with pytest.raises(errors.ConfigError, match='--dataset.*fashion_mnist'):
+    datasets.load('imagenet')
+
+
+def test_bad_data_dir():
+  with pytest.raises(errors.DataError, match='--data_dir'):
+    datasets.load('fashion_mnist', '/nonexistent/folder')
+
+
+def test_missing_tfds_dataset_message(tmp_path):
+  with pytest.raises(errors.DataError) as e:
+    datasets.load('cifar10', str(tmp_path))
+  msg = str(e.value)
+  assert 'cifar10' in msg and 'tfds build' in msg and 'TensorFlow' in msg
+
+
+def test_missing_fashion_mnist_mentions_apt(tmp_path):
+  with pytest.raises(errors.DataError, match='apt-get install -y dataset-fash'):
+    datasets.load('fashion_mnist', str(tmp_path))
+
+
+@pytest.mark.parametrize(
+  'name,shape,classes',
+  [
+    ('cifar10', (32, 32, 3), 10),
+    ('cifar100', (32, 32, 3), 100),
+    ('mnist', (28, 28, 1), 10),
+    ('emnist', (28, 28, 1), 62),
+  ],
+)
+def test_tfds_data_source_with_mock_data(tmp_path, name, shape, classes):
+  with tfds.testing.mock_data(num_examples=12):
+    ds = datasets.load(name, str(tmp_path) if name == 'mnist' else None)
+  assert ds.x_train.shape == (12, *shape)
+  assert ds.x_test.shape == (12, *shape)
+  assert ds.y_train.dtype == np.int32
+  assert ds.num_classes == classes
+  assert 0 <= ds.y_train.min() and ds.y_train.max() < classes
+  assert os.listdir(tmp_path) == []  # nothing downloaded or written

@@ -1,0 +1,51 @@
+"""Tiny models and data shared by the tests."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_mr.data import client_data
+from fedjax_mr.models import model as model_lib
+
+
+class Linear(nn.Module):
+  """Flatten + Dense: a multinomial logistic regression."""
+
+  num_classes: int
+  zero_init: bool = False
+
+  @nn.compact
+  def __call__(self, x, train=False):
+    del train
+    init = nn.initializers.zeros if self.zero_init else nn.linear.default_kernel_init
+    return nn.Dense(self.num_classes, kernel_init=init)(x.reshape(x.shape[0], -1))
+
+
+def linear_model(num_classes=3, shape=(2, 2, 1), zero_init=False):
+  return model_lib.Model('linear', Linear(num_classes, zero_init), shape,
+                         num_classes)
+
+
+def toy_data(sizes, shape=(2, 2, 1), num_classes=3, seed=0):
+  """ClientData with the given client sizes and random uint8 examples."""
+  rng = np.random.default_rng(seed)
+  m = sum(sizes)
+  x = rng.integers(0, 256, (m, *shape)).astype(np.uint8)
+  y = rng.integers(0, num_classes, m).astype(np.int32)
+  bounds = np.cumsum([0, *sizes])
+  parts = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+  return client_data.from_partition(x, y, parts, scale=1 / 255), (x, y, parts)
+
+
+def tree_allclose(a, b, **kw):
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **kw), a, b)
+
+
+def tree_equal(a, b):
+  jax.tree.map(lambda u, v: np.testing.assert_array_equal(u, v), a, b)
+
+
+__all__ = ['Linear', 'linear_model', 'toy_data', 'tree_allclose', 'jnp']

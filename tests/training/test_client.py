@@ -1,0 +1,101 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.training import client
+from tests import helpers
+
+
+def test_epoch_permutation_prefix_is_a_permutation():
+  for n in (1, 5, 7):
+    perm = np.asarray(client.epoch_permutation(jax.random.key(n), 7, n))
+    assert sorted(perm[:n]) == list(range(n))
+    assert sorted(perm[n:]) == list(range(n, 7))
+
+
+def _reference(model, opt, variables, data, parts, cid, key, epochs, b):
+  """Plain Python loop: variable-size batches, the last one partial."""
+  x_all, y_all = data
+  idx = parts[cid]
+  n = len(idx)
+  params = variables['params']
+  opt_state = opt.init(params)
+  steps, loss_sum = 0, 0.0
+  for e in range(epochs):
+    ekey = jax.random.fold_in(key, e)
+    perm = np.asarray(client.epoch_permutation(ekey, max(map(len, parts)), n))
+    order = idx[perm[:n]]
+    for j in range(-(-n // b)):
+      batch = order[j * b : (j + 1) * b]
+      x = jnp.asarray(x_all[batch], jnp.float32) / 255
+      y = jnp.asarray(y_all[batch])
+
+      def loss_fn(p):
+        logits = model.apply_eval({'params': p}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+      loss, g = jax.value_and_grad(loss_fn)(params)
+      updates, opt_state = opt.update(g, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      steps += 1
+      loss_sum += float(loss) * len(batch)
+  return params, steps, loss_sum / (n * epochs)
+
+
+@pytest.mark.parametrize('cid', [0, 1, 2])
+def test_exact_steps_match_python_loop(cid):
+  sizes = [7, 13, 3]  # partial last batches: 7 = 5 + 2, 13 = 5 + 5 + 3
+  b, epochs = 5, 3
+  model = helpers.linear_model()
+  data, (x, y, parts) = helpers.toy_data(sizes)
+  opt = optax.sgd(0.5, momentum=0.9)
+  variables = model.init(jax.random.key(0))
+  key = jax.random.key(42)
+  update = jax.jit(
+    client.make_client_update(model, opt, local_epochs=epochs, batch_size=b)
+  )
+  out = update(variables, data, jnp.int32(cid), key)
+  ref_params, ref_steps, ref_loss = _reference(
+    model, opt, variables, (x, y), parts, cid, key, epochs, b
+  )
+  assert int(out.num_steps) == ref_steps == epochs * -(-sizes[cid] // b)
+  assert int(out.num_examples) == sizes[cid]
+  helpers.tree_allclose(out.variables['params'], ref_params, rtol=1e-5,
+                        atol=1e-6)
+  np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
+
+
+def test_padding_examples_have_no_effect():
+  # Client 0 of size 3 padded to n_max = 10: the padding index (0) points at
+  # a real example; changing what it points at must not change the result.
+  model = helpers.linear_model()
+  data, _ = helpers.toy_data([3, 10])
+  update = jax.jit(
+    client.make_client_update(model, optax.sgd(0.1), local_epochs=2,
+                              batch_size=4)
+  )
+  variables = model.init(jax.random.key(1))
+  out1 = update(variables, data, jnp.int32(0), jax.random.key(0))
+  # Move client 0's examples to the end of the array: same examples, while
+  # the padding entries now point at another client's data.
+  x2 = jnp.concatenate([data.x[3:], data.x[:3]])
+  y2 = jnp.concatenate([data.y[3:], data.y[:3]])
+  rows = jnp.array([[10, 11, 12] + [0] * 7, list(range(10))], jnp.int32)
+  data2 = client_data_lib.ClientData(x2, y2, rows, data.sizes, data.scale,
+                                     data.shift)
+  out2 = update(variables, data2, jnp.int32(0), jax.random.key(0))
+  helpers.tree_allclose(out1.variables, out2.variables, rtol=1e-6)
+
+
+def test_masked_cross_entropy_weights_real_examples_only():
+  logits = jnp.array([[0.0, 0.0], [10.0, -10.0], [3.0, 1.0]])
+  labels = jnp.array([0, 1, 0])
+  mean, total = client.masked_cross_entropy(
+    logits, labels, jnp.array([1.0, 0.0, 1.0])
+  )
+  expected = [np.log(2), np.log1p(np.exp(-2.0))]
+  np.testing.assert_allclose(total, sum(expected), rtol=1e-6)
+  np.testing.assert_allclose(mean, np.mean(expected), rtol=1e-6)

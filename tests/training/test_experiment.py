@@ -1,0 +1,238 @@
+"""End-to-end runs on a small real subset of Fashion-MNIST."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from fedjax_mr.core import errors
+from fedjax_mr.training import config as config_lib
+from fedjax_mr.training import experiment
+from fedjax_mr.training import metrics_io
+from tests import helpers
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+@pytest.fixture
+def small_config(small_fmnist_dir):
+  return config_lib.ExperimentConfig(
+    data_dir=small_fmnist_dir,
+    num_clients=10,
+    clients_per_round=4,
+    partition='dirichlet',
+    alpha=0.5,
+    local_epochs=2,
+    rounds=4,
+    eval_every=2,
+    checkpoint_every=2,
+  )
+
+
+def _no_times(rows):
+  return [{k: v for k, v in r.items() if not k.endswith('_s')} for r in rows]
+
+
+def _quiet(line):
+  del line
+
+
+def test_run_learns_and_writes_everything(small_config, tmp_path):
+  lines = []
+  cfg = dataclasses.replace(small_config, partition='iid', rounds=5,
+                            local_epochs=3)
+  res = experiment.train_and_evaluate(cfg, str(tmp_path), log=lines.append)
+  files = set(os.listdir(tmp_path))
+  assert {'metrics.jsonl', 'config.json', 'partition.json',
+          'learning_curve.png', 'checkpoints'} <= files
+  rows = metrics_io.read(str(tmp_path / 'metrics.jsonl'))
+  assert [r['round'] for r in rows] == [1, 2, 3, 4, 5]
+  assert [('test_accuracy' in r) for r in rows] == [False, True, False, True,
+                                                     True]
+  # Real learning on real data: 10 classes, chance is 0.1.
+  assert rows[-1]['test_accuracy'] > 0.65
+  assert rows[-1]['train_loss'] < rows[0]['train_loss']
+  assert json.load(open(tmp_path / 'config.json'))['alpha'] == 0.5
+  part = json.load(open(tmp_path / 'partition.json'))
+  assert sum(part['sizes']) == 1500 and len(part['sizes']) == 10
+  assert any(line.startswith('round 5/5 | train loss') and 'ETA' in line
+             and 'rounds/s' in line and 'test acc' in line for line in lines)
+  assert 'final test accuracy' in lines[-1]
+  assert int(res.state.round) == 5
+
+
+def _interrupt_at(r_stop, exc):
+  def hook(r, row):
+    del row
+    if r == r_stop:
+      raise exc
+
+  return hook
+
+
+@pytest.mark.parametrize(
+  'stop_round,exc',
+  [
+    (3, KeyboardInterrupt()),  # Ctrl-C / SIGTERM: saves round 3 on the way out
+    (3, RuntimeError('crash')),  # hard crash: resumes from round 2's save
+  ],
+)
+def test_kill_and_resume_equals_uninterrupted(
+  small_config, tmp_path, stop_round, exc
+):
+  ref = experiment.train_and_evaluate(
+    small_config, str(tmp_path / 'ref'), log=_quiet
+  )
+  work = str(tmp_path / 'killed')
+  with pytest.raises(type(exc)):
+    experiment.train_and_evaluate(
+      small_config, work, log=_quiet, on_round=_interrupt_at(stop_round, exc)
+    )
+  lines = []
+  res = experiment.train_and_evaluate(small_config, work, log=lines.append)
+  expected_resume = 3 if isinstance(exc, KeyboardInterrupt) else 2
+  assert lines[0] == f'resuming {work} after round {expected_resume}'
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  assert _no_times(res.history) == _no_times(ref.history)
+  assert _no_times(metrics_io.read(os.path.join(work, 'metrics.jsonl'))) == (
+    _no_times(ref.history)
+  )
+
+
+def test_resume_with_more_rounds_continues(small_config, tmp_path):
+  experiment.train_and_evaluate(
+    dataclasses.replace(small_config, rounds=2), str(tmp_path), log=_quiet
+  )
+  res = experiment.train_and_evaluate(small_config, str(tmp_path), log=_quiet)
+  ref = experiment.train_and_evaluate(
+    small_config, str(tmp_path / 'ref'), log=_quiet
+  )
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+
+
+def test_workdir_of_another_config_is_an_error(small_config, tmp_path):
+  experiment.train_and_evaluate(
+    dataclasses.replace(small_config, rounds=1), str(tmp_path), log=_quiet
+  )
+  with pytest.raises(errors.ConfigError, match=r'--alpha=0.5 there, 0.3 here'):
+    experiment.train_and_evaluate(
+      dataclasses.replace(small_config, alpha=0.3), str(tmp_path), log=_quiet
+    )
+
+
+def test_non_finite_loss_stops_with_round_and_keeps_files(
+  small_config, tmp_path
+):
+  cfg = dataclasses.replace(small_config, lr=1e9, momentum=0.0)
+  with pytest.raises(errors.NonFiniteError, match=r'at round 1; stopped'):
+    experiment.train_and_evaluate(cfg, str(tmp_path), log=_quiet)
+  rows = metrics_io.read(str(tmp_path / 'metrics.jsonl'))
+  assert len(rows) == 1 and not np.isfinite(rows[0]['train_loss'])
+
+
+@pytest.mark.parametrize(
+  'changes,flag',
+  [
+    ({'algorithm': 'fedsgd'}, '--algorithm'),
+    ({'model': 'resnet1000'}, '--model'),
+    ({'dataset': 'imagenet'}, '--dataset'),
+    ({'partition': 'shards'}, '--partition'),
+    ({'alpha': 0.0}, '--alpha'),
+    ({'alpha': -1.0}, '--alpha'),
+    ({'clients_per_round': 11}, '--clients_per_round'),
+    ({'num_clients': 0}, '--num_clients'),
+    ({'batch_size': 0}, '--batch_size'),
+    ({'local_epochs': -1}, '--local_epochs'),
+    ({'rounds': 0}, '--rounds'),
+    ({'lr': 0.0}, '--lr'),
+    ({'lr': -0.1}, '--lr'),
+    ({'momentum': 1.0}, '--momentum'),
+    ({'eval_every': -1}, '--eval_every'),
+    ({'data_dir': '/nonexistent/dir'}, '--data_dir'),
+    ({'num_clients': 1000, 'clients_per_round': 5}, '--num_clients=1000'),
+  ],
+)
+def test_bad_input_names_the_flag(small_config, tmp_path, changes, flag):
+  cfg = dataclasses.replace(small_config, **changes)
+  with pytest.raises(errors.UserError) as e:
+    experiment.train_and_evaluate(cfg, str(tmp_path), log=_quiet)
+  assert flag in str(e.value)
+
+
+def test_unreadable_data_dir(small_config, tmp_path):
+  if os.geteuid() == 0:
+    # root reads everything: use a file where a folder is expected instead.
+    bad = tmp_path / 'file'
+    bad.write_text('x')
+  else:
+    bad = tmp_path / 'locked'
+    bad.mkdir()
+    bad.chmod(0)
+  cfg = dataclasses.replace(small_config, data_dir=str(bad))
+  with pytest.raises(errors.DataError, match='--data_dir'):
+    experiment.train_and_evaluate(cfg, str(tmp_path / 'w'), log=_quiet)
+
+
+def _binary(args, **kw):
+  return subprocess.Popen(
+    [sys.executable, '-m', 'experiments.run', *args],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    **kw,
+  )
+
+
+def _flags(cfg, workdir):
+  return [f'--{k}={v}' for k, v in cfg.to_dict().items() if k != 'workdir'] + [
+    f'--workdir={workdir}'
+  ]
+
+
+def test_binary_sigkill_then_resume_matches(small_config, tmp_path):
+  cfg = dataclasses.replace(small_config, rounds=5)
+  ref = experiment.train_and_evaluate(cfg, str(tmp_path / 'ref'), log=_quiet)
+  work = str(tmp_path / 'bin')
+  proc = _binary(_flags(cfg, work))
+  for line in proc.stdout:
+    if line.startswith('round 3/5'):
+      proc.send_signal(signal.SIGKILL)
+      break
+  proc.wait(timeout=60)
+  assert proc.returncode == -signal.SIGKILL
+  proc = _binary(_flags(cfg, work))
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err
+  assert 'resuming' in out and 'after round 2' in out
+  rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
+  assert _no_times(rows) == _no_times(ref.history)
+
+
+@pytest.mark.parametrize(
+  'args,expected',
+  [
+    (['--alpha=-1'], 'error: --alpha must be > 0'),
+    (['--model=vgg99'], 'error: --model: unknown value'),
+    (['--clients_per_round=500'], 'error: --clients_per_round=500 exceeds'),
+  ],
+)
+def test_binary_bad_input_is_one_clear_line(tmp_path, args, expected):
+  proc = _binary([*args, f'--workdir={tmp_path}'])
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 2
+  assert err.strip().startswith(expected), err
+  assert 'Traceback' not in err and len(err.strip().splitlines()) == 1
+
+
+def test_binary_helpfull_documents_every_flag():
+  proc = _binary(['--helpfull'])
+  out, _ = proc.communicate(timeout=120)
+  for f in dataclasses.fields(config_lib.ExperimentConfig):
+    assert f'--{f.name}' in out or f'--[no]{f.name}' in out, f.name
