@@ -62,8 +62,9 @@ def main(argv) -> None:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2 if isinstance(e, errors.UserError) else 3)
   except KeyboardInterrupt:
-    print('interrupted; re-run with the same --workdir to resume',
-          file=sys.stderr)
+    print(
+      'interrupted; re-run with the same --workdir to resume', file=sys.stderr
+    )
     sys.exit(130)
 
 

@@ -36,7 +36,7 @@ def fashion_mnist():
   """The real Fashion-MNIST (installed by scripts/setup.sh)."""
   if not os.path.exists(os.path.join(FMNIST_DIR, 't10k-labels-idx1-ubyte.gz')):
     pytest.fail(
-      f'{FMNIST_DIR} is missing: run scripts/setup.sh (installs Debian\'s '
+      f"{FMNIST_DIR} is missing: run scripts/setup.sh (installs Debian's "
       'dataset-fashion-mnist)'
     )
   return datasets.load('fashion_mnist')

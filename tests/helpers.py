@@ -20,13 +20,18 @@ class Linear(nn.Module):
   @nn.compact
   def __call__(self, x, train=False):
     del train
-    init = nn.initializers.zeros if self.zero_init else nn.linear.default_kernel_init
-    return nn.Dense(self.num_classes, kernel_init=init)(x.reshape(x.shape[0], -1))
+    init = (
+      nn.initializers.zeros if self.zero_init else nn.linear.default_kernel_init
+    )
+    return nn.Dense(self.num_classes, kernel_init=init)(
+      x.reshape(x.shape[0], -1)
+    )
 
 
 def linear_model(num_classes=3, shape=(2, 2, 1), zero_init=False):
-  return model_lib.Model('linear', Linear(num_classes, zero_init), shape,
-                         num_classes)
+  return model_lib.Model(
+    'linear', Linear(num_classes, zero_init), shape, num_classes
+  )
 
 
 def toy_data(sizes, shape=(2, 2, 1), num_classes=3, seed=0):

@@ -26,8 +26,9 @@ def weighted_mean(
     A tree with leaves `[...]`, in each leaf's dtype.
   """
   if weights is None:
-    return jax.tree.map(lambda x: jnp.mean(x, axis=0).astype(x.dtype),
-                        client_tree)
+    return jax.tree.map(
+      lambda x: jnp.mean(x, axis=0).astype(x.dtype), client_tree
+    )
   w = weights.astype(jnp.float32)
   w = w / jnp.sum(w)
 

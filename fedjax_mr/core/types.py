@@ -12,7 +12,9 @@ by the factory that builds them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
 
 import jax
 

@@ -149,7 +149,7 @@ def _missing_message(name: str, spec: _Spec, data_dir: str | None) -> str:
   hint = ''
   if name == 'fashion_mnist':
     hint = (
-      f'install Debian\'s IDX files with `apt-get install -y '
+      f"install Debian's IDX files with `apt-get install -y "
       f'dataset-fashion-mnist` (they go to {DEFAULT_FASHION_MNIST_DIR}), or '
     )
   elif spec.has_idx:

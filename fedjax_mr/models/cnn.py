@@ -27,8 +27,12 @@ class CNNMnist(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
     del train
-    x = nn.relu(layers.max_pool_2x2(layers.Conv(20, (5, 5), padding='VALID')(x)))
-    x = nn.relu(layers.max_pool_2x2(layers.Conv(50, (5, 5), padding='VALID')(x)))
+    x = nn.relu(
+      layers.max_pool_2x2(layers.Conv(20, (5, 5), padding='VALID')(x))
+    )
+    x = nn.relu(
+      layers.max_pool_2x2(layers.Conv(50, (5, 5), padding='VALID')(x))
+    )
     x = x.reshape(x.shape[0], -1)
     x = nn.relu(nn.Dense(50)(x))
     return nn.Dense(self.num_classes)(x)
@@ -46,7 +50,9 @@ class CNNCifar(nn.Module):
   def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
     del train
     x = layers.max_pool_2x2(nn.relu(layers.Conv(6, (5, 5), padding='VALID')(x)))
-    x = layers.max_pool_2x2(nn.relu(layers.Conv(16, (5, 5), padding='VALID')(x)))
+    x = layers.max_pool_2x2(
+      nn.relu(layers.Conv(16, (5, 5), padding='VALID')(x))
+    )
     x = x.reshape(x.shape[0], -1)
     x = nn.relu(nn.Dense(120)(x))
     x = nn.relu(nn.Dense(84)(x))
@@ -64,8 +70,12 @@ class CNNFemnist(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
     del train
-    x = nn.relu(layers.max_pool_2x2(layers.Conv(16, (5, 5), padding='VALID')(x)))
-    x = nn.relu(layers.max_pool_2x2(layers.Conv(32, (5, 5), padding='VALID')(x)))
+    x = nn.relu(
+      layers.max_pool_2x2(layers.Conv(16, (5, 5), padding='VALID')(x))
+    )
+    x = nn.relu(
+      layers.max_pool_2x2(layers.Conv(32, (5, 5), padding='VALID')(x))
+    )
     x = x.reshape(x.shape[0], -1)
     x = nn.relu(nn.Dense(256)(x))
     return nn.Dense(self.num_classes)(x)

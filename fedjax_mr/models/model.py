@@ -74,9 +74,7 @@ _ZOO = {
 NAMES = tuple(sorted(_ZOO))
 
 
-def get(
-  name: str, num_classes: int, input_shape: tuple[int, ...]
-) -> Model:
+def get(name: str, num_classes: int, input_shape: tuple[int, ...]) -> Model:
   """Returns the model `name` for a dataset's classes and example shape.
 
   Raises:
@@ -93,6 +91,9 @@ def get(
       f'dataset gives examples of shape {input_shape}'
     )
   if num_classes < 2:
-    raise errors.ConfigError(f'a classifier needs ≥ 2 classes, got {num_classes}')
-  return Model(name, _ZOO[name](num_classes=num_classes), input_shape,
-               num_classes)
+    raise errors.ConfigError(
+      f'a classifier needs ≥ 2 classes, got {num_classes}'
+    )
+  return Model(
+    name, _ZOO[name](num_classes=num_classes), input_shape, num_classes
+  )

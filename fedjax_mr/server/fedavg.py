@@ -20,7 +20,9 @@ class FedAvgState(NamedTuple):
   params: types.Variables
 
 
-def fedavg(clients_per_round: int, weighted: bool = True) -> types.ServerTransform:
+def fedavg(
+  clients_per_round: int, weighted: bool = True
+) -> types.ServerTransform:
   """Builds FedAvg.
 
   Args:
@@ -44,7 +46,8 @@ def fedavg(clients_per_round: int, weighted: bool = True) -> types.ServerTransfo
   def aggregate(state, outputs, round_index, key):
     del state, round_index, key
     weights = outputs.num_examples if weighted else None
-    return FedAvgState(params=tree.weighted_mean(outputs.variables, weights)), {}
+    return FedAvgState(
+      params=tree.weighted_mean(outputs.variables, weights)
+    ), {}
 
   return types.ServerTransform(init, dispatch, aggregate)
-

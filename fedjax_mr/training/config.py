@@ -41,9 +41,7 @@ def _model_names():
 class ExperimentConfig:
   """One federated training experiment (see each field's help)."""
 
-  algorithm: str = _field(
-    'fedavg', 'Federated algorithm.', choices=ALGORITHMS
-  )
+  algorithm: str = _field('fedavg', 'Federated algorithm.', choices=ALGORITHMS)
   dataset: str = _field('fashion_mnist', 'Dataset name.', choices='datasets')
   data_dir: str = _field(
     '',
@@ -71,8 +69,10 @@ class ExperimentConfig:
     True, 'FedAvg: weight clients by their number of examples.'
   )
   eval_every: int = _field(
-    1, 'Evaluate on the test set every this many rounds (0: only at the '
-    'end); always at the end.', run_only=True,
+    1,
+    'Evaluate on the test set every this many rounds (0: only at the '
+    'end); always at the end.',
+    run_only=True,
   )
   eval_batch_size: int = _field(
     1000, 'Batch size for evaluation.', run_only=True
@@ -85,7 +85,8 @@ class ExperimentConfig:
     run_only=True,
   )
   checkpoint_every: int = _field(
-    5, 'Save a checkpoint every this many rounds (0: only at the end).',
+    5,
+    'Save a checkpoint every this many rounds (0: only at the end).',
     run_only=True,
   )
   keep_checkpoints: int = _field(
@@ -139,8 +140,14 @@ def validate(config: ExperimentConfig) -> None:
         f'{", ".join(allowed)}'
       )
   positive = (
-    'num_clients', 'clients_per_round', 'rounds', 'local_epochs',
-    'batch_size', 'eval_batch_size', 'keep_checkpoints', 'client_chunk',
+    'num_clients',
+    'clients_per_round',
+    'rounds',
+    'local_epochs',
+    'batch_size',
+    'eval_batch_size',
+    'keep_checkpoints',
+    'client_chunk',
   )
   for name in positive:
     if getattr(config, name) < 1:

@@ -8,7 +8,8 @@ index lives in the state, so resuming needs no saved RNG state.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from typing import Callable
 
 import flax.struct
 import jax
@@ -38,7 +39,9 @@ def init_state(
   server: types.ServerTransform, variables: types.Variables
 ) -> RoundState:
   """The state before round 0, from the initial model variables."""
-  return RoundState(round=jnp.zeros((), jnp.int32), server=server.init(variables))
+  return RoundState(
+    round=jnp.zeros((), jnp.int32), server=server.init(variables)
+  )
 
 
 def sample_clients(key: jax.Array, num_clients: int, k: int) -> jax.Array:
@@ -118,7 +121,9 @@ def make_round_fn(
 
 def make_evaluate(
   model: model_lib.Model,
-) -> Callable[[types.Variables, client_data_lib.EvalData], dict[str, jax.Array]]:
+) -> Callable[
+  [types.Variables, client_data_lib.EvalData], dict[str, jax.Array]
+]:
   """Builds `evaluate(variables, eval_data) -> {'accuracy', 'loss'}`.
 
   Inference mode (BatchNorm running statistics, no dropout); batches run
@@ -143,4 +148,3 @@ def make_evaluate(
     }
 
   return evaluate
-

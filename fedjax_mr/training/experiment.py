@@ -15,7 +15,9 @@ import math
 import os
 import signal
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -275,7 +277,9 @@ class _Timer:
     r = row['round']
     eta = (self.total - r) / self.rate()
     acc = (
-      f' | test acc {row["test_accuracy"]:.4f}' if 'test_accuracy' in row else ''
+      f' | test acc {row["test_accuracy"]:.4f}'
+      if 'test_accuracy' in row
+      else ''
     )
     return (
       f'round {r}/{self.total} | train loss {row["train_loss"]:.4f}{acc} | '
@@ -285,8 +289,10 @@ class _Timer:
 
   def summary(self, history: list[dict[str, Any]], workdir: str) -> str:
     evals = [r for r in history if 'test_accuracy' in r]
-    lines = [f'done: {self.total} rounds; this process ran '
-             f'{self.total - self.start} in {self.elapsed:.1f}s']
+    lines = [
+      f'done: {self.total} rounds; this process ran '
+      f'{self.total - self.start} in {self.elapsed:.1f}s'
+    ]
     if self.first is not None:
       lines[0] += (
         f' (first round incl. compile {self.first:.1f}s, then '

@@ -59,7 +59,11 @@ def test_idx_from_data_dir(tmp_path):
   )
   ds = datasets.load('mnist', folder)
   assert ds.x_train.shape == (20, 28, 28, 1) and ds.y_test.tolist() == [
-    0, 1, 2, 3, 4,
+    0,
+    1,
+    2,
+    3,
+    4,
   ]
 
 

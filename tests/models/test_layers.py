@@ -34,10 +34,12 @@ def test_conv2d_values_and_gradients_match_lax(shape, kernel, strides, padding):
   y_ref = _stock(x, w, strides, pads)
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
   dy = jax.random.normal(kd, y.shape)
-  grads = jax.grad(lambda x, w: jnp.sum(layers.conv2d(x, w, strides, pads) * dy),
-                   (0, 1))(x, w)
-  grads_ref = jax.grad(lambda x, w: jnp.sum(_stock(x, w, strides, pads) * dy),
-                       (0, 1))(x, w)
+  grads = jax.grad(
+    lambda x, w: jnp.sum(layers.conv2d(x, w, strides, pads) * dy), (0, 1)
+  )(x, w)
+  grads_ref = jax.grad(
+    lambda x, w: jnp.sum(_stock(x, w, strides, pads) * dy), (0, 1)
+  )(x, w)
   for g, g_ref in zip(grads, grads_ref):
     assert g.shape == g_ref.shape
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)

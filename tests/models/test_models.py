@@ -22,8 +22,9 @@ def test_parameter_counts_match_reference(name, classes, shape, count):
   assert tree.num_parameters(variables['params']) == count
   logits = m.apply_eval(variables, jnp.zeros((3, *shape)))
   assert logits.shape == (3, classes)
-  logits, state = m.apply_train(variables, jnp.zeros((3, *shape)),
-                                jax.random.key(1))
+  logits, state = m.apply_train(
+    variables, jnp.zeros((3, *shape)), jax.random.key(1)
+  )
   assert logits.shape == (3, classes) and state == {}
 
 

@@ -37,7 +37,9 @@ def test_one_round_equals_hand_computation(weighted):
   w = w / w.sum()
   params = state.server.params['params']['Dense_0']
   np.testing.assert_allclose(
-    params['kernel'], w[0] * kernels[0] + w[1] * kernels[1], rtol=1e-5,
+    params['kernel'],
+    w[0] * kernels[0] + w[1] * kernels[1],
+    rtol=1e-5,
     atol=1e-7,
   )
   np.testing.assert_allclose(
@@ -55,8 +57,9 @@ def test_dispatch_broadcasts_and_state_exposes_params():
   client_vars = server.dispatch(state, jnp.int32(0), jax.random.key(0))
   assert client_vars['params']['w'].shape == (4, 3)
   out = types.ClientOutput(
-    variables={'params': {'w': jnp.array([[1.0] * 3, [2] * 3, [3] * 3,
-                                           [4] * 3])}},
+    variables={
+      'params': {'w': jnp.array([[1.0] * 3, [2] * 3, [3] * 3, [4] * 3])}
+    },
     num_examples=jnp.array([1, 1, 1, 5]),
     loss=jnp.zeros(4),
     num_steps=jnp.ones(4, jnp.int32),

@@ -63,8 +63,9 @@ def test_exact_steps_match_python_loop(cid):
   )
   assert int(out.num_steps) == ref_steps == epochs * -(-sizes[cid] // b)
   assert int(out.num_examples) == sizes[cid]
-  helpers.tree_allclose(out.variables['params'], ref_params, rtol=1e-5,
-                        atol=1e-6)
+  helpers.tree_allclose(
+    out.variables['params'], ref_params, rtol=1e-5, atol=1e-6
+  )
   np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
 
 
@@ -74,8 +75,9 @@ def test_padding_examples_have_no_effect():
   model = helpers.linear_model()
   data, _ = helpers.toy_data([3, 10])
   update = jax.jit(
-    client.make_client_update(model, optax.sgd(0.1), local_epochs=2,
-                              batch_size=4)
+    client.make_client_update(
+      model, optax.sgd(0.1), local_epochs=2, batch_size=4
+    )
   )
   variables = model.init(jax.random.key(1))
   out1 = update(variables, data, jnp.int32(0), jax.random.key(0))
@@ -84,8 +86,9 @@ def test_padding_examples_have_no_effect():
   x2 = jnp.concatenate([data.x[3:], data.x[:3]])
   y2 = jnp.concatenate([data.y[3:], data.y[:3]])
   rows = jnp.array([[10, 11, 12] + [0] * 7, list(range(10))], jnp.int32)
-  data2 = client_data_lib.ClientData(x2, y2, rows, data.sizes, data.scale,
-                                     data.shift)
+  data2 = client_data_lib.ClientData(
+    x2, y2, rows, data.sizes, data.scale, data.shift
+  )
   out2 = update(variables, data2, jnp.int32(0), jax.random.key(0))
   helpers.tree_allclose(out1.variables, out2.variables, rtol=1e-6)
 

@@ -18,8 +18,9 @@ def _setup(chunk=1, k=4):
   )
   server = fedavg.fedavg(k)
   round_fn = jax.jit(
-    engine.make_round_fn(server, update, clients_per_round=k,
-                         client_chunk=chunk)
+    engine.make_round_fn(
+      server, update, clients_per_round=k, client_chunk=chunk
+    )
   )
   state = engine.init_state(server, model.init(jax.random.key(0)))
   return round_fn, state, data
@@ -53,10 +54,12 @@ def test_client_chunking_gives_same_result(chunk):
   fn, _, _ = _setup(chunk=chunk)
   s_ref, h_ref = _run(ref_fn, state, data, jax.random.key(3), rounds=2)
   s, h = _run(fn, state, data, jax.random.key(3), rounds=2)
-  helpers.tree_allclose(s_ref.server.params, s.server.params, rtol=1e-5,
-                        atol=1e-6)
-  np.testing.assert_allclose(h_ref[-1]['train_loss'], h[-1]['train_loss'],
-                             rtol=1e-5)
+  helpers.tree_allclose(
+    s_ref.server.params, s.server.params, rtol=1e-5, atol=1e-6
+  )
+  np.testing.assert_allclose(
+    h_ref[-1]['train_loss'], h[-1]['train_loss'], rtol=1e-5
+  )
 
 
 def test_sampling_distinct_and_varies_by_round():

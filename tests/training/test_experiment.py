@@ -45,24 +45,40 @@ def _quiet(line):
 
 def test_run_learns_and_writes_everything(small_config, tmp_path):
   lines = []
-  cfg = dataclasses.replace(small_config, partition='iid', rounds=5,
-                            local_epochs=3)
+  cfg = dataclasses.replace(
+    small_config, partition='iid', rounds=5, local_epochs=3
+  )
   res = experiment.train_and_evaluate(cfg, str(tmp_path), log=lines.append)
   files = set(os.listdir(tmp_path))
-  assert {'metrics.jsonl', 'config.json', 'partition.json',
-          'learning_curve.png', 'checkpoints'} <= files
+  assert {
+    'metrics.jsonl',
+    'config.json',
+    'partition.json',
+    'learning_curve.png',
+    'checkpoints',
+  } <= files
   rows = metrics_io.read(str(tmp_path / 'metrics.jsonl'))
   assert [r['round'] for r in rows] == [1, 2, 3, 4, 5]
-  assert [('test_accuracy' in r) for r in rows] == [False, True, False, True,
-                                                     True]
+  assert [('test_accuracy' in r) for r in rows] == [
+    False,
+    True,
+    False,
+    True,
+    True,
+  ]
   # Real learning on real data: 10 classes, chance is 0.1.
   assert rows[-1]['test_accuracy'] > 0.65
   assert rows[-1]['train_loss'] < rows[0]['train_loss']
   assert json.load(open(tmp_path / 'config.json'))['alpha'] == 0.5
   part = json.load(open(tmp_path / 'partition.json'))
   assert sum(part['sizes']) == 1500 and len(part['sizes']) == 10
-  assert any(line.startswith('round 5/5 | train loss') and 'ETA' in line
-             and 'rounds/s' in line and 'test acc' in line for line in lines)
+  assert any(
+    line.startswith('round 5/5 | train loss')
+    and 'ETA' in line
+    and 'rounds/s' in line
+    and 'test acc' in line
+    for line in lines
+  )
   assert 'final test accuracy' in lines[-1]
   assert int(res.state.round) == 5
 
