@@ -18,8 +18,8 @@ class Linear(nn.Module):
   zero_init: bool = False
 
   @nn.compact
-  def __call__(self, x, train=False):
-    del train
+  def __call__(self, x, train=False, mask=None):
+    del train, mask
     init = (
       nn.initializers.zeros if self.zero_init else nn.linear.default_kernel_init
     )
@@ -54,3 +54,22 @@ def tree_equal(a, b):
 
 
 __all__ = ['Linear', 'linear_model', 'toy_data', 'tree_allclose', 'jnp']
+
+
+class LinearBN(nn.Module):
+  """Dense → BatchNorm (masked) → ReLU → Dense: a model with batch_stats."""
+
+  num_classes: int
+
+  @nn.compact
+  def __call__(self, x, train=False, mask=None):
+    h = nn.Dense(6)(x.reshape(x.shape[0], -1))
+    m = None if mask is None else (mask[:, None] > 0)
+    h = nn.BatchNorm(use_running_average=not train, momentum=0.8)(h, mask=m)
+    return nn.Dense(self.num_classes)(nn.relu(h))
+
+
+def linear_bn_model(num_classes=3, shape=(2, 2, 1)):
+  return model_lib.Model(
+    'linear_bn', LinearBN(num_classes), shape, num_classes
+  )

@@ -25,8 +25,10 @@ class CNNMnist(nn.Module):
   num_classes: int
 
   @nn.compact
-  def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-    del train
+  def __call__(
+    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+  ) -> jax.Array:
+    del train, mask
     x = nn.relu(
       layers.max_pool_2x2(layers.Conv(20, (5, 5), padding='VALID')(x))
     )
@@ -47,8 +49,10 @@ class CNNCifar(nn.Module):
   num_classes: int
 
   @nn.compact
-  def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-    del train
+  def __call__(
+    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+  ) -> jax.Array:
+    del train, mask
     x = layers.max_pool_2x2(nn.relu(layers.Conv(6, (5, 5), padding='VALID')(x)))
     x = layers.max_pool_2x2(
       nn.relu(layers.Conv(16, (5, 5), padding='VALID')(x))
@@ -68,8 +72,10 @@ class CNNFemnist(nn.Module):
   num_classes: int
 
   @nn.compact
-  def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-    del train
+  def __call__(
+    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+  ) -> jax.Array:
+    del train, mask
     x = nn.relu(
       layers.max_pool_2x2(layers.Conv(16, (5, 5), padding='VALID')(x))
     )
@@ -88,8 +94,10 @@ class CNNFedAvg(nn.Module):
   num_classes: int
 
   @nn.compact
-  def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-    del train
+  def __call__(
+    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+  ) -> jax.Array:
+    del train, mask
     x = layers.max_pool_2x2(nn.relu(layers.Conv(32, (5, 5), padding='SAME')(x)))
     x = layers.max_pool_2x2(nn.relu(layers.Conv(64, (5, 5), padding='SAME')(x)))
     x = x.reshape(x.shape[0], -1)

@@ -18,7 +18,8 @@ class Model(NamedTuple):
 
   Attributes:
     name: registry name.
-    module: a Flax linen module called as `module(x, train=...)`.
+    module: a Flax linen module called as `module(x, train=..., mask=...)`
+      (`mask`: `[B]` real-example mask or None, used by BatchNorm).
     input_shape: one example's shape, e.g. `(28, 28, 1)`.
     num_classes: number of logits.
   """
@@ -38,23 +39,31 @@ class Model(NamedTuple):
     return dict(variables)
 
   def apply_train(
-    self, variables: types.Variables, x: jax.Array, key: jax.Array
+    self,
+    variables: types.Variables,
+    x: jax.Array,
+    key: jax.Array,
+    mask: jax.Array | None = None,
   ) -> tuple[jax.Array, types.Variables]:
-    """Training-mode forward pass.
+    """Training-mode forward pass (dropout on, BatchNorm batch statistics).
+
+    Args:
+      variables: model variables.
+      x: `[B, ...]` inputs.
+      key: dropout key.
+      mask: optional `[B]` float mask of real examples; modules with
+        BatchNorm exclude the others from their batch statistics (a client's
+        last, partial batch is padded to B).
 
     Returns:
       `(logits [B, C], state)` where `state` holds the updated non-parameter
       collections (e.g. `batch_stats`; empty for models without any).
     """
     mutable = [k for k in variables if k != 'params']
+    kwargs = dict(train=True, mask=mask, rngs={'dropout': key})
     if not mutable:
-      logits = self.module.apply(
-        variables, x, train=True, rngs={'dropout': key}
-      )
-      return logits, {}
-    logits, state = self.module.apply(
-      variables, x, train=True, rngs={'dropout': key}, mutable=mutable
-    )
+      return self.module.apply(variables, x, **kwargs), {}
+    logits, state = self.module.apply(variables, x, mutable=mutable, **kwargs)
     return logits, dict(state)
 
   def apply_eval(self, variables: types.Variables, x: jax.Array) -> jax.Array:

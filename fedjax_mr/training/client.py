@@ -72,7 +72,9 @@ def make_client_update(
   b = int(batch_size)
 
   def loss_fn(params, state, x, y, mask, key):
-    logits, new_state = model.apply_train({'params': params, **state}, x, key)
+    logits, new_state = model.apply_train(
+      {'params': params, **state}, x, key, mask=mask
+    )
     mean_loss, total = masked_cross_entropy(logits, y, mask)
     return mean_loss, (new_state, total)
 
