@@ -1,0 +1,42 @@
+"""The README's library example runs as written, and its commands exist."""
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(__file__))
+
+
+def _readme():
+  with open(os.path.join(REPO, 'README.md')) as f:
+    return f.read()
+
+
+def test_library_example_runs_and_learns():
+  text = _readme()
+  code = re.search(r'<!-- readme-example -->\n```python\n(.*?)```', text, re.S)
+  assert code, 'README example block not found'
+  lines = code.group(1).strip().splitlines()
+  assert len(lines) <= 25
+  proc = subprocess.run(
+    [sys.executable, '-c', code.group(1)],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr
+  rows = [line.split() for line in proc.stdout.strip().splitlines()]
+  assert [int(r[0]) for r in rows] == [1, 2, 3]
+  assert float(rows[-1][1]) > 0.4  # learning (chance is 0.1)
+
+
+def test_ci_runs_the_readme_test_command():
+  text = _readme()
+  commands = re.findall(r'```\n(bash scripts/setup.sh && .*?)\n```', text)
+  assert len(commands) == 2
+  with open(os.path.join(REPO, '.ci', 'run')) as f:
+    ci = f.read()
+  assert commands[1] in ci.splitlines()
+  assert 'experiments.run' in commands[0]
