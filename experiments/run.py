@@ -56,8 +56,19 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   from fedjax_mr.training import experiment
 
+  from fedjax_mr.training import distributed
+
   try:
-    experiment.train_and_evaluate(config_from_flags())
+    config = config_from_flags()
+    # Before any JAX computation: host devices and the distributed runtime.
+    distributed.initialize(
+      host_devices=config.host_devices,
+      clients_per_round=config.clients_per_round,
+      coordinator_address=config.coordinator_address,
+      num_processes=config.num_processes,
+      process_id=config.process_id,
+    )
+    experiment.train_and_evaluate(config)
   except (errors.UserError, errors.NonFiniteError) as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2 if isinstance(e, errors.UserError) else 3)

@@ -5,6 +5,13 @@ from __future__ import annotations
 import gzip
 import os
 
+# Two XLA host devices, as the experiment binary uses on a 2-core machine:
+# the in-process runs exercise the sharded client axis. Must precede the
+# first JAX computation.
+os.environ['XLA_FLAGS'] = (
+  os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2'
+).strip()
+
 import numpy as np
 import pytest
 

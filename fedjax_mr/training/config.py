@@ -93,11 +93,34 @@ class ExperimentConfig:
     2, 'How many checkpoints to keep.', run_only=True
   )
   client_chunk: int = _field(
-    1,
-    'Clients trained together: 1 = one after another (fastest on CPU), '
-    '≥ clients_per_round = all vmapped (for accelerators), in between = '
-    'vmapped chunks.',
+    0,
+    'Clients trained together on each device: 1 = one after another '
+    '(fastest on CPU), K/devices = all vmapped (for accelerators), in '
+    'between = vmapped chunks; 0 = 1 on CPU, all on GPU/TPU.',
     run_only=True,
+  )
+  num_devices: int = _field(
+    0,
+    'Devices the client axis is sharded over (0: all; K must be a '
+    'multiple). Clients are balanced by local steps.',
+    run_only=True,
+  )
+  host_devices: int = _field(
+    0,
+    'CPU only: XLA host devices per process (0: the largest divisor of K '
+    'up to the number of cores). One CPU device keeps ~1.3 cores busy.',
+    run_only=True,
+  )
+  coordinator_address: str = _field(
+    '',
+    'Multi-process runs: host:port of process 0 (jax.distributed).',
+    run_only=True,
+  )
+  num_processes: int = _field(
+    1, 'Multi-process runs: number of processes.', run_only=True
+  )
+  process_id: int = _field(
+    0, 'Multi-process runs: index of this process.', run_only=True
   )
 
   def default_workdir(self) -> str:
@@ -147,14 +170,22 @@ def validate(config: ExperimentConfig) -> None:
     'batch_size',
     'eval_batch_size',
     'keep_checkpoints',
-    'client_chunk',
+    'num_processes',
   )
   for name in positive:
     if getattr(config, name) < 1:
       raise errors.ConfigError(
         f'--{name} must be a positive integer, got {getattr(config, name)}'
       )
-  for name in ('eval_every', 'checkpoint_every', 'min_client_size'):
+  non_negative = (
+    'eval_every',
+    'checkpoint_every',
+    'min_client_size',
+    'client_chunk',
+    'num_devices',
+    'host_devices',
+  )
+  for name in non_negative:
     if getattr(config, name) < 0:
       raise errors.ConfigError(
         f'--{name} must be ≥ 0, got {getattr(config, name)}'
@@ -164,6 +195,11 @@ def validate(config: ExperimentConfig) -> None:
       f'--clients_per_round={config.clients_per_round} exceeds '
       f'--num_clients={config.num_clients}; it must be between 1 and '
       'num_clients'
+    )
+  if not 0 <= config.process_id < config.num_processes:
+    raise errors.ConfigError(
+      f'--process_id must be in [0, --num_processes={config.num_processes}),'
+      f' got {config.process_id}'
     )
   if not config.lr > 0:
     raise errors.ConfigError(f'--lr must be > 0, got {config.lr}')

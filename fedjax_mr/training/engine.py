@@ -64,12 +64,36 @@ def map_clients(fn: Callable, xs: Any, chunk: int) -> Any:
   return lax.map(lambda a: fn(*a), xs, batch_size=chunk if chunk > 1 else None)
 
 
+def balanced_order(sizes: jax.Array, num_shards: int) -> jax.Array:
+  """Orders K clients so that `[num_shards, K / num_shards]` rows balance.
+
+  Clients sorted by size (largest first) are dealt to the shards in snake
+  order (0, 1, …, D−1, D−1, …, 0, …), which keeps every shard's total
+  number of local steps within one client's worth of the others.
+
+  Args:
+    sizes: `[K]` client sizes (local steps are proportional to them).
+    num_shards: D, a divisor of K.
+
+  Returns:
+    `perm` `[K]` int32: shard `d` runs clients `perm[d*K/D : (d+1)*K/D]`.
+  """
+  k = sizes.shape[0]
+  per = k // num_shards
+  order = jnp.argsort(-sizes, stable=True)
+  p = jnp.arange(k)
+  row, col = p // num_shards, p % num_shards
+  shard = jnp.where(row % 2 == 0, col, num_shards - 1 - col)
+  return jnp.zeros(k, jnp.int32).at[shard * per + row].set(order)
+
+
 def make_round_fn(
   server: types.ServerTransform,
   client_update: types.ClientUpdate,
   *,
   clients_per_round: int,
   client_chunk: int = 1,
+  mesh: jax.sharding.Mesh | None = None,
 ) -> Callable[
   [RoundState, client_data_lib.ClientData, jax.Array],
   tuple[RoundState, dict[str, jax.Array]],
@@ -77,13 +101,21 @@ def make_round_fn(
   """Builds one federated round.
 
   The round's key is `fold_in(key, state.round)`, split into the keys for
-  sampling, dispatch, the clients and aggregation.
+  sampling, dispatch, the clients and aggregation. Client k's key does not
+  depend on where it runs, so results do not depend on `client_chunk` or
+  on the mesh (up to float reassociation).
 
   Args:
     server: the server transform.
     client_update: local training of one client.
     clients_per_round: K.
-    client_chunk: how clients are mapped (see `map_clients`).
+    client_chunk: how clients are mapped on each device (see
+      `map_clients`).
+    mesh: optional 1-D mesh (any axis name) over which the client axis is
+      sharded: each device trains K / D clients, chosen by
+      `balanced_order` so devices get about equal numbers of local steps.
+      K must be a multiple of D. The mesh may span several processes
+      (`jax.distributed`); the data and the state are then replicated.
 
   Returns:
     `round_fn(state, data, key) -> (state, metrics)`; metrics: `train_loss`
@@ -91,6 +123,30 @@ def make_round_fn(
     `num_steps`, `client_ids` `[K]`, and the server's own metrics.
   """
   k = int(clients_per_round)
+  shards = 1 if mesh is None else mesh.devices.size
+  if k % shards:
+    raise ValueError(
+      f'clients_per_round={k} must be a multiple of the number of devices '
+      f'({shards}) the client axis is sharded over'
+    )
+
+  def train_clients(inputs, ids, keys, data):
+    return map_clients(
+      lambda v, c, ck: client_update(v, data, c, ck),
+      (inputs, ids, keys),
+      client_chunk,
+    )
+
+  if shards > 1:
+    axis = mesh.axis_names[0]
+    spec = jax.sharding.PartitionSpec(axis)
+    sharded_train = jax.shard_map(
+      train_clients,
+      mesh=mesh,
+      in_specs=(spec, spec, spec, jax.sharding.PartitionSpec()),
+      out_specs=spec,
+      check_vma=False,
+    )
 
   def round_fn(state, data, key):
     rkey = jax.random.fold_in(key, state.round)
@@ -98,11 +154,16 @@ def make_round_fn(
     ids = sample_clients(k_sample, data.num_clients, k)
     inputs = server.dispatch(state.server, state.round, k_dispatch)
     keys = jax.random.split(k_clients, k)
-    outputs = map_clients(
-      lambda v, c, ck: client_update(v, data, c, ck),
-      (inputs, ids, keys),
-      client_chunk,
-    )
+    if shards == 1:
+      outputs = train_clients(inputs, ids, keys, data)
+    else:
+      perm = balanced_order(data.sizes[ids], shards)
+      take = lambda x: x[perm]  # noqa: E731
+      outputs = sharded_train(
+        jax.tree.map(take, inputs), ids[perm], keys[perm], data
+      )
+      inverse = jnp.argsort(perm)
+      outputs = jax.tree.map(lambda x: x[inverse], outputs)
     server_state, server_metrics = server.aggregate(
       state.server, outputs, state.round, k_aggregate
     )

@@ -33,6 +33,7 @@ from fedjax_mr.server import fedavg
 from fedjax_mr.training import checkpoint
 from fedjax_mr.training import client
 from fedjax_mr.training import config as config_lib
+from fedjax_mr.training import distributed
 from fedjax_mr.training import engine
 from fedjax_mr.training import metrics_io
 
@@ -113,21 +114,34 @@ def train_and_evaluate(
       so far and the last checkpoint are kept.
   """
   config_lib.validate(config)
+  mesh = distributed.make_mesh(config.num_devices)
+  num_devices = mesh.devices.size
+  if config.clients_per_round % num_devices:
+    raise errors.ConfigError(
+      f'--clients_per_round={config.clients_per_round} must be a multiple of '
+      f'the {num_devices} devices the clients are sharded over; set '
+      '--num_devices (or --host_devices on CPU) to a divisor of it'
+    )
+  primary = distributed.is_primary()
+  if not primary:
+    log = _quiet
   workdir = workdir or config.workdir or config.default_workdir()
   os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, CONFIG_FILE)
   if os.path.exists(config_path):
     config_lib.check_resumable(config, config_path)
-  with open(config_path, 'w') as f:
-    json.dump(config.to_dict(), f, indent=2)
+  if primary:
+    with open(config_path, 'w') as f:
+      json.dump(config.to_dict(), f, indent=2)
 
   dataset = datasets.load(config.dataset, config.data_dir or None)
   model = model_lib.get(config.model, dataset.num_classes, dataset.input_shape)
   parts = make_partition(config, dataset.y_train)
-  partition_lib.save_summary(
-    os.path.join(workdir, PARTITION_FILE),
-    partition_lib.summary(parts, dataset.y_train, dataset.num_classes),
-  )
+  if primary:
+    partition_lib.save_summary(
+      os.path.join(workdir, PARTITION_FILE),
+      partition_lib.summary(parts, dataset.y_train, dataset.num_classes),
+    )
   data = client_data_lib.from_partition(
     dataset.x_train, dataset.y_train, parts, dataset.scale, dataset.shift
   )
@@ -148,6 +162,7 @@ def train_and_evaluate(
     batch_size=config.batch_size,
   )
   state = engine.init_state(server, model.init(jax.random.fold_in(key, _INIT)))
+  data, test, state = distributed.replicate((data, test, state), mesh)
   round_key = jax.random.fold_in(key, _ROUNDS)
 
   ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
@@ -155,11 +170,10 @@ def train_and_evaluate(
   start = ckpt.latest_round()
   if start is not None:
     state = ckpt.restore(start, state)
-    history = metrics_io.truncate(metrics_path, start)
     log(f'resuming {workdir} after round {start}')
   else:
     start = 0
-    history = metrics_io.truncate(metrics_path, 0)
+  history = metrics_io.truncate(metrics_path, start) if primary else []
   num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
   log(
     f'{config.algorithm} on {config.dataset} ({len(dataset.x_train)} train / '
@@ -167,17 +181,30 @@ def train_and_evaluate(
     f'parameters), {config.num_clients} clients ({config.partition}), '
     f'{config.clients_per_round} per round, {config.rounds} rounds'
   )
+  platform = mesh.devices.flat[0].platform
+  chunk = config.client_chunk or (
+    1 if platform == 'cpu' else config.clients_per_round // num_devices
+  )
+  log(
+    f'{num_devices} {platform} device(s) in {jax.process_count()} '
+    f'process(es); {config.clients_per_round // num_devices} clients per '
+    f'device, {chunk} at a time'
+  )
 
   round_fn = jax.jit(
     engine.make_round_fn(
       server,
       client_update,
       clients_per_round=config.clients_per_round,
-      client_chunk=config.client_chunk,
+      client_chunk=chunk,
+      mesh=mesh if num_devices > 1 else None,
     ),
     donate_argnums=0,
+    out_shardings=distributed.replicated(mesh),
   )
-  evaluate = jax.jit(engine.make_evaluate(model))
+  evaluate = jax.jit(
+    engine.make_evaluate(model), out_shardings=distributed.replicated(mesh)
+  )
 
   def should(every: int, r: int) -> bool:
     return r == config.rounds or (every > 0 and r % every == 0)
@@ -204,7 +231,8 @@ def train_and_evaluate(
           }
         )
         if not math.isfinite(row['train_loss']):
-          metrics_io.append(metrics_path, row)
+          if primary:
+            metrics_io.append(metrics_path, row)
           raise errors.NonFiniteError(
             f'non-finite train loss ({row["train_loss"]}) at round {r}; '
             f'stopped. Metrics up to it are in {metrics_path}; the last '
@@ -217,7 +245,8 @@ def train_and_evaluate(
         row['round_time_s'] = time.perf_counter() - t0
         timer.tick(r, row['round_time_s'])
         row['elapsed_s'] = timer.elapsed
-        metrics_io.append(metrics_path, row)
+        if primary:
+          metrics_io.append(metrics_path, row)
         history.append(row)
         log(timer.progress_line(row))
         if should(config.checkpoint_every, r):
@@ -232,7 +261,7 @@ def train_and_evaluate(
       ckpt.close()
       raise
   ckpt.close()
-  if history:
+  if history and primary:
     metrics_io.plot_curves(
       {config.algorithm: history},
       os.path.join(workdir, CURVE_FILE),
@@ -240,6 +269,10 @@ def train_and_evaluate(
     )
   log(timer.summary(history, workdir))
   return Result(state=state, history=history, workdir=workdir)
+
+
+def _quiet(line: str) -> None:
+  del line
 
 
 def _to_json(v: Any) -> Any:

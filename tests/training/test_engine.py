@@ -1,4 +1,5 @@
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -91,3 +92,50 @@ def test_evaluate_counts_padding_out():
   # Zero model: all logits equal, argmax = class 0: 4 of 7 correct.
   np.testing.assert_allclose(res['accuracy'], 4 / 7, rtol=1e-6)
   np.testing.assert_allclose(res['loss'], np.log(3), rtol=1e-6)
+
+
+def test_balanced_order_hand_case():
+  perm = engine.balanced_order(jnp.array([1, 10, 3, 7]), 2)
+  np.testing.assert_array_equal(perm, [1, 0, 3, 2])  # shard sums 11 and 10
+
+
+def test_balanced_order_balances_steps():
+  rng = np.random.default_rng(0)
+  for _ in range(20):
+    sizes = rng.integers(1, 1000, 12)
+    perm = np.asarray(engine.balanced_order(jnp.asarray(sizes), 3))
+    assert sorted(perm.tolist()) == list(range(12))
+    sums = sizes[perm].reshape(3, 4).sum(1)
+    assert sums.max() - sums.min() <= sizes.max()
+
+
+def test_sharded_round_equals_one_device():
+  assert len(jax.devices()) >= 2, 'tests/conftest.py sets 2 host devices'
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
+  model = helpers.linear_model()
+  data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
+  update = client.make_client_update(
+    model, optax.sgd(0.2, momentum=0.9), local_epochs=2, batch_size=4
+  )
+  server = fedavg.fedavg(4)
+  state = engine.init_state(server, model.init(jax.random.key(0)))
+  one = jax.jit(engine.make_round_fn(server, update, clients_per_round=4))
+  two = jax.jit(
+    engine.make_round_fn(server, update, clients_per_round=4, mesh=mesh)
+  )
+  s1, h1 = _run(one, state, data, jax.random.key(5))
+  s2, h2 = _run(two, state, data, jax.random.key(5))
+  helpers.tree_allclose(
+    s1.server.params, s2.server.params, rtol=1e-5, atol=1e-6
+  )
+  for a, b in zip(h1, h2):
+    np.testing.assert_array_equal(a['client_ids'], b['client_ids'])
+    assert a['num_steps'] == b['num_steps']
+    np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
+
+
+def test_sharding_needs_a_multiple_of_devices():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
+  server = fedavg.fedavg(3)
+  with pytest.raises(ValueError, match='multiple of the number of devices'):
+    engine.make_round_fn(server, None, clients_per_round=3, mesh=mesh)

@@ -171,7 +171,11 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
     ({'momentum': 1.0}, '--momentum'),
     ({'eval_every': -1}, '--eval_every'),
     ({'data_dir': '/nonexistent/dir'}, '--data_dir'),
-    ({'num_clients': 1000, 'clients_per_round': 5}, '--num_clients=1000'),
+    ({'num_clients': 1000, 'clients_per_round': 4}, '--num_clients=1000'),
+    ({'clients_per_round': 5}, '--clients_per_round=5 must be a multiple'),
+    ({'num_devices': 3}, '--num_devices=3'),
+    ({'client_chunk': -1}, '--client_chunk'),
+    ({'process_id': 1}, '--process_id'),
   ],
 )
 def test_bad_input_names_the_flag(small_config, tmp_path, changes, flag):

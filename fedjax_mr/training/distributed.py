@@ -1,0 +1,105 @@
+"""Devices, meshes and processes for sharding the client axis.
+
+One process: the client axis of a round is sharded over the local devices
+(GPUs, TPU cores, or XLA host devices on CPU). Several processes (hosts):
+`initialize` joins JAX's distributed runtime, `jax.devices()` then lists
+every process's devices, and the same jit-compiled round runs everywhere
+with the data and the state replicated; each process trains its slice of
+the client axis.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from fedjax_mr.core import errors
+
+AXIS = 'clients'
+
+
+def auto_host_devices(clients_per_round: int) -> int:
+  """The largest divisor of K that is at most the number of CPU cores."""
+  cores = (
+    len(os.sched_getaffinity(0))
+    if hasattr(os, 'sched_getaffinity')
+    else (os.cpu_count() or 1)
+  )
+  return max(d for d in range(1, cores + 1) if clients_per_round % d == 0)
+
+
+def initialize(
+  *,
+  host_devices: int = 0,
+  clients_per_round: int = 1,
+  coordinator_address: str = '',
+  num_processes: int = 1,
+  process_id: int = 0,
+) -> None:
+  """Sets up devices and processes; call before any JAX computation.
+
+  Args:
+    host_devices: XLA host (CPU) devices per process; 0 picks
+      `auto_host_devices(clients_per_round)`. Only affects the CPU backend.
+    clients_per_round: K, for the automatic choice.
+    coordinator_address: `host:port` of process 0; empty for one process.
+    num_processes: number of cooperating processes.
+    process_id: this process's index.
+  """
+  n = host_devices or auto_host_devices(clients_per_round)
+  flags = os.environ.get('XLA_FLAGS', '')
+  if 'xla_force_host_platform_device_count' not in flags:
+    os.environ['XLA_FLAGS'] = (
+      f'{flags} --xla_force_host_platform_device_count={n}'.strip()
+    )
+  if num_processes > 1:
+    if not coordinator_address:
+      raise errors.ConfigError(
+        '--coordinator_address (host:port of process 0) is required when '
+        f'--num_processes={num_processes}'
+      )
+    if not 0 <= process_id < num_processes:
+      raise errors.ConfigError(
+        f'--process_id must be in [0, {num_processes}), got {process_id}'
+      )
+    jax.distributed.initialize(
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+    )
+
+
+def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
+  """A 1-D mesh over the first `num_devices` devices (0: all, globally)."""
+  devices = jax.devices()
+  if num_devices > len(devices):
+    raise errors.ConfigError(
+      f'--num_devices={num_devices} but only {len(devices)} devices exist '
+      f'({devices[0].platform})'
+    )
+  if num_devices and jax.process_count() > 1 and num_devices != len(devices):
+    raise errors.ConfigError(
+      '--num_devices must be 0 (all) when running several processes'
+    )
+  chosen = devices[: num_devices or len(devices)]
+  return jax.sharding.Mesh(np.array(chosen), (AXIS,))
+
+
+def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def replicate(tree, mesh: jax.sharding.Mesh):
+  """Places every leaf of `tree` whole on every device of `mesh`.
+
+  Every process must pass the same values (they are host data or results
+  of the same deterministic computation).
+  """
+  return jax.device_put(tree, replicated(mesh))
+
+
+def is_primary() -> bool:
+  """True in the process that writes files and logs (process 0)."""
+  return jax.process_index() == 0

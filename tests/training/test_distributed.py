@@ -1,0 +1,98 @@
+"""Two cooperating processes (jax.distributed on 127.0.0.1) give the result
+of one process."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+from fedjax_mr.training import config as config_lib
+from fedjax_mr.training import distributed
+from fedjax_mr.training import metrics_io
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _cmd(cfg, workdir, **extra):
+  flags = {**cfg.to_dict(), 'workdir': workdir, **extra}
+  return [sys.executable, '-m', 'experiments.run'] + [
+    f'--{k}={v}' for k, v in flags.items()
+  ]
+
+
+def _env():
+  env = dict(os.environ)
+  env.pop('XLA_FLAGS', None)  # let the binary set its host devices
+  return env
+
+
+def test_two_processes_equal_one(small_fmnist_dir, tmp_path):
+  cfg = config_lib.ExperimentConfig(
+    data_dir=small_fmnist_dir,
+    num_clients=10,
+    clients_per_round=4,
+    alpha=0.5,
+    local_epochs=1,
+    rounds=3,
+    eval_every=3,
+    checkpoint_every=2,
+  )
+  one = subprocess.run(
+    _cmd(cfg, tmp_path / 'one', host_devices=2),
+    cwd=REPO,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert one.returncode == 0, one.stderr
+  assert '2 cpu device(s) in 1 process(es)' in one.stdout
+  port = _free_port()
+  procs = [
+    subprocess.Popen(
+      _cmd(
+        cfg,
+        tmp_path / 'two',
+        host_devices=1,
+        coordinator_address=f'127.0.0.1:{port}',
+        num_processes=2,
+        process_id=i,
+      ),
+      cwd=REPO,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
+  outs = [p.communicate(timeout=300) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err
+  assert '2 cpu device(s) in 2 process(es)' in outs[0][0]
+  assert (
+    'round 1/3' in outs[0][0] and 'round' not in outs[1][0]
+  )  # process 0 logs
+  a = metrics_io.read(str(tmp_path / 'one' / 'metrics.jsonl'))
+  b = metrics_io.read(str(tmp_path / 'two' / 'metrics.jsonl'))
+  assert [r['round'] for r in b] == [1, 2, 3]
+  for ra, rb in zip(a, b):
+    assert ra['num_steps'] == rb['num_steps']
+    np.testing.assert_allclose(ra['train_loss'], rb['train_loss'], rtol=1e-5)
+  np.testing.assert_allclose(
+    a[-1]['test_accuracy'], b[-1]['test_accuracy'], atol=1e-3
+  )
+
+
+def test_auto_host_devices_divides_k():
+  for k in (1, 2, 3, 10, 12):
+    d = distributed.auto_host_devices(k)
+    assert k % d == 0 and 1 <= d <= (os.cpu_count() or 1)
