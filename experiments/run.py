@@ -54,9 +54,8 @@ def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  from fedjax_mr.training import experiment
-
   from fedjax_mr.training import distributed
+  from fedjax_mr.training import experiment
 
   try:
     config = config_from_flags()
