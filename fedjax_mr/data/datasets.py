@@ -3,7 +3,9 @@
 Images stay in their storage dtype (uint8) on the host and on the device;
 the model input is `x * scale + shift` in float32, applied per batch (see
 `fedjax_mr.data.client_data.normalize`). This keeps device memory at one byte
-per pixel and the host never holds a float copy.
+per pixel and the host never holds a float copy. Token datasets (Shakespeare)
+store character ids as uint8 with scale 1 and shift 0, which `normalize`
+passes through unchanged.
 
 Sources:
   * IDX files (the format of (Fashion-)MNIST, as Debian's
@@ -11,6 +13,33 @@ Sources:
   * tensorflow-datasets through its TF-free random-access `tfds.data_source`
     API (array_record files). Preparing such a dataset once needs TensorFlow
     (the `prepare` extra); reading it does not.
+  * LEAF json folders (FEMNIST, Shakespeare; `fedjax_mr.data.leaf`), which
+    also give each user's examples: `Dataset.clients`, the natural partition.
+  * The CINIC-10 image folders (`fedjax_mr.data.cinic`).
+
+Peak host memory while loading. Every array is allocated once at its final
+size and filled in place (N × H × W × C bytes, plus 4 bytes per label; full
+datasets):
+
+| dataset           | train + test examples   | arrays | peak     |
+|-------------------|-------------------------|--------|----------|
+| mnist, fashion_m. | 60,000 + 10,000 28×28×1 | 55 MB  | 55 MB    |
+| emnist (byclass)  | 697,932 + 116,323 28×28 | 642 MB | 642 MB   |
+| cifar10, cifar100 | 50,000 + 10,000 32×32×3 | 185 MB | 185 MB   |
+| svhn_cropped      | 73,257 + 26,032 32×32×3 | 305 MB | 305 MB   |
+| cinic10           | 90,000 + 90,000 32×32×3 | 554 MB | 554 MB   |
+| femnist (LEAF)    | 805,263 28×28×1 in all  | 635 MB | ≈ 1.5 GB |
+| shakespeare (LEAF)| 4,226,158 × 80 ids      | 355 MB | ≈ 1.7 GB |
+
+tfds and CINIC-10 read one record or image at a time ('extra' of SVHN and
+'valid' of CINIC-10 are not read). LEAF json is parsed one file at a time;
+Python's json holds ≈ 45 KB per FEMNIST sample (784 float objects; LEAF's
+files hold 100 writers, ≈ 20,000 training samples: ≈ 0.9 GB) and ≈ 0.35 KB
+per Shakespeare sample (LEAF writes one file per split, ≈ 3.8 M training
+samples: ≈ 1.3 GB), measured on synthetic files of that format.
+`--partition=natural` with fewer clients than users copies only the kept
+users' examples. On the CPU backend, the device arrays of `ClientData` and
+`EvalData` are one more copy of the training and test sets.
 """
 
 from __future__ import annotations
@@ -21,6 +50,8 @@ from typing import NamedTuple
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.data import cinic
+from fedjax_mr.data import leaf
 
 DEFAULT_FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
 
@@ -44,6 +75,10 @@ class Dataset(NamedTuple):
     num_classes: number of labels.
     scale: model input is `x * scale + shift`.
     shift: see `scale`.
+    clients: the natural partition (LEAF datasets): one index array into
+      `x_train` per user; None for datasets without one.
+    test_clients: per entry of `clients`, that user's indices into `x_test`,
+      when the test split holds the same users; else None.
   """
 
   name: str
@@ -54,6 +89,8 @@ class Dataset(NamedTuple):
   num_classes: int
   scale: float
   shift: float
+  clients: tuple[np.ndarray, ...] | None = None
+  test_clients: tuple[np.ndarray, ...] | None = None
 
   @property
   def input_shape(self) -> tuple[int, ...]:
@@ -61,40 +98,68 @@ class Dataset(NamedTuple):
 
 
 class _Spec(NamedTuple):
+  source: str  # 'tfds', 'leaf' or 'cinic'
   tfds_name: str
   num_classes: int
   scale: float
   shift: float
-  has_idx: bool  # may be read from IDX files
-  default_dir: str | None
+  has_idx: bool = False  # may be read from IDX files
+  default_dir: str | None = None
 
 
 # Normalisation as in the reference code: (Fashion-)MNIST pixels / 255;
-# CIFAR mean 0.5, std 0.5 per channel, i.e. x / 127.5 - 1.
+# CIFAR mean 0.5, std 0.5 per channel, i.e. x / 127.5 - 1 (also used for
+# SVHN and CINIC-10, our choice); FEMNIST (0.5 - x) / 0.5 for LEAF's x in
+# [0, 1], stored as u = 255 x: 1 - 2u / 255.
 _SPECS = {
   'fashion_mnist': _Spec(
-    'fashion_mnist', 10, 1 / 255, 0.0, True, DEFAULT_FASHION_MNIST_DIR
+    'tfds', 'fashion_mnist', 10, 1 / 255, 0.0, True, DEFAULT_FASHION_MNIST_DIR
   ),
-  'mnist': _Spec('mnist', 10, 1 / 255, 0.0, True, None),
-  'cifar10': _Spec('cifar10', 10, 1 / 127.5, -1.0, False, None),
-  'cifar100': _Spec('cifar100', 100, 1 / 127.5, -1.0, False, None),
-  'emnist': _Spec('emnist/byclass', 62, 1 / 255, 0.0, False, None),
+  'mnist': _Spec('tfds', 'mnist', 10, 1 / 255, 0.0, True),
+  'cifar10': _Spec('tfds', 'cifar10', 10, 1 / 127.5, -1.0),
+  'cifar100': _Spec('tfds', 'cifar100', 100, 1 / 127.5, -1.0),
+  'emnist': _Spec('tfds', 'emnist/byclass', 62, 1 / 255, 0.0),
+  'svhn_cropped': _Spec('tfds', 'svhn_cropped', 10, 1 / 127.5, -1.0),
+  'cinic10': _Spec('cinic', '', 10, 1 / 127.5, -1.0),
+  'femnist': _Spec('leaf', '', 62, -2 / 255, 1.0),
+  'shakespeare': _Spec('leaf', '', len(leaf.ALL_LETTERS), 1.0, 0.0),
 }
 
 NAMES = tuple(sorted(_SPECS))
+# Datasets with their own clients (--partition=natural).
+NATURAL = tuple(n for n in NAMES if _SPECS[n].source == 'leaf')
+CIFAR100_LABELS = ('fine', 'coarse')
 
 
-def load(name: str, data_dir: str | None = None) -> Dataset:
+def input_kind(name: str) -> str:
+  """'tokens' for `[T]` integer sequences (shakespeare), else 'images'."""
+  return 'tokens' if name == 'shakespeare' else 'images'
+
+
+def load(
+  name: str,
+  data_dir: str | None = None,
+  *,
+  cifar100_labels: str = 'fine',
+  leaf_min_samples: int = 0,
+) -> Dataset:
   """Loads a dataset by name.
 
   Args:
     name: one of `NAMES`.
     data_dir: for `fashion_mnist`/`mnist`, a folder with the four IDX files
-      (default for Fashion-MNIST: Debian's folder); otherwise, or when no IDX
-      files are there, a tensorflow-datasets data dir (default: tfds's).
+      (default for Fashion-MNIST: Debian's folder); for `femnist` and
+      `shakespeare`, LEAF's folder holding `train/` and `test/` json files;
+      for `cinic10`, the folder holding `train/`, `valid/`, `test/`;
+      otherwise, or when no IDX files are there, a tensorflow-datasets data
+      dir (default: tfds's).
+    cifar100_labels: `cifar100` only: 'fine' (100 classes) or 'coarse' (the
+      20 superclasses the reference code uses).
+    leaf_min_samples: LEAF datasets only: keep the users with more than this
+      many samples (training plus test); 0 keeps all.
 
   Raises:
-    ConfigError: unknown name.
+    ConfigError: unknown name or option.
     DataError: the data is missing or unreadable; the message says how to
       get it.
   """
@@ -102,15 +167,98 @@ def load(name: str, data_dir: str | None = None) -> Dataset:
     raise errors.ConfigError(
       f'--dataset: unknown dataset {name!r}; choose one of {", ".join(NAMES)}'
     )
+  if cifar100_labels not in CIFAR100_LABELS:
+    raise errors.ConfigError(
+      f'--cifar100_labels: unknown value {cifar100_labels!r}; choose one of '
+      f'{", ".join(CIFAR100_LABELS)}'
+    )
+  if leaf_min_samples < 0:
+    raise errors.ConfigError(
+      f'--leaf_min_samples must be ≥ 0, got {leaf_min_samples}'
+    )
   spec = _SPECS[name]
   if data_dir and not os.path.isdir(data_dir):
     raise errors.DataError(f'--data_dir: {data_dir!r} is not a readable folder')
   if data_dir and not os.access(data_dir, os.R_OK | os.X_OK):
     raise errors.DataError(f'--data_dir: {data_dir!r} is not readable')
+  if spec.source == 'leaf':
+    return _load_leaf(name, spec, data_dir, leaf_min_samples)
+  if spec.source == 'cinic':
+    return _load_cinic(name, spec, data_dir)
   idx_dir = data_dir or spec.default_dir
   if spec.has_idx and idx_dir and _has_idx_files(idx_dir):
     return _load_idx(name, spec, idx_dir)
+  if name == 'cifar100' and cifar100_labels == 'coarse':
+    spec = spec._replace(num_classes=20)
+    return _load_tfds(name, spec, data_dir, label_key='coarse_label')
   return _load_tfds(name, spec, data_dir)
+
+
+def natural_clients(dataset: Dataset, num_clients: int, seed: int) -> Dataset:
+  """Keeps `num_clients` of a dataset's own users (`--partition=natural`).
+
+  With fewer clients than users, a seeded uniform subset of users is kept
+  (in their original order) and only their examples: the training arrays
+  are compacted, and the test set becomes the pooled test data of the kept
+  users when the test split holds the same users (LEAF's `-t sample`);
+  otherwise the whole test set is kept.
+
+  Args:
+    dataset: a dataset with `clients`.
+    num_clients: N ≤ number of users.
+    seed: numpy seed of the subset.
+
+  Returns:
+    The dataset whose `clients` are the N kept users.
+
+  Raises:
+    ConfigError: the dataset has no natural clients, or fewer than N.
+  """
+  if dataset.clients is None:
+    raise errors.ConfigError(
+      f'--partition=natural: --dataset={dataset.name} has no natural '
+      f'clients (those that do: {", ".join(NATURAL)}); use '
+      '--partition=iid or dirichlet'
+    )
+  users = len(dataset.clients)
+  if num_clients > users:
+    raise errors.ConfigError(
+      f'--num_clients={num_clients} exceeds the {users} users of '
+      f'--dataset={dataset.name} (after --leaf_min_samples); use at most '
+      f'{users} with --partition=natural'
+    )
+  if num_clients == users:
+    return dataset
+  keep = np.sort(
+    np.random.default_rng(seed).choice(users, num_clients, replace=False)
+  )
+  rows = [dataset.clients[k] for k in keep]
+  sizes = [len(r) for r in rows]
+  take = np.concatenate(rows)
+  bounds = np.cumsum([0, *sizes])
+  clients = tuple(np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:]))
+  x_test, y_test, test_clients = dataset.x_test, dataset.y_test, None
+  if dataset.test_clients is not None:
+    test_rows = [dataset.test_clients[k] for k in keep]
+    test_take = np.concatenate(test_rows).astype(np.int64)
+    if not len(test_take):
+      raise errors.DataError(
+        f'--partition=natural: the {num_clients} users kept (--seed) have no '
+        'test examples; change --seed or --num_clients'
+      )
+    x_test, y_test = x_test[test_take], y_test[test_take]
+    bounds = np.cumsum([0, *(len(r) for r in test_rows)])
+    test_clients = tuple(
+      np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])
+    )
+  return dataset._replace(
+    x_train=dataset.x_train[take],
+    y_train=dataset.y_train[take],
+    x_test=x_test,
+    y_test=y_test,
+    clients=clients,
+    test_clients=test_clients,
+  )
 
 
 def _has_idx_files(folder: str) -> bool:
@@ -162,7 +310,9 @@ def _missing_message(name: str, spec: _Spec, data_dir: str | None) -> str:
   )
 
 
-def _load_tfds(name: str, spec: _Spec, data_dir: str | None) -> Dataset:
+def _load_tfds(
+  name: str, spec: _Spec, data_dir: str | None, label_key: str = 'label'
+) -> Dataset:
   import tensorflow_datasets as tfds
 
   splits = {}
@@ -173,7 +323,7 @@ def _load_tfds(name: str, spec: _Spec, data_dir: str | None) -> Dataset:
       )
     except Exception:  # noqa: BLE001 - tfds raises many types for "missing".
       raise errors.DataError(_missing_message(name, spec, data_dir)) from None
-    splits[split] = _read_source(source)
+    splits[split] = _read_source(source, label_key)
   (x_train, y_train), (x_test, y_test) = splits['train'], splits['test']
   return Dataset(
     name=name,
@@ -187,7 +337,9 @@ def _load_tfds(name: str, spec: _Spec, data_dir: str | None) -> Dataset:
   )
 
 
-def _read_source(source) -> tuple[np.ndarray, np.ndarray]:
+def _read_source(
+  source, label_key: str = 'label'
+) -> tuple[np.ndarray, np.ndarray]:
   """Reads a random-access tfds source into preallocated arrays."""
   n = len(source)
   if n == 0:
@@ -199,5 +351,62 @@ def _read_source(source) -> tuple[np.ndarray, np.ndarray]:
   for i in range(n):
     record = first if i == 0 else source[i]
     x[i] = record['image']
-    y[i] = record['label']
+    y[i] = record[label_key]
   return x, y
+
+
+def _load_leaf(
+  name: str, spec: _Spec, data_dir: str | None, min_samples: int
+) -> Dataset:
+  if not data_dir:
+    raise errors.DataError(
+      f"dataset {name!r} is read from LEAF json files: run LEAF's "
+      f'`preprocess.sh` in leaf/data/{name} (e.g. `./preprocess.sh -s niid '
+      '--sf 1.0 -k 0 -t sample`) and pass --data_dir=leaf/data/'
+      f'{name}/data (the folder holding train/ and test/)'
+    )
+  reader = leaf.load_femnist if name == 'femnist' else leaf.load_shakespeare
+  data = reader(data_dir, min_samples)
+  if not len(data.y_test):
+    raise errors.DataError(
+      f'{data_dir}: no test examples (of users with more than {min_samples} '
+      'samples)'
+    )
+  for split, y in (('train', data.y_train), ('test', data.y_test)):
+    if y.size and not (y.min() >= 0 and y.max() < spec.num_classes):
+      raise errors.DataError(
+        f'{data_dir}: {split} labels must lie in [0, {spec.num_classes})'
+      )
+  return Dataset(
+    name=name,
+    x_train=data.x_train,
+    y_train=data.y_train,
+    x_test=data.x_test,
+    y_test=data.y_test,
+    num_classes=spec.num_classes,
+    scale=spec.scale,
+    shift=spec.shift,
+    clients=data.clients,
+    test_clients=data.test_clients,
+  )
+
+
+def _load_cinic(name: str, spec: _Spec, data_dir: str | None) -> Dataset:
+  if not data_dir:
+    raise errors.DataError(
+      'dataset cinic10 is read from its image folders: download and unpack '
+      'CINIC-10 (https://github.com/BayesWatch/cinic-10) and pass '
+      '--data_dir=<folder holding train/, valid/, test/>'
+    )
+  x_train, y_train = cinic.load_split(data_dir, ('train',))
+  x_test, y_test = cinic.load_split(data_dir, ('test',))
+  return Dataset(
+    name=name,
+    x_train=x_train,
+    y_train=y_train,
+    x_test=x_test,
+    y_test=y_test,
+    num_classes=spec.num_classes,
+    scale=spec.scale,
+    shift=spec.shift,
+  )

@@ -140,3 +140,41 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
   h2, w2 = h // 2, w // 2
   x = x[:, : 2 * h2, : 2 * w2, :].reshape(n, h2, 2, w2, 2, c)
   return x.max(axis=(2, 4))
+
+
+# PyTorch's BatchNorm defaults: running = 0.9 · running + 0.1 · batch, ε 1e-5.
+BN_MOMENTUM = 0.9
+BN_EPSILON = 1e-5
+
+
+def batch_norm(
+  x: jax.Array,
+  train: bool,
+  mask: jax.Array | None,
+  name: str | None = None,
+) -> jax.Array:
+  """`nn.BatchNorm` over all but the last axis, as the zoo uses it.
+
+  Call it inside a compact module: it creates the BatchNorm there. PyTorch's
+  momentum (0.1, i.e. Flax `momentum=0.9`) and ε; statistics live in the
+  `batch_stats` collection. In training the batch statistics exclude the
+  padded rows of a client's partial last batch. (Flax updates the running
+  variance with the biased batch variance, PyTorch with the unbiased one.)
+
+  Args:
+    x: `[B, ...]` activations.
+    train: batch statistics (and update the running ones) when True, else
+      the running statistics.
+    mask: `[B]` float mask of real examples, or None (all real).
+    name: the module's name.
+  """
+  if train and mask is not None:
+    mask = mask.reshape(mask.shape[0], *([1] * (x.ndim - 1))) > 0
+  else:
+    mask = None
+  return nn.BatchNorm(
+    use_running_average=not train,
+    momentum=BN_MOMENTUM,
+    epsilon=BN_EPSILON,
+    name=name,
+  )(x, mask=mask)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -11,6 +12,9 @@ import jax.numpy as jnp
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.models import cnn
+from fedjax_mr.models import lstm
+from fedjax_mr.models import resnet
+from fedjax_mr.models import vgg
 
 
 class Model(NamedTuple):
@@ -22,17 +26,20 @@ class Model(NamedTuple):
       (`mask`: `[B]` real-example mask or None, used by BatchNorm).
     input_shape: one example's shape, e.g. `(28, 28, 1)`.
     num_classes: number of logits.
+    input_dtype: dtype of the model input (float32 for images; int32 for
+      token ids, which may also arrive as uint8).
   """
 
   name: str
   module: nn.Module
   input_shape: tuple[int, ...]
   num_classes: int
+  input_dtype: Any = jnp.float32
 
   def init(self, key: jax.Array) -> types.Variables:
     """Initial variables: `{'params': ...}` plus e.g. `'batch_stats'`."""
     params_key, dropout_key = jax.random.split(key)
-    x = jnp.zeros((1, *self.input_shape), jnp.float32)
+    x = jnp.zeros((1, *self.input_shape), self.input_dtype)
     variables = self.module.init(
       {'params': params_key, 'dropout': dropout_key}, x, train=False
     )
@@ -71,38 +78,74 @@ class Model(NamedTuple):
     return self.module.apply(variables, x, train=False)
 
 
+class _Entry(NamedTuple):
+  module: type[nn.Module]
+  takes: str  # 'images' ([H, W, C]) or 'tokens' ([T] integer ids)
+  min_size: int = 0  # images: smallest H and W
+
+
 _ZOO = {
-  'cnn_mnist': cnn.CNNMnist,
-  'cnn_cifar': cnn.CNNCifar,
-  'cnn_femnist': cnn.CNNFemnist,
-  'cnn_fedavg': cnn.CNNFedAvg,
+  'cnn_mnist': _Entry(cnn.CNNMnist, 'images', 16),
+  'cnn_cifar': _Entry(cnn.CNNCifar, 'images', 16),
+  'cnn_femnist': _Entry(cnn.CNNFemnist, 'images', 16),
+  'cnn_fedavg': _Entry(cnn.CNNFedAvg, 'images', 16),
+  'resnet20': _Entry(resnet.ResNet20, 'images', 8),
+  'resnet18': _Entry(resnet.ResNet18, 'images', 8),
+  'vgg16': _Entry(vgg.VGG16, 'images', 8),
+  'char_lstm': _Entry(lstm.CharLSTM, 'tokens'),
 }
 
-# Input shapes each model accepts: (H, W, C) image models need rank-3 input
-# at least 28×28 (two 5×5 'valid' convs with pooling need ≥ 12×12).
 NAMES = tuple(sorted(_ZOO))
 
 
-def get(name: str, num_classes: int, input_shape: tuple[int, ...]) -> Model:
+def input_kind(name: str) -> str:
+  """What model `name` takes: 'images' (`[H, W, C]`) or 'tokens' (`[T]`)."""
+  return _ZOO[name].takes
+
+
+def get(
+  name: str,
+  num_classes: int,
+  input_shape: tuple[int, ...],
+  *,
+  dataset: str = '',
+) -> Model:
   """Returns the model `name` for a dataset's classes and example shape.
 
+  Args:
+    name: one of `NAMES`.
+    num_classes: C (for `char_lstm` also the vocabulary size).
+    input_shape: one example's shape: `(H, W, C)` images or `(T,)` tokens.
+    dataset: the dataset's name, for error messages only.
+
   Raises:
-    ConfigError: unknown name, or a dataset this model cannot take.
+    ConfigError: unknown name, or a dataset this model cannot take (the
+      message names --model and --dataset).
   """
   if name not in _ZOO:
     raise errors.ConfigError(
       f'--model: unknown model {name!r}; choose one of {", ".join(NAMES)}'
     )
+  entry = _ZOO[name]
   input_shape = tuple(int(d) for d in input_shape)
-  if len(input_shape) != 3 or min(input_shape[:2]) < 16:
+  if entry.takes == 'images':
+    ok = len(input_shape) == 3 and min(input_shape[:2]) >= entry.min_size
+    wants = f'images of shape (H, W, C) with H, W ≥ {entry.min_size}'
+  else:
+    ok = len(input_shape) == 1
+    wants = 'token sequences of shape (T,)'
+  if not ok:
+    given = 'token sequences' if len(input_shape) == 1 else 'examples'
     raise errors.ConfigError(
-      f'--model={name} needs images of shape (H, W, C) with H, W ≥ 16; the '
-      f'dataset gives examples of shape {input_shape}'
+      f'--model={name} takes {wants}; --dataset'
+      f'{"=" + dataset if dataset else ""} gives {given} of shape '
+      f'{input_shape}'
     )
   if num_classes < 2:
     raise errors.ConfigError(
       f'a classifier needs ≥ 2 classes, got {num_classes}'
     )
+  dtype = jnp.float32 if entry.takes == 'images' else jnp.int32
   return Model(
-    name, _ZOO[name](num_classes=num_classes), input_shape, num_classes
+    name, entry.module(num_classes=num_classes), input_shape, num_classes, dtype
   )

@@ -15,7 +15,8 @@ from typing import Any
 from fedjax_mr.core import errors
 
 ALGORITHMS = ('fedavg',)
-PARTITIONS = ('iid', 'dirichlet')
+PARTITIONS = ('iid', 'dirichlet', 'natural')
+CIFAR100_LABELS = ('fine', 'coarse')
 
 
 def _field(default: Any, help_text: str, *, choices=None, run_only=False):
@@ -31,10 +32,23 @@ def _dataset_names():
   return datasets.NAMES
 
 
+def _natural_names():
+  from fedjax_mr.data import datasets
+
+  return datasets.NATURAL
+
+
 def _model_names():
   from fedjax_mr.models import model
 
   return model.NAMES
+
+
+def _input_kinds(dataset: str, model_name: str) -> tuple[str, str]:
+  from fedjax_mr.data import datasets
+  from fedjax_mr.models import model
+
+  return datasets.input_kind(dataset), model.input_kind(model_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,15 +60,32 @@ class ExperimentConfig:
   data_dir: str = _field(
     '',
     'Folder with the dataset: IDX files for (fashion_)mnist (default '
-    '/usr/share/datasets/fashion-mnist for fashion_mnist), else a '
-    'tensorflow-datasets data dir.',
+    "/usr/share/datasets/fashion-mnist for fashion_mnist); LEAF's folder "
+    'holding train/ and test/ json for femnist, shakespeare; the folder '
+    'holding train/, valid/, test/ for cinic10; else a tensorflow-datasets '
+    'data dir.',
     run_only=True,
+  )
+  cifar100_labels: str = _field(
+    'fine',
+    'cifar100 only: fine (100 classes, as the papers) or coarse (the 20 '
+    'superclasses the reference code uses).',
+    choices=CIFAR100_LABELS,
+  )
+  leaf_min_samples: int = _field(
+    0,
+    'LEAF datasets (femnist, shakespeare) only: keep the users with more '
+    "than this many samples (train + test); 0 keeps all. The FedMR paper's "
+    'FEMNIST setting: 100.',
   )
   model: str = _field('cnn_mnist', 'Model name.', choices='models')
   num_clients: int = _field(100, 'Number of clients N.')
   clients_per_round: int = _field(10, 'Clients sampled per round K.')
   partition: str = _field(
-    'dirichlet', 'How to split data among clients.', choices=PARTITIONS
+    'dirichlet',
+    "How to split data among clients; natural: the dataset's own users "
+    '(femnist, shakespeare), num_clients of them chosen by the seed.',
+    choices=PARTITIONS,
   )
   alpha: float = _field(0.1, 'Dirichlet concentration (partition=dirichlet).')
   min_client_size: int = _field(
@@ -181,6 +212,7 @@ def validate(config: ExperimentConfig) -> None:
     'eval_every',
     'checkpoint_every',
     'min_client_size',
+    'leaf_min_samples',
     'client_chunk',
     'num_devices',
     'host_devices',
@@ -210,6 +242,29 @@ def validate(config: ExperimentConfig) -> None:
   if config.partition == 'dirichlet' and not config.alpha > 0:
     raise errors.ConfigError(
       f'--alpha must be > 0 for --partition=dirichlet, got {config.alpha}'
+    )
+  gives, takes = _input_kinds(config.dataset, config.model)
+  if gives != takes:
+    raise errors.ConfigError(
+      f'--model={config.model} takes {takes}; --dataset={config.dataset} '
+      f'gives {gives}'
+    )
+  natural = _natural_names()
+  if config.partition == 'natural' and config.dataset not in natural:
+    raise errors.ConfigError(
+      f'--partition=natural needs a dataset with its own clients '
+      f'({", ".join(natural)}); --dataset={config.dataset} has none: use '
+      '--partition=iid or dirichlet'
+    )
+  if config.leaf_min_samples and config.dataset not in natural:
+    raise errors.ConfigError(
+      f'--leaf_min_samples applies to LEAF datasets ({", ".join(natural)}) '
+      f'only, not --dataset={config.dataset}'
+    )
+  if config.cifar100_labels != 'fine' and config.dataset != 'cifar100':
+    raise errors.ConfigError(
+      f'--cifar100_labels={config.cifar100_labels} applies to '
+      f'--dataset=cifar100 only, not --dataset={config.dataset}'
     )
 
 

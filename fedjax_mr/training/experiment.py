@@ -18,6 +18,7 @@ import time
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -71,8 +72,18 @@ def build_server(config: config_lib.ExperimentConfig) -> types.ServerTransform:
 
 
 def make_partition(
-  config: config_lib.ExperimentConfig, labels: np.ndarray
+  config: config_lib.ExperimentConfig,
+  labels: np.ndarray,
+  clients: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
+  """Client index lists; `clients`: the dataset's own (partition=natural)."""
+  if config.partition == 'natural':
+    if clients is None:
+      raise errors.ConfigError(
+        f'--partition=natural: --dataset={config.dataset} has no natural '
+        'clients'
+      )
+    return list(clients)
   if config.partition == 'iid':
     return partition_lib.iid(len(labels), config.num_clients, config.seed)
   return partition_lib.dirichlet(
@@ -134,9 +145,21 @@ def train_and_evaluate(
     with open(config_path, 'w') as f:
       json.dump(config.to_dict(), f, indent=2)
 
-  dataset = datasets.load(config.dataset, config.data_dir or None)
-  model = model_lib.get(config.model, dataset.num_classes, dataset.input_shape)
-  parts = make_partition(config, dataset.y_train)
+  dataset = datasets.load(
+    config.dataset,
+    config.data_dir or None,
+    cifar100_labels=config.cifar100_labels,
+    leaf_min_samples=config.leaf_min_samples,
+  )
+  if config.partition == 'natural':
+    dataset = datasets.natural_clients(dataset, config.num_clients, config.seed)
+  model = model_lib.get(
+    config.model,
+    dataset.num_classes,
+    dataset.input_shape,
+    dataset=config.dataset,
+  )
+  parts = make_partition(config, dataset.y_train, dataset.clients)
   if primary:
     partition_lib.save_summary(
       os.path.join(workdir, PARTITION_FILE),

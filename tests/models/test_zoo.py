@@ -1,0 +1,205 @@
+"""ResNet-20/18, VGG-16 and the char LSTM: counts, BatchNorm state, dropout,
+registry errors."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_mr.core import errors
+from fedjax_mr.core import tree
+from fedjax_mr.models import layers
+from fedjax_mr.models import lstm
+from fedjax_mr.models import model as model_lib
+from fedjax_mr.models import resnet
+
+
+def _abstract(m):
+  return jax.eval_shape(m.init, jax.random.key(0))
+
+
+# Parameter counts as PyTorch counts them (BN scale and bias are parameters;
+# running statistics are buffers, here `batch_stats`).
+@pytest.mark.parametrize(
+  'name,classes,shape,count,stats',
+  [
+    ('resnet20', 10, (32, 32, 3), 218_970, 2_208),
+    ('resnet20', 62, (28, 28, 1), 232_046, 2_208),
+    ('resnet18', 10, (32, 32, 3), 11_173_962, 9_600),
+    ('vgg16', 10, (32, 32, 3), 33_646_666, 8_448),
+    ('vgg16', 62, (28, 28, 1), 33_858_558, 8_448),
+    ('char_lstm', 80, (80,), 819_920, 0),
+  ],
+)
+def test_parameter_counts(name, classes, shape, count, stats):
+  v = _abstract(model_lib.get(name, classes, shape))
+  assert tree.num_parameters(v['params']) == count
+  assert tree.num_parameters(v.get('batch_stats', {})) == stats
+  logits = jax.eval_shape(
+    model_lib.get(name, classes, shape).apply_eval,
+    v,
+    jax.ShapeDtypeStruct((2, *shape), jnp.float32),
+  )
+  assert logits.shape == (2, classes)
+
+
+def test_resnet20_leaves_out_the_unused_final_bn():
+  # The reference builds BatchNorm(256) after the last stage and never calls
+  # it: PyTorch counts 219,482 = 218,970 + 512 (its scale and bias).
+  m = model_lib.get('resnet20', 10, (32, 32, 3))
+  with_bn = m._replace(module=resnet.ResNet20(10, final_bn_relu=True))
+  v, v_bn = _abstract(m), _abstract(with_bn)
+  assert tree.num_parameters(v_bn['params']) == 219_482
+  assert (
+    tree.num_parameters(v_bn['params']) - tree.num_parameters(v['params'])
+    == 2 * 256
+  )
+  assert 'bn' not in v['params'] and 'bn' in v_bn['params']
+
+
+def test_lstm_count_and_leaves_follow_pytorch():
+  # Not traced: jax transformations return dicts with sorted keys.
+  v = model_lib.get('char_lstm', 80, (80,)).init(jax.random.key(0))
+  # Insertion order = PyTorch's state_dict order (FedMR-p's model order).
+  assert list(v['params']) == ['embed', 'lstm0', 'lstm1', 'fc']
+  assert list(v['params']['lstm0']) == ['w_ih', 'w_hh', 'b_ih', 'b_hh']
+  shapes = jax.tree.map(lambda a: a.shape, v['params'])
+  assert shapes['lstm0'] == {
+    'w_ih': (8, 1024),
+    'w_hh': (256, 1024),
+    'b_ih': (1024,),
+    'b_hh': (1024,),
+  }
+  # With one bias per layer (Flax's LSTMCell) it would be 2 × 1024 fewer.
+  assert 819_920 - 2 * 1024 == 817_872
+
+
+def test_lstm_layer_matches_the_pytorch_equations():
+  layer = lstm.LSTMLayer(3)
+  x = jax.random.normal(jax.random.key(0), (2, 4, 5))
+  v = layer.init(jax.random.key(1), x)
+  p = jax.tree.map(
+    lambda a: a + 0.1 * jax.random.normal(jax.random.key(2), a.shape),
+    v['params'],
+  )
+  got = layer.apply({'params': p}, x)
+  p = jax.tree.map(np.asarray, p)
+  sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+  h = c = np.zeros((2, 3))
+  for t in range(4):
+    g = np.asarray(x[:, t]) @ p['w_ih'] + p['b_ih'] + h @ p['w_hh'] + p['b_hh']
+    i, f, gg, o = np.split(g, 4, axis=-1)
+    c = sig(f) * c + sig(i) * np.tanh(gg)
+    h = sig(o) * np.tanh(c)
+    np.testing.assert_allclose(got[:, t], h, rtol=1e-5, atol=1e-6)
+
+
+def test_char_lstm_takes_int_tokens():
+  m = model_lib.get('char_lstm', 80, (80,))
+  assert m.input_dtype == jnp.int32
+  v = m.init(jax.random.key(0))
+  x = np.random.default_rng(0).integers(0, 80, (3, 80)).astype(np.uint8)
+  logits, state = m.apply_train(v, x, jax.random.key(1))
+  assert logits.shape == (3, 80) and state == {}
+  np.testing.assert_allclose(m.apply_eval(v, x), logits, rtol=1e-5)
+
+
+def test_every_conv_is_the_fast_one():
+  seen = set()
+
+  def spy(next_fun, args, kwargs, context):
+    seen.add(type(context.module))
+    return next_fun(*args, **kwargs)
+
+  for name, shape in (
+    ('resnet20', (32, 32, 3)),
+    ('resnet18', (32, 32, 3)),
+    ('vgg16', (32, 32, 3)),
+  ):
+    with nn.intercept_methods(spy):
+      _abstract(model_lib.get(name, 10, shape))
+  assert layers.Conv in seen and nn.BatchNorm in seen
+  assert not any(issubclass(t, nn.Conv) for t in seen)
+
+
+def test_batch_norm_momentum_and_mask():
+  class BN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train, mask):
+      return layers.batch_norm(x, train, mask)
+
+  x = jax.random.normal(jax.random.key(0), (4, 2, 2, 3)) * 2 + 1
+  mask = jnp.array([1.0, 1.0, 1.0, 0.0])
+  v = BN().init(jax.random.key(1), x, False, None)
+  _, state = BN().apply(v, x, True, mask, mutable=['batch_stats'])
+  real = np.asarray(x[:3]).reshape(-1, 3)
+  stats = state['batch_stats']['BatchNorm_0']
+  # PyTorch's momentum 0.1: running = 0.9 · running + 0.1 · batch.
+  np.testing.assert_allclose(stats['mean'], 0.1 * real.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(stats['var'], 0.9 + 0.1 * real.var(0), rtol=1e-5)
+
+
+@pytest.mark.parametrize('name', ['resnet20', 'resnet18', 'vgg16'])
+def test_padded_rows_change_neither_statistics_nor_real_logits(name):
+  m = model_lib.get(name, 10, (8, 8, 3))
+  v = m.init(jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (3, 8, 8, 3))
+  junk = x.at[2].set(100.0)
+  mask = jnp.array([1.0, 1.0, 0.0])
+  key = jax.random.key(2)
+  apply = jax.jit(m.apply_train)
+  logits_a, state_a = apply(v, x, key, mask)
+  logits_b, state_b = apply(v, junk, key, mask)
+  np.testing.assert_allclose(logits_a[:2], logits_b[:2], rtol=1e-4, atol=1e-4)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    state_a,
+    state_b,
+  )
+  # The statistics did move (0.1 of the batch statistics).
+  moved = jax.tree.map(
+    lambda a, b: float(jnp.max(jnp.abs(a - b))),
+    state_a['batch_stats'],
+    v['batch_stats'],
+  )
+  assert min(jax.tree.leaves(moved)) > 0
+  # Evaluation uses the running statistics: rows are independent.
+  out = m.apply_eval({**v, **state_a}, junk)
+  np.testing.assert_allclose(
+    out[:2], m.apply_eval({**v, **state_a}, x)[:2], rtol=1e-5, atol=1e-5
+  )
+
+
+def test_vgg_dropout_only_in_training():
+  m = model_lib.get('vgg16', 10, (8, 8, 3))
+  v = m.init(jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
+  a, _ = m.apply_train(v, x, jax.random.key(1))
+  b, _ = m.apply_train(v, x, jax.random.key(1))
+  c, _ = m.apply_train(v, x, jax.random.key(2))
+  np.testing.assert_array_equal(a, b)
+  assert not np.allclose(a, c)
+  np.testing.assert_array_equal(m.apply_eval(v, x), m.apply_eval(v, x))
+
+
+@pytest.mark.parametrize(
+  'name,shape,dataset,match',
+  [
+    ('char_lstm', (32, 32, 3), 'cifar10', 'takes token sequences.*cifar10'),
+    ('resnet20', (80,), 'shakespeare', 'takes images.*shakespeare'),
+    ('vgg16', (80,), 'shakespeare', 'takes images'),
+    ('cnn_cifar', (80,), 'shakespeare', 'takes images'),
+    ('resnet18', (4, 4, 3), '', r'H, W ≥ 8'),
+  ],
+)
+def test_incompatible_pairs_name_model_and_dataset(name, shape, dataset, match):
+  with pytest.raises(errors.ConfigError, match=match) as e:
+    model_lib.get(name, 10, shape, dataset=dataset)
+  assert f'--model={name}' in str(e.value) and '--dataset' in str(e.value)
+
+
+def test_registry_lists_the_zoo():
+  assert {'resnet20', 'resnet18', 'vgg16', 'char_lstm'} <= set(model_lib.NAMES)
+  with pytest.raises(errors.ConfigError, match='--model.*resnet20'):
+    model_lib.get('resnet1000', 10, (32, 32, 3))
