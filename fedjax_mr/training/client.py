@@ -69,8 +69,6 @@ def make_client_update(
     `client_update(variables, data, client_id, key) -> ClientOutput`, where
     `data` is a `ClientData` and `client_id` an int32 scalar.
   """
-  b = int(batch_size)
-
   def loss_fn(params, state, x, y, mask, key):
     logits, new_state = model.apply_train(
       {'params': params, **state}, x, key, mask=mask
@@ -82,6 +80,7 @@ def make_client_update(
 
   def client_update(variables, data, client_id, key):
     n_max = data.max_size
+    b = min(batch_size, n_max)  # no client fills a larger batch
     row = data.indices[client_id]
     n = data.sizes[client_id]
     steps_per_epoch = (n + b - 1) // b

@@ -1,0 +1,297 @@
+r"""Benchmarks a federated round against the hardware limit.
+
+  python -m experiments.benchmark                 # default setting
+  python -m experiments.benchmark --matrix        # 1/all devices × equal/Dirichlet
+  python -m experiments.benchmark --num_clients=10000 --clients_per_round=1000
+
+For one setting it prints: compile time; steady-state seconds per round
+(median over --rounds after a warm-up, `block_until_ready`); the *limit* —
+centralised training of the same model on the same number of sample-steps
+and batch size, as one jitted loop in this process with the same fast
+layers; the ratio round/limit; samples/s; achieved GFLOP/s; the server-side
+share of a round; and peak memory. With Dirichlet sizes every round runs a
+different number of steps, so the limit is scaled to each round's exact
+steps (`round / exact-steps cost`). The last line is
+`round/limit ratio: X.XX` for the first setting.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+
+from absl import app
+from absl import flags
+
+flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
+flags.DEFINE_string('data_dir', '', 'Dataset folder (see experiments.run).')
+flags.DEFINE_string('model', 'cnn_mnist', 'Model.')
+flags.DEFINE_integer('num_clients', 100, 'Clients N.')
+flags.DEFINE_integer('clients_per_round', 10, 'Clients per round K.')
+flags.DEFINE_integer('local_epochs', 5, 'Local epochs E.')
+flags.DEFINE_integer('batch_size', 50, 'Batch size B.')
+flags.DEFINE_enum('sizes', 'equal', ['equal', 'dirichlet'], 'Client sizes.')
+flags.DEFINE_float('alpha', 0.1, 'Dirichlet α for --sizes=dirichlet.')
+flags.DEFINE_string('devices', '1', "Devices: '1', 'all', or a number.")
+flags.DEFINE_integer('client_chunk', 0, '0: 1 on CPU, all on accelerators.')
+flags.DEFINE_integer('host_devices', 0, 'XLA host devices (0: auto).')
+flags.DEFINE_integer('rounds', 5, 'Timed rounds (after one warm-up).')
+flags.DEFINE_bool(
+  'matrix', False, '1 and all devices × equal and Dirichlet sizes.'
+)
+FLAGS = flags.FLAGS
+
+
+def _block(x):
+  import jax
+
+  return jax.block_until_ready(x)
+
+
+def _setup():
+  import jax
+  import optax
+
+  from fedjax_mr.data import client_data
+  from fedjax_mr.data import datasets
+  from fedjax_mr.data import partition
+  from fedjax_mr.models import model as model_lib
+  from fedjax_mr.training import client
+
+  ds = datasets.load(FLAGS.dataset, FLAGS.data_dir or None)
+  model = model_lib.get(FLAGS.model, ds.num_classes, ds.input_shape)
+  opt = optax.sgd(0.01, momentum=0.9)
+  update = client.make_client_update(
+    model, opt, local_epochs=FLAGS.local_epochs, batch_size=FLAGS.batch_size
+  )
+  variables = model.init(jax.random.key(0))
+  parts = {
+    'equal': partition.iid(len(ds.y_train), FLAGS.num_clients, 0),
+    'dirichlet': partition.dirichlet(
+      ds.y_train, FLAGS.num_clients, FLAGS.alpha, 0
+    ),
+  }
+  data = {
+    k: client_data.from_partition(
+      ds.x_train, ds.y_train, p, ds.scale, ds.shift
+    )
+    for k, p in parts.items()
+  }
+  return ds, model, opt, update, variables, data
+
+
+def _limit(model, opt, variables, data, steps, b):
+  """Seconds per step of centralised SGD (one jitted loop, same layers)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax import lax
+
+  from fedjax_mr.data import client_data
+
+  m = data.x.shape[0]
+
+  def loss_fn(params, x, y):
+    logits, _ = model.apply_train({'params': params}, x, jax.random.key(0))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  grad_fn = jax.grad(loss_fn)
+
+  def train_step(params, opt_state, x, y):
+    g = grad_fn(params, x, y)
+    updates, opt_state = opt.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def train(params, x_all, y_all, key):
+    idx = jax.random.randint(key, (steps, b), 0, m)
+
+    def step(i, carry):
+      params, opt_state = carry
+      j = idx[i]
+      x = client_data.normalize(x_all[j], data.scale, data.shift)
+      return train_step(params, opt_state, x, y_all[j])
+
+    return lax.fori_loop(0, steps, step, (params, opt.init(params)))[0]
+
+  fn = jax.jit(train)
+  params = variables['params']
+  _block(fn(params, data.x, data.y, jax.random.key(0)))
+  times = []
+  for r in range(3):
+    t = time.perf_counter()
+    _block(fn(params, data.x, data.y, jax.random.key(r)))
+    times.append(time.perf_counter() - t)
+  x = jnp.zeros((b, *model.input_shape), jnp.float32)
+  y = jnp.zeros((b,), jnp.int32)
+  cost = (
+    jax.jit(train_step)
+    .lower(params, opt.init(params), x, y)
+    .compile()
+    .cost_analysis()
+  )
+  if isinstance(cost, list):
+    cost = cost[0]
+  flops = float(cost.get('flops', 0.0)) if cost else 0.0
+  return statistics.median(times) / steps, flops
+
+
+def _bench(setting, devices, model, opt, update, variables, data, limits):
+  import jax
+  import numpy as np
+
+  from fedjax_mr.server import fedavg
+  from fedjax_mr.training import engine
+
+  k = FLAGS.clients_per_round
+  d = len(jax.devices()) if devices == 'all' else int(devices)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:d]), ('clients',))
+  platform = jax.devices()[0].platform
+  chunk = FLAGS.client_chunk or (1 if platform == 'cpu' else k // d)
+  server = fedavg.fedavg(k)
+  round_fn = jax.jit(
+    engine.make_round_fn(
+      server,
+      update,
+      clients_per_round=k,
+      client_chunk=chunk,
+      mesh=mesh if d > 1 else None,
+    )
+  )
+  state = engine.init_state(server, variables)
+  key = jax.random.key(1)
+  t = time.perf_counter()
+  compiled = round_fn.lower(state, data, key).compile()
+  compile_s = time.perf_counter() - t
+  _block(compiled(state, data, key))  # warm-up
+  times, steps, examples = [], [], []
+  s = state
+  for _ in range(FLAGS.rounds):
+    t = time.perf_counter()
+    s, m = compiled(s, data, key)
+    _block(s)
+    times.append(time.perf_counter() - t)
+    steps.append(int(m['num_steps']))
+    examples.append(int(m['num_examples']) * FLAGS.local_epochs)
+
+  # Server-side work alone: dispatch + aggregate on stacked client outputs.
+  from fedjax_mr.core import types
+
+  def server_only(st, variables_k):
+    out = types.ClientOutput(
+      variables_k,
+      jax.numpy.ones((k,), jax.numpy.int32),
+      jax.numpy.zeros((k,)),
+      jax.numpy.ones((k,), jax.numpy.int32),
+    )
+    inputs = server.dispatch(st.server, st.round, key)
+    new, _ = server.aggregate(st.server, out, st.round, key)
+    return new, inputs
+
+  stacked = server.dispatch(state.server, state.round, key)
+  srv = jax.jit(server_only)
+  _block(srv(state, stacked))
+  t = time.perf_counter()
+  for _ in range(10):
+    _block(srv(state, stacked))
+  server_s = (time.perf_counter() - t) / 10
+
+  b = min(FLAGS.batch_size, int(data.max_size))
+  per_step, flops = limits.get(b) or limits.setdefault(
+    b, _limit(model, opt, variables, data, int(np.median(steps)), b)
+  )
+  ratios = [tm / (per_step * st) for tm, st in zip(times, steps)]
+  round_s = statistics.median(times)
+  return {
+    'setting': setting,
+    'devices': d,
+    'chunk': chunk,
+    'compile_s': compile_s,
+    'round_s': round_s,
+    'steps': statistics.median(steps),
+    'limit_s': per_step * statistics.median(steps),
+    'ratio': statistics.median(ratios),
+    'samples_per_s': statistics.median(
+      [e / tm for e, tm in zip(examples, times)]
+    ),
+    'gflops': statistics.median(
+      [flops * st / tm / 1e9 for st, tm in zip(steps, times)]
+    ),
+    'server_pct': 100 * server_s / round_s,
+  }
+
+
+def _memory_line():
+  import jax
+
+  peak_host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+  line = f'peak host memory: {peak_host:.0f} MiB'
+  stats = jax.devices()[0].memory_stats() or {}
+  if 'peak_bytes_in_use' in stats:
+    line += f'; peak device memory: {stats["peak_bytes_in_use"] / 2**20:.0f} MiB'
+  return line
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  from fedjax_mr.core import errors
+  from fedjax_mr.training import distributed
+
+  k = FLAGS.clients_per_round
+  distributed.initialize(host_devices=FLAGS.host_devices, clients_per_round=k)
+  import jax
+
+  try:
+    ds, model, opt, update, variables, data = _setup()
+  except errors.UserError as e:
+    raise app.UsageError(str(e)) from None
+  n_dev = len(jax.devices())
+  if FLAGS.devices not in ('all',) and not FLAGS.devices.isdigit():
+    raise app.UsageError("--devices must be '1', 'all' or a number")
+  if FLAGS.matrix:
+    runs = [
+      (sizes, dev)
+      for sizes in ('equal', 'dirichlet')
+      for dev in ('1', 'all')
+    ]
+  else:
+    runs = [(FLAGS.sizes, FLAGS.devices)]
+  for sizes, dev in runs:
+    d = n_dev if dev == 'all' else int(dev)
+    if d > n_dev or k % d:
+      raise app.UsageError(
+        f'--devices={dev}: need a divisor of K={k} and at most {n_dev}'
+      )
+  print(
+    f'{FLAGS.model} on {FLAGS.dataset}: K={k} of N={FLAGS.num_clients}, '
+    f'E={FLAGS.local_epochs}, B={FLAGS.batch_size}; {n_dev} '
+    f'{jax.devices()[0].platform} device(s), {FLAGS.rounds} timed rounds'
+  )
+  results, limits = [], {}
+  first_ratio = None
+  for sizes, dev in runs:
+    r = _bench(sizes, dev, model, opt, update, variables, data[sizes], limits)
+    results.append(r)
+    if first_ratio is None:
+      first_ratio = r['ratio']
+    print(
+      f'[{r["setting"]}, {r["devices"]} device(s), chunk {r["chunk"]}] '
+      f'compile {r["compile_s"]:.2f}s | round {r["round_s"]:.3f}s '
+      f'({r["steps"]:.0f} steps) | limit {r["limit_s"]:.3f}s | '
+      f'round/limit {r["ratio"]:.3f} | {r["samples_per_s"]:.0f} samples/s | '
+      f'{r["gflops"]:.1f} GFLOP/s | server {r["server_pct"]:.3f}% of round'
+    )
+  by = {(r['setting'], r['devices']): r for r in results}
+  for sizes in ('equal', 'dirichlet'):
+    if (sizes, 1) in by and (sizes, n_dev) in by and n_dev > 1:
+      speedup = by[(sizes, 1)]['round_s'] / by[(sizes, n_dev)]['round_s']
+      print(f'{sizes}: {n_dev} devices are {speedup:.2f}x faster than 1')
+  print(_memory_line())
+  print(f'round/limit ratio: {first_ratio:.2f}')
+
+
+if __name__ == '__main__':
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  app.run(main)
