@@ -1,7 +1,7 @@
 r"""Benchmarks a federated round against the hardware limit.
 
   python -m experiments.benchmark                 # default setting
-  python -m experiments.benchmark --matrix        # 1/all devices × equal/Dirichlet
+  python -m experiments.benchmark --matrix        # devices × sizes
   python -m experiments.benchmark --num_clients=10000 --clients_per_round=1000
 
 For one setting it prints: compile time; steady-state seconds per round
@@ -74,9 +74,7 @@ def _setup():
     ),
   }
   data = {
-    k: client_data.from_partition(
-      ds.x_train, ds.y_train, p, ds.scale, ds.shift
-    )
+    k: client_data.from_partition(ds.x_train, ds.y_train, p, ds.scale, ds.shift)
     for k, p in parts.items()
   }
   return ds, model, opt, update, variables, data
@@ -229,7 +227,8 @@ def _memory_line():
   line = f'peak host memory: {peak_host:.0f} MiB'
   stats = jax.devices()[0].memory_stats() or {}
   if 'peak_bytes_in_use' in stats:
-    line += f'; peak device memory: {stats["peak_bytes_in_use"] / 2**20:.0f} MiB'
+    peak = stats['peak_bytes_in_use'] / 2**20
+    line += f'; peak device memory: {peak:.0f} MiB'
   return line
 
 
@@ -252,9 +251,7 @@ def main(argv):
     raise app.UsageError("--devices must be '1', 'all' or a number")
   if FLAGS.matrix:
     runs = [
-      (sizes, dev)
-      for sizes in ('equal', 'dirichlet')
-      for dev in ('1', 'all')
+      (sizes, dev) for sizes in ('equal', 'dirichlet') for dev in ('1', 'all')
     ]
   else:
     runs = [(FLAGS.sizes, FLAGS.devices)]

@@ -70,6 +70,4 @@ class LinearBN(nn.Module):
 
 
 def linear_bn_model(num_classes=3, shape=(2, 2, 1)):
-  return model_lib.Model(
-    'linear_bn', LinearBN(num_classes), shape, num_classes
-  )
+  return model_lib.Model('linear_bn', LinearBN(num_classes), shape, num_classes)

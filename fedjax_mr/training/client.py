@@ -69,6 +69,7 @@ def make_client_update(
     `client_update(variables, data, client_id, key) -> ClientOutput`, where
     `data` is a `ClientData` and `client_id` an int32 scalar.
   """
+
   def loss_fn(params, state, x, y, mask, key):
     logits, new_state = model.apply_train(
       {'params': params, **state}, x, key, mask=mask
