@@ -14,7 +14,11 @@ from typing import Any
 
 from fedjax_mr.core import errors
 
-ALGORITHMS = ('fedavg',)
+ALGORITHMS = ('fedavg', 'fedmr', 'fedmr_p', 'indep', 'fedmut')
+# The algorithms that keep K different models, one per sampled client.
+MULTI_MODEL = ('fedmr', 'fedmr_p', 'indep', 'fedmut')
+WEIGHTINGS = ('auto', 'examples', 'uniform')
+GROUPINGS = ('leaf', 'module')
 PARTITIONS = ('iid', 'dirichlet', 'natural')
 CIFAR100_LABELS = ('fine', 'coarse')
 
@@ -96,13 +100,69 @@ class ExperimentConfig:
   batch_size: int = _field(50, 'Local batch size B.')
   lr: float = _field(0.01, 'Client SGD learning rate.')
   momentum: float = _field(0.9, 'Client SGD momentum (0 for plain SGD).')
-  weighted: bool = _field(
-    True, 'FedAvg: weight clients by their number of examples.'
+  weighting: str = _field(
+    'auto',
+    'How the server averages the K trained models: examples (by their '
+    'numbers of examples) or uniform (plain mean); auto: examples for '
+    'fedavg, uniform for fedmr, fedmr_p, indep and fedmut (as the '
+    "authors' code).",
+    choices=WEIGHTINGS,
+  )
+  fedmr_first_stage: int = _field(
+    0,
+    'fedmr, fedmr_p, indep: rounds of the first (FedAvg) stage of '
+    'two-stage training; recombination starts after them (papers: 0 for '
+    'the CNN, 100 for ResNet-20 and VGG-16).',
+  )
+  fedmr_grouping: str = _field(
+    'leaf',
+    'fedmr, fedmr_p, indep, fedmut: what one layer is: leaf (every tensor, '
+    "params and BatchNorm statistics, as the authors' code) or module "
+    '(kernel and bias of one module together).',
+    choices=GROUPINGS,
+  )
+  fedmr_segments: int = _field(
+    2,
+    'fedmr_p: number of contiguous segments of layers (in model order) '
+    'recombined as units; >= 2 (1 is --algorithm=indep).',
+  )
+  fedmr_secure_repeats: int = _field(
+    0,
+    'fedmr, fedmr_p, indep: repeats r_s of the client-to-client secure '
+    'recombination before upload (0: none).',
+  )
+  fedmr_secure_min_sent: int = _field(
+    1,
+    'Secure recombination: least number of layers a client sends per '
+    'repeat (n_l).',
+  )
+  fedmr_secure_max_sent: int = _field(
+    0,
+    'Secure recombination: most layers a client sends per repeat (n_u); '
+    '0: all layers.',
+  )
+  fedmut_alpha: float = _field(
+    4.0, 'fedmut: mutation range alpha (paper: 4; 5 diverges).'
+  )
+  fedmut_beta0: float = _field(
+    0.3,
+    'fedmut: initial dynamic preference beta_0 (paper: 0.3 for CNN and '
+    'VGG-16, 0.5 for ResNet-18).',
+  )
+  fedmut_bound: int = _field(
+    50, 'fedmut: rounds T_b over which beta decays linearly to 0.'
   )
   eval_every: int = _field(
     1,
     'Evaluate on the test set every this many rounds (0: only at the '
     'end); always at the end.',
+    run_only=True,
+  )
+  local_eval_every: int = _field(
+    10,
+    'fedmr, fedmr_p, indep, fedmut: also evaluate the K models the next '
+    'round dispatches (mean and std of their test accuracy) every this '
+    'many rounds (0: only at the end); costs K evaluations.',
     run_only=True,
   )
   eval_batch_size: int = _field(
@@ -210,9 +270,15 @@ def validate(config: ExperimentConfig) -> None:
       )
   non_negative = (
     'eval_every',
+    'local_eval_every',
     'checkpoint_every',
     'min_client_size',
     'leaf_min_samples',
+    'fedmr_first_stage',
+    'fedmr_secure_repeats',
+    'fedmr_secure_min_sent',
+    'fedmr_secure_max_sent',
+    'fedmut_bound',
     'client_chunk',
     'num_devices',
     'host_devices',
@@ -266,6 +332,72 @@ def validate(config: ExperimentConfig) -> None:
       f'--cifar100_labels={config.cifar100_labels} applies to '
       f'--dataset=cifar100 only, not --dataset={config.dataset}'
     )
+  _validate_algorithm_flags(config)
+
+
+_FEDMR = ('fedmr', 'fedmr_p', 'indep')
+# Flags that only some algorithms read: setting one for another algorithm
+# is a mistake worth an error, not a silently ignored value.
+_ALGORITHM_FLAGS = {
+  'fedmr_first_stage': _FEDMR,
+  'fedmr_grouping': _FEDMR + ('fedmut',),
+  'fedmr_segments': ('fedmr_p',),
+  'fedmr_secure_repeats': _FEDMR,
+  'fedmr_secure_min_sent': _FEDMR,
+  'fedmr_secure_max_sent': _FEDMR,
+  'fedmut_alpha': ('fedmut',),
+  'fedmut_beta0': ('fedmut',),
+  'fedmut_bound': ('fedmut',),
+}
+
+
+def _validate_algorithm_flags(config: ExperimentConfig) -> None:
+  defaults = ExperimentConfig()
+  for name, algorithms in _ALGORITHM_FLAGS.items():
+    value = getattr(config, name)
+    if value != getattr(defaults, name) and config.algorithm not in algorithms:
+      raise errors.ConfigError(
+        f'--{name}={value} applies to --algorithm={"|".join(algorithms)} '
+        f'only, not --algorithm={config.algorithm}'
+      )
+  if config.algorithm == 'fedmr_p' and config.fedmr_segments < 2:
+    raise errors.ConfigError(
+      f'--fedmr_segments must be >= 2 for --algorithm=fedmr_p, got '
+      f'{config.fedmr_segments} (one segment is --algorithm=indep)'
+    )
+  if config.fedmr_secure_repeats:
+    if config.weighting == 'examples':
+      raise errors.ConfigError(
+        '--weighting=examples is not available with --fedmr_secure_repeats: '
+        'after secure recombination the server cannot tell which client a '
+        'layer came from'
+      )
+    if config.clients_per_round < 2:
+      raise errors.ConfigError(
+        '--fedmr_secure_repeats needs --clients_per_round >= 2'
+      )
+    hi = config.fedmr_secure_max_sent
+    if hi and config.fedmr_secure_min_sent > hi:
+      raise errors.ConfigError(
+        f'--fedmr_secure_min_sent={config.fedmr_secure_min_sent} exceeds '
+        f'--fedmr_secure_max_sent={hi}'
+      )
+  if config.fedmut_alpha < 0:
+    raise errors.ConfigError(
+      f'--fedmut_alpha must be >= 0, got {config.fedmut_alpha}'
+    )
+  if not 0 <= config.fedmut_beta0 < 2:
+    raise errors.ConfigError(
+      f'--fedmut_beta0 must be in [0, 2), got {config.fedmut_beta0} (at 2 '
+      'the negative coefficients -1 + beta turn into +1)'
+    )
+
+
+def uniform_weights(config: ExperimentConfig) -> bool:
+  """Whether the server takes the plain mean of the K trained models."""
+  if config.weighting == 'auto':
+    return config.algorithm != 'fedavg'
+  return config.weighting == 'uniform'
 
 
 def check_resumable(config: ExperimentConfig, saved_path: str) -> None:
@@ -276,10 +408,12 @@ def check_resumable(config: ExperimentConfig, saved_path: str) -> None:
       saved = json.load(f)
   except (OSError, ValueError) as e:
     raise errors.ConfigError(f'cannot read {saved_path}: {e}') from None
+  # A field the saved run predates had its default there.
+  defaults = ExperimentConfig().identity()
   diffs = [
-    f'--{k}={saved.get(k)!r} there, {v!r} here'
+    f'--{k}={saved.get(k, defaults[k])!r} there, {v!r} here'
     for k, v in config.identity().items()
-    if saved.get(k) != v
+    if saved.get(k, defaults[k]) != v
   ]
   if diffs:
     raise errors.ConfigError(

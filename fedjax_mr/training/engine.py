@@ -38,9 +38,34 @@ class RoundState:
 def init_state(
   server: types.ServerTransform, variables: types.Variables
 ) -> RoundState:
-  """The state before round 0, from the initial model variables."""
-  return RoundState(
-    round=jnp.zeros((), jnp.int32), server=server.init(variables)
+  """The state before round 0, from the initial model variables.
+
+  The server state is copied leaf by leaf: the round donates the state, and
+  a transform whose state holds one array twice (or the caller's own
+  `variables`) would otherwise donate one buffer twice.
+  """
+  server_state = jax.tree.map(
+    lambda x: jnp.array(x, copy=True), server.init(variables)
+  )
+  return RoundState(round=jnp.zeros((), jnp.int32), server=server_state)
+
+
+def round_keys(key: jax.Array, round_index: jax.Array) -> jax.Array:
+  """`[4]` keys of a round: sampling, dispatch, clients, aggregation."""
+  return jax.random.split(jax.random.fold_in(key, round_index), 4)
+
+
+def next_models(
+  server: types.ServerTransform, state: RoundState, key: jax.Array
+) -> Any:
+  """The K models the next round will dispatch (leaves `[K, ...]`).
+
+  Exactly what `round_fn(state, data, key)` sends its clients: the same
+  dispatch key. For FedMR the recombined models, for FedMut the mutated
+  ones; diagnostics evaluate them.
+  """
+  return server.dispatch(
+    state.server, state.round, round_keys(key, state.round)[1]
   )
 
 
@@ -100,8 +125,8 @@ def make_round_fn(
 ]:
   """Builds one federated round.
 
-  The round's key is `fold_in(key, state.round)`, split into the keys for
-  sampling, dispatch, the clients and aggregation. Client k's key does not
+  The round's keys are `round_keys(key, state.round)`: sampling, dispatch,
+  the clients and aggregation. Client k's key does not
   depend on where it runs, so results do not depend on `client_chunk` or
   on the mesh (up to float reassociation).
 
@@ -149,8 +174,7 @@ def make_round_fn(
     )
 
   def round_fn(state, data, key):
-    rkey = jax.random.fold_in(key, state.round)
-    k_sample, k_dispatch, k_clients, k_aggregate = jax.random.split(rkey, 4)
+    k_sample, k_dispatch, k_clients, k_aggregate = round_keys(key, state.round)
     ids = sample_clients(k_sample, data.num_clients, k)
     inputs = server.dispatch(state.server, state.round, k_dispatch)
     keys = jax.random.split(k_clients, k)
@@ -209,3 +233,17 @@ def make_evaluate(
     }
 
   return evaluate
+
+
+def make_evaluate_many(
+  model: model_lib.Model,
+) -> Callable[
+  [types.Variables, client_data_lib.EvalData], dict[str, jax.Array]
+]:
+  """Like `make_evaluate`, for K stacked models (leaves `[K, ...]`).
+
+  The models run one after another (`lax.map`), so memory stays that of
+  one evaluation. Returns `{'accuracy': [K], 'loss': [K]}`.
+  """
+  evaluate = make_evaluate(model)
+  return lambda stacked, data: lax.map(lambda v: evaluate(v, data), stacked)

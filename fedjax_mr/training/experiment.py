@@ -25,12 +25,15 @@ import numpy as np
 import optax
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import grouping
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.server import fedavg
+from fedjax_mr.server import fedmr
+from fedjax_mr.server import fedmut
 from fedjax_mr.training import checkpoint
 from fedjax_mr.training import client
 from fedjax_mr.training import config as config_lib
@@ -61,10 +64,56 @@ class Result(NamedTuple):
   workdir: str
 
 
-def build_server(config: config_lib.ExperimentConfig) -> types.ServerTransform:
-  """The server transform named by `config.algorithm`."""
+def build_server(
+  config: config_lib.ExperimentConfig, variables: types.Variables
+) -> types.ServerTransform:
+  """The server transform named by `config.algorithm`.
+
+  Args:
+    config: the experiment (validated).
+    variables: the initial model variables as `model.init` returns them
+      (their key order is the model's layer order, which FedMR-p's segments
+      follow).
+  """
+  k = config.clients_per_round
+  weighted = not config_lib.uniform_weights(config)
   if config.algorithm == 'fedavg':
-    return fedavg.fedavg(config.clients_per_round, weighted=config.weighted)
+    return fedavg.fedavg(k, weighted=weighted)
+  if config.algorithm == 'fedmut':
+    return fedmut.fedmut(
+      k,
+      alpha=config.fedmut_alpha,
+      beta0=config.fedmut_beta0,
+      bound=config.fedmut_bound,
+      weighted=weighted,
+      grouping=config.fedmr_grouping,
+    )
+  if config.algorithm in ('fedmr', 'fedmr_p', 'indep'):
+    segments = {'fedmr': None, 'fedmr_p': config.fedmr_segments, 'indep': 1}
+    repeats = config.fedmr_secure_repeats
+    max_sent = config.fedmr_secure_max_sent or None
+    if repeats:
+      num_layers = len(fedmr.secure_layers(variables, config.fedmr_grouping))
+      hi = max_sent or num_layers
+      if not config.fedmr_secure_min_sent <= hi <= num_layers:
+        raise errors.ConfigError(
+          f'--fedmr_secure_min_sent={config.fedmr_secure_min_sent} and '
+          f'--fedmr_secure_max_sent={config.fedmr_secure_max_sent} must '
+          f'satisfy min <= max <= {num_layers}, the number of layers of '
+          f'--model={config.model} with --fedmr_grouping='
+          f'{config.fedmr_grouping}'
+        )
+    return fedmr.fedmr(
+      k,
+      first_stage_bound=config.fedmr_first_stage,
+      grouping=config.fedmr_grouping,
+      num_segments=segments[config.algorithm],
+      secure_repeats=repeats,
+      weighted_global=weighted,
+      secure_min_sent=config.fedmr_secure_min_sent,
+      secure_max_sent=max_sent,
+      layer_order=grouping.model_order(variables),
+    )
   raise errors.ConfigError(
     f'--algorithm: unknown {config.algorithm!r}; choose one of '
     f'{", ".join(config_lib.ALGORITHMS)}'
@@ -177,14 +226,15 @@ def train_and_evaluate(
   )
 
   key = jax.random.key(config.seed)
-  server = build_server(config)
+  variables = model.init(jax.random.fold_in(key, _INIT))
+  server = build_server(config, variables)
   client_update = client.make_client_update(
     model,
     optax.sgd(config.lr, momentum=config.momentum or None),
     local_epochs=config.local_epochs,
     batch_size=config.batch_size,
   )
-  state = engine.init_state(server, model.init(jax.random.fold_in(key, _INIT)))
+  state = engine.init_state(server, variables)
   data, test, state = distributed.replicate((data, test, state), mesh)
   round_key = jax.random.fold_in(key, _ROUNDS)
 
@@ -228,6 +278,20 @@ def train_and_evaluate(
   evaluate = jax.jit(
     engine.make_evaluate(model), out_shardings=distributed.replicated(mesh)
   )
+  evaluate_many = engine.make_evaluate_many(model)
+  local_evaluate = None
+  if config.algorithm in config_lib.MULTI_MODEL:
+    # The K different models the next round dispatches (recombined or
+    # mutated), each on the whole test set.
+    local_evaluate = jax.jit(
+      lambda s, t: evaluate_many(engine.next_models(server, s, round_key), t),
+      out_shardings=distributed.replicated(mesh),
+    )
+  # Down- and upload of K models, for servers that do not count their own.
+  model_bytes = sum(
+    x.size * x.dtype.itemsize for x in jax.tree.leaves(variables)
+  )
+  round_bytes = 2 * config.clients_per_round * model_bytes
 
   def should(every: int, r: int) -> bool:
     return r == config.rounds or (every > 0 and r % every == 0)
@@ -253,6 +317,7 @@ def train_and_evaluate(
             if k not in row and k != 'client_ids'
           }
         )
+        row.setdefault('bytes_communicated', float(round_bytes))
         if not math.isfinite(row['train_loss']):
           if primary:
             metrics_io.append(metrics_path, row)
@@ -265,6 +330,10 @@ def train_and_evaluate(
           ev = jax.device_get(evaluate(state.server.params, test))
           row['test_accuracy'] = float(ev['accuracy'])
           row['test_loss'] = float(ev['loss'])
+        if local_evaluate is not None and should(config.local_eval_every, r):
+          local = jax.device_get(local_evaluate(state, test))['accuracy']
+          row['local_accuracy_mean'] = float(np.mean(local))
+          row['local_accuracy_std'] = float(np.std(local))
         row['round_time_s'] = time.perf_counter() - t0
         timer.tick(r, row['round_time_s'])
         row['elapsed_s'] = timer.elapsed
@@ -337,6 +406,8 @@ class _Timer:
       if 'test_accuracy' in row
       else ''
     )
+    if 'local_accuracy_mean' in row:
+      acc += f' | K models {row["local_accuracy_mean"]:.4f}'
     return (
       f'round {r}/{self.total} | train loss {row["train_loss"]:.4f}{acc} | '
       f'elapsed {self.elapsed:.1f}s | {self.rate():.2f} rounds/s | '

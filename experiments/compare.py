@@ -1,0 +1,103 @@
+r"""Runs several algorithm variants × seeds on one setting; tabulates them.
+
+  python -m experiments.compare --flagfile=experiments/configs/default.flags
+  python -m experiments.compare \
+      --flagfile=experiments/configs/fmnist_table.flags \
+      --variants=fedavg,fedmr,indep,fedmr_p2,fedmr_2stage20,fedmut \
+      --seeds=0,1,2 --out=runs/table/dir0.1
+
+Every flag of `experiments.run` sets the common config (`--workdir` is
+ignored: each run goes to `<out>/<variant>/s<seed>`). `--variants` names
+entries of `fedjax_mr.training.compare.VARIANTS`; `--variant=name:field=
+value,...` (repeatable) defines another, e.g.
+`--variant=mr_module:algorithm=fedmr,fedmr_grouping=module`. Re-running
+resumes; `--summarize_only` just re-reads the metrics. Writes
+`<out>/results.md` (final accuracy = mean test accuracy of the last --last
+evaluations; mean ± std over seeds), `<out>/results.json` and
+`<out>/curves.png` (the seed-averaged curves of every variant in one
+figure).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from experiments import run as run_flags  # defines the experiment flags
+from fedjax_mr.core import errors
+
+_VARIANTS = flags.DEFINE_list(
+  'variants', ['fedavg', 'fedmr'], 'Named variants to run, comma-separated.'
+)
+_VARIANT = flags.DEFINE_multi_string(
+  'variant',
+  [],
+  'A custom variant name:field=value,... (repeatable); runs after --variants.',
+)
+_SEEDS = flags.DEFINE_list('seeds', ['0'], 'Seeds, comma-separated.')
+_OUT = flags.DEFINE_string('out', 'runs/compare', 'Output folder.')
+_LAST = flags.DEFINE_integer(
+  'last', 10, 'Final accuracy: mean over this many last evaluations.'
+)
+_SUMMARIZE_ONLY = flags.DEFINE_bool(
+  'summarize_only', False, 'Only re-read the finished runs and tabulate.'
+)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  logging.set_verbosity(logging.WARNING)
+  from fedjax_mr.training import compare
+  from fedjax_mr.training import distributed
+  from fedjax_mr.training import experiment
+
+  try:
+    try:
+      seeds = [int(s) for s in _SEEDS.value]
+    except ValueError:
+      raise errors.ConfigError(
+        f'--seeds: integers, comma-separated; got {",".join(_SEEDS.value)}'
+      ) from None
+    if _LAST.value < 1:
+      raise errors.ConfigError(f'--last must be >= 1, got {_LAST.value}')
+    variants = [compare.parse_variant(v) for v in _VARIANTS.value]
+    variants += [compare.parse_variant(v) for v in _VARIANT.value]
+    if not variants or not seeds:
+      raise errors.ConfigError('--variants and --seeds must not be empty')
+    base = run_flags.config_from_flags()
+    runs = compare.configs(base, variants, seeds, _OUT.value)
+    base = runs[0][2]
+    title = (
+      f'{base.dataset} {base.model} {base.partition}'
+      + (f'({base.alpha:g})' if base.partition == 'dirichlet' else '')
+      + f', {base.num_clients} clients, K={base.clients_per_round}'
+    )
+    if not _SUMMARIZE_ONLY.value:
+      distributed.initialize(
+        host_devices=base.host_devices,
+        clients_per_round=base.clients_per_round,
+        coordinator_address=base.coordinator_address,
+        num_processes=base.num_processes,
+        process_id=base.process_id,
+      )
+      compare.run_matrix(runs, experiment.train_and_evaluate)
+    names = [name for name, _ in variants]
+    summary = compare.summarize(
+      _OUT.value, names, seeds, last=_LAST.value, title=title
+    )
+    print(compare.table(summary, title=title))
+    print(f'curves: {_OUT.value}/{compare.CURVES_FILE}')
+  except (errors.UserError, errors.NonFiniteError) as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(2 if isinstance(e, errors.UserError) else 3)
+  except KeyboardInterrupt:
+    print('interrupted; re-run the same command to resume', file=sys.stderr)
+    sys.exit(130)
+
+
+if __name__ == '__main__':
+  app.run(main)
