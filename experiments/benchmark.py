@@ -50,7 +50,7 @@ def _block(x):
   return jax.block_until_ready(x)
 
 
-def _setup():
+def _setup(sizes):
   import jax
   import optax
 
@@ -67,12 +67,17 @@ def _setup():
     model, opt, local_epochs=FLAGS.local_epochs, batch_size=FLAGS.batch_size
   )
   variables = model.init(jax.random.key(0))
-  parts = {
-    'equal': partition.iid(len(ds.y_train), FLAGS.num_clients, 0),
-    'dirichlet': partition.dirichlet(
-      ds.y_train, FLAGS.num_clients, FLAGS.alpha, 0
+  n = FLAGS.num_clients
+  # The papers' minimum of 10 examples per client, relaxed when N is so
+  # large that the average client holds fewer than 20.
+  min_size = max(1, min(10, len(ds.y_train) // (2 * n)))
+  make = {
+    'equal': lambda: partition.iid(len(ds.y_train), n, 0),
+    'dirichlet': lambda: partition.dirichlet(
+      ds.y_train, n, FLAGS.alpha, 0, min_size=min_size
     ),
   }
+  parts = {k: make[k]() for k in sizes}
   data = {
     k: client_data.from_partition(ds.x_train, ds.y_train, p, ds.scale, ds.shift)
     for k, p in parts.items()
@@ -242,10 +247,6 @@ def main(argv):
   distributed.initialize(host_devices=FLAGS.host_devices, clients_per_round=k)
   import jax
 
-  try:
-    ds, model, opt, update, variables, data = _setup()
-  except errors.UserError as e:
-    raise app.UsageError(str(e)) from None
   n_dev = len(jax.devices())
   if FLAGS.devices not in ('all',) and not FLAGS.devices.isdigit():
     raise app.UsageError("--devices must be '1', 'all' or a number")
@@ -261,6 +262,10 @@ def main(argv):
       raise app.UsageError(
         f'--devices={dev}: need a divisor of K={k} and at most {n_dev}'
       )
+  try:
+    ds, model, opt, update, variables, data = _setup({s for s, _ in runs})
+  except errors.UserError as e:
+    raise app.UsageError(str(e)) from None
   print(
     f'{FLAGS.model} on {FLAGS.dataset}: K={k} of N={FLAGS.num_clients}, '
     f'E={FLAGS.local_epochs}, B={FLAGS.batch_size}; {n_dev} '

@@ -39,4 +39,4 @@ def test_ci_runs_the_readme_test_command():
   with open(os.path.join(REPO, '.ci', 'run')) as f:
     ci = f.read()
   assert commands[1] in ci.splitlines()
-  assert 'experiments.run' in commands[0]
+  assert 'experiments.compare' in commands[0]

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from fedjax_mr.core import errors
+from fedjax_mr.training import compare
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import experiment
 from tests import helpers
@@ -210,6 +212,19 @@ def test_paper_flagfiles_are_valid_and_named_by_their_setting():
       assert (cfg.partition, cfg.alpha) == ('dirichlet', float(part[3:]))
     else:
       assert cfg.partition == part
+    # The comment's compare command names the papers' variants, and they
+    # validate against the file's setting.
+    text = open(os.path.join(CONFIGS, name)).read()
+    command = re.search(r'experiments.compare (.*?) --out=', text, re.S)
+    args = command.group(1).replace('#', ' ').replace('\\', ' ').split()
+    assert args[0] == f'--flagfile=experiments/configs/{name}'
+    variants = []
+    for arg in args[1:]:
+      flag, value = arg.split('=', 1)
+      parsed = value.split(',') if flag == '--variants' else [value]
+      variants += [compare.parse_variant(v) for v in parsed]
+    assert variants[0][0] == 'fedavg' and len(variants) >= 2
+    compare.configs(cfg, variants, [0], '/nonexistent')
   docs = os.path.join(os.path.dirname(CONFIGS), '..', 'docs', 'configs.md')
   listed = open(docs).read()
   assert all(f'`{name}`' in listed for name in files)
