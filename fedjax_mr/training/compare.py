@@ -124,6 +124,13 @@ def configs(
   return result
 
 
+def diverged_at(rows: Sequence[Mapping[str, Any]]) -> int | None:
+  """The round whose train loss was non-finite (the run stopped there)."""
+  if rows and not math.isfinite(rows[-1]['train_loss']):
+    return int(rows[-1]['round'])
+  return None
+
+
 def final_accuracy(rows: Sequence[Mapping[str, Any]], last: int) -> float:
   """Mean test accuracy of the last `last` evaluated rounds (nan if none)."""
   accs = [r['test_accuracy'] for r in rows if 'test_accuracy' in r][-last:]
@@ -142,30 +149,38 @@ def summarize(
 
   Returns:
     `{'variants': {name: {'per_seed': {seed: acc}, 'mean', 'std', 'rounds',
-    'n'}}, 'last': last}`; runs without metrics are left out.
+    'n', 'diverged': {seed: round}}}, 'last': last}`; runs without metrics
+    are left out. A run whose loss became non-finite counts in 'diverged',
+    not in the mean ('mean' and 'std' are nan when every seed diverged).
   """
   results: dict[str, Any] = {}
   curves = {}
   for name in variants:
-    per_seed, histories = {}, []
+    per_seed, diverged, histories = {}, {}, []
     for seed in seeds:
       path = os.path.join(run_dir(out, name, seed), 'metrics.jsonl')
       rows = metrics_io.read(path) if os.path.exists(path) else []
       if not rows:
         continue
+      stop = diverged_at(rows)
+      if stop is not None:
+        diverged[str(seed)] = stop
+        continue
       per_seed[str(seed)] = final_accuracy(rows, last)
       histories.append(rows)
-    if not per_seed:
+    if not per_seed and not diverged:
       continue
-    values = np.array(list(per_seed.values()))
+    values = np.array(list(per_seed.values()) or [math.nan])
     results[name] = {
       'per_seed': per_seed,
       'mean': float(np.mean(values)),
       'std': float(np.std(values)),
-      'n': len(values),
-      'rounds': min(h[-1]['round'] for h in histories),
+      'n': len(per_seed),
+      'rounds': min((h[-1]['round'] for h in histories), default=0),
+      'diverged': diverged,
     }
-    curves[name] = _mean_curve(histories)
+    if histories:
+      curves[name] = _mean_curve(histories)
   summary = {'variants': results, 'last': last}
   with open(os.path.join(out, RESULTS_FILE), 'w') as f:
     json.dump(summary, f, indent=2)
@@ -199,9 +214,14 @@ def table(summary: Mapping[str, Any], title: str = '') -> str:
     '|---|---|---|---|',
   ]
   for name, r in summary['variants'].items():
-    acc = f'{100 * r["mean"]:.2f}'
-    if r['n'] > 1:
-      acc += f' ± {100 * r["std"]:.2f}'
+    diverged = r.get('diverged', {})
+    if r['n']:
+      acc = f'{100 * r["mean"]:.2f}'
+      if r['n'] > 1:
+        acc += f' ± {100 * r["std"]:.2f}'
+    if diverged:
+      stops = ', '.join(f'seed {s} at round {t}' for s, t in diverged.items())
+      acc = f'{acc} (diverged: {stops})' if r['n'] else f'diverged: {stops}'
     lines.append(f'| {name} | {acc} | {r["n"]} | {r["rounds"]} |')
   return '\n'.join(lines) + '\n'
 
@@ -210,12 +230,33 @@ def run_matrix(
   runs: Sequence[tuple[str, int, config_lib.ExperimentConfig]],
   train: Callable[[config_lib.ExperimentConfig], Any],
   log: Callable[[str], None] = print,
-) -> None:
+) -> dict[tuple[str, int], int]:
   """Runs (or resumes) each run in order.
 
   A finished run resumes from its final checkpoint and trains nothing; its
-  workdir's config is still checked against the requested one.
+  workdir's config is still checked against the requested one. A run whose
+  loss becomes non-finite is logged and left (it would diverge again the
+  same way: runs are deterministic); the others go on.
+
+  Returns:
+    `{(variant, seed): round}` of the runs that diverged.
   """
+  diverged = {}
   for i, (name, seed, config) in enumerate(runs):
     log(f'[{i + 1}/{len(runs)}] {name} seed {seed} in {config.workdir}')
-    train(config)
+    path = os.path.join(config.workdir, 'metrics.jsonl')
+    stop = diverged_at(metrics_io.read(path))
+    if stop is None:
+      try:
+        train(config)
+      except errors.NonFiniteError as e:
+        log(f'{name} seed {seed}: {e}')
+        stop = diverged_at(metrics_io.read(path)) or 0  # 0: round unknown
+    else:
+      log(
+        f'{name} seed {seed} diverged at round {stop} before; skipped '
+        f'(remove {config.workdir} to run it again)'
+      )
+    if stop is not None:
+      diverged[(name, seed)] = stop
+  return diverged

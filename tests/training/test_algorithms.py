@@ -265,13 +265,54 @@ def test_summarize_exact_values(tmp_path):
   write('a', 0, [0.1, None, 0.5, 0.7])  # last 2 evals: 0.5, 0.7 -> 0.6
   write('a', 1, [0.2, None, 0.7, 0.9])  # -> 0.8
   write('b', 0, [0.3, 0.4, 0.5])  # -> 0.45
-  summary = compare.summarize(str(tmp_path), ['a', 'b', 'c'], [0, 1], last=2)
+  write('b', 1, [0.3, 0.4, 0.5, 0.1])
+  metrics_io.append(  # b seed 1 diverged in round 5
+    os.path.join(compare.run_dir(str(tmp_path), 'b', 1), 'metrics.jsonl'),
+    {'round': 5, 'train_loss': float('nan')},
+  )
+  write('d', 0, [0.3])
+  metrics_io.append(
+    os.path.join(compare.run_dir(str(tmp_path), 'd', 0), 'metrics.jsonl'),
+    {'round': 2, 'train_loss': float('inf')},
+  )
+  summary = compare.summarize(
+    str(tmp_path), ['a', 'b', 'c', 'd'], [0, 1], last=2
+  )
   a, b = summary['variants']['a'], summary['variants']['b']
-  assert set(summary['variants']) == {'a', 'b'}
+  assert set(summary['variants']) == {'a', 'b', 'd'}
+  assert b['diverged'] == {'1': 5} and summary['variants']['d']['n'] == 0
   np.testing.assert_allclose([a['mean'], a['std']], [0.7, 0.1])
   assert a['n'] == 2 and a['rounds'] == 4
   np.testing.assert_allclose([b['mean'], b['std']], [0.45, 0.0])
   table = (tmp_path / compare.TABLE_FILE).read_text()
   assert '| a | 70.00 ± 10.00 | 2 | 4 |' in table
-  assert '| b | 45.00 | 1 | 3 |' in table
+  assert '| b | 45.00 (diverged: seed 1 at round 5) | 1 | 3 |' in table
+  assert '| d | diverged: seed 0 at round 2 | 0 | 0 |' in table
   assert (tmp_path / compare.CURVES_FILE).stat().st_size > 1000
+
+
+def test_run_matrix_goes_on_past_a_diverged_run(small_config, tmp_path):
+  runs = compare.configs(
+    small_config,
+    [compare.parse_variant(v) for v in ('fedavg', 'fedmut')],
+    [0],
+    str(tmp_path),
+  )
+  trained = []
+
+  def train(cfg):
+    trained.append(cfg.algorithm)
+    os.makedirs(cfg.workdir, exist_ok=True)
+    path = os.path.join(cfg.workdir, 'metrics.jsonl')
+    if cfg.algorithm == 'fedavg':
+      metrics_io.append(path, {'round': 1, 'train_loss': float('nan')})
+      raise errors.NonFiniteError('non-finite train loss')
+    metrics_io.append(path, {'round': 1, 'train_loss': 0.5})
+
+  lines = []
+  assert compare.run_matrix(runs, train, log=lines.append) == {('fedavg', 0): 1}
+  assert trained == ['fedavg', 'fedmut']
+  # Re-running skips the diverged run instead of diverging again.
+  assert compare.run_matrix(runs, train, log=lines.append) == {('fedavg', 0): 1}
+  assert trained == ['fedavg', 'fedmut', 'fedmut']
+  assert any('diverged at round 1 before; skipped' in x for x in lines)
