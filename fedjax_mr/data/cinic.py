@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.data import host
 
 # Label = position, as in CIFAR-10.
 CLASSES = (
@@ -76,7 +77,7 @@ def load_split(
       labels.extend([label] * len(names))
   if not files:
     raise errors.DataError(f'{root}: no PNG images in {", ".join(splits)}')
-  x = np.empty((len(files), *IMAGE_SHAPE), np.uint8)
+  x = host.empty((len(files), *IMAGE_SHAPE), np.uint8)
   for i, path in enumerate(files):
     x[i] = _decode(path)
   return x, np.asarray(labels, np.int32)

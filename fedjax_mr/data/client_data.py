@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_mr.data import host
+
 
 @flax.struct.dataclass
 class ClientData:
@@ -61,8 +63,8 @@ def from_partition(
   for k, p in enumerate(parts):
     rows[k, : len(p)] = p
   return ClientData(
-    x=jnp.asarray(x),
-    y=jnp.asarray(y, jnp.int32),
+    x=host.to_device(x),
+    y=host.to_device(y, np.int32),
     indices=jnp.asarray(rows),
     sizes=jnp.asarray(sizes),
     scale=float(scale),
@@ -106,11 +108,16 @@ def eval_data(
   b = min(batch_size, n)
   nb = -(-n // b)
   pad = nb * b - n
-  xp = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
+  if pad:
+    xp = host.empty((nb * b, *x.shape[1:]), x.dtype)
+    xp[:n] = x
+    xp[n:] = 0
+  else:
+    xp = np.ascontiguousarray(x)  # shared, not copied, where aligned
   yp = np.concatenate([y, np.zeros((pad,), y.dtype)]).astype(np.int32)
   mask = np.concatenate([np.ones(n), np.zeros(pad)]).astype(np.float32)
   return EvalData(
-    x=jnp.asarray(xp.reshape(nb, b, *x.shape[1:])),
+    x=host.to_device(xp.reshape(nb, b, *x.shape[1:])),
     y=jnp.asarray(yp.reshape(nb, b)),
     mask=jnp.asarray(mask.reshape(nb, b)),
     scale=float(scale),

@@ -51,6 +51,7 @@ import numpy as np
 
 from fedjax_mr.core import errors
 from fedjax_mr.data import cinic
+from fedjax_mr.data import host
 from fedjax_mr.data import leaf
 
 DEFAULT_FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
@@ -346,7 +347,7 @@ def _read_source(
     raise errors.DataError('tfds split is empty')
   first = source[0]
   image = np.asarray(first['image'])
-  x = np.empty((n, *image.shape), image.dtype)
+  x = host.empty((n, *image.shape), image.dtype)
   y = np.empty((n,), np.int32)
   for i in range(n):
     record = first if i == 0 else source[i]

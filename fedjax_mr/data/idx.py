@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.data import host
 
 _DTYPES = {
   0x08: np.uint8,
@@ -19,6 +20,9 @@ _DTYPES = {
 }
 
 
+_CHUNK = 1 << 22
+
+
 def read_idx(path: str) -> np.ndarray:
   """Reads one IDX file (`.gz` or not) into a numpy array.
 
@@ -28,24 +32,41 @@ def read_idx(path: str) -> np.ndarray:
   opener = gzip.open if path.endswith('.gz') else open
   try:
     with opener(path, 'rb') as f:
-      data = f.read()
+      magic = f.read(4)
+      if len(magic) < 4 or magic[:2] != b'\0\0' or magic[2] not in _DTYPES:
+        raise errors.DataError(f'{path} is not an IDX file (bad magic number)')
+      dtype = np.dtype(_DTYPES[magic[2]])
+      ndim = magic[3]
+      dims = f.read(4 * ndim)
+      if len(dims) != 4 * ndim:
+        raise errors.DataError(f'{path}: truncated header')
+      shape = tuple(
+        int.from_bytes(dims[4 * i : 4 * i + 4], 'big') for i in range(ndim)
+      )
+      # Read straight into the aligned array: the file's bytes are never
+      # held twice.
+      out = host.empty(shape, dtype)
+      view = memoryview(out.reshape(-1).view(np.uint8))
+      got = 0
+      while got < len(view):
+        # In chunks: gzip's readinto goes through a temporary of its size.
+        n = f.readinto(view[got : got + _CHUNK])
+        if not n:
+          break
+        got += n
+      extra = len(f.read(1))
   except (OSError, EOFError) as e:
     raise errors.DataError(f'cannot read IDX file {path}: {e}') from None
-  if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _DTYPES:
-    raise errors.DataError(f'{path} is not an IDX file (bad magic number)')
-  dtype = np.dtype(_DTYPES[data[2]])
-  ndim = data[3]
-  header = 4 + 4 * ndim
-  shape = tuple(
-    int.from_bytes(data[4 + 4 * i : 8 + 4 * i], 'big') for i in range(ndim)
-  )
-  count = int(np.prod(shape)) if shape else 1
-  if len(data) != header + count * dtype.itemsize:
+  if got != out.nbytes or extra:
+    size = 4 + 4 * ndim + got + extra
     raise errors.DataError(
-      f'{path}: size {len(data)} does not match its header shape {shape}'
+      f'{path}: size {size}{"+" if extra else ""} does not match its header '
+      f'shape {shape}'
     )
-  arr = np.frombuffer(data, dtype=dtype, offset=header, count=count)
-  return arr.reshape(shape).astype(dtype.newbyteorder('='))
+  if not dtype.isnative and dtype.itemsize > 1:
+    out.byteswap(inplace=True)
+    out = out.view(dtype.newbyteorder('='))
+  return out
 
 
 def find_idx_file(data_dir: str, stem: str) -> str | None:

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.data import host
 
 # LEAF's Shakespeare vocabulary; a character's id is its position.
 ALL_LETTERS = (
@@ -213,7 +214,7 @@ def _fill(
   for u in users:
     start[u] = pos
     pos += counts[u]
-  x = np.empty((pos, *fmt.shape), np.uint8)
+  x = host.empty((pos, *fmt.shape), np.uint8)
   y = np.empty((pos,), np.int32)
   wanted = set(users)
   for path in files:
