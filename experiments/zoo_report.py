@@ -20,7 +20,6 @@ loaders build, computed, not measured.
 from __future__ import annotations
 
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -66,17 +65,23 @@ _MEMORY_OF = flags.DEFINE_string(
 )
 
 
-def _peak_rss_mib() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def _status_mib(field: str) -> float:
+  """A memory figure of this process from /proc/self/status (Linux)."""
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith(field + ':'):
+        return int(line.split()[1]) / 1024
+  return 0.0
 
 
 def _rss_mib() -> float:
-  """Resident memory now (Linux)."""
-  with open('/proc/self/status') as f:
-    for line in f:
-      if line.startswith('VmRSS:'):
-        return int(line.split()[1]) / 1024
-  return 0.0
+  return _status_mib('VmRSS')
+
+
+def _peak_rss_mib() -> float:
+  # VmHWM, not getrusage's ru_maxrss: the latter survives exec and would
+  # report the parent's peak.
+  return _status_mib('VmHWM')
 
 
 def _time_model(name: str, repeats: int) -> dict:
