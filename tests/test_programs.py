@@ -1,0 +1,69 @@
+"""The benchmark programs run, print their figures and reject bad flags."""
+
+import os
+import re
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(__file__))
+
+
+def _run(*args):
+  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
+  return subprocess.run(
+    [sys.executable, '-m', *args],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
+
+
+def test_benchmark_prints_its_figures(small_fmnist_dir):
+  proc = _run(
+    'experiments.benchmark',
+    f'--data_dir={small_fmnist_dir}',
+    '--num_clients=8',
+    '--clients_per_round=2',
+    '--local_epochs=1',
+    '--rounds=1',
+    '--sizes=dirichlet',
+    '--alpha=0.5',
+  )
+  assert proc.returncode == 0, proc.stderr
+  out = proc.stdout
+  assert re.search(r'round/limit [\d.]+ \| \d+ samples/s', out)
+  assert re.search(r'server [\d.]+% of round', out)
+  assert 'peak host memory' in out
+  assert re.search(r'^round/limit ratio: \d+\.\d\d$', out, re.M)
+
+
+def test_benchmark_rejects_bad_devices(small_fmnist_dir):
+  proc = _run(
+    'experiments.benchmark', f'--data_dir={small_fmnist_dir}', '--devices=7'
+  )
+  assert proc.returncode != 0
+  assert '--devices=7' in proc.stderr and 'Traceback' not in proc.stderr
+
+
+def test_zoo_report_tables():
+  proc = _run(
+    'experiments.zoo_report',
+    '--models=cnn_femnist',
+    '--datasets=fashion_mnist,femnist',
+    '--repeats=1',
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert re.search(
+    r'^\| cnn_femnist \| 28x28x1 \| 160,510 \| [\d.]+ \| ', proc.stdout, re.M
+  )
+  assert '| femnist | 805,263 | 602 | - | computed' in proc.stdout
+  row = re.search(
+    r'^\| fashion_mnist \| 60,000 \| (\d+) \| (\d+) \|', proc.stdout, re.M
+  )
+  if row:  # the examples are held about once, not twice
+    arrays, peak = map(int, row.groups())
+    assert peak < 1.5 * arrays + 16
+  bad = _run('experiments.zoo_report', '--models=alexnet')
+  assert bad.returncode != 0 and "--models: unknown 'alexnet'" in bad.stderr
