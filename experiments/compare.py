@@ -77,13 +77,7 @@ def main(argv) -> None:
       + f', {base.num_clients} clients, K={base.clients_per_round}'
     )
     if not _SUMMARIZE_ONLY.value:
-      distributed.initialize(
-        host_devices=base.host_devices,
-        clients_per_round=base.clients_per_round,
-        coordinator_address=base.coordinator_address,
-        num_processes=base.num_processes,
-        process_id=base.process_id,
-      )
+      distributed.initialize_for(base)
       compare.run_matrix(runs, experiment.train_and_evaluate)
     names = [name for name, _ in variants]
     summary = compare.summarize(

@@ -60,13 +60,7 @@ def main(argv) -> None:
   try:
     config = config_from_flags()
     # Before any JAX computation: host devices and the distributed runtime.
-    distributed.initialize(
-      host_devices=config.host_devices,
-      clients_per_round=config.clients_per_round,
-      coordinator_address=config.coordinator_address,
-      num_processes=config.num_processes,
-      process_id=config.process_id,
-    )
+    distributed.initialize_for(config)
     experiment.train_and_evaluate(config)
   except (errors.UserError, errors.NonFiniteError) as e:
     print(f'error: {e}', file=sys.stderr)

@@ -9,6 +9,7 @@ import numpy as np
 
 from fedjax_mr.data import client_data
 from fedjax_mr.models import model as model_lib
+from fedjax_mr.training import config as config_lib
 
 
 class Linear(nn.Module):
@@ -71,3 +72,19 @@ class LinearBN(nn.Module):
 
 def linear_bn_model(num_classes=3, shape=(2, 2, 1)):
   return model_lib.Model('linear_bn', LinearBN(num_classes), shape, num_classes)
+
+
+def small_config(data_dir, **changes):
+  """A fast Fashion-MNIST experiment: 10 clients, 4 per round, 1 epoch."""
+  values = dict(
+    data_dir=data_dir,
+    num_clients=10,
+    clients_per_round=4,
+    alpha=0.5,
+    local_epochs=1,
+    rounds=3,
+    eval_every=1,
+    checkpoint_every=1,
+  )
+  values.update(changes)
+  return config_lib.ExperimentConfig(**values)

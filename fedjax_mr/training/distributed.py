@@ -71,6 +71,17 @@ def initialize(
     )
 
 
+def initialize_for(config) -> None:
+  """`initialize` with the device and process flags of an ExperimentConfig."""
+  initialize(
+    host_devices=config.host_devices,
+    clients_per_round=config.clients_per_round,
+    coordinator_address=config.coordinator_address,
+    num_processes=config.num_processes,
+    process_id=config.process_id,
+  )
+
+
 def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
   """A 1-D mesh over the first `num_devices` devices (0: all, globally)."""
   devices = jax.devices()

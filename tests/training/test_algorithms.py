@@ -18,33 +18,14 @@ from tests import helpers
 
 @pytest.fixture
 def small_config(small_fmnist_dir):
-  return config_lib.ExperimentConfig(
-    data_dir=small_fmnist_dir,
-    num_clients=10,
-    clients_per_round=4,
-    partition='dirichlet',
-    alpha=0.5,
-    local_epochs=1,
-    rounds=3,
-    eval_every=1,
-    local_eval_every=2,
-    checkpoint_every=1,
+  return helpers.small_config(
+    small_fmnist_dir, partition='dirichlet', local_eval_every=2
   )
 
 
 @pytest.fixture(scope='module')
 def uniform_fedavg(small_fmnist_dir, tmp_path_factory):
-  cfg = config_lib.ExperimentConfig(
-    data_dir=small_fmnist_dir,
-    num_clients=10,
-    clients_per_round=4,
-    alpha=0.5,
-    local_epochs=1,
-    rounds=3,
-    eval_every=1,
-    checkpoint_every=1,
-    weighting='uniform',
-  )
+  cfg = helpers.small_config(small_fmnist_dir, weighting='uniform')
   return experiment.train_and_evaluate(
     cfg, str(tmp_path_factory.mktemp('fedavg')), log=_quiet
   )

@@ -8,9 +8,9 @@ import sys
 
 import numpy as np
 
-from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import distributed
 from fedjax_mr.training import metrics_io
+from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -35,16 +35,7 @@ def _env():
 
 
 def test_two_processes_equal_one(small_fmnist_dir, tmp_path):
-  cfg = config_lib.ExperimentConfig(
-    data_dir=small_fmnist_dir,
-    num_clients=10,
-    clients_per_round=4,
-    alpha=0.5,
-    local_epochs=1,
-    rounds=3,
-    eval_every=3,
-    checkpoint_every=2,
-  )
+  cfg = helpers.small_config(small_fmnist_dir, eval_every=3, checkpoint_every=2)
   one = subprocess.run(
     _cmd(cfg, tmp_path / 'one', host_devices=2),
     cwd=REPO,

@@ -22,12 +22,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 @pytest.fixture
 def small_config(small_fmnist_dir):
-  return config_lib.ExperimentConfig(
-    data_dir=small_fmnist_dir,
-    num_clients=10,
-    clients_per_round=4,
+  return helpers.small_config(
+    small_fmnist_dir,
     partition='dirichlet',
-    alpha=0.5,
     local_epochs=2,
     rounds=4,
     eval_every=2,
