@@ -132,6 +132,22 @@ NATURAL = tuple(n for n in NAMES if _SPECS[n].source == 'leaf')
 CIFAR100_LABELS = ('fine', 'coarse')
 
 
+def _dataset(name: str, spec: _Spec, train, test, **natural) -> Dataset:
+  """A `Dataset` of (x, y) train and test pairs with `spec`'s classes and
+  normalisation; `natural` passes `clients` and `test_clients`."""
+  return Dataset(
+    name=name,
+    x_train=train[0],
+    y_train=train[1],
+    x_test=test[0],
+    y_test=test[1],
+    num_classes=spec.num_classes,
+    scale=spec.scale,
+    shift=spec.shift,
+    **natural,
+  )
+
+
 def input_kind(name: str) -> str:
   """'tokens' for `[T]` integer sequences (shakespeare), else 'images'."""
   return 'tokens' if name == 'shakespeare' else 'images'
@@ -281,15 +297,11 @@ def _load_idx(name: str, spec: _Spec, folder: str) -> Dataset:
       raise errors.DataError(
         f'{folder}: {split} images {x.shape} and labels {y.shape} do not match'
       )
-  return Dataset(
-    name=name,
-    x_train=arrays['x_train'][..., None],
-    y_train=arrays['y_train'].astype(np.int32),
-    x_test=arrays['x_test'][..., None],
-    y_test=arrays['y_test'].astype(np.int32),
-    num_classes=spec.num_classes,
-    scale=spec.scale,
-    shift=spec.shift,
+  return _dataset(
+    name,
+    spec,
+    (arrays['x_train'][..., None], arrays['y_train'].astype(np.int32)),
+    (arrays['x_test'][..., None], arrays['y_test'].astype(np.int32)),
   )
 
 
@@ -325,17 +337,7 @@ def _load_tfds(
     except Exception:  # noqa: BLE001 - tfds raises many types for "missing".
       raise errors.DataError(_missing_message(name, spec, data_dir)) from None
     splits[split] = _read_source(source, label_key)
-  (x_train, y_train), (x_test, y_test) = splits['train'], splits['test']
-  return Dataset(
-    name=name,
-    x_train=x_train,
-    y_train=y_train,
-    x_test=x_test,
-    y_test=y_test,
-    num_classes=spec.num_classes,
-    scale=spec.scale,
-    shift=spec.shift,
-  )
+  return _dataset(name, spec, splits['train'], splits['test'])
 
 
 def _read_source(
@@ -378,15 +380,11 @@ def _load_leaf(
       raise errors.DataError(
         f'{data_dir}: {split} labels must lie in [0, {spec.num_classes})'
       )
-  return Dataset(
-    name=name,
-    x_train=data.x_train,
-    y_train=data.y_train,
-    x_test=data.x_test,
-    y_test=data.y_test,
-    num_classes=spec.num_classes,
-    scale=spec.scale,
-    shift=spec.shift,
+  return _dataset(
+    name,
+    spec,
+    (data.x_train, data.y_train),
+    (data.x_test, data.y_test),
     clients=data.clients,
     test_clients=data.test_clients,
   )
@@ -399,15 +397,9 @@ def _load_cinic(name: str, spec: _Spec, data_dir: str | None) -> Dataset:
       'CINIC-10 (https://github.com/BayesWatch/cinic-10) and pass '
       '--data_dir=<folder holding train/, valid/, test/>'
     )
-  x_train, y_train = cinic.load_split(data_dir, ('train',))
-  x_test, y_test = cinic.load_split(data_dir, ('test',))
-  return Dataset(
-    name=name,
-    x_train=x_train,
-    y_train=y_train,
-    x_test=x_test,
-    y_test=y_test,
-    num_classes=spec.num_classes,
-    scale=spec.scale,
-    shift=spec.shift,
+  return _dataset(
+    name,
+    spec,
+    cinic.load_split(data_dir, ('train',)),
+    cinic.load_split(data_dir, ('test',)),
   )

@@ -19,7 +19,7 @@ ALIGN = 64
 def empty(shape, dtype) -> np.ndarray:
   """`np.empty(shape, dtype)` whose data starts on an `ALIGN`-byte boundary."""
   dtype = np.dtype(dtype)
-  shape = tuple(int(d) for d in np.atleast_1d(shape)) if shape != () else ()
+  shape = (int(shape),) if np.isscalar(shape) else tuple(map(int, shape))
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
   buf = np.empty(nbytes + ALIGN, np.uint8)
   start = (-buf.ctypes.data) % ALIGN

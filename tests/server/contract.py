@@ -159,3 +159,19 @@ def run_by_hand(
     dispatched.append(client)
     states.append(state)
   return dispatched, states
+
+
+def assert_same_runs(
+  transform: types.ServerTransform,
+  reference: types.ServerTransform,
+  rounds: int = 3,
+) -> None:
+  """`transform` dispatches exactly what `reference` does, every round, and
+  evaluates the same global model."""
+  v = tiny_variables()
+  d_a, s_a = run_by_hand(transform, v, rounds)
+  d_b, s_b = run_by_hand(reference, v, rounds)
+  for a, b in zip(d_a, d_b):
+    chex.assert_trees_all_equal(a, b)
+  for a, b in zip(s_a, s_b):
+    chex.assert_trees_all_equal(a.params, b.params)
