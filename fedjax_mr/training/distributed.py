@@ -106,9 +106,39 @@ def replicate(tree, mesh: jax.sharding.Mesh):
   """Places every leaf of `tree` whole on every device of `mesh`.
 
   Every process must pass the same values (they are host data or results
-  of the same deterministic computation).
+  of the same deterministic computation). With several processes, they
+  first wait for each other (`barrier`): the device_put checks the values
+  across processes, and the CPU (gloo) collectives give up when one process
+  reaches them more than 30 s after another, as a host that loads its data
+  more slowly would.
   """
+  barrier('fedjax_mr_replicate')
   return jax.device_put(tree, replicated(mesh))
+
+
+BARRIER_TIMEOUT_S = 1800
+
+
+def barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+  """Waits until every process reaches `barrier(name)`; no-op alone.
+
+  Uses the distributed runtime's key-value service, not a collective, so
+  its timeout is ours (collectives' own set-up timeout is fixed).
+  """
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed as jax_distributed  # no public API
+
+  client = jax_distributed.global_state.client
+  if client is None:
+    return
+  _barrier_counts[name] = _barrier_counts.get(name, 0) + 1
+  client.wait_at_barrier(
+    f'{name}/{_barrier_counts[name]}', int(timeout_s * 1000)
+  )
+
+
+_barrier_counts: dict[str, int] = {}
 
 
 def is_primary() -> bool:
