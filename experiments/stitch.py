@@ -1,0 +1,423 @@
+r"""FedStitch on a dataset with a pool of pre-trained models.
+
+  python -m experiments.pretrain_zoo --out=runs/pool
+  python -m experiments.stitch --pool=runs/pool --partition=dirichlet \
+      --dirichlet_alpha=1.0 --workdir=runs/stitch/dir1.0
+
+The clients (`--num_clients`, default 100) hold the dataset's training
+examples that are not in the pool's public split, partitioned IID or by
+Dirichlet(α); `--clients_per_round` (10) take part in each round. Prints
+per-round progress (depth, pool size, selected blocks, client weights) and
+writes, under `--workdir`:
+
+* `log.jsonl`: one line per round (participants, their selection times,
+  pool sizes, ranks, weight summary, selections);
+* `results.json`: every stitched network (path, accuracy by its head and/or
+  a kNN probe), every pool model's own accuracy, the "Local" baseline when
+  `--local_clients` > 0, timing, pool sizes and the peak host memory;
+* `networks.pkl`: the stitched networks (block paths + stitch matrices);
+* `state.pkl`: the run state after the last round (a re-run resumes).
+
+Pool models whose labels differ from the dataset's need `--label_map`, a
+JSON list with, per dataset class, the pool classes that count as it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+
+_POOL = flags.DEFINE_string('pool', 'runs/pool', 'Pool folder.')
+_POOL_MODELS = flags.DEFINE_list(
+  'pool_models', [], 'Pool model ids to use (default: all in --pool).'
+)
+_CUTS = flags.DEFINE_string(
+  'cuts', 'default', 'Cut style: default, per_linear or every_unit.'
+)
+_DATASET = flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
+_DATA_DIR = flags.DEFINE_string('data_dir', None, 'Dataset folder.')
+_NUM_CLIENTS = flags.DEFINE_integer('num_clients', 100, 'Clients N.')
+_PARTITION = flags.DEFINE_enum(
+  'partition', 'dirichlet', ['iid', 'dirichlet'], 'Client partition.'
+)
+_ALPHA = flags.DEFINE_float('dirichlet_alpha', 1.0, 'Dirichlet α.')
+_CLIENTS_PER_ROUND = flags.DEFINE_integer(
+  'clients_per_round', 10, 'Participants per round.'
+)
+_BATCH_SIZE = flags.DEFINE_integer('batch_size', 64, 'Scoring batch size.')
+_TOP_K = flags.DEFINE_integer('top_k', 3, 'Blocks each client uploads.')
+_EPSILON = flags.DEFINE_float('epsilon', 0.1, 'Exploration probability.')
+_EPSILON_DECAY = flags.DEFINE_float(
+  'epsilon_decay', 1.0, 'ε is multiplied by this per depth.'
+)
+_REWARD = flags.DEFINE_float('reward', 0.2, 'Weight reward factor.')
+_PENALTY = flags.DEFINE_float('penalty', 0.2, 'Weight penalty factor.')
+_THRESHOLD = flags.DEFINE_float('threshold', 0.75, 'Rank threshold.')
+_AGGREGATION = flags.DEFINE_string(
+  'aggregation', 'rl', "'rl' (weighted) or 'uniform' (FedAvg-style)."
+)
+_NUM_SELECTIONS = flags.DEFINE_integer(
+  'num_selections', 3, 'Blocks chosen per network; networks kept.'
+)
+_ROUNDS_PER_SELECTION = flags.DEFINE_integer(
+  'rounds_per_selection', 5, 'Rounds per block selection.'
+)
+_MAX_DEPTH = flags.DEFINE_integer('max_depth', 8, 'Most blocks per network.')
+_PRUNE = flags.DEFINE_bool('prune', True, 'Search-space optimiser.')
+_VIEW = flags.DEFINE_string('view', 'positions', 'CKA view.')
+_DEBIASED = flags.DEFINE_bool('debiased', False, 'Debiased CKA.')
+_SPATIAL = flags.DEFINE_string('spatial', 'match', 'match or fit_only.')
+_STITCH_BIAS = flags.DEFINE_bool('stitch_bias', False, 'Affine stitches.')
+_SOLVER = flags.DEFINE_string('stitch_solver', 'pinv', 'pinv or ridge.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Seed.')
+_EVAL = flags.DEFINE_string('eval', 'head', 'head, knn or both.')
+_KNN_REFERENCE = flags.DEFINE_integer(
+  'knn_reference', 2000, 'Public examples the kNN probe is fitted on.'
+)
+_EVAL_EXAMPLES = flags.DEFINE_integer(
+  'eval_examples', 0, 'Test examples to evaluate on (0: all).'
+)
+_LABEL_MAP = flags.DEFINE_string('label_map', None, 'Label map JSON file.')
+_LOCAL_CLIENTS = flags.DEFINE_integer(
+  'local_clients', 0, '"Local" baseline: this many clients stitch alone.'
+)
+_ENERGY_MIX = flags.DEFINE_multi_string(
+  'energy_mix',
+  [
+    'tx2_literal@1:0.3,tx2_literal@0.7:0.4,tx2_literal@0.4:0.3',
+    'tx2_chained@1:0.3,tx2_chained@0.7:0.4,tx2_chained@0.4:0.3',
+  ],
+  'Simulated device mixes profile[@speed]:weight,... (repeatable; empty: '
+  'none): each is simulated with the local energy coordinator vs the '
+  "highest frequency on the run's measured selection times.",
+)
+_WORKDIR = flags.DEFINE_string('workdir', 'runs/stitch', 'Output folder.')
+
+
+def _config(stitch, seed):
+  return stitch.Config(
+    clients_per_round=_CLIENTS_PER_ROUND.value,
+    batch_size=_BATCH_SIZE.value,
+    top_k=_TOP_K.value,
+    epsilon=_EPSILON.value,
+    epsilon_decay=_EPSILON_DECAY.value,
+    reward=_REWARD.value,
+    penalty=_PENALTY.value,
+    threshold=_THRESHOLD.value,
+    aggregation=_AGGREGATION.value,
+    num_selections=_NUM_SELECTIONS.value,
+    rounds_per_selection=_ROUNDS_PER_SELECTION.value,
+    max_depth=_MAX_DEPTH.value,
+    prune=_PRUNE.value,
+    view=_VIEW.value,
+    debiased=_DEBIASED.value,
+    spatial=_SPATIAL.value,
+    stitch_bias=_STITCH_BIAS.value,
+    solver=_SOLVER.value,
+    seed=seed,
+  )
+
+
+def _peak_mib() -> float:
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith('VmHWM:'):
+        return int(line.split()[1]) / 1024
+  return 0.0
+
+
+def _print_round(state) -> None:
+  e = state.log[-1]
+  w = e['weights']
+  print(
+    f'round {e["round"]:3d}  depth {e["depth"]}  pool '
+    f'{",".join(map(str, e["pool_sizes"]))}  selection '
+    f'{sum(e["client_time_s"]):.2f} s  weights: effective '
+    f'{w["effective_clients"]:.1f} clients, max {w["max"]:.2f}×, min '
+    f'{w["min"]:.2f}×',
+    flush=True,
+  )
+  for s in e.get('selected', []):
+    if 'block' in s:
+      print(
+        f'    {s["network"]}  +  {s["block"]}  (votes {s["votes"]:.1f}, '
+        f'CKA {s["mean_cka"]:.3f})',
+        flush=True,
+      )
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every restore
+  from fedjax_mr import stitch
+  from fedjax_mr.core import errors
+
+  try:
+    _main(stitch, errors)
+  except (errors.ConfigError, errors.DataError) as e:
+    raise app.UsageError(str(e)) from None
+
+
+def _main(stitch, errors) -> None:
+  import jax.numpy as jnp
+  import numpy as np
+
+  from fedjax_mr.data import datasets
+  from fedjax_mr.data import partition
+  from fedjax_mr.stitch import federated
+  from fedjax_mr.stitch import network
+  from fedjax_mr.stitch import pool as pool_lib
+
+  if _EVAL.value not in network.EVAL_MODES:
+    raise errors.ConfigError(
+      f'--eval must be one of {", ".join(network.EVAL_MODES)}'
+    )
+  from fedjax_mr.energy import simulation
+
+  for mix in _ENERGY_MIX.value:
+    try:
+      if mix:
+        simulation.assign_profiles(mix, _NUM_CLIENTS.value, _SEED.value)
+    except ValueError as e:
+      raise errors.ConfigError(f'--energy_mix={mix!r}: {e}') from None
+  ds = datasets.load(_DATASET.value, _DATA_DIR.value)
+  models = pool_lib.load(_POOL.value, _POOL_MODELS.value or None)
+  for m in models:
+    if tuple(m.model.input_shape) != ds.input_shape:
+      raise errors.ConfigError(
+        f'--pool: model {m.id} takes {m.model.input_shape}, --dataset='
+        f'{ds.name} has examples of shape {ds.input_shape}'
+      )
+  label_map = None
+  if _LABEL_MAP.value:
+    with open(_LABEL_MAP.value) as f:
+      label_map = json.load(f)
+    if len(label_map) != ds.num_classes:
+      raise errors.ConfigError(
+        f'--label_map: {len(label_map)} entries, --dataset has '
+        f'{ds.num_classes} classes'
+      )
+  elif any(m.model.num_classes != ds.num_classes for m in models):
+    raise errors.ConfigError(
+      '--label_map is needed: pool models have other label spaces than '
+      f'--dataset={ds.name}'
+    )
+  split = pool_lib.public_indices(_POOL.value)
+  if split is not None and split.get('dataset') == ds.name:
+    public = np.asarray(split['indices'], int)
+  else:
+    public = np.zeros((0,), int)
+  private = np.setdiff1d(np.arange(len(ds.y_train)), public)
+  if _PARTITION.value == 'iid':
+    parts = partition.iid(len(private), _NUM_CLIENTS.value, _SEED.value)
+  else:
+    parts = partition.dirichlet(
+      ds.y_train[private], _NUM_CLIENTS.value, _ALPHA.value, _SEED.value
+    )
+  parts = [private[p] for p in parts]
+  chains = pool_lib.chains(models, _CUTS.value)
+  pool = stitch.make_pool(chains)
+  print(
+    f'pool: {len(pool.blocks)} blocks from {len(models)} models '
+    f'({", ".join(f"{m.id}: {len(c)}" for m, c in zip(models, chains))}); '
+    f'{_NUM_CLIENTS.value} clients, {_PARTITION.value}'
+    + (f' α={_ALPHA.value}' if _PARTITION.value == 'dirichlet' else ''),
+    flush=True,
+  )
+  b = _BATCH_SIZE.value
+
+  def batch_fn(c, r):
+    rng = np.random.default_rng([_SEED.value, c, r, 7])
+    idx = parts[c]
+    pick = rng.choice(len(idx), b, replace=len(idx) < b)
+    xb = ds.x_train[np.sort(idx[pick])]
+    return jnp.asarray(xb).astype(jnp.float32) * ds.scale + ds.shift
+
+  n_eval = _EVAL_EXAMPLES.value or len(ds.y_test)
+  x_test, y_test = ds.x_test[:n_eval], ds.y_test[:n_eval]
+  ref = public[: _KNN_REFERENCE.value] if len(public) else parts[0]
+  x_ref, y_ref = ds.x_train[ref], ds.y_train[ref]
+
+  def evaluate(net):
+    out = {}
+    kw = dict(scale=ds.scale, shift=ds.shift)
+    if _EVAL.value in ('head', 'both'):
+      out['head'] = network.head_accuracy(
+        net, x_test, y_test, label_map=label_map, **kw
+      )
+    if _EVAL.value in ('knn', 'both'):
+      out['knn'] = network.knn_accuracy(net, x_ref, y_ref, x_test, y_test, **kw)
+    return out
+
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  config = _config(stitch, _SEED.value)
+  t0 = time.perf_counter()
+  state = stitch.run(
+    pool,
+    batch_fn,
+    _NUM_CLIENTS.value,
+    config,
+    state_path=os.path.join(_WORKDIR.value, 'state.pkl'),
+    on_round=_print_round,
+  )
+  run_seconds = time.perf_counter() - t0
+  with open(os.path.join(_WORKDIR.value, 'log.jsonl'), 'w') as f:
+    for e in state.log:
+      f.write(json.dumps(e) + '\n')
+
+  key = 'head' if _EVAL.value in ('head', 'both') else 'knn'
+  nets = []
+  for fin in state.finished:
+    acc = evaluate(fin.net)
+    nets.append(
+      {
+        'path': fin.net.describe(),
+        'depth': fin.net.depth,
+        'round': fin.round,
+        'share': fin.share,
+        **acc,
+      }
+    )
+    print(
+      f'{fin.net.describe()}: '
+      + ', '.join(f'{k} {100 * v:.2f} %' for k, v in acc.items()),
+      flush=True,
+    )
+  nets.sort(key=lambda n: -n[key])
+  with open(os.path.join(_WORKDIR.value, 'networks.pkl'), 'wb') as f:
+    pickle.dump(federated._to_host(state)['finished'], f)
+
+  pool_acc = {
+    m.id: evaluate(_own_network(network, stitch, chain))
+    for m, chain in zip(models, chains)
+  }
+
+  local = None
+  if _LOCAL_CLIENTS.value > 0:
+    rng = np.random.default_rng([_SEED.value, 99])
+    who = sorted(
+      int(c)
+      for c in rng.choice(
+        _NUM_CLIENTS.value, _LOCAL_CLIENTS.value, replace=False
+      )
+    )
+    local_cfg = config._replace(clients_per_round=1)
+    local = {'clients': who, 'best': []}
+    for c in who:
+      st = stitch.run(
+        pool, batch_fn, _NUM_CLIENTS.value, local_cfg, population=[c]
+      )
+      accs = [evaluate(f.net)[key] for f in st.finished]
+      best = max(accs) if accs else float('nan')
+      local['best'].append(best)
+      print(
+        f'Local (client {c} alone): best {100 * best:.2f} % of '
+        f'{len(accs)} networks',
+        flush=True,
+      )
+    local['mean_best'] = float(np.nanmean(local['best']))
+
+  rounds = state.log
+  energy = _simulate_energy(federated, state.log)
+  results = {
+    'config': config._asdict(),
+    'partition': _PARTITION.value,
+    'dirichlet_alpha': _ALPHA.value,
+    'pool_blocks': len(pool.blocks),
+    'pool_models': pool_acc,
+    'networks': nets,
+    'best': nets[0] if nets else None,
+    'local': local,
+    'rounds': len(rounds),
+    'run_seconds': run_seconds,
+    'selection_seconds_per_round': [sum(e['client_time_s']) for e in rounds],
+    'pool_sizes': [e['pool_sizes'] for e in rounds],
+    'selection_seconds_total': float(
+      sum(sum(e['client_time_s']) for e in rounds)
+    ),
+    'final_weights': rounds[-1]['weights'] if rounds else None,
+    'energy': energy,
+    'peak_host_mib': _peak_mib(),
+  }
+  with open(os.path.join(_WORKDIR.value, 'results.json'), 'w') as f:
+    json.dump(results, f, indent=1, default=_plain)
+  print(
+    f'{len(nets)} stitched networks in {len(rounds)} rounds '
+    f'({run_seconds:.0f} s; client selection time '
+    f'{results["selection_seconds_total"]:.1f} s); best: '
+    + (f'{nets[0]["path"]} {100 * nets[0][key]:.2f} %' if nets else 'none')
+  )
+  for m, acc in pool_acc.items():
+    print(f'pool model {m} alone: {100 * acc[key]:.2f} %')
+  if local:
+    print(
+      f"Local (mean of {len(local['clients'])} clients' best): "
+      f'{100 * local["mean_best"]:.2f} %'
+    )
+  for mix, e in energy.items():
+    print(
+      f'energy, {mix}: coordinator saves {100 * e["energy_saving"]:.1f} % '
+      f'vs highest frequency (time {100 * e["time_change"]:+.1f} %, '
+      f'{e["missed"]} missed deadlines)'
+    )
+  print(f'peak host memory {results["peak_host_mib"]:.0f} MiB')
+
+
+def _plain(o):
+  """JSON for numpy scalars and arrays."""
+  import numpy as np
+
+  if isinstance(o, (np.generic, np.ndarray)):
+    return o.tolist()
+  raise TypeError(f'{type(o).__name__} is not JSON serializable')
+
+
+def _simulate_energy(federated, log) -> dict:
+  """Coordinator vs highest frequency for every --energy_mix."""
+  from fedjax_mr.energy import simulation
+
+  ids, work, factors = federated.energy_rounds(log)
+  out = {}
+  for mix in _ENERGY_MIX.value:
+    if not mix:
+      continue
+    clients = simulation.assign_profiles(mix, _NUM_CLIENTS.value, _SEED.value)
+    report = simulation.simulate(
+      work, clients, client_ids=ids, deadline_factors=factors
+    )
+    d = report.to_dict()
+    out[mix] = {
+      'energy_saving': d['energy_saving'],
+      'time_change': d['time_change'],
+      'default_energy_j': d['default_energy_j'],
+      'coordinated_energy_j': d['coordinated_energy_j'],
+      'default_time_s': d['default_time_s'],
+      'coordinated_time_s': d['coordinated_time_s'],
+      'missed': sum(r['missed'] for r in d['rounds']),
+      'rounds': d['rounds'],
+    }
+  return out
+
+
+def _own_network(network, stitch, chain):
+  """A pool model as a network: its blocks joined by identity stitches."""
+  import numpy as np
+
+  net = network.start(chain[0])
+  for prev, blk in zip(chain[:-1], chain[1:]):
+    eye = np.eye(prev.out_spec[-1])
+    net = network.extend(
+      net, stitch.projection.make_stitch(eye, prev.out_spec, blk.in_spec), blk
+    )
+  return net
+
+
+if __name__ == '__main__':
+  app.run(main)

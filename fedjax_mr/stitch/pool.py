@@ -1,0 +1,236 @@
+"""A pool of pre-trained models on disk: training, saving, loading.
+
+FedStitch's pool is ImageNet-pre-trained; our machines cannot download
+those weights, so `experiments.pretrain_zoo` trains zoo models centrally on a
+held-out "public" part of a dataset's training split. Any Flax checkpoint of
+a zoo model loads the same way.
+
+Layout of a pool folder:
+
+    <pool>/public.json          {"dataset", "seed", "indices": [...]} (optional)
+    <pool>/<model id>/meta.json {"model": zoo name, "num_classes",
+                                 "input_shape", ...}
+    <pool>/<model id>/variables/  an orbax checkpoint of the Flax variables
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+from typing import NamedTuple
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+
+from fedjax_mr import models as models_lib
+from fedjax_mr.core import errors
+from fedjax_mr.stitch import blocks as blocks_lib
+
+
+class PoolModel(NamedTuple):
+  """A pre-trained model of the pool.
+
+  Attributes:
+    id: its id in the pool (the folder name).
+    model: the zoo `Model`.
+    variables: pre-trained variables.
+    meta: the metadata saved with it.
+  """
+
+  id: str
+  model: models_lib.Model
+  variables: dict
+  meta: dict
+
+
+def split_public(
+  num_train: int, public_size: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """(public indices, client indices): a seeded disjoint split, both sorted."""
+  if not 0 < public_size < num_train:
+    raise errors.ConfigError(
+      f'--public_size must be in (0, {num_train}), got {public_size}'
+    )
+  perm = np.random.default_rng(seed).permutation(num_train)
+  return np.sort(perm[:public_size]), np.sort(perm[public_size:])
+
+
+def pretrain(
+  model: models_lib.Model,
+  x: np.ndarray,
+  y: np.ndarray,
+  *,
+  scale: float,
+  shift: float,
+  epochs: int,
+  batch_size: int = 64,
+  learning_rate: float = 1e-3,
+  seed: int = 0,
+) -> tuple[dict, list[float]]:
+  """Trains a zoo model centrally with Adam (the pool's "pre-training").
+
+  Args:
+    model: the zoo model.
+    x: `[M, ...]` stored examples.
+    y: `[M]` labels.
+    scale: model input is `x * scale + shift`.
+    shift: see `scale`.
+    epochs: passes over the data (shuffled each epoch; the last partial
+      batch is dropped).
+    batch_size: examples per step.
+    learning_rate: Adam's.
+    seed: initialisation, shuffling and dropout.
+
+  Returns:
+    (variables, mean training loss per epoch).
+  """
+  key = jax.random.key(seed)
+  variables = model.init(key)
+  tx = optax.adam(learning_rate)
+  opt = tx.init(variables['params'])
+
+  def loss_fn(params, rest, xb, yb, k):
+    logits, state = model.apply_train({'params': params, **rest}, xb, k)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+    return loss, state
+
+  # The pool is built once, outside any round: this is its own small loop.
+  @jax.jit
+  def step(variables, opt, xb, yb, k):
+    params = variables['params']
+    rest = {c: v for c, v in variables.items() if c != 'params'}
+    xb = xb.astype(jnp.float32) * scale + shift
+    (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      params, rest, xb, yb, k
+    )
+    updates, opt = tx.update(grads, opt, params)
+    return {'params': optax.apply_updates(params, updates), **state}, opt, loss
+
+  rng = np.random.default_rng(seed)
+  n = len(x) // batch_size * batch_size
+  if n == 0:
+    raise errors.ConfigError(
+      f'--batch_size={batch_size} exceeds the {len(x)} public examples'
+    )
+  losses = []
+  for epoch in range(epochs):
+    perm = rng.permutation(len(x))[:n].reshape(-1, batch_size)
+    total = 0.0
+    for i, idx in enumerate(perm):
+      k = jax.random.fold_in(jax.random.fold_in(key, epoch), i)
+      variables, opt, loss = step(
+        variables, opt, jnp.asarray(x[idx]), jnp.asarray(y[idx]), k
+      )
+      total += float(loss)
+    losses.append(total / len(perm))
+  return variables, losses
+
+
+def accuracy(
+  model: models_lib.Model,
+  variables: dict,
+  x: np.ndarray,
+  y: np.ndarray,
+  *,
+  scale: float,
+  shift: float,
+  batch_size: int = 500,
+) -> float:
+  """Inference-mode accuracy of a pool model on stored examples."""
+  fn = jax.jit(model.apply_eval)
+  correct = 0
+  for i in range(0, len(x), batch_size):
+    xb = jnp.asarray(x[i : i + batch_size]).astype(jnp.float32) * scale + shift
+    correct += int(
+      np.sum(np.asarray(fn(variables, xb)).argmax(1) == y[i : i + batch_size])
+    )
+  return correct / max(len(x), 1)
+
+
+def save_model(
+  folder: str, model_id: str, model: models_lib.Model, variables: dict, **meta
+) -> None:
+  """Saves one pool model under `<folder>/<model_id>/`."""
+  path = os.path.abspath(os.path.join(folder, model_id))
+  os.makedirs(path, exist_ok=True)
+  ckpt = os.path.join(path, 'variables')
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(ckpt, jax.tree.map(np.asarray, variables), force=True)
+  checkpointer.wait_until_finished()
+  info = {
+    'model': model.name,
+    'num_classes': model.num_classes,
+    'input_shape': list(model.input_shape),
+    **meta,
+  }
+  with open(os.path.join(path, 'meta.json'), 'w') as f:
+    json.dump(info, f, indent=1)
+
+
+def load_model(folder: str, model_id: str) -> PoolModel:
+  """Loads `<folder>/<model_id>/` (meta.json + orbax variables)."""
+  path = os.path.abspath(os.path.join(folder, model_id))
+  meta_path = os.path.join(path, 'meta.json')
+  if not os.path.exists(meta_path):
+    raise errors.DataError(
+      f'--pool: {path} has no meta.json (want {{"model", "num_classes", '
+      '"input_shape"}} next to an orbax "variables" checkpoint)'
+    )
+  with open(meta_path) as f:
+    meta = json.load(f)
+  try:
+    model = models_lib.get(
+      meta['model'], int(meta['num_classes']), tuple(meta['input_shape'])
+    )
+  except KeyError as e:
+    raise errors.DataError(f'--pool: {meta_path} lacks {e}') from None
+  like = jax.eval_shape(model.init, jax.random.key(0))
+  checkpointer = ocp.StandardCheckpointer()
+  variables = checkpointer.restore(os.path.join(path, 'variables'), like)
+  return PoolModel(model_id, model, dict(variables), meta)
+
+
+def model_ids(folder: str) -> list[str]:
+  """The model ids (sub-folders with a meta.json) of a pool folder, sorted."""
+  if not os.path.isdir(folder):
+    raise errors.DataError(f'--pool: {folder!r} is not a folder')
+  ids = sorted(
+    d
+    for d in os.listdir(folder)
+    if os.path.exists(os.path.join(folder, d, 'meta.json'))
+  )
+  if not ids:
+    raise errors.DataError(
+      f'--pool: no models in {folder!r}; run `python -m '
+      'experiments.pretrain_zoo` first'
+    )
+  return ids
+
+
+def load(folder: str, ids: Sequence[str] | None = None) -> list[PoolModel]:
+  """Loads the pool's models (all, or the given ids)."""
+  return [load_model(folder, i) for i in (ids or model_ids(folder))]
+
+
+def public_indices(folder: str) -> dict[str, Any] | None:
+  """The saved public split (`public.json`), or None."""
+  path = os.path.join(folder, 'public.json')
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+def chains(
+  models: Sequence[PoolModel], cuts: str = 'default'
+) -> list[tuple[blocks_lib.Block, ...]]:
+  """Every pool model cut into blocks (see `blocks.split`)."""
+  return [
+    blocks_lib.split(m.id, m.model.name, m.variables, m.model.input_shape, cuts)
+    for m in models
+  ]
