@@ -362,7 +362,8 @@ def units(model_name: str, variables: dict, per_linear: bool = False):
   """The ordered units of a zoo model, read from its variables' shapes."""
   if model_name not in _UNITS:
     raise errors.ConfigError(
-      f'no block definition for model {model_name!r}; stitchable models: '
+      f'--models: no block definition for model {model_name!r}; stitchable '
+      'models: '
       f'{", ".join(NAMES)}'
     )
   return _UNITS[model_name](variables['params'], per_linear=per_linear)

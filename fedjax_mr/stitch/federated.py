@@ -23,7 +23,9 @@ What the paper leaves open and we chose (all are `Config` fields / flags):
   Over a selection's rounds the votes add up; the `num_selections` blocks
   with most votes (ties: higher weighted mean CKA) extend each candidate
   network, and of all unfinished children the `num_selections` with the
-  largest vote share stay candidates (a beam).
+  highest path score stay candidates (a beam). The path score is
+  StitchNet's: the product of the chosen blocks' (weighted mean) CKA along
+  the path; ties go to the larger product of vote shares.
 * Start: every pool model's start block begins one candidate network.
 * ε-greedy: with probability ε a client uploads k random candidates
   instead of its top k; ε is multiplied by `epsilon_decay` per depth.
@@ -401,7 +403,8 @@ class _Live(NamedTuple):
   votes: np.ndarray  # [pool size] accumulated this selection
   score_sum: np.ndarray  # [pool size] weighted CKA sums
   score_weight: np.ndarray  # [pool size] their weights
-  share: float  # vote share that created it
+  share: float  # product of the vote shares along the path
+  path_score: float  # product of the chosen blocks' mean CKA (StitchNet)
 
 
 class Finished(NamedTuple):
@@ -410,6 +413,7 @@ class Finished(NamedTuple):
   net: network_lib.Network
   round: int
   share: float
+  path_score: float
 
 
 class State(NamedTuple):
@@ -437,6 +441,7 @@ def init_state(pool: Pool, num_clients: int, starts=None) -> State:
       np.zeros(n),
       np.zeros(n),
       np.zeros(n),
+      1.0,
       1.0,
     )
     for i in start_ids
@@ -609,6 +614,7 @@ def _select(pool, state, cands, batch_fn, config):
       )
       child = network_lib.extend(lv.net, stitch, block)
       share = float(lv.votes[b] / total) * lv.share
+      path_score = float(mean[j]) * lv.path_score
       chosen.append(
         {
           'network': lv.net.describe(),
@@ -616,10 +622,11 @@ def _select(pool, state, cands, batch_fn, config):
           'votes': float(lv.votes[b]),
           'mean_cka': float(mean[j]),
           'share': share,
+          'path_score': path_score,
         }
       )
       if child.finished:
-        finished.append(Finished(child, state.round, share))
+        finished.append(Finished(child, state.round, share, path_score))
         continue
       n_pool = len(pool.blocks)
       children.append(
@@ -630,9 +637,10 @@ def _select(pool, state, cands, batch_fn, config):
           np.zeros(n_pool),
           np.zeros(n_pool),
           share,
+          path_score,
         )
       )
-  children.sort(key=lambda c: -c.share)
+  children.sort(key=lambda c: (-c.path_score, -c.share))
   live = tuple(children[: config.num_selections])
   return state._replace(live=live, finished=tuple(finished)), chosen
 
@@ -663,6 +671,7 @@ def _to_host(state: State) -> dict:
         'score_sum': lv.score_sum,
         'score_weight': lv.score_weight,
         'share': lv.share,
+        'path_score': lv.path_score,
       }
       for lv in state.live
     ],
@@ -672,6 +681,7 @@ def _to_host(state: State) -> dict:
         'stitches': stitches(f.net),
         'round': f.round,
         'share': f.share,
+        'path_score': f.path_score,
       }
       for f in state.finished
     ],
@@ -706,12 +716,16 @@ def _from_host(pool: Pool, d: dict) -> State:
       lv['score_sum'],
       lv['score_weight'],
       lv['share'],
+      lv['path_score'],
     )
     for lv in d['live']
   )
   finished = tuple(
     Finished(
-      _net_from_host(pool, f['path'], f['stitches']), f['round'], f['share']
+      _net_from_host(pool, f['path'], f['stitches']),
+      f['round'],
+      f['share'],
+      f['path_score'],
     )
     for f in d['finished']
   )

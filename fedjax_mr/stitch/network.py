@@ -203,14 +203,13 @@ def knn_predict(
   for i in range(0, len(features), chunk):
     f = np.asarray(features[i : i + chunk], np.float64)
     d = sq[None, :] - 2 * f @ train.T  # + |f|², the same for every row
-    nearest = np.argsort(d, axis=1, kind='stable')[:, :k]
-    votes = np.zeros((len(f), num_classes))
-    for j in range(k):
-      # Earlier (nearer) neighbours add a little more: ties go to them.
-      np.add.at(
-        votes, (np.arange(len(f)), labels[nearest[:, j]]), 1 + 1e-6 * (k - j)
-      )
-    preds.append(votes.argmax(axis=1))
+    nearest = labels[np.argsort(d, axis=1, kind='stable')[:, :k]]
+    rows = np.arange(len(f))
+    counts = np.zeros((len(f), num_classes), int)
+    np.add.at(counts, (rows[:, None], nearest), 1)
+    # Among the most frequent labels, the one of the nearest neighbour.
+    top = counts[rows[:, None], nearest] == counts.max(axis=1)[:, None]
+    preds.append(nearest[rows, top.argmax(axis=1)])
   return np.concatenate(preds) if preds else np.zeros((0,), int)
 
 
