@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -88,3 +90,20 @@ def small_config(data_dir, **changes):
   )
   values.update(changes)
   return config_lib.ExperimentConfig(**values)
+
+
+def run_module(*args: str, timeout: int = 600):
+  """Runs `python -m <args>` in the repository root; returns the process."""
+  import subprocess
+  import sys
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
+  return subprocess.run(
+    [sys.executable, '-m', *args],
+    cwd=repo,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=env,
+  )

@@ -1,23 +1,10 @@
 """The benchmark programs run, print their figures and reject bad flags."""
 
-import os
 import re
-import subprocess
-import sys
 
-REPO = os.path.dirname(os.path.dirname(__file__))
+from tests import helpers
 
-
-def _run(*args):
-  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
-  return subprocess.run(
-    [sys.executable, '-m', *args],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    env=env,
-  )
+_run = helpers.run_module
 
 
 def test_benchmark_prints_its_figures(small_fmnist_dir):

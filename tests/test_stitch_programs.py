@@ -3,24 +3,12 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(__file__))
+from tests import helpers
 
-
-def _run(*args):
-  env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'}
-  return subprocess.run(
-    [sys.executable, '-m', *args],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    env=env,
-  )
+_run = helpers.run_module
 
 
 @pytest.fixture(scope='module')
