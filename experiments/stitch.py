@@ -246,15 +246,16 @@ def _main(stitch, errors) -> None:
   x_ref, y_ref = ds.x_train[ref], ds.y_train[ref]
 
   def evaluate(net):
-    out = {}
-    kw = dict(scale=ds.scale, shift=ds.shift)
-    if _EVAL.value in ('head', 'both'):
-      out['head'] = network.head_accuracy(
-        net, x_test, y_test, label_map=label_map, **kw
-      )
-    if _EVAL.value in ('knn', 'both'):
-      out['knn'] = network.knn_accuracy(net, x_ref, y_ref, x_test, y_test, **kw)
-    return out
+    return network.accuracies(
+      net,
+      x_test,
+      y_test,
+      scale=ds.scale,
+      shift=ds.shift,
+      head=_EVAL.value in ('head', 'both'),
+      knn_reference=(x_ref, y_ref) if _EVAL.value != 'head' else None,
+      label_map=label_map,
+    )
 
   os.makedirs(_WORKDIR.value, exist_ok=True)
   config = _config(stitch, _SEED.value)
@@ -292,10 +293,11 @@ def _main(stitch, errors) -> None:
     )
   nets.sort(key=lambda n: -n[key])
   with open(os.path.join(_WORKDIR.value, 'networks.pkl'), 'wb') as f:
-    pickle.dump(federated._to_host(state)['finished'], f)
+    pickle.dump(federated.to_host(state)['finished'], f)
 
   pool_acc = {
-    m.id: evaluate(_own_network(network, stitch, chain))
+    # A pool model is its own blocks, with nothing between them.
+    m.id: evaluate(network.Network(tuple(chain), (None,) * len(chain)))
     for m, chain in zip(models, chains)
   }
 
@@ -404,19 +406,6 @@ def _simulate_energy(federated, log) -> dict:
       'rounds': d['rounds'],
     }
   return out
-
-
-def _own_network(network, stitch, chain):
-  """A pool model as a network: its blocks joined by identity stitches."""
-  import numpy as np
-
-  net = network.start(chain[0])
-  for prev, blk in zip(chain[:-1], chain[1:]):
-    eye = np.eye(prev.out_spec[-1])
-    net = network.extend(
-      net, stitch.projection.make_stitch(eye, prev.out_spec, blk.in_spec), blk
-    )
-  return net
 
 
 if __name__ == '__main__':

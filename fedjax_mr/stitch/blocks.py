@@ -404,10 +404,7 @@ def _subset(variables: dict, names: Sequence[str]) -> dict:
 
 
 def _var_names(steps: Sequence[Step]) -> list[str]:
-  names = [name for _, name, _ in steps if name]
-  if any(op == 'bn' for op, _, _ in steps):
-    names += [name for op, name, _ in steps if op == 'bn']
-  return names
+  return [name for _, name, _ in steps if name]
 
 
 def split(

@@ -449,26 +449,30 @@ def init_state(pool: Pool, num_clients: int, starts=None) -> State:
   return State(0, np.full(num_clients, 1.0 / num_clients), live, (), (), ())
 
 
-def _fit_stitch(pool, net, block_id, ids, round_, batch_fn, config):
-  total = None
+def _fit_stitches(pool, net, block_ids, ids, round_, batch_fn, config):
+  """Stitches from `net` to each of `block_ids`, fitted on the summed
+  statistics of clients `ids` (one forward of `net` and of each pool model
+  per client for all blocks)."""
+  totals = {}
   for c in ids:
     x = batch_fn(c, round_)
-    y = pool_inputs(pool, [block_id], x)[block_id]
-    s = projection.stats(
-      network_lib.apply(net, x),
-      y,
+    out = network_lib.apply(net, x)
+    inputs = pool_inputs(pool, block_ids, x)
+    for b in block_ids:
+      s = projection.stats(
+        out, inputs[b], bias=config.stitch_bias, policy=config.spatial
+      )
+      totals[b] = s if b not in totals else totals[b] + s
+  return {
+    b: projection.make_stitch(
+      projection.solve(totals[b], solver=config.solver),
+      net.out_spec,
+      pool.blocks[b].in_spec,
       bias=config.stitch_bias,
       policy=config.spatial,
     )
-    total = s if total is None else total + s
-  m = projection.solve(total, solver=config.solver)
-  return projection.make_stitch(
-    m,
-    net.out_spec,
-    pool.blocks[block_id].in_spec,
-    bias=config.stitch_bias,
-    policy=config.spatial,
-  )
+    for b in block_ids
+  }
 
 
 def run_round(
@@ -606,13 +610,19 @@ def _select(pool, state, cands, batch_fn, config):
     remaining = lv.remaining
     if config.prune:
       remaining = prune(pool, remaining, dict(zip(idx.tolist(), mean)))
+    stitches = _fit_stitches(
+      pool,
+      lv.net,
+      [int(idx[j]) for j in winners],
+      state.fit_ids,
+      last_round,
+      batch_fn,
+      config,
+    )
     for j in winners:
       b = int(idx[j])
       block = pool.blocks[b]
-      stitch = _fit_stitch(
-        pool, lv.net, b, state.fit_ids, last_round, batch_fn, config
-      )
-      child = network_lib.extend(lv.net, stitch, block)
+      child = network_lib.extend(lv.net, stitches[b], block)
       share = float(lv.votes[b] / total) * lv.share
       path_score = float(mean[j]) * lv.path_score
       chosen.append(
@@ -645,7 +655,9 @@ def _select(pool, state, cands, batch_fn, config):
   return state._replace(live=live, finished=tuple(finished)), chosen
 
 
-def _to_host(state: State) -> dict:
+def to_host(state: State) -> dict:
+  """The state as plain Python and numpy (what `save_state` pickles)."""
+
   def stitches(net):
     return [
       None
@@ -743,7 +755,7 @@ def save_state(path: str, state: State) -> None:
   """Writes the state atomically (a temporary file, then a rename)."""
   tmp = f'{path}.tmp'
   with open(tmp, 'wb') as f:
-    pickle.dump(_to_host(state), f)
+    pickle.dump(to_host(state), f)
   os.replace(tmp, path)
 
 

@@ -39,7 +39,8 @@ class Network(NamedTuple):
 
   Attributes:
     blocks: the blocks in order.
-    stitches: `stitches[i]` runs before `blocks[i]`; `stitches[0]` is None.
+    stitches: `stitches[i]` runs before `blocks[i]`; `stitches[0]` is None,
+      and None elsewhere means nothing runs there (a model's own chain).
   """
 
   blocks: tuple[blocks_lib.Block, ...]
@@ -108,7 +109,12 @@ def fold(net: Network) -> Network:
   """
   new_blocks, new_stitches = [net.blocks[0]], [None]
   for stitch, block in zip(net.stitches[1:], net.blocks[1:]):
-    if stitch.bias is None and stitch.matrix is not None and block.fold:
+    if (
+      stitch is not None
+      and stitch.bias is None
+      and stitch.matrix is not None
+      and block.fold
+    ):
       stitch, block = projection.fold(stitch, block)
     new_blocks.append(block)
     new_stitches.append(stitch)
@@ -171,11 +177,61 @@ def head_accuracy(
   batch_size: int = 500,
 ) -> float:
   """Accuracy of a finished network's head (through the label map)."""
-  if not net.finished:
+  return accuracies(
+    net,
+    x,
+    y,
+    scale=scale,
+    shift=shift,
+    label_map=label_map,
+    reduce=reduce,
+    batch_size=batch_size,
+  )['head']
+
+
+def accuracies(
+  net: Network,
+  x: np.ndarray,
+  y: np.ndarray,
+  *,
+  scale: float = 1.0,
+  shift: float = 0.0,
+  head: bool = True,
+  knn_reference: tuple[np.ndarray, np.ndarray] | None = None,
+  label_map: Sequence[Sequence[int]] | None = None,
+  reduce: str = 'max',
+  k: int = 5,
+  batch_size: int = 500,
+) -> dict[str, float]:
+  """Head and/or kNN accuracy from one forward pass over `x`.
+
+  Args:
+    net: the network (finished when `head`).
+    x: stored examples to evaluate on.
+    y: their labels.
+    scale: model input is `x * scale + shift`.
+    shift: see `scale`.
+    head: report 'head', the end block's accuracy through `label_map`.
+    knn_reference: (examples, labels) to fit a kNN probe on; reports 'knn'.
+    label_map: see `map_labels`.
+    reduce: see `map_labels`.
+    k: kNN neighbours.
+    batch_size: examples per forward pass.
+  """
+  if head and not net.finished:
     raise ValueError(f'{net.describe()} has no head: it is not finished')
-  logits = outputs(net, x, scale=scale, shift=shift, batch_size=batch_size)
-  pred = map_labels(logits, label_map, reduce).argmax(axis=1)
-  return float(np.mean(pred == np.asarray(y)))
+  kw = dict(scale=scale, shift=shift, batch_size=batch_size)
+  out = outputs(net, x, **kw)
+  y = np.asarray(y)
+  acc = {}
+  if head:
+    pred = map_labels(out, label_map, reduce).argmax(axis=1)
+    acc['head'] = float(np.mean(pred == y))
+  if knn_reference is not None:
+    ref = outputs(net, knn_reference[0], **kw)
+    pred = knn_predict(ref, knn_reference[1], out, k)
+    acc['knn'] = float(np.mean(pred == y))
+  return acc
 
 
 def knn_predict(
@@ -226,6 +282,14 @@ def knn_accuracy(
   batch_size: int = 500,
 ) -> float:
   """Accuracy of a kNN probe on the network's outputs (any network)."""
-  ref = outputs(net, x_ref, scale=scale, shift=shift, batch_size=batch_size)
-  out = outputs(net, x, scale=scale, shift=shift, batch_size=batch_size)
-  return float(np.mean(knn_predict(ref, y_ref, out, k) == np.asarray(y)))
+  return accuracies(
+    net,
+    x,
+    y,
+    scale=scale,
+    shift=shift,
+    head=False,
+    knn_reference=(x_ref, y_ref),
+    k=k,
+    batch_size=batch_size,
+  )['knn']

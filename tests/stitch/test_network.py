@@ -223,3 +223,36 @@ def test_outputs_and_knn_accuracy():
   y = np.array([0, 1, 2, 1, 0])
   # Every example is its own nearest reference point.
   assert network.knn_accuracy(net, x, y, x, y, k=1) == 1.0
+
+
+def test_a_chain_without_stitches_is_the_model_and_folds_to_itself():
+  chain = common.chain('cnn_mnist')
+  bare = network.Network(tuple(chain), (None,) * len(chain))
+  x = jnp.asarray(common.inputs((28, 28, 1), n=4))
+  want = np.asarray(network.apply(_own_network(), x))
+  np.testing.assert_allclose(
+    np.asarray(network.apply(bare, x)), want, atol=1e-5
+  )
+  folded = network.fold(bare)
+  assert folded.stitches == bare.stitches
+  np.testing.assert_allclose(
+    np.asarray(network.apply(folded, x)), want, atol=1e-5
+  )
+
+
+def test_accuracies_gives_head_and_knn_from_one_call():
+  net = _own_network()
+  x = np.asarray(common.inputs((28, 28, 1), n=40))
+  y = np.arange(40) % 10
+  both = network.accuracies(net, x, y, knn_reference=(x[:20], y[:20]))
+  logits = np.asarray(network.apply(net, jnp.asarray(x)))
+  ref = logits[:20]
+  assert both == {
+    'head': float(np.mean(logits.argmax(1) == y)),
+    'knn': float(np.mean(network.knn_predict(ref, y[:20], logits) == y)),
+  }
+  # The kNN probe fitted on the examples themselves labels its own
+  # reference part right.
+  assert np.all(network.knn_predict(ref, y[:20], ref, k=1) == y[:20])
+  with pytest.raises(ValueError, match='not finished'):
+    network.accuracies(network.start(net.blocks[0]), x, y)
