@@ -394,17 +394,7 @@ def _simulate_energy(federated, log) -> dict:
     report = simulation.simulate(
       work, clients, client_ids=ids, deadline_factors=factors
     )
-    d = report.to_dict()
-    out[mix] = {
-      'energy_saving': d['energy_saving'],
-      'time_change': d['time_change'],
-      'default_energy_j': d['default_energy_j'],
-      'coordinated_energy_j': d['coordinated_energy_j'],
-      'default_time_s': d['default_time_s'],
-      'coordinated_time_s': d['coordinated_time_s'],
-      'missed': sum(r['missed'] for r in d['rounds']),
-      'rounds': d['rounds'],
-    }
+    out[mix] = report.summary()
   return out
 
 

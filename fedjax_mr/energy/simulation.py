@@ -10,6 +10,10 @@ slowest client is done. Plain numbers in, a plain report out:
     report = simulate(workloads, clients, client_ids=ids)
     report.to_dict()  # JSON-ready
 
+Training runs give their workloads by `training_workloads` (examples ×
+local epochs × seconds per example); FedStitch runs by their measured
+selection times (`fedjax_mr.stitch.federated.energy_rounds`).
+
 A mix spec is 'profile[@speed]:weight,...': `profile` is a built-in name
 ('tx2_literal', 'tx2_chained') or a JSON profile file, `speed` the device's
 speed relative to the profile (0.5 takes twice as long; default 1), and the
@@ -123,6 +127,48 @@ def sample_rounds(
   return client_ids, workloads
 
 
+def training_workloads(
+  client_ids: Sequence[Sequence[int]],
+  sizes: Sequence[int],
+  local_epochs: int,
+  seconds_per_sample: float,
+) -> list[list[float]]:
+  """The local work of training rounds, in seconds at a profile's first
+  configuration.
+
+  A client trains `local_epochs` passes over its `sizes[i]` examples, each
+  example taking `seconds_per_sample` on the reference device. The
+  coordinator's saving does not depend on that constant (every time, and so
+  every energy, scales with it); the reported times do.
+
+  Args:
+    client_ids: per round, the participants.
+    sizes: every client's number of training examples.
+    local_epochs: local passes per round.
+    seconds_per_sample: training time per example at the reference
+      configuration.
+
+  Returns:
+    Per round, each participant's work (the `workloads` of `simulate`).
+  """
+  if local_epochs < 1 or seconds_per_sample <= 0:
+    raise ValueError(
+      'local_epochs must be ≥ 1 and seconds_per_sample > 0, got '
+      f'{local_epochs} and {seconds_per_sample}'
+    )
+  work = []
+  for r, ids in enumerate(client_ids):
+    bad = [i for i in ids if not 0 <= i < len(sizes)]
+    if bad:
+      raise ValueError(
+        f'round {r}: client ids {bad} outside the {len(sizes)} clients'
+      )
+    work.append(
+      [local_epochs * int(sizes[i]) * seconds_per_sample for i in ids]
+    )
+  return work
+
+
 class RoundReport(NamedTuple):
   """One simulated round.
 
@@ -168,6 +214,18 @@ class SimulationReport(NamedTuple):
   def time_change(self) -> float:
     """coordinated / default time − 1 (> 0: the coordinator is slower)."""
     return self.coordinated_time_s / self.default_time_s - 1
+
+  @property
+  def missed(self) -> int:
+    """Participations that finished after their round's deadline."""
+    return sum(r.missed for r in self.rounds)
+
+  def summary(self) -> dict[str, Any]:
+    """Totals and per-round figures, JSON-ready (no client labels)."""
+    d = self.to_dict()
+    del d['client_labels']
+    d['missed'] = self.missed
+    return d
 
   def to_dict(self) -> dict[str, Any]:
     return {
@@ -320,8 +378,8 @@ def simulate(
         default_energy_j=default_energy,
         coordinated_time_s=coord_round,
         coordinated_energy_j=coord_energy,
-        configs=tuple(chosen),
-        missed=0 if deadline is None else sum(t > deadline for t in times),
+        configs=tuple(int(k) for k in chosen),
+        missed=0 if deadline is None else int(sum(t > deadline for t in times)),
       )
     )
   return SimulationReport(

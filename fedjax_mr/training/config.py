@@ -183,6 +183,22 @@ class ExperimentConfig:
   keep_checkpoints: int = _field(
     2, 'How many checkpoints to keep.', run_only=True
   )
+  energy_mix: str = _field(
+    '',
+    'Simulated client devices, profile[@speed]:weight,... (several mixes '
+    "separated by ';'; empty: none). At the end, each mix is simulated on "
+    "the run's sampled clients and their local work with the energy "
+    'coordinator vs the highest frequency; figures go to energy.json. '
+    'Profiles: tx2_literal, tx2_chained or a JSON profile file.',
+    run_only=True,
+  )
+  energy_ms_per_sample: float = _field(
+    2.0,
+    "Energy simulation: local training time per example at a profile's "
+    'first configuration, in ms (scales the reported times, not the '
+    'saving).',
+    run_only=True,
+  )
   client_chunk: int = _field(
     0,
     'Clients trained together on each device: 1 = one after another '
@@ -243,6 +259,11 @@ def choices(field: dataclasses.Field) -> tuple[str, ...] | None:
   return c
 
 
+def energy_mixes(config: ExperimentConfig) -> list[str]:
+  """The device mixes of --energy_mix (';'-separated), in order."""
+  return [m.strip() for m in config.energy_mix.split(';') if m.strip()]
+
+
 def validate(config: ExperimentConfig) -> None:
   """Raises `ConfigError` naming the first bad flag and what it allows."""
   for f in dataclasses.fields(config):
@@ -288,6 +309,17 @@ def validate(config: ExperimentConfig) -> None:
       raise errors.ConfigError(
         f'--{name} must be ≥ 0, got {getattr(config, name)}'
       )
+  if config.energy_ms_per_sample <= 0:
+    raise errors.ConfigError(
+      f'--energy_ms_per_sample must be > 0, got {config.energy_ms_per_sample}'
+    )
+  for mix in energy_mixes(config):
+    from fedjax_mr.energy import simulation  # host-only, no jax
+
+    try:
+      simulation.assign_profiles(mix, config.num_clients, config.seed)
+    except (ValueError, OSError) as e:
+      raise errors.ConfigError(f'--energy_mix: {mix!r}: {e}') from None
   if config.clients_per_round > config.num_clients:
     raise errors.ConfigError(
       f'--clients_per_round={config.clients_per_round} exceeds '

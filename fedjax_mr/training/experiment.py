@@ -42,6 +42,7 @@ from fedjax_mr.training import engine
 from fedjax_mr.training import metrics_io
 
 METRICS_FILE = 'metrics.jsonl'
+ENERGY_FILE = 'energy.json'
 CONFIG_FILE = 'config.json'
 PARTITION_FILE = 'partition.json'
 CURVE_FILE = 'learning_curve.png'
@@ -317,6 +318,8 @@ def train_and_evaluate(
             if k not in row and k != 'client_ids'
           }
         )
+        # Who trained this round: the energy simulation replays it.
+        row['client_ids'] = [int(i) for i in metrics['client_ids']]
         row.setdefault('bytes_communicated', float(round_bytes))
         if not math.isfinite(row['train_loss']):
           if primary:
@@ -360,7 +363,55 @@ def train_and_evaluate(
       title=f'{config.dataset} {config.model} {config.partition}',
     )
   log(timer.summary(history, workdir))
+  if primary and config_lib.energy_mixes(config):
+    energy = simulate_energy(config, history, [len(p) for p in parts])
+    with open(os.path.join(workdir, ENERGY_FILE), 'w') as f:
+      json.dump(energy, f, indent=1)
+    for mix, e in energy.items():
+      log(energy_line(mix, e))
   return Result(state=state, history=history, workdir=workdir)
+
+
+def simulate_energy(
+  config: config_lib.ExperimentConfig,
+  history: list[dict[str, Any]],
+  sizes: list[int],
+) -> dict[str, dict[str, Any]]:
+  """Each --energy_mix simulated on a run's rounds (coordinator vs the
+  highest frequency).
+
+  Args:
+    config: the run (its mixes, seed, local epochs, time per example).
+    history: the metrics rows, with each round's `client_ids`.
+    sizes: every client's number of training examples.
+
+  Returns:
+    {mix: `SimulationReport.summary()`}; rounds logged before client ids
+    were recorded are left out (`rounds_simulated` says how many count).
+  """
+  from fedjax_mr.energy import simulation  # host-only, no jax
+
+  rows = [row for row in history if 'client_ids' in row]
+  ids = [row['client_ids'] for row in rows]
+  work = simulation.training_workloads(
+    ids, sizes, config.local_epochs, config.energy_ms_per_sample / 1000
+  )
+  out = {}
+  for mix in config_lib.energy_mixes(config):
+    clients = simulation.assign_profiles(mix, len(sizes), config.seed)
+    report = simulation.simulate(work, clients, client_ids=ids)
+    out[mix] = {**report.summary(), 'rounds_simulated': len(rows)}
+  return out
+
+
+def energy_line(mix: str, e: dict[str, Any]) -> str:
+  """One progress line for a simulated mix."""
+  return (
+    f'energy, {mix}: coordinator saves {100 * e["energy_saving"]:.1f} % '
+    f'({e["default_energy_j"]:.0f} J → {e["coordinated_energy_j"]:.0f} J), '
+    f'time {100 * e["time_change"]:+.1f} %, {e["missed"]} missed deadlines '
+    f'over {e["rounds_simulated"]} rounds'
+  )
 
 
 def _quiet(line: str) -> None:

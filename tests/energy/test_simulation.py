@@ -196,3 +196,27 @@ def test_docs_figures(reading, deadline_mode, saving, time_change):
   report = docs_scenario(reading, deadline_mode)
   assert round(100 * report.energy_saving, 1) == saving
   assert round(100 * report.time_change, 1) == time_change
+
+
+def test_training_workloads_are_epochs_times_examples():
+  work = simulation.training_workloads([[2, 0], [1]], [10, 20, 30], 3, 0.5)
+  assert work == [[45.0, 15.0], [30.0]]
+  with pytest.raises(ValueError, match=r'client ids \[3\] outside the 3'):
+    simulation.training_workloads([[3]], [10, 20, 30], 1, 1.0)
+  with pytest.raises(ValueError, match='seconds_per_sample'):
+    simulation.training_workloads([[0]], [10], 1, 0.0)
+
+
+def test_summary_counts_missed_deadlines():
+  clients = simulation.assign_profiles('tx2_chained', 2)
+  # Client 1 is 3x slower than its time model: round 1's deadline is its
+  # own round-0 time, client 0 slows down to fit it and client 1, whose
+  # feedback has only moved halfway, misses it.
+  report = simulation.simulate(
+    [[10.0, 10.0], [10.0, 10.0]], clients, time_factors=[1.0, 3.0]
+  )
+  s = report.summary()
+  assert [r.missed for r in report.rounds] == [0, 1]
+  assert s['missed'] == report.missed == 1
+  assert 'client_labels' not in s and len(s['rounds']) == 2
+  json.dumps(s)

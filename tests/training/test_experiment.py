@@ -80,6 +80,44 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
   assert int(res.state.round) == 5
 
 
+def test_energy_mix_replays_the_sampled_clients(small_config, tmp_path):
+  from fedjax_mr.energy import coordinator
+  from fedjax_mr.energy import profiles
+
+  mixes = ['tx2_literal', 'tx2_chained@1:0.5,tx2_chained@0.5:0.5']
+  cfg = dataclasses.replace(
+    small_config, rounds=3, energy_mix=';'.join(mixes), energy_ms_per_sample=4
+  )
+  lines = []
+  experiment.train_and_evaluate(cfg, str(tmp_path), log=lines.append)
+  rows = metrics_io.read(str(tmp_path / 'metrics.jsonl'))
+  sizes = json.load(open(tmp_path / 'partition.json'))['sizes']
+  for row in rows:
+    ids = row['client_ids']
+    assert len(set(ids)) == 4 and all(0 <= i < 10 for i in ids)
+  energy = json.load(open(tmp_path / experiment.ENERGY_FILE))
+  assert list(energy) == mixes
+  # One device kind: the round time at the highest frequency is the largest
+  # client's 2 epochs x examples x 4 ms, sped up by the fastest config.
+  tx2 = profiles.get_profile('tx2_literal')
+  e = energy['tx2_literal']
+  assert e['rounds_simulated'] == 3
+  for row, r in zip(rows, e['rounds']):
+    assert r['clients'] == row['client_ids']
+    work = max(2 * sizes[i] * 0.004 for i in row['client_ids'])
+    expected = coordinator.reference_time_s(tx2, base_time_s=work)
+    np.testing.assert_allclose(
+      r['default_time_s'], expected / tx2.speedup[tx2.fastest], rtol=1e-9
+    )
+  # The first round has no previous round to set a deadline from.
+  assert [r['deadline_s'] is None for r in e['rounds']] == [True, False, False]
+  for mix in mixes:
+    assert 0 <= energy[mix]['energy_saving'] < 1
+    assert any(
+      line.startswith(f'energy, {mix}: coordinator saves') for line in lines
+    )
+
+
 def _interrupt_at(r_stop, exc):
   def hook(r, row):
     del row
@@ -173,6 +211,9 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
     ({'num_devices': 3}, '--num_devices=3'),
     ({'client_chunk': -1}, '--client_chunk'),
     ({'process_id': 1}, '--process_id'),
+    ({'energy_mix': 'tx2_literal:1;nosuch:1'}, "--energy_mix: 'nosuch:1'"),
+    ({'energy_mix': 'tx2_literal@0:1'}, '--energy_mix'),
+    ({'energy_ms_per_sample': 0.0}, '--energy_ms_per_sample'),
   ],
 )
 def test_bad_input_names_the_flag(small_config, tmp_path, changes, flag):
