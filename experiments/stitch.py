@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import time
 
 from absl import app
 from absl import flags
@@ -259,7 +258,6 @@ def _main(stitch, errors) -> None:
 
   os.makedirs(_WORKDIR.value, exist_ok=True)
   config = _config(stitch, _SEED.value)
-  t0 = time.perf_counter()
   state = stitch.run(
     pool,
     batch_fn,
@@ -268,7 +266,8 @@ def _main(stitch, errors) -> None:
     state_path=os.path.join(_WORKDIR.value, 'state.pkl'),
     on_round=_print_round,
   )
-  run_seconds = time.perf_counter() - t0
+  # Over every round of the run, also those before a resume.
+  run_seconds = sum(e.get('round_time_s', 0.0) for e in state.log)
   with open(os.path.join(_WORKDIR.value, 'log.jsonl'), 'w') as f:
     for e in state.log:
       f.write(json.dumps(e) + '\n')

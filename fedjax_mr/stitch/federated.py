@@ -493,6 +493,7 @@ def run_round(
     config: hyper-parameters.
     population: the client ids that can be sampled.
   """
+  t_start = time.perf_counter()
   r = state.round
   rng = np.random.default_rng([config.seed, r])
   k = min(config.clients_per_round, len(population))
@@ -575,6 +576,9 @@ def run_round(
   if (r + 1) % config.rounds_per_selection == 0:
     state, chosen = _select(pool, state, cands, batch_fn, config)
     entry['selected'] = chosen
+  # The whole round on this simulator: clients one after another, the
+  # server's selection, stitching and pruning.
+  entry['round_time_s'] = time.perf_counter() - t_start
   return state._replace(log=state.log + (entry,))
 
 

@@ -343,7 +343,8 @@ def _summary(state):
     return (n.path, stitches)
 
   log = [
-    {k: v for k, v in e.items() if k != 'client_time_s'} for e in state.log
+    {k: v for k, v in e.items() if k not in ('client_time_s', 'round_time_s')}
+    for e in state.log
   ]
   return {
     'round': state.round,
@@ -402,6 +403,7 @@ def test_run_logs_one_entry_per_round(baseline):
     assert len(e['ranks']) == CONFIG.clients_per_round
     assert all(0 <= r <= 1 for r in e['ranks'])
     assert len(e['client_time_s']) == CONFIG.clients_per_round
+    assert e['round_time_s'] >= sum(e['client_time_s'])
   sizes = [max(e['pool_sizes']) for e in log]
   assert sizes == sorted(sizes, reverse=True)  # non-increasing
   assert log[0]['pool_sizes'] == [6, 6, 6]  # 3 start blocks, 6 others
