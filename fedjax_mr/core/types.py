@@ -56,6 +56,11 @@ class ServerTransform(NamedTuple):
     aggregate: `aggregate(state, outputs, round, key) -> (state, metrics)`;
       `outputs` is a `ClientOutput` with leaves `[K, ...]`; `metrics` is a
       dict of scalars.
+    shared_dispatch: optional, for transforms whose K clients all start
+      from one model: `shared_dispatch(state, round, key) -> variables`
+      (no `[K]` axis), such that `dispatch` is its broadcast. The engine
+      then hands that one model to every client and never holds K copies
+      of it (K model copies fewer in memory in large cohorts).
   """
 
   init: Callable[[Variables], Any]
@@ -63,6 +68,9 @@ class ServerTransform(NamedTuple):
   aggregate: Callable[
     [Any, ClientOutput, jax.Array, jax.Array], tuple[Any, dict[str, Any]]
   ]
+  shared_dispatch: Callable[[Any, jax.Array, jax.Array], Variables] | None = (
+    None
+  )
 
 
 # client_update(variables, data, client_id, key) -> ClientOutput

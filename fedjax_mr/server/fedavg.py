@@ -39,9 +39,12 @@ def fedavg(
   def init(variables):
     return FedAvgState(params=variables)
 
-  def dispatch(state, round_index, key):
+  def shared_dispatch(state, round_index, key):
     del round_index, key
-    return tree.broadcast(state.params, k)
+    return state.params
+
+  def dispatch(state, round_index, key):
+    return tree.broadcast(shared_dispatch(state, round_index, key), k)
 
   def aggregate(state, outputs, round_index, key):
     del state, round_index, key
@@ -50,4 +53,4 @@ def fedavg(
       params=tree.weighted_mean(outputs.variables, weights)
     ), {}
 
-  return types.ServerTransform(init, dispatch, aggregate)
+  return types.ServerTransform(init, dispatch, aggregate, shared_dispatch)

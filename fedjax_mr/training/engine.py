@@ -155,7 +155,15 @@ def make_round_fn(
       f'({shards}) the client axis is sharded over'
     )
 
+  shared = server.shared_dispatch is not None
+
   def train_clients(inputs, ids, keys, data):
+    if shared:  # one model for all: closed over, never stacked K times
+      return map_clients(
+        lambda c, ck: client_update(inputs, data, c, ck),
+        (ids, keys),
+        client_chunk,
+      )
     return map_clients(
       lambda v, c, ck: client_update(v, data, c, ck),
       (inputs, ids, keys),
@@ -165,10 +173,11 @@ def make_round_fn(
   if shards > 1:
     axis = mesh.axis_names[0]
     spec = jax.sharding.PartitionSpec(axis)
+    replicated = jax.sharding.PartitionSpec()
     sharded_train = jax.shard_map(
       train_clients,
       mesh=mesh,
-      in_specs=(spec, spec, spec, jax.sharding.PartitionSpec()),
+      in_specs=(replicated if shared else spec, spec, spec, replicated),
       out_specs=spec,
       check_vma=False,
     )
@@ -176,16 +185,16 @@ def make_round_fn(
   def round_fn(state, data, key):
     k_sample, k_dispatch, k_clients, k_aggregate = round_keys(key, state.round)
     ids = sample_clients(k_sample, data.num_clients, k)
-    inputs = server.dispatch(state.server, state.round, k_dispatch)
+    dispatch = server.shared_dispatch if shared else server.dispatch
+    inputs = dispatch(state.server, state.round, k_dispatch)
     keys = jax.random.split(k_clients, k)
     if shards == 1:
       outputs = train_clients(inputs, ids, keys, data)
     else:
       perm = balanced_order(data.sizes[ids], shards)
-      take = lambda x: x[perm]  # noqa: E731
-      outputs = sharded_train(
-        jax.tree.map(take, inputs), ids[perm], keys[perm], data
-      )
+      if not shared:
+        inputs = jax.tree.map(lambda x: x[perm], inputs)
+      outputs = sharded_train(inputs, ids[perm], keys[perm], data)
       inverse = jnp.argsort(perm)
       outputs = jax.tree.map(lambda x: x[inverse], outputs)
     server_state, server_metrics = server.aggregate(

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_mr.core import tree
 from fedjax_mr.core import types
 
 
@@ -68,14 +69,14 @@ def fake_outputs(
   )
 
 
-def _same_layout(tree, reference, prefix=()):
-  chex.assert_trees_all_equal_structs(tree, reference)
+def _same_layout(got, reference, prefix=()):
+  chex.assert_trees_all_equal_structs(got, reference)
   jax.tree.map(
     lambda x, r: (
       np.testing.assert_equal(x.shape, prefix + r.shape),
       np.testing.assert_equal(x.dtype, r.dtype),
     ),
-    tree,
+    got,
     reference,
   )
 
@@ -92,7 +93,8 @@ def check_server_transform(
   Checks: the state exposes `.params` with the variables' structure, shapes
   and dtypes, and no two state leaves share a buffer (the engine donates the
   state); dispatch gives `[K, ...]` leaves of the same dtypes; the state
-  keeps its structure, shapes and dtypes through aggregate; metrics are
+  keeps its structure, shapes and dtypes through aggregate; a
+  `shared_dispatch`, where given, broadcasts to exactly `dispatch`; metrics are
   finite scalars; dispatch and aggregate run under `jax.jit` (aggregate
   with the state donated, as the experiment does) and are deterministic
   given a key.
@@ -119,6 +121,9 @@ def check_server_transform(
     chex.assert_trees_all_equal(
       client, dispatch(state, round_index, k_dispatch)
     )
+    if transform.shared_dispatch is not None:  # dispatch is its broadcast
+      one = jax.jit(transform.shared_dispatch)(state, round_index, k_dispatch)
+      chex.assert_trees_all_equal(client, tree.broadcast(one, num_models))
     outputs = fake_outputs(client, k_train)
     copy = jax.tree.map(jnp.copy, state)
     new_state, metrics = aggregate(copy, outputs, round_index, k_aggregate)

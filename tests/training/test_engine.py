@@ -139,3 +139,58 @@ def test_sharding_needs_a_multiple_of_devices():
   server = fedavg.fedavg(3)
   with pytest.raises(ValueError, match='multiple of the number of devices'):
     engine.make_round_fn(server, None, clients_per_round=3, mesh=mesh)
+
+
+@pytest.mark.parametrize('devices,chunk', [(1, 1), (1, 2), (1, 4), (2, 1)])
+def test_shared_dispatch_equals_stacked_dispatch(devices, chunk):
+  """FedAvg hands its one global model to every client without stacking it;
+  the round is the same as dispatching K stacked copies."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ('clients',))
+  model = helpers.linear_model()
+  data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
+  update = client.make_client_update(
+    model, optax.sgd(0.2, momentum=0.9), local_epochs=2, batch_size=4
+  )
+  shared = fedavg.fedavg(4)
+  assert shared.shared_dispatch is not None
+  stacked = shared._replace(shared_dispatch=None)
+  state = engine.init_state(shared, model.init(jax.random.key(0)))
+  fns = [
+    jax.jit(
+      engine.make_round_fn(
+        s,
+        update,
+        clients_per_round=4,
+        client_chunk=chunk,
+        mesh=mesh if devices > 1 else None,
+      )
+    )
+    for s in (shared, stacked)
+  ]
+  (s1, h1), (s2, h2) = [_run(f, state, data, jax.random.key(2)) for f in fns]
+  helpers.tree_allclose(
+    s1.server.params, s2.server.params, rtol=1e-6, atol=1e-7
+  )
+  for a, b in zip(h1, h2):
+    np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-6)
+
+
+def test_shared_dispatch_holds_one_copy_of_the_model():
+  """XLA's own memory analysis: K stacked inputs cost K model copies of
+  temporary memory, the shared model none."""
+  model = helpers.linear_model()
+  data, _ = helpers.toy_data([5] * 64)
+  update = client.make_client_update(
+    model, optax.sgd(0.1), local_epochs=1, batch_size=4
+  )
+  shared = fedavg.fedavg(64)
+  state = engine.init_state(shared, model.init(jax.random.key(0)))
+  temp = []
+  for s in (shared, shared._replace(shared_dispatch=None)):
+    fn = jax.jit(engine.make_round_fn(s, update, clients_per_round=64))
+    mem = fn.lower(state, data, jax.random.key(0)).compile().memory_analysis()
+    if mem is None:
+      pytest.skip('this backend reports no memory analysis')
+    temp.append(mem.temp_size_in_bytes)
+  model_bytes = sum(x.nbytes for x in jax.tree.leaves(state.server.params))
+  assert temp[1] - temp[0] >= 0.9 * 64 * model_bytes
