@@ -9,10 +9,12 @@ For one setting it prints: compile time; steady-state seconds per round
 centralised training of the same model on the same number of sample-steps
 and batch size, as one jitted loop in this process with the same fast
 layers; the ratio round/limit; samples/s; achieved GFLOP/s; the server-side
-share of a round; and peak memory. With Dirichlet sizes every round runs a
-different number of steps, so the limit is scaled to each round's exact
-steps (`round / exact-steps cost`). The last line is
-`round/limit ratio: X.XX` for the first setting.
+share of a round; and peak memory. Every timed round is followed by the
+limit at exactly that round's number of steps (with Dirichlet sizes every
+round runs a different number), and with several device settings the
+rounds of each setting alternate, so ratios and speed-ups compare runs made
+seconds apart. The last line is `round/limit ratio: X.XX` for the first
+setting.
 """
 
 from __future__ import annotations
@@ -85,8 +87,14 @@ def _setup(sizes):
   return ds, model, opt, update, variables, data
 
 
-def _limit(model, opt, variables, data, steps, b):
-  """Seconds per step of centralised SGD (one jitted loop, same layers)."""
+def _limit_fn(model, opt, variables, data, b):
+  """Centralised SGD as one jitted loop with the same layers.
+
+  Returns:
+    `(run, flops)`: `run(steps, key)` trains `steps` steps of batch `b`
+    on the shuffled dataset from a random start and blocks until done;
+    `flops` is XLA's cost analysis of one step.
+  """
   import jax
   import jax.numpy as jnp
   import optax
@@ -107,25 +115,30 @@ def _limit(model, opt, variables, data, steps, b):
     updates, opt_state = opt.update(g, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  def train(params, x_all, y_all, key):
-    idx = jax.random.randint(key, (steps, b), 0, m)
-
+  def train(params, x_all, y_all, start, steps):
     def step(i, carry):
       params, opt_state = carry
-      j = idx[i]
-      x = client_data.normalize(x_all[j], data.scale, data.shift)
-      return train_step(params, opt_state, x, y_all[j])
+      at = (start + i * b) % (m - b + 1)
+      x = lax.dynamic_slice_in_dim(x_all, at, b)
+      x = client_data.normalize(x, data.scale, data.shift)
+      return train_step(
+        params, opt_state, x, lax.dynamic_slice_in_dim(y_all, at, b)
+      )
 
+    # A run-time step count, like the clients' exact step counts.
     return lax.fori_loop(0, steps, step, (params, opt.init(params)))[0]
 
   fn = jax.jit(train)
   params = variables['params']
-  _block(fn(params, data.x, data.y, jax.random.key(0)))
-  times = []
-  for r in range(3):
-    t = time.perf_counter()
-    _block(fn(params, data.x, data.y, jax.random.key(r)))
-    times.append(time.perf_counter() - t)
+  # The fastest input pipeline: the dataset shuffled once, outside the
+  # timing, and read in contiguous batches.
+  perm = jax.random.permutation(jax.random.key(0), m)
+  x_all, y_all = _block((data.x[perm], data.y[perm]))
+
+  def run(steps, key):
+    start = jax.random.randint(key, (), 0, m)
+    _block(fn(params, x_all, y_all, start, jnp.int32(steps)))
+
   x = jnp.zeros((b, *model.input_shape), jnp.float32)
   y = jnp.zeros((b,), jnp.int32)
   cost = (
@@ -137,13 +150,15 @@ def _limit(model, opt, variables, data, steps, b):
   if isinstance(cost, list):
     cost = cost[0]
   flops = float(cost.get('flops', 0.0)) if cost else 0.0
-  return statistics.median(times) / steps, flops
+  return run, flops
 
 
-def _bench(setting, devices, model, opt, update, variables, data, limits):
+def _prepare(setting, devices, update, variables, data):
+  """Compiles one setting's round and times its server-side work alone."""
   import jax
   import numpy as np
 
+  from fedjax_mr.core import types
   from fedjax_mr.server import fedavg
   from fedjax_mr.training import engine
 
@@ -167,19 +182,10 @@ def _bench(setting, devices, model, opt, update, variables, data, limits):
   t = time.perf_counter()
   compiled = round_fn.lower(state, data, key).compile()
   compile_s = time.perf_counter() - t
-  _block(compiled(state, data, key))  # warm-up
-  times, steps, examples = [], [], []
-  s = state
-  for _ in range(FLAGS.rounds):
-    t = time.perf_counter()
-    s, m = compiled(s, data, key)
-    _block(s)
-    times.append(time.perf_counter() - t)
-    steps.append(int(m['num_steps']))
-    examples.append(int(m['num_examples']) * FLAGS.local_epochs)
 
-  # Server-side work alone: dispatch + aggregate on stacked client outputs.
-  from fedjax_mr.core import types
+  # Server-side work alone: dispatch (as the round does it) + aggregate on
+  # stacked client outputs.
+  dispatch = server.shared_dispatch or server.dispatch
 
   def server_only(st, variables_k):
     out = types.ClientOutput(
@@ -188,7 +194,7 @@ def _bench(setting, devices, model, opt, update, variables, data, limits):
       jax.numpy.zeros((k,)),
       jax.numpy.ones((k,), jax.numpy.int32),
     )
-    inputs = server.dispatch(st.server, st.round, key)
+    inputs = dispatch(st.server, st.round, key)
     new, _ = server.aggregate(st.server, out, st.round, key)
     return new, inputs
 
@@ -199,30 +205,106 @@ def _bench(setting, devices, model, opt, update, variables, data, limits):
   for _ in range(10):
     _block(srv(state, stacked))
   server_s = (time.perf_counter() - t) / 10
-
-  b = min(FLAGS.batch_size, int(data.max_size))
-  per_step, flops = limits.get(b) or limits.setdefault(
-    b, _limit(model, opt, variables, data, int(np.median(steps)), b)
-  )
-  ratios = [tm / (per_step * st) for tm, st in zip(times, steps)]
-  round_s = statistics.median(times)
   return {
     'setting': setting,
     'devices': d,
     'chunk': chunk,
     'compile_s': compile_s,
-    'round_s': round_s,
-    'steps': statistics.median(steps),
-    'limit_s': per_step * statistics.median(steps),
-    'ratio': statistics.median(ratios),
-    'samples_per_s': statistics.median(
-      [e / tm for e, tm in zip(examples, times)]
-    ),
-    'gflops': statistics.median(
-      [flops * st / tm / 1e9 for st, tm in zip(steps, times)]
-    ),
-    'server_pct': 100 * server_s / round_s,
+    'server_s': server_s,
+    'step': lambda s: compiled(s, data, key),
+    'state': state,
+    'times': [],
+    'steps': [],
+    'examples': [],
+    'limits': [],
+    'balance': [],
   }
+
+
+def _bench_sizes(sizes, devs, model, opt, update, variables, data):
+  """Times the settings of one client-size kind, interleaved.
+
+  After one warm-up round each, every timed round runs once per device
+  setting (the same clients: same key, same round index), followed by the
+  limit at exactly that round's number of steps. Each round/limit ratio and
+  each device speed-up is taken between runs seconds apart, so drifts in
+  the machine's speed (large on shared 2-core machines) cancel.
+  """
+  runs = [_prepare(sizes, dev, update, variables, data) for dev in devs]
+  b = min(FLAGS.batch_size, int(data.max_size))
+  limit, flops = _limit_fn(model, opt, variables, data, b)
+  for r in runs:  # warm-up
+    r['state'], m = r['step'](r['state'])
+    _block(r['state'])
+  limit(int(m['num_steps']), _key(0))
+  for i in range(FLAGS.rounds):
+    for r in runs:
+      t = time.perf_counter()
+      r['state'], m = r['step'](r['state'])
+      _block(r['state'])
+      r['times'].append(time.perf_counter() - t)
+      r['steps'].append(int(m['num_steps']))
+      r['examples'].append(int(m['num_examples']) * FLAGS.local_epochs)
+      r['balance'].append(_balance(data, m['client_ids'], b, r['devices']))
+    steps = {r['steps'][-1] for r in runs}
+    if len(steps) != 1:
+      raise RuntimeError(f'device settings ran different steps: {steps}')
+    t = time.perf_counter()
+    limit(steps.pop(), _key(i + 1))
+    lim = time.perf_counter() - t
+    for r in runs:
+      r['limits'].append(lim)
+  out = []
+  for r in runs:
+    times, steps = r['times'], r['steps']
+    round_s = statistics.median(times)
+    out.append(
+      {
+        'setting': r['setting'],
+        'devices': r['devices'],
+        'chunk': r['chunk'],
+        'compile_s': r['compile_s'],
+        'round_s': round_s,
+        'times': times,
+        'steps': statistics.median(steps),
+        'limit_s': statistics.median(r['limits']),
+        'ratio': statistics.median(
+          [t / lim for t, lim in zip(times, r['limits'])]
+        ),
+        'samples_per_s': statistics.median(
+          [e / t for e, t in zip(r['examples'], times)]
+        ),
+        'gflops': statistics.median(
+          [flops * st / t / 1e9 for st, t in zip(steps, times)]
+        ),
+        'server_pct': 100 * r['server_s'] / round_s,
+        'balance': statistics.median(r['balance']),
+      }
+    )
+  return out
+
+
+def _balance(data, client_ids, b, d):
+  """Mean over max of the devices' local steps as the engine deals them.
+
+  A client never splits across devices, so `d` devices can be at most
+  `d × balance` times faster than one.
+  """
+  import numpy as np
+
+  from fedjax_mr.training import engine
+
+  sizes = np.asarray(data.sizes)[np.asarray(client_ids)]
+  steps = -(-sizes // b)
+  perm = np.asarray(engine.balanced_order(sizes, d))
+  per_device = steps[perm].reshape(d, -1).sum(axis=1)
+  return float(per_device.mean() / per_device.max())
+
+
+def _key(i):
+  import jax
+
+  return jax.random.key(i)
 
 
 def _memory_line():
@@ -271,25 +353,37 @@ def main(argv):
     f'E={FLAGS.local_epochs}, B={FLAGS.batch_size}; {n_dev} '
     f'{jax.devices()[0].platform} device(s), {FLAGS.rounds} timed rounds'
   )
-  results, limits = [], {}
-  first_ratio = None
-  for sizes, dev in runs:
-    r = _bench(sizes, dev, model, opt, update, variables, data[sizes], limits)
-    results.append(r)
-    if first_ratio is None:
-      first_ratio = r['ratio']
-    print(
-      f'[{r["setting"]}, {r["devices"]} device(s), chunk {r["chunk"]}] '
-      f'compile {r["compile_s"]:.2f}s | round {r["round_s"]:.3f}s '
-      f'({r["steps"]:.0f} steps) | limit {r["limit_s"]:.3f}s | '
-      f'round/limit {r["ratio"]:.3f} | {r["samples_per_s"]:.0f} samples/s | '
-      f'{r["gflops"]:.1f} GFLOP/s | server {r["server_pct"]:.3f}% of round'
-    )
+  results = []
+  for sizes in ('equal', 'dirichlet'):
+    devs = [dev for s, dev in runs if s == sizes]
+    if not devs:
+      continue
+    for r in _bench_sizes(
+      sizes, devs, model, opt, update, variables, data[sizes]
+    ):
+      results.append(r)
+      print(
+        f'[{r["setting"]}, {r["devices"]} device(s), chunk {r["chunk"]}] '
+        f'compile {r["compile_s"]:.2f}s | round {r["round_s"]:.3f}s '
+        f'({r["steps"]:.0f} steps) | limit {r["limit_s"]:.3f}s | '
+        f'round/limit {r["ratio"]:.3f} | {r["samples_per_s"]:.0f} samples/s '
+        f'| {r["gflops"]:.1f} GFLOP/s | server {r["server_pct"]:.3f}% of '
+        'round'
+      )
+  first_ratio = results[0]['ratio']
   by = {(r['setting'], r['devices']): r for r in results}
   for sizes in ('equal', 'dirichlet'):
     if (sizes, 1) in by and (sizes, n_dev) in by and n_dev > 1:
-      speedup = by[(sizes, 1)]['round_s'] / by[(sizes, n_dev)]['round_s']
-      print(f'{sizes}: {n_dev} devices are {speedup:.2f}x faster than 1')
+      # Round by round: each pair ran seconds apart on the same clients.
+      speedup = statistics.median(
+        t1 / tn
+        for t1, tn in zip(by[(sizes, 1)]['times'], by[(sizes, n_dev)]['times'])
+      )
+      bound = n_dev * by[(sizes, n_dev)]['balance']
+      print(
+        f'{sizes}: {n_dev} devices are {speedup:.2f}x faster than 1 '
+        f'(clients dealt to devices allow at most {bound:.2f}x)'
+      )
   print(_memory_line())
   print(f'round/limit ratio: {first_ratio:.2f}')
 
