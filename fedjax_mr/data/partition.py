@@ -63,22 +63,31 @@ def dirichlet(
   m = len(labels)
   cap = m / num_clients
   classes = np.unique(labels)
+  by_class = [np.flatnonzero(labels == c) for c in classes]
   for _ in range(max_tries):
-    parts: list[list[int]] = [[] for _ in range(num_clients)]
-    for c in classes:
-      idx = np.flatnonzero(labels == c)
+    # Per class: the shuffled indices and, for each, the client it goes to
+    # (client j gets the j-th contiguous run of the class's indices).
+    idx_runs, owner_runs = [], []
+    sizes = np.zeros(num_clients, np.int64)
+    for members in by_class:
+      idx = members.copy()
       rng.shuffle(idx)
       p = rng.dirichlet(np.full(num_clients, alpha))
-      sizes = np.array([len(q) for q in parts])
       p = np.where(sizes < cap, p, 0.0)
       p = p / p.sum()
       cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-      for j, chunk in enumerate(np.split(idx, cuts)):
-        parts[j].extend(chunk.tolist())
-    if min(len(q) for q in parts) >= min_size:
+      counts = np.diff(np.concatenate([[0], cuts, [len(idx)]]))
+      idx_runs.append(idx)
+      owner_runs.append(np.repeat(np.arange(num_clients), counts))
+      sizes += counts
+    if sizes.min() >= min_size:
+      idx, owner = np.concatenate(idx_runs), np.concatenate(owner_runs)
+      # Stable: each client's examples in the order they were dealt.
+      order = np.argsort(owner, kind='stable')
+      parts = np.split(idx[order].astype(np.int64), np.cumsum(sizes)[:-1])
       out = []
       for q in parts:
-        q = np.array(q, dtype=np.int64)
+        q = q.copy()
         rng.shuffle(q)
         out.append(q)
       return out
