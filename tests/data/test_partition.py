@@ -84,3 +84,38 @@ def test_summary(labels):
   assert s['label_histograms'][0][:2] == [2, 1]
   assert s['label_histograms'][1][9] == 1
   assert s['classes_per_client_mean'] == 1.5
+
+
+def _dirichlet_by_lists(labels, num_clients, alpha, seed, min_size):
+  """The procedure written out client list by client list (the papers'
+  reference code's shape), drawing the same random numbers."""
+  rng = np.random.default_rng(seed)
+  cap = len(labels) / num_clients
+  while True:
+    parts = [[] for _ in range(num_clients)]
+    for c in np.unique(labels):
+      idx = np.flatnonzero(labels == c)
+      rng.shuffle(idx)
+      p = rng.dirichlet(np.full(num_clients, alpha))
+      sizes = np.array([len(q) for q in parts])
+      p = np.where(sizes < cap, p, 0.0)
+      p = p / p.sum()
+      cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
+      for j, chunk in enumerate(np.split(idx, cuts)):
+        parts[j].extend(chunk.tolist())
+    if min(len(q) for q in parts) >= min_size:
+      out = []
+      for q in parts:
+        q = np.array(q, dtype=np.int64)
+        rng.shuffle(q)
+        out.append(q)
+      return out
+
+
+@pytest.mark.parametrize('alpha,seed', [(0.1, 0), (0.5, 3), (5.0, 1)])
+def test_dirichlet_equals_the_list_by_list_procedure(labels, alpha, seed):
+  got = partition.dirichlet(labels, 20, alpha, seed, min_size=5)
+  want = _dirichlet_by_lists(labels, 20, alpha, seed, min_size=5)
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
