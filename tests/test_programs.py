@@ -1,4 +1,4 @@
-"""The benchmark programs run, print their figures and reject bad flags."""
+"""The benchmark and experiment programs print figures, reject bad input."""
 
 import re
 
@@ -54,3 +54,19 @@ def test_zoo_report_tables():
     assert peak < 1.5 * arrays + 16
   bad = _run('experiments.zoo_report', '--models=alexnet')
   assert bad.returncode != 0 and "--models: unknown 'alexnet'" in bad.stderr
+
+
+def test_compare_summarize_only_without_runs_says_so(tmp_path):
+  proc = _run(
+    'experiments.compare',
+    '--variants=fedavg,fedmr',
+    '--seeds=0,1',
+    f'--out={tmp_path}/nothing_here',
+    '--summarize_only',
+  )
+  assert proc.returncode == 2
+  assert 'Traceback' not in proc.stderr
+  assert (
+    f'--out={tmp_path}/nothing_here: no runs of variants fedavg, fedmr'
+    in (proc.stderr)
+  )

@@ -152,6 +152,11 @@ def summarize(
     'n', 'diverged': {seed: round}}}, 'last': last}`; runs without metrics
     are left out. A run whose loss became non-finite counts in 'diverged',
     not in the mean ('mean' and 'std' are nan when every seed diverged).
+
+  Raises:
+    ConfigError: no run of these variants and seeds under `out` (nothing
+      is written then, so an earlier table is never overwritten by an
+      empty one).
   """
   results: dict[str, Any] = {}
   curves = {}
@@ -181,6 +186,11 @@ def summarize(
     }
     if histories:
       curves[name] = _mean_curve(histories)
+  if not results:
+    raise errors.ConfigError(
+      f'--out={out}: no runs of variants {", ".join(variants)} with seeds '
+      f'{", ".join(map(str, seeds))} there; nothing to summarize'
+    )
   summary = {'variants': results, 'last': last}
   with open(os.path.join(out, RESULTS_FILE), 'w') as f:
     json.dump(summary, f, indent=2)

@@ -270,6 +270,12 @@ def test_summarize_exact_values(tmp_path):
   assert '| b | 45.00 (diverged: seed 1 at round 5) | 1 | 3 |' in table
   assert '| d | diverged: seed 0 at round 2 | 0 | 0 |' in table
   assert (tmp_path / compare.CURVES_FILE).stat().st_size > 1000
+  # Nothing to summarize: a clear error, and the table above stays.
+  with pytest.raises(errors.ConfigError, match=r'--out=.*no runs of .*c'):
+    compare.summarize(str(tmp_path), ['c'], [0, 1])
+  assert (tmp_path / compare.TABLE_FILE).read_text() == table
+  with pytest.raises(errors.ConfigError, match='nothing to summarize'):
+    compare.summarize(str(tmp_path / 'missing'), ['a'], [0])
 
 
 def test_run_matrix_goes_on_past_a_diverged_run(small_config, tmp_path):
