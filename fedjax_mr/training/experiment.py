@@ -5,7 +5,9 @@ algorithm from the config, then per round one metrics line (and an
 evaluation every `eval_every` rounds), checkpoints every
 `checkpoint_every` rounds, and a learning-curve PNG at the end. A workdir
 that holds a checkpoint resumes from it; the rounds after it are recomputed
-identically (every round's key is `fold_in(key, round)`).
+identically (every round's key is `fold_in(key, round)`). Ctrl-C or
+SIGTERM writes the current round's row and checkpoints that round on the
+way out, so no finished round is lost and no round's row is skipped.
 """
 
 from __future__ import annotations
@@ -298,61 +300,83 @@ def train_and_evaluate(
     return r == config.rounds or (every > 0 and r % every == 0)
 
   timer = _Timer(start, config.rounds)
-  saved_round = start
+  saved_round = written = start
+
+  def record(r: int, metrics: Any, t0: float) -> dict[str, Any]:
+    """Evaluates round r's state and writes its metrics row."""
+    nonlocal written
+    metrics = jax.device_get(metrics)
+    row = {
+      'round': r,
+      'train_loss': float(metrics['train_loss']),
+      'num_examples': int(metrics['num_examples']),
+      'num_steps': int(metrics['num_steps']),
+    }
+    row.update(
+      {
+        k: _to_json(v)
+        for k, v in metrics.items()
+        if k not in row and k != 'client_ids'
+      }
+    )
+    # Who trained this round: the energy simulation replays it.
+    row['client_ids'] = [int(i) for i in metrics['client_ids']]
+    row.setdefault('bytes_communicated', float(round_bytes))
+    if not math.isfinite(row['train_loss']):
+      if primary:
+        metrics_io.append(metrics_path, row)
+      raise errors.NonFiniteError(
+        f'non-finite train loss ({row["train_loss"]}) at round {r}; '
+        f'stopped. Metrics up to it are in {metrics_path}; the last '
+        f'checkpoint (round {saved_round}) is kept. Try a smaller --lr.'
+      )
+    if should(config.eval_every, r):
+      ev = jax.device_get(evaluate(state.server.params, test))
+      row['test_accuracy'] = float(ev['accuracy'])
+      row['test_loss'] = float(ev['loss'])
+    if local_evaluate is not None and should(config.local_eval_every, r):
+      local = jax.device_get(local_evaluate(state, test))['accuracy']
+      row['local_accuracy_mean'] = float(np.mean(local))
+      row['local_accuracy_std'] = float(np.std(local))
+    row['round_time_s'] = time.perf_counter() - t0
+    timer.tick(r, row['round_time_s'])
+    row['elapsed_s'] = timer.elapsed
+    if primary:
+      metrics_io.append(metrics_path, row)
+    written = r
+    history.append(row)
+    log(timer.progress_line(row))
+    return row
+
+  pending = None  # (round, metrics, t0) of a round whose row is not written
   with _TerminationAsInterrupt():
     try:
       for r in range(start + 1, config.rounds + 1):
         t0 = time.perf_counter()
         state, metrics = round_fn(state, data, round_key)
-        metrics = jax.device_get(metrics)
-        row = {
-          'round': r,
-          'train_loss': float(metrics['train_loss']),
-          'num_examples': int(metrics['num_examples']),
-          'num_steps': int(metrics['num_steps']),
-        }
-        row.update(
-          {
-            k: _to_json(v)
-            for k, v in metrics.items()
-            if k not in row and k != 'client_ids'
-          }
-        )
-        # Who trained this round: the energy simulation replays it.
-        row['client_ids'] = [int(i) for i in metrics['client_ids']]
-        row.setdefault('bytes_communicated', float(round_bytes))
-        if not math.isfinite(row['train_loss']):
-          if primary:
-            metrics_io.append(metrics_path, row)
-          raise errors.NonFiniteError(
-            f'non-finite train loss ({row["train_loss"]}) at round {r}; '
-            f'stopped. Metrics up to it are in {metrics_path}; the last '
-            f'checkpoint (round {saved_round}) is kept. Try a smaller --lr.'
-          )
-        if should(config.eval_every, r):
-          ev = jax.device_get(evaluate(state.server.params, test))
-          row['test_accuracy'] = float(ev['accuracy'])
-          row['test_loss'] = float(ev['loss'])
-        if local_evaluate is not None and should(config.local_eval_every, r):
-          local = jax.device_get(local_evaluate(state, test))['accuracy']
-          row['local_accuracy_mean'] = float(np.mean(local))
-          row['local_accuracy_std'] = float(np.std(local))
-        row['round_time_s'] = time.perf_counter() - t0
-        timer.tick(r, row['round_time_s'])
-        row['elapsed_s'] = timer.elapsed
-        if primary:
-          metrics_io.append(metrics_path, row)
-        history.append(row)
-        log(timer.progress_line(row))
+        pending = (r, metrics, t0)
+        row = record(*pending)
+        pending = None
         if should(config.checkpoint_every, r):
           ckpt.save(r, state)
           saved_round = r
         if on_round is not None:
           on_round(r, row)
     except KeyboardInterrupt:
-      if _alive(state) and int(state.round) > saved_round:
-        ckpt.save(int(state.round), state)
-        log(f'interrupted: saved a checkpoint after round {int(state.round)}')
+      # Most of a round is spent waiting for its results, so that is where a
+      # signal usually lands: the state has advanced but the row is missing.
+      # Finish the row first; a checkpoint without it would make the resumed
+      # run skip that round's metrics.
+      if pending is not None and written < pending[0] and _alive(state):
+        try:
+          record(*pending)
+        except (KeyboardInterrupt, errors.NonFiniteError):
+          pass  # interrupted again: keep the last checkpoint
+      if (
+        _alive(state) and written > saved_round and int(state.round) == written
+      ):
+        ckpt.save(written, state)
+        log(f'interrupted: saved a checkpoint after round {written}')
       ckpt.close()
       raise
   ckpt.close()

@@ -156,6 +156,56 @@ def test_kill_and_resume_equals_uninterrupted(
   )
 
 
+@pytest.mark.parametrize(
+  'where,interrupts,expected_resume',
+  [('append', 1, 3), ('append', 2, 2), ('log', 1, 3)],
+)
+def test_interrupt_while_a_rounds_row_is_written_loses_no_row(
+  small_config, tmp_path, monkeypatch, where, interrupts, expected_resume
+):
+  """A signal between a round's update and its metrics row (a SIGTERM lands
+  while the host waits for the round's results or its evaluation) must not
+  checkpoint a round whose row is missing: the resumed run would skip it.
+  One interrupt: the row is finished on the way out and round 3 is saved; a
+  second one during that: round 2's checkpoint is kept. After the row is
+  written (while logging it) the row must not be written twice."""
+  ref = experiment.train_and_evaluate(
+    small_config, str(tmp_path / 'ref'), log=_quiet
+  )
+  append = metrics_io.append
+  left = [interrupts]
+
+  def interrupted_append(path, row):
+    if row['round'] == 3 and left[0]:
+      left[0] -= 1
+      raise KeyboardInterrupt
+    append(path, row)
+
+  def interrupted_log(line):
+    if line.startswith('round 3/') and left[0]:
+      left[0] -= 1
+      raise KeyboardInterrupt
+
+  work = str(tmp_path / 'killed')
+  if where == 'append':
+    monkeypatch.setattr(experiment.metrics_io, 'append', interrupted_append)
+  with pytest.raises(KeyboardInterrupt):
+    experiment.train_and_evaluate(
+      small_config,
+      work,
+      log=interrupted_log if where == 'log' else _quiet,
+    )
+  monkeypatch.setattr(experiment.metrics_io, 'append', append)
+  assert left == [0]
+  lines = []
+  res = experiment.train_and_evaluate(small_config, work, log=lines.append)
+  assert lines[0] == f'resuming {work} after round {expected_resume}'
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  assert _no_times(metrics_io.read(os.path.join(work, 'metrics.jsonl'))) == (
+    _no_times(ref.history)
+  )
+
+
 def test_resume_with_more_rounds_continues(small_config, tmp_path):
   experiment.train_and_evaluate(
     dataclasses.replace(small_config, rounds=2), str(tmp_path), log=_quiet
