@@ -371,7 +371,10 @@ def train_and_evaluate(
         try:
           record(*pending)
         except (KeyboardInterrupt, errors.NonFiniteError):
-          pass  # interrupted again: keep the last checkpoint
+          log(
+            f'round {pending[0]} could not be finished; the run resumes '
+            f'after round {saved_round}'
+          )
       if (
         _alive(state) and written > saved_round and int(state.round) == written
       ):

@@ -181,8 +181,11 @@ def test_interrupt_while_a_rounds_row_is_written_loses_no_row(
       raise KeyboardInterrupt
     append(path, row)
 
+  logged = []
+
   def interrupted_log(line):
-    if line.startswith('round 3/') and left[0]:
+    logged.append(line)
+    if where == 'log' and line.startswith('round 3/') and left[0]:
       left[0] -= 1
       raise KeyboardInterrupt
 
@@ -193,10 +196,15 @@ def test_interrupt_while_a_rounds_row_is_written_loses_no_row(
     experiment.train_and_evaluate(
       small_config,
       work,
-      log=interrupted_log if where == 'log' else _quiet,
+      log=interrupted_log,
     )
   monkeypatch.setattr(experiment.metrics_io, 'append', append)
   assert left == [0]
+  assert logged[-1] == (
+    f'interrupted: saved a checkpoint after round {expected_resume}'
+    if expected_resume == 3
+    else 'round 3 could not be finished; the run resumes after round 2'
+  )
   lines = []
   res = experiment.train_and_evaluate(small_config, work, log=lines.append)
   assert lines[0] == f'resuming {work} after round {expected_resume}'
