@@ -65,8 +65,8 @@ def _setup(sizes):
   ds = datasets.load(FLAGS.dataset, FLAGS.data_dir or None)
   model = model_lib.get(FLAGS.model, ds.num_classes, ds.input_shape)
   opt = optax.sgd(0.01, momentum=0.9)
-  update = client.make_client_update(
-    model, opt, local_epochs=FLAGS.local_epochs, batch_size=FLAGS.batch_size
+  local = client.LocalTraining(
+    model, opt, FLAGS.local_epochs, FLAGS.batch_size, 0.01
   )
   variables = model.init(jax.random.key(0))
   n = FLAGS.num_clients
@@ -84,7 +84,7 @@ def _setup(sizes):
     k: client_data.from_partition(ds.x_train, ds.y_train, p, ds.scale, ds.shift)
     for k, p in parts.items()
   }
-  return ds, model, opt, update, variables, data
+  return ds, model, opt, local, variables, data
 
 
 def _limit_fn(model, opt, variables, data, b):
@@ -153,13 +153,14 @@ def _limit_fn(model, opt, variables, data, b):
   return run, flops
 
 
-def _prepare(setting, devices, update, variables, data):
+def _prepare(setting, devices, local, variables, data):
   """Compiles one setting's round and times its server-side work alone."""
   import jax
   import numpy as np
 
+  from fedjax_mr.algorithms import fedavg
+  from fedjax_mr.core import tree
   from fedjax_mr.core import types
-  from fedjax_mr.server import fedavg
   from fedjax_mr.training import engine
 
   k = FLAGS.clients_per_round
@@ -167,25 +168,23 @@ def _prepare(setting, devices, update, variables, data):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:d]), ('clients',))
   platform = jax.devices()[0].platform
   chunk = FLAGS.client_chunk or (1 if platform == 'cpu' else k // d)
-  server = fedavg.fedavg(k)
+  server = fedavg.fedavg(local, k)
   round_fn = jax.jit(
     engine.make_round_fn(
       server,
-      update,
       clients_per_round=k,
       client_chunk=chunk,
       mesh=mesh if d > 1 else None,
     )
   )
-  state = engine.init_state(server, variables)
+  state = engine.init_state(server, variables, data.num_clients)
   key = jax.random.key(1)
   t = time.perf_counter()
   compiled = round_fn.lower(state, data, key).compile()
   compile_s = time.perf_counter() - t
 
-  # Server-side work alone: dispatch (as the round does it) + aggregate on
-  # stacked client outputs.
-  dispatch = server.shared_dispatch or server.dispatch
+  # Server-side work alone: dispatch + aggregate on stacked client outputs.
+  ids = jax.numpy.arange(k, dtype=jax.numpy.int32)
 
   def server_only(st, variables_k):
     out = types.ClientOutput(
@@ -194,11 +193,11 @@ def _prepare(setting, devices, update, variables, data):
       jax.numpy.zeros((k,)),
       jax.numpy.ones((k,), jax.numpy.int32),
     )
-    inputs = dispatch(st.server, st.round, key)
-    new, _ = server.aggregate(st.server, out, st.round, key)
+    inputs = server.dispatch(st.server, ids, st.round, key)
+    new, _ = server.aggregate(st.server, out, ids, st.round, key)
     return new, inputs
 
-  stacked = server.dispatch(state.server, state.round, key)
+  stacked = tree.broadcast(state.server.params, k)
   srv = jax.jit(server_only)
   _block(srv(state, stacked))
   t = time.perf_counter()
@@ -221,7 +220,7 @@ def _prepare(setting, devices, update, variables, data):
   }
 
 
-def _bench_sizes(sizes, devs, model, opt, update, variables, data):
+def _bench_sizes(sizes, devs, model, opt, local, variables, data):
   """Times the settings of one client-size kind, interleaved.
 
   After one warm-up round each, every timed round runs once per device
@@ -230,7 +229,7 @@ def _bench_sizes(sizes, devs, model, opt, update, variables, data):
   each device speed-up is taken between runs seconds apart, so drifts in
   the machine's speed (large on shared 2-core machines) cancel.
   """
-  runs = [_prepare(sizes, dev, update, variables, data) for dev in devs]
+  runs = [_prepare(sizes, dev, local, variables, data) for dev in devs]
   b = min(FLAGS.batch_size, int(data.max_size))
   limit, flops = _limit_fn(model, opt, variables, data, b)
   for r in runs:  # warm-up
@@ -345,7 +344,7 @@ def main(argv):
         f'--devices={dev}: need a divisor of K={k} and at most {n_dev}'
       )
   try:
-    ds, model, opt, update, variables, data = _setup({s for s, _ in runs})
+    ds, model, opt, local, variables, data = _setup({s for s, _ in runs})
   except errors.UserError as e:
     raise app.UsageError(str(e)) from None
   print(
@@ -359,7 +358,7 @@ def main(argv):
     if not devs:
       continue
     for r in _bench_sizes(
-      sizes, devs, model, opt, update, variables, data[sizes]
+      sizes, devs, model, opt, local, variables, data[sizes]
     ):
       results.append(r)
       print(

@@ -16,25 +16,36 @@ from absl import app
 from absl import flags
 from absl import logging
 
+from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.training import config as config_lib
 
 
+def _define(name: str, f: dataclasses.Field, help_text: str) -> None:
+  if f.type in ('bool', bool):
+    flags.DEFINE_bool(name, f.default, help_text)
+  elif f.type in ('int', int):
+    flags.DEFINE_integer(name, f.default, help_text)
+  elif f.type in ('float', float):
+    flags.DEFINE_float(name, f.default, help_text)
+  else:
+    flags.DEFINE_string(name, f.default, help_text)
+
+
 def _define_flags() -> None:
-  for f in dataclasses.fields(config_lib.ExperimentConfig):
+  for f in config_lib.base_fields():
     help_text = f.metadata['help']
     allowed = config_lib.choices(f)
     if allowed:
       # Validated by config_lib.validate, for one clear error message.
       help_text += f' One of: {", ".join(allowed)}.'
-    if f.type in ('bool', bool):
-      flags.DEFINE_bool(f.name, f.default, help_text)
-    elif f.type in ('int', int):
-      flags.DEFINE_integer(f.name, f.default, help_text)
-    elif f.type in ('float', float):
-      flags.DEFINE_float(f.name, f.default, help_text)
-    else:
-      flags.DEFINE_string(f.name, f.default, help_text)
+    _define(f.name, f, help_text)
+  # The algorithms' hyper-parameters, from the registry.
+  for name, (f, users) in registry.all_flags().items():
+    help_text = f'{", ".join(users)}: {f.metadata.get("help", "")}'
+    if f.metadata.get('choices'):
+      help_text += f' One of: {", ".join(f.metadata["choices"])}.'
+    _define(name, f, help_text)
 
 
 _define_flags()
@@ -42,11 +53,10 @@ FLAGS = flags.FLAGS
 
 
 def config_from_flags() -> config_lib.ExperimentConfig:
+  names = [f.name for f in config_lib.base_fields()]
+  names += list(registry.all_flags())
   return config_lib.ExperimentConfig(
-    **{
-      f.name: getattr(FLAGS, f.name)
-      for f in dataclasses.fields(config_lib.ExperimentConfig)
-    }
+    **{name: getattr(FLAGS, name) for name in names}
   )
 
 

@@ -1,8 +1,9 @@
 """fedjax_mr: federated learning by model recombination, mutation and
 stitching, in JAX.
 
-Subpackages: `core` (interfaces), `data`, `models`, `server` (one module per
-algorithm), `training` (local training, round engine, experiment loop),
+Subpackages: `core` (interfaces), `data`, `models`, `algorithms` (one module
+per algorithm and the registry), `training` (local training building
+blocks, round engine, experiment loop), `stitch` (FedStitch),
 `energy` (host-only Jetson energy tools; never imports jax).
 
 The names below are loaded on first use, so `import fedjax_mr.energy` does
@@ -13,24 +14,36 @@ import importlib
 
 __version__ = '0.1.0'
 
-_SUBPACKAGES = ('core', 'data', 'energy', 'models', 'server', 'training')
+_SUBPACKAGES = (
+  'algorithms',
+  'core',
+  'data',
+  'energy',
+  'models',
+  'stitch',
+  'training',
+)
 
 # Re-exported names: name -> (module, attribute).
 _EXPORTS = {
   'ClientData': ('fedjax_mr.data.client_data', 'ClientData'),
   'ClientOutput': ('fedjax_mr.core.types', 'ClientOutput'),
-  'ServerTransform': ('fedjax_mr.core.types', 'ServerTransform'),
+  'Algorithm': ('fedjax_mr.core.types', 'Algorithm'),
+  'Dispatch': ('fedjax_mr.core.types', 'Dispatch'),
   'ExperimentConfig': ('fedjax_mr.training.config', 'ExperimentConfig'),
   'RoundState': ('fedjax_mr.training.engine', 'RoundState'),
   'load_dataset': ('fedjax_mr.data.datasets', 'load'),
   'from_partition': ('fedjax_mr.data.client_data', 'from_partition'),
   'eval_data': ('fedjax_mr.data.client_data', 'eval_data'),
   'get_model': ('fedjax_mr.models.model', 'get'),
-  'fedavg': ('fedjax_mr.server.fedavg', 'fedavg'),
+  'fedavg': ('fedjax_mr.algorithms.fedavg', 'fedavg'),
+  'LocalTraining': ('fedjax_mr.training.client', 'LocalTraining'),
+  'make_local_update': ('fedjax_mr.training.client', 'make_local_update'),
   'make_client_update': ('fedjax_mr.training.client', 'make_client_update'),
   'make_round_fn': ('fedjax_mr.training.engine', 'make_round_fn'),
   'make_evaluate': ('fedjax_mr.training.engine', 'make_evaluate'),
   'init_state': ('fedjax_mr.training.engine', 'init_state'),
+  'setup': ('fedjax_mr.training.experiment', 'setup'),
   'train_and_evaluate': ('fedjax_mr.training.experiment', 'train_and_evaluate'),
 }
 

@@ -16,3 +16,13 @@ class DataError(UserError):
 
 class NonFiniteError(RuntimeError):
   """Training produced a non-finite loss."""
+
+
+class ArgumentError(ValueError):
+  """A library function's bad argument, named: `str(e)` reads
+  '<argument> <message>'. The experiment maps `argument` to its flag."""
+
+  def __init__(self, argument: str, message: str):
+    super().__init__(f'{argument} {message}')
+    self.argument = argument
+    self.message = message

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -42,3 +44,11 @@ def weighted_mean(
 def num_parameters(tree: types.PyTree) -> int:
   """Total number of scalars in a tree."""
   return sum(int(x.size) for x in jax.tree.leaves(tree))
+
+
+def nbytes(tree: types.PyTree) -> int:
+  """Total bytes of a tree's leaves (shapes and dtypes only)."""
+  return sum(
+    int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+    for x in jax.tree.leaves(tree)
+  )

@@ -1,13 +1,20 @@
-"""The interfaces every federated algorithm plugs into.
+"""The interface every federated algorithm implements.
 
-A round (see `fedjax_mr.training.engine`) is::
+An algorithm is an `Algorithm`: pure functions built by a factory that
+closes over its hyper-parameters (one module per algorithm in
+`fedjax_mr.algorithms`). A round (see `fedjax_mr.training.engine`) is::
 
-  server.dispatch(state) -> client inputs [K, ...]
-  client_update(input_k, data, client_id_k, key_k) for each of the K clients
-  server.aggregate(state, client outputs [K, ...]) -> new state, metrics
+  ids = sampler(key, round, server_state, data)            # [K]
+  sent = dispatch(server_state, ids, round, key)           # Dispatch
+  for each of the K clients (mapped and sharded by the engine):
+    output_k, client_state_k = client_update(
+        sent.shared, sent.per_client[k], client_state[ids[k]],
+        data, ids[k], key_k)
+  client_state[ids] = the K new client states               # [N, ...]
+  server_state, metrics = aggregate(server_state, outputs, ids, round, key)
 
-All functions are pure and jit-compatible; hyper-parameters are closed over
-by the factory that builds them.
+All functions are pure and jit-compatible; how the K client updates are
+mapped over devices is the engine's business, never the algorithm's.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ Variables = dict[str, PyTree]
 
 
 class ClientOutput(NamedTuple):
-  """What one client returns after local training.
+  """What one client uploads after local training.
 
   In the engine these are stacked over the K clients of a round, so every
   field gains a leading `[K]` axis.
@@ -33,45 +40,79 @@ class ClientOutput(NamedTuple):
   Attributes:
     variables: the locally trained model variables.
     num_examples: int32 scalar, the client's number of training examples.
-    loss: float32 scalar, mean training loss over every example seen in
-      local training.
+    loss: float32 scalar, mean training (task) loss over every example seen
+      in local training.
     num_steps: int32 scalar, local optimisation steps taken.
+    extra: further uploads beside the model (SCAFFOLD's control delta),
+      any pytree; `()` when none.
   """
 
   variables: Variables
   num_examples: jax.Array
   loss: jax.Array
   num_steps: jax.Array
+  extra: PyTree = ()
 
 
-class ServerTransform(NamedTuple):
-  """A server algorithm: three pure functions built by a factory.
+class Dispatch(NamedTuple):
+  """What the server sends the K clients of a round.
 
   Attributes:
-    init: `init(variables) -> state`; `variables` is the initial model. The
-      state exposes `.params`, the global model (all variables) used for
-      evaluation.
-    dispatch: `dispatch(state, round, key) -> client_variables` with leaves
-      `[K, ...]`: the model each of the K sampled clients starts from.
-    aggregate: `aggregate(state, outputs, round, key) -> (state, metrics)`;
-      `outputs` is a `ClientOutput` with leaves `[K, ...]`; `metrics` is a
-      dict of scalars.
-    shared_dispatch: optional, for transforms whose K clients all start
-      from one model: `shared_dispatch(state, round, key) -> variables`
-      (no `[K]` axis), such that `dispatch` is its broadcast. The engine
-      then hands that one model to every client and never holds K copies
-      of it (K model copies fewer in memory in large cohorts).
+    shared: sent to every client alike (FedAvg's global model, SCAFFOLD's
+      model and server control); the engine holds it once and never stacks
+      it K times. `()` when nothing is shared.
+    per_client: one entry per client, leaves `[K, ...]` (FedMR's K
+      recombined models, FedMut's K mutated ones); `()` when none.
+  """
+
+  shared: PyTree = ()
+  per_client: PyTree = ()
+
+
+# sampler(key, round, server_state, data) -> [K] int32 distinct client ids.
+Sampler = Callable[[jax.Array, jax.Array, Any, Any], jax.Array]
+
+# client_update(shared, per_client_k, client_state_k, data, client_id, key)
+#   -> (ClientOutput, new client_state_k)
+ClientUpdate = Callable[
+  [PyTree, PyTree, PyTree, Any, jax.Array, jax.Array],
+  tuple[ClientOutput, PyTree],
+]
+
+
+class Algorithm(NamedTuple):
+  """A federated algorithm, both sides: pure functions built by a factory.
+
+  Attributes:
+    init: `init(variables) -> server_state`; `variables` is the initial
+      model. The state exposes `.params`, the global model (all variables)
+      evaluated by the experiment.
+    dispatch: `dispatch(state, client_ids, round, key) -> Dispatch` for the
+      round's sampled `client_ids` `[K]`.
+    client_update: local work of ONE client, see `ClientUpdate`:
+      `(shared, per_client_k, client_state_k, data, client_id, key) ->
+      (ClientOutput, client_state_k)`; `per_client_k` is row k of
+      `Dispatch.per_client` (`()` when none), `client_state_k` the client's
+      persistent state (`()` when the algorithm keeps none).
+    aggregate: `aggregate(state, outputs, client_ids, round, key) ->
+      (state, metrics)`; `outputs` is a `ClientOutput` with leaves
+      `[K, ...]`; `metrics` is a dict of scalars and always holds
+      'bytes_communicated' (down- and upload of the round, float32).
+    init_client_state: optional, `init_client_state(variables) -> one
+      client's persistent state`; the engine stacks it N times (leaves
+      `[N, ...]`) into the round state, gathers the K sampled rows for the
+      client updates and scatters their new values back; checkpointed with
+      everything else. None: no per-client state.
+    sampler: optional `Sampler`; None samples K distinct clients uniformly.
+      Sampled ids must be distinct when the algorithm keeps client state.
   """
 
   init: Callable[[Variables], Any]
-  dispatch: Callable[[Any, jax.Array, jax.Array], Variables]
+  dispatch: Callable[[Any, jax.Array, jax.Array, jax.Array], Dispatch]
+  client_update: ClientUpdate
   aggregate: Callable[
-    [Any, ClientOutput, jax.Array, jax.Array], tuple[Any, dict[str, Any]]
+    [Any, ClientOutput, jax.Array, jax.Array, jax.Array],
+    tuple[Any, dict[str, Any]],
   ]
-  shared_dispatch: Callable[[Any, jax.Array, jax.Array], Variables] | None = (
-    None
-  )
-
-
-# client_update(variables, data, client_id, key) -> ClientOutput
-ClientUpdate = Callable[[Variables, Any, jax.Array, jax.Array], ClientOutput]
+  init_client_state: Callable[[Variables], PyTree] | None = None
+  sampler: Sampler | None = None

@@ -1,17 +1,47 @@
-"""Local training, the round engine, evaluation and the experiment loop."""
+"""Local training, the round engine, evaluation and the experiment loop.
 
-from fedjax_mr.training import checkpoint as checkpoint
-from fedjax_mr.training import client as client
-from fedjax_mr.training import config as config
-from fedjax_mr.training import engine as engine
-from fedjax_mr.training import experiment as experiment
-from fedjax_mr.training import metrics_io as metrics_io
-from fedjax_mr.training.client import make_client_update as make_client_update
-from fedjax_mr.training.config import ExperimentConfig as ExperimentConfig
-from fedjax_mr.training.engine import RoundState as RoundState
-from fedjax_mr.training.engine import init_state as init_state
-from fedjax_mr.training.engine import make_evaluate as make_evaluate
-from fedjax_mr.training.engine import make_round_fn as make_round_fn
-from fedjax_mr.training.experiment import (
-  train_and_evaluate as train_and_evaluate,
+Names are loaded on first use (the algorithms import `training.client`,
+and the experiment imports the algorithms).
+"""
+
+import importlib
+
+_MODULES = (
+  'checkpoint',
+  'client',
+  'compare',
+  'config',
+  'distributed',
+  'engine',
+  'experiment',
+  'metrics_io',
 )
+_EXPORTS = {
+  'LocalTraining': ('client', 'LocalTraining'),
+  'make_local_update': ('client', 'make_local_update'),
+  'make_client_update': ('client', 'make_client_update'),
+  'ExperimentConfig': ('config', 'ExperimentConfig'),
+  'RoundState': ('engine', 'RoundState'),
+  'init_state': ('engine', 'init_state'),
+  'make_evaluate': ('engine', 'make_evaluate'),
+  'make_round_fn': ('engine', 'make_round_fn'),
+  'setup': ('experiment', 'setup'),
+  'train_and_evaluate': ('experiment', 'train_and_evaluate'),
+}
+
+__all__ = sorted(_EXPORTS) + list(_MODULES)
+
+
+def __getattr__(name):
+  if name in _MODULES:
+    return importlib.import_module(f'fedjax_mr.training.{name}')
+  if name in _EXPORTS:
+    module, attr = _EXPORTS[name]
+    return getattr(
+      importlib.import_module(f'fedjax_mr.training.{module}'), attr
+    )
+  raise AttributeError(f'module fedjax_mr.training has no attribute {name!r}')
+
+
+def __dir__():
+  return __all__

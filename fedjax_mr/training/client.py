@@ -1,4 +1,13 @@
-"""Local training of one client: exact step counts, no padding steps.
+"""Local training of one client, in reusable pieces.
+
+`make_local_update` builds the local SGD loop every algorithm's client
+update is assembled from; its hooks add an extra loss term (FedProx,
+MOON), correct the gradient (SCAFFOLD) or take a two-pass sharpness-aware
+step (SAM/ASAM, for FedASAM). Every hook receives the per-call `context`
+(e.g. the global model, the controls), so one built update serves all
+clients and rounds.
+
+Exact step counts, no padding steps:
 
 Client k with n_k examples runs E epochs of ceil(n_k / B) steps. Every epoch
 draws a fresh permutation of its n_k examples; the last batch of an epoch
@@ -10,6 +19,11 @@ see the engine's `client_chunk`).
 """
 
 from __future__ import annotations
+
+import math
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,39 +61,136 @@ def masked_cross_entropy(
   return total / jnp.maximum(jnp.sum(mask), 1.0), total
 
 
-def make_client_update(
-  model: model_lib.Model,
-  optimizer: optax.GradientTransformation,
-  *,
-  local_epochs: int,
-  batch_size: int,
-) -> types.ClientUpdate:
-  """Builds plain local SGD for one client.
+class LocalTraining(NamedTuple):
+  """How a client trains locally: the pieces every algorithm shares.
 
-  A fresh optimizer state is made per call (momentum starts at zero), as in
-  the papers' reference code.
-
-  Args:
+  Attributes:
     model: the model.
-    optimizer: e.g. `optax.sgd(0.01, momentum=0.9)`.
+    optimizer: e.g. `optax.sgd(lr, momentum=0.9)`; a fresh state per call.
     local_epochs: E.
     batch_size: B.
-
-  Returns:
-    `client_update(variables, data, client_id, key) -> ClientOutput`, where
-    `data` is a `ClientData` and `client_id` an int32 scalar.
+    learning_rate: the optimizer's (constant) learning rate, for rules
+      that need it (SCAFFOLD's control update).
   """
 
-  def loss_fn(params, state, x, y, mask, key):
+  model: model_lib.Model
+  optimizer: optax.GradientTransformation
+  local_epochs: int
+  batch_size: int
+  learning_rate: float
+
+
+class Batch(NamedTuple):
+  """One local step's batch: `x` `[B, ...]` (normalised), `y` `[B]`,
+  `mask` `[B]` float32 (1 for real examples; the last batch of an epoch is
+  partly masked)."""
+
+  x: jax.Array
+  y: jax.Array
+  mask: jax.Array
+
+
+# loss_term(params, context, batch) -> float32 scalar added to each step's
+# mean task loss (only its gradient matters; the reported loss is the task
+# loss alone).
+LossTerm = Callable[[types.PyTree, Any, Batch], jax.Array]
+# grad_correction(grads, params, context) -> grads, applied before the
+# optimizer.
+GradCorrection = Callable[[types.PyTree, types.PyTree, Any], types.PyTree]
+# perturbation(params, grads) -> eps: the second pass evaluates the gradient
+# at params + eps (sharpness-aware minimisation).
+Perturbation = Callable[[types.PyTree, types.PyTree], types.PyTree]
+# local_update(variables, data, client_id, key, context=()) -> ClientOutput
+LocalUpdate = Callable[..., types.ClientOutput]
+
+
+def _global_norm(tree: types.PyTree) -> jax.Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
+
+
+def sam(rho: float) -> Perturbation:
+  """SAM's perturbation: eps = rho * g / ||g||.
+
+  References:
+    Foret et al., "Sharpness-Aware Minimization for Efficiently Improving
+    Generalization", ICLR 2021.
+  """
+  if not rho >= 0:
+    raise ValueError(f'rho must be >= 0, got {rho}')
+
+  def perturb(params, grads):
+    scale = rho / (_global_norm(grads) + 1e-12)
+    return jax.tree.map(lambda g: scale * g, grads)
+
+  return perturb
+
+
+def asam(rho: float, eta: float) -> Perturbation:
+  """Adaptive SAM's perturbation: with T = |w| + eta (element-wise),
+  eps = rho * T^2 g / ||T g||.
+
+  References:
+    Kwon et al., "ASAM: Adaptive Sharpness-Aware Minimization for
+    Scale-Invariant Learning of Deep Neural Networks", ICML 2021.
+  """
+  if not rho >= 0:
+    raise ValueError(f'rho must be >= 0, got {rho}')
+  if not eta >= 0:
+    raise ValueError(f'eta must be >= 0, got {eta}')
+
+  def perturb(params, grads):
+    t = jax.tree.map(lambda w: jnp.abs(w) + eta, params)
+    tg = jax.tree.map(lambda a, g: a * g, t, grads)
+    scale = rho / (_global_norm(tg) + 1e-12)
+    return jax.tree.map(lambda a, g: scale * a * g, t, tg)
+
+  return perturb
+
+
+def make_local_update(
+  local: LocalTraining,
+  *,
+  loss_term: LossTerm | None = None,
+  grad_correction: GradCorrection | None = None,
+  perturbation: Perturbation | None = None,
+) -> LocalUpdate:
+  """Builds local SGD for one client, with optional hooks.
+
+  A fresh optimizer state is made per call (momentum starts at zero), as in
+  the papers' reference code. Each step: the gradient of the batch's mean
+  task loss (+ `loss_term`), taken at `params + perturbation(params, g)`
+  when a perturbation is given (a second forward/backward pass; BatchNorm
+  statistics come from the first pass), then `grad_correction`, then the
+  optimizer. Step counts and the masked last batch are the same with every
+  hook.
+
+  Args:
+    local: the shared pieces (model, optimizer, E, B).
+    loss_term: extra loss `(params, context, batch) -> scalar`.
+    grad_correction: `(grads, params, context) -> grads`.
+    perturbation: `(params, grads) -> eps`, e.g. `sam(rho)`, `asam(rho,
+      eta)`.
+
+  Returns:
+    `local_update(variables, data, client_id, key, context=()) ->
+    ClientOutput`, where `data` is a `ClientData`, `client_id` an int32
+    scalar and `context` whatever the hooks read.
+  """
+  model, optimizer = local.model, local.optimizer
+  local_epochs, batch_size = local.local_epochs, local.batch_size
+
+  def loss_fn(params, state, batch, key, context):
     logits, new_state = model.apply_train(
-      {'params': params, **state}, x, key, mask=mask
+      {'params': params, **state}, batch.x, key, mask=batch.mask
     )
-    mean_loss, total = masked_cross_entropy(logits, y, mask)
+    mean_loss, total = masked_cross_entropy(logits, batch.y, batch.mask)
+    if loss_term is not None:
+      mean_loss = mean_loss + loss_term(params, context, batch)
     return mean_loss, (new_state, total)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def client_update(variables, data, client_id, key):
+  def local_update(variables, data, client_id, key, context=()):
     n_max = data.max_size
     b = min(batch_size, n_max)  # no client fills a larger batch
     row = data.indices[client_id]
@@ -100,11 +211,17 @@ def make_client_update(
         mask = (start + jnp.arange(b) < n).astype(jnp.float32)
         idx = row[pos]
         x = client_data_lib.normalize(data.x[idx], data.scale, data.shift)
-        y = data.y[idx]
+        batch = Batch(x, data.y[idx], mask)
         skey = jax.random.fold_in(ekey, j)
         (_, (new_state, total)), grads = grad_fn(
-          params, state, x, y, mask, skey
+          params, state, batch, skey, context
         )
+        if perturbation is not None:
+          eps = perturbation(params, grads)
+          moved = jax.tree.map(lambda w, d: w + d.astype(w.dtype), params, eps)
+          _, grads = grad_fn(moved, state, batch, skey, context)
+        if grad_correction is not None:
+          grads = grad_correction(grads, params, context)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         state = {**state, **new_state}
@@ -122,4 +239,60 @@ def make_client_update(
       num_steps=(steps_per_epoch * local_epochs).astype(jnp.int32),
     )
 
+  return local_update
+
+
+def trains_shared(
+  local_update: LocalUpdate,
+  context_of: Callable[[Any], tuple[types.Variables, Any]] | None = None,
+) -> types.ClientUpdate:
+  """A client update that trains the model every client is sent alike.
+
+  Args:
+    local_update: from `make_local_update`.
+    context_of: optional `shared -> (variables, context)` for dispatches
+      whose shared part holds more than the model (the context goes to the
+      local update's hooks); None: the shared part is the model itself.
+
+  Returns:
+    A `types.ClientUpdate` that keeps the client state as it is.
+  """
+
+  def client_update(shared, per_client, client_state, data, client_id, key):
+    del per_client
+    if context_of is None:
+      out = local_update(shared, data, client_id, key)
+    else:
+      variables, context = context_of(shared)
+      out = local_update(variables, data, client_id, key, context)
+    return out, client_state
+
   return client_update
+
+
+def trains_per_client(local_update: LocalUpdate) -> types.ClientUpdate:
+  """A client update that trains the client's own model, its row of the
+  dispatch's per-client part (FedMR, FedMut)."""
+
+  def client_update(shared, per_client, client_state, data, client_id, key):
+    del shared
+    return local_update(per_client, data, client_id, key), client_state
+
+  return client_update
+
+
+def make_client_update(
+  model: model_lib.Model,
+  optimizer: optax.GradientTransformation,
+  *,
+  local_epochs: int,
+  batch_size: int,
+) -> LocalUpdate:
+  """Plain local SGD for one client (`make_local_update` without hooks).
+
+  Returns:
+    `local_update(variables, data, client_id, key) -> ClientOutput`.
+  """
+  return make_local_update(
+    LocalTraining(model, optimizer, local_epochs, batch_size, math.nan)
+  )

@@ -23,24 +23,14 @@ from typing import Callable
 
 import numpy as np
 
+from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import metrics_io
 
-# The named variants of the papers' comparisons.
-VARIANTS: dict[str, dict[str, Any]] = {
-  'fedavg': {'algorithm': 'fedavg'},
-  'fedmr': {'algorithm': 'fedmr'},
-  'fedmr_2stage20': {'algorithm': 'fedmr', 'fedmr_first_stage': 20},
-  'fedmr_p2': {'algorithm': 'fedmr_p', 'fedmr_segments': 2},
-  'indep': {'algorithm': 'indep'},
-  'fedmr_secure': {'algorithm': 'fedmr', 'fedmr_secure_repeats': 2},
-  'fedmut': {'algorithm': 'fedmut'},
-  **{
-    f'fedmut_a{a:g}': {'algorithm': 'fedmut', 'fedmut_alpha': float(a)}
-    for a in (0, 1, 2, 4, 5)
-  },
-}
+# The named variants of the papers' comparisons: every algorithm by its
+# name and the registry entries' own variants.
+VARIANTS: dict[str, dict[str, Any]] = registry.variants()
 
 RESULTS_FILE = 'results.json'
 TABLE_FILE = 'results.md'
@@ -66,7 +56,8 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, dict(VARIANTS[name])
   if not name or '/' in name:
     raise errors.ConfigError(f'--variants: bad variant name in {spec!r}')
-  fields = {f.name: f for f in dataclasses.fields(config_lib.ExperimentConfig)}
+  fields = {f.name: f for f in config_lib.base_fields()}
+  fields.update({flag: f for flag, (f, _) in registry.all_flags().items()})
   overrides: dict[str, Any] = {}
   for item in filter(None, (s.strip() for s in rest.split(','))):
     key, eq, value = item.partition('=')
@@ -75,11 +66,11 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
         f'--variants: {item!r} in {spec!r} is not field=value with a flag '
         'of experiments.run'
       )
-    overrides[key] = _convert(fields[key], value, spec)
+    overrides[key] = _convert(key, fields[key], value, spec)
   return name, overrides
 
 
-def _convert(field: dataclasses.Field, value: str, spec: str) -> Any:
+def _convert(name: str, field: dataclasses.Field, value: str, spec: str) -> Any:
   kind = field.type if isinstance(field.type, str) else field.type.__name__
   try:
     if kind == 'bool':
@@ -92,7 +83,7 @@ def _convert(field: dataclasses.Field, value: str, spec: str) -> Any:
       return float(value)
   except ValueError:
     raise errors.ConfigError(
-      f'--variants: {field.name}={value!r} in {spec!r} is not a {kind}'
+      f'--variants: {name}={value!r} in {spec!r} is not a {kind}'
     ) from None
   return value
 

@@ -4,6 +4,12 @@ Every field is also an absl flag of `experiments/run.py` (same name, the
 help text below). Fields marked `run_only` may change when a run resumes
 (how long to run, how often to log or save, how to execute); all the others
 define the run, and resuming a workdir with different values is an error.
+
+The algorithms' own hyper-parameters are flags too (`--fedprox_mu`,
+`--fedmr_first_stage`, ...), generated from the algorithm registry
+(`fedjax_mr.algorithms.registry`): `ExperimentConfig(algorithm='fedprox',
+fedprox_mu=0.1)` and `config.fedprox_mu` work like ordinary fields; they
+are held in `config.options` (every registered flag, defaults filled in).
 """
 
 from __future__ import annotations
@@ -11,14 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Any
+from typing import Mapping
 
+from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 
-ALGORITHMS = ('fedavg', 'fedmr', 'fedmr_p', 'indep', 'fedmut')
-# The algorithms that keep K different models, one per sampled client.
-MULTI_MODEL = ('fedmr', 'fedmr_p', 'indep', 'fedmut')
 WEIGHTINGS = ('auto', 'examples', 'uniform')
-GROUPINGS = ('leaf', 'module')
 PARTITIONS = ('iid', 'dirichlet', 'natural')
 CIFAR100_LABELS = ('fine', 'coarse')
 
@@ -55,11 +59,17 @@ def _input_kinds(dataset: str, model_name: str) -> tuple[str, str]:
   return datasets.input_kind(dataset), model.input_kind(model_name)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class ExperimentConfig:
-  """One federated training experiment (see each field's help)."""
+  """One federated training experiment (see each field's help).
 
-  algorithm: str = _field('fedavg', 'Federated algorithm.', choices=ALGORITHMS)
+  Keyword arguments are the fields below and the registered algorithms'
+  flags (see the module docstring); an unknown name is a TypeError.
+  """
+
+  algorithm: str = _field(
+    'fedavg', 'Federated algorithm.', choices='algorithms'
+  )
   dataset: str = _field('fashion_mnist', 'Dataset name.', choices='datasets')
   data_dir: str = _field(
     '',
@@ -103,54 +113,10 @@ class ExperimentConfig:
   weighting: str = _field(
     'auto',
     'How the server averages the K trained models: examples (by their '
-    'numbers of examples) or uniform (plain mean); auto: examples for '
-    'fedavg, uniform for fedmr, fedmr_p, indep and fedmut (as the '
-    "authors' code).",
+    'numbers of examples) or uniform (plain mean); auto: what the '
+    "algorithm's paper does (examples for fedavg and fedprox, uniform for "
+    'scaffold, fedmr, fedmr_p, indep and fedmut).',
     choices=WEIGHTINGS,
-  )
-  fedmr_first_stage: int = _field(
-    0,
-    'fedmr, fedmr_p, indep: rounds of the first (FedAvg) stage of '
-    'two-stage training; recombination starts after them (papers: 0 for '
-    'the CNN, 100 for ResNet-20 and VGG-16).',
-  )
-  fedmr_grouping: str = _field(
-    'leaf',
-    'fedmr, fedmr_p, indep, fedmut: what one layer is: leaf (every tensor, '
-    "params and BatchNorm statistics, as the authors' code) or module "
-    '(kernel and bias of one module together).',
-    choices=GROUPINGS,
-  )
-  fedmr_segments: int = _field(
-    2,
-    'fedmr_p: number of contiguous segments of layers (in model order) '
-    'recombined as units; >= 2 (1 is --algorithm=indep).',
-  )
-  fedmr_secure_repeats: int = _field(
-    0,
-    'fedmr, fedmr_p, indep: repeats r_s of the client-to-client secure '
-    'recombination before upload (0: none).',
-  )
-  fedmr_secure_min_sent: int = _field(
-    1,
-    'Secure recombination: least number of layers a client sends per '
-    'repeat (n_l).',
-  )
-  fedmr_secure_max_sent: int = _field(
-    0,
-    'Secure recombination: most layers a client sends per repeat (n_u); '
-    '0: all layers.',
-  )
-  fedmut_alpha: float = _field(
-    4.0, 'fedmut: mutation range alpha (paper: 4; 5 diverges).'
-  )
-  fedmut_beta0: float = _field(
-    0.3,
-    'fedmut: initial dynamic preference beta_0 (paper: 0.3 for CNN and '
-    'VGG-16, 0.5 for ResNet-18).',
-  )
-  fedmut_bound: int = _field(
-    50, 'fedmut: rounds T_b over which beta decays linearly to 0.'
   )
   eval_every: int = _field(
     1,
@@ -160,9 +126,10 @@ class ExperimentConfig:
   )
   local_eval_every: int = _field(
     10,
-    'fedmr, fedmr_p, indep, fedmut: also evaluate the K models the next '
-    'round dispatches (mean and std of their test accuracy) every this '
-    'many rounds (0: only at the end); costs K evaluations.',
+    'Multi-model algorithms (fedmr, fedmr_p, indep, fedmut): also '
+    'evaluate the K models the next round dispatches (mean and std of '
+    'their test accuracy) every this many rounds (0: only at the end); '
+    'costs K evaluations.',
     run_only=True,
   )
   eval_batch_size: int = _field(
@@ -229,6 +196,38 @@ class ExperimentConfig:
   process_id: int = _field(
     0, 'Multi-process runs: index of this process.', run_only=True
   )
+  options: Mapping[str, Any] = dataclasses.field(
+    default_factory=dict,
+    metadata={'help': '', 'choices': None, 'run_only': False, 'flag': False},
+  )
+
+  def __init__(self, **kwargs: Any):
+    flags = registry.all_flags()
+    options = {flag: f.default for flag, (f, _) in flags.items()}
+    options.update(kwargs.pop('options', None) or {})
+    for f in base_fields():
+      value = kwargs.pop(f.name, f.default)
+      object.__setattr__(self, f.name, value)
+    for name, value in kwargs.items():
+      if name not in flags:
+        raise TypeError(
+          f'ExperimentConfig got an unexpected keyword argument {name!r}'
+        )
+      options[name] = value
+    unknown = set(options) - set(flags)
+    if unknown:
+      raise TypeError(f'ExperimentConfig: unknown options {sorted(unknown)}')
+    object.__setattr__(self, 'options', options)
+
+  def __getattr__(self, name: str) -> Any:
+    # Only for names that are not fields: the algorithm flags.
+    options = self.__dict__.get('options')
+    if options is not None and name in options:
+      return options[name]
+    raise AttributeError(f'ExperimentConfig has no attribute {name!r}')
+
+  def __hash__(self) -> int:
+    return hash(json.dumps(self.to_dict(), sort_keys=True))
 
   def default_workdir(self) -> str:
     part = self.partition
@@ -239,19 +238,36 @@ class ExperimentConfig:
     )
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    """Every field and algorithm flag, flat (what config.json holds)."""
+    out = {f.name: getattr(self, f.name) for f in base_fields()}
+    out.update(self.options)
+    return out
 
   def identity(self) -> dict[str, Any]:
-    """The fields that define the run (all but the `run_only` ones)."""
-    return {
+    """What defines the run: all but the `run_only` fields."""
+    out = {
       f.name: getattr(self, f.name)
-      for f in dataclasses.fields(self)
+      for f in base_fields()
       if not f.metadata['run_only']
     }
+    out.update(self.options)
+    return out
+
+
+def base_fields() -> tuple[dataclasses.Field, ...]:
+  """The fields of `ExperimentConfig` that are flags themselves (all but
+  `options`)."""
+  return tuple(
+    f
+    for f in dataclasses.fields(ExperimentConfig)
+    if f.metadata.get('flag', True)
+  )
 
 
 def choices(field: dataclasses.Field) -> tuple[str, ...] | None:
-  c = field.metadata['choices']
+  c = field.metadata.get('choices')
+  if c == 'algorithms':
+    return registry.names()
   if c == 'datasets':
     return _dataset_names()
   if c == 'models':
@@ -266,7 +282,7 @@ def energy_mixes(config: ExperimentConfig) -> list[str]:
 
 def validate(config: ExperimentConfig) -> None:
   """Raises `ConfigError` naming the first bad flag and what it allows."""
-  for f in dataclasses.fields(config):
+  for f in base_fields():
     allowed = choices(f)
     value = getattr(config, f.name)
     if allowed and value not in allowed:
@@ -295,11 +311,6 @@ def validate(config: ExperimentConfig) -> None:
     'checkpoint_every',
     'min_client_size',
     'leaf_min_samples',
-    'fedmr_first_stage',
-    'fedmr_secure_repeats',
-    'fedmr_secure_min_sent',
-    'fedmr_secure_max_sent',
-    'fedmut_bound',
     'client_chunk',
     'num_devices',
     'host_devices',
@@ -367,68 +378,80 @@ def validate(config: ExperimentConfig) -> None:
   _validate_algorithm_flags(config)
 
 
-_FEDMR = ('fedmr', 'fedmr_p', 'indep')
-# Flags that only some algorithms read: setting one for another algorithm
-# is a mistake worth an error, not a silently ignored value.
-_ALGORITHM_FLAGS = {
-  'fedmr_first_stage': _FEDMR,
-  'fedmr_grouping': _FEDMR + ('fedmut',),
-  'fedmr_segments': ('fedmr_p',),
-  'fedmr_secure_repeats': _FEDMR,
-  'fedmr_secure_min_sent': _FEDMR,
-  'fedmr_secure_max_sent': _FEDMR,
-  'fedmut_alpha': ('fedmut',),
-  'fedmut_beta0': ('fedmut',),
-  'fedmut_bound': ('fedmut',),
+# Arguments of the algorithms' factories that are not their own
+# hyper-parameters, by the flag that sets them.
+_SETTING_FLAGS = {
+  'weighted': 'weighting',
+  'clients_per_round': 'clients_per_round',
+  'num_clients': 'num_clients',
 }
 
 
+def flag_of(algorithm: str, argument: str) -> str:
+  """The flag behind an `ArgumentError` of algorithm `algorithm`."""
+  for flag, f in registry.flags_of(algorithm).items():
+    if f.name == argument:
+      return flag
+  return _SETTING_FLAGS.get(argument, argument)
+
+
+def as_config_error(
+  algorithm: str, error: errors.ArgumentError
+) -> errors.ConfigError:
+  """An algorithm's `ArgumentError` as a one-line error naming the flag."""
+  return errors.ConfigError(
+    f'--{flag_of(algorithm, error.argument)} {error.message}'
+  )
+
+
+def setting_of(config: ExperimentConfig) -> dict[str, Any]:
+  """The values the algorithms' checks may read beside their own."""
+  return {
+    'clients_per_round': config.clients_per_round,
+    'num_clients': config.num_clients,
+    'weighted': not uniform_weights(config),
+  }
+
+
+def hparams(config: ExperimentConfig) -> Any:
+  """The hyper-parameters of `config.algorithm`, validated.
+
+  Raises:
+    ConfigError: a bad value, named by its flag.
+  """
+  hp = registry.hparams(config.algorithm, config.options)
+  try:
+    hp.validate(**setting_of(config))
+  except errors.ArgumentError as e:
+    raise as_config_error(config.algorithm, e) from None
+  return hp
+
+
 def _validate_algorithm_flags(config: ExperimentConfig) -> None:
-  defaults = ExperimentConfig()
-  for name, algorithms in _ALGORITHM_FLAGS.items():
-    value = getattr(config, name)
-    if value != getattr(defaults, name) and config.algorithm not in algorithms:
+  for flag, (f, users) in registry.all_flags().items():
+    value = config.options[flag]
+    allowed = f.metadata.get('choices')
+    if allowed and value not in allowed:
       raise errors.ConfigError(
-        f'--{name}={value} applies to --algorithm={"|".join(algorithms)} '
-        f'only, not --algorithm={config.algorithm}'
+        f'--{flag}: unknown value {value!r}; choose one of {", ".join(allowed)}'
       )
-  if config.algorithm == 'fedmr_p' and config.fedmr_segments < 2:
-    raise errors.ConfigError(
-      f'--fedmr_segments must be >= 2 for --algorithm=fedmr_p, got '
-      f'{config.fedmr_segments} (one segment is --algorithm=indep)'
-    )
-  if config.fedmr_secure_repeats:
-    if config.weighting == 'examples':
+    if value != f.default and config.algorithm not in users:
       raise errors.ConfigError(
-        '--weighting=examples is not available with --fedmr_secure_repeats: '
-        'after secure recombination the server cannot tell which client a '
-        'layer came from'
+        f'--{flag}={value} applies to --algorithm={"|".join(users)} only, '
+        f'not --algorithm={config.algorithm}'
       )
-    if config.clients_per_round < 2:
-      raise errors.ConfigError(
-        '--fedmr_secure_repeats needs --clients_per_round >= 2'
-      )
-    hi = config.fedmr_secure_max_sent
-    if hi and config.fedmr_secure_min_sent > hi:
-      raise errors.ConfigError(
-        f'--fedmr_secure_min_sent={config.fedmr_secure_min_sent} exceeds '
-        f'--fedmr_secure_max_sent={hi}'
-      )
-  if config.fedmut_alpha < 0:
-    raise errors.ConfigError(
-      f'--fedmut_alpha must be >= 0, got {config.fedmut_alpha}'
-    )
-  if not 0 <= config.fedmut_beta0 < 2:
-    raise errors.ConfigError(
-      f'--fedmut_beta0 must be in [0, 2), got {config.fedmut_beta0} (at 2 '
-      'the negative coefficients -1 + beta turn into +1)'
-    )
+  hparams(config)
+
+
+def multi_model(config: ExperimentConfig) -> bool:
+  """Whether the algorithm keeps K different models (evaluated too)."""
+  return registry.get(config.algorithm).multi_model
 
 
 def uniform_weights(config: ExperimentConfig) -> bool:
   """Whether the server takes the plain mean of the K trained models."""
   if config.weighting == 'auto':
-    return config.algorithm != 'fedavg'
+    return registry.get(config.algorithm).weighting == 'uniform'
   return config.weighting == 'uniform'
 
 

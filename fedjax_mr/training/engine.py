@@ -1,9 +1,9 @@
 """The federated round as one pure, jit-compatible function.
 
-`make_round_fn` closes over a server transform, a client update and the
-static counts, and returns `round_fn(state, data, key)`. The experiment
-jit-compiles it once (donating `state`) and calls it every round; the round
-index lives in the state, so resuming needs no saved RNG state.
+`make_round_fn` closes over an algorithm and the static counts, and
+returns `round_fn(state, data, key)`. The experiment jit-compiles it once
+(donating `state`) and calls it every round; the round index lives in the
+state, so resuming needs no saved RNG state.
 """
 
 from __future__ import annotations
@@ -28,26 +28,49 @@ class RoundState:
 
   Attributes:
     round: int32 scalar, number of rounds completed.
-    server: the server transform's state (exposes `.params`).
+    server: the algorithm's server state (exposes `.params`).
+    clients: the algorithm's per-client persistent state, leaves `[N, ...]`
+      (`()` for algorithms that keep none).
   """
 
   round: jax.Array
   server: Any
+  clients: Any = ()
 
 
 def init_state(
-  server: types.ServerTransform, variables: types.Variables
+  algorithm: types.Algorithm,
+  variables: types.Variables,
+  num_clients: int | None = None,
 ) -> RoundState:
   """The state before round 0, from the initial model variables.
 
-  The server state is copied leaf by leaf: the round donates the state, and
-  a transform whose state holds one array twice (or the caller's own
-  `variables`) would otherwise donate one buffer twice.
+  The state is copied leaf by leaf: the round donates the state, and a
+  state that holds one array twice (or the caller's own `variables`) would
+  otherwise donate one buffer twice.
+
+  Args:
+    algorithm: the algorithm.
+    variables: the initial model.
+    num_clients: N; required when the algorithm keeps per-client state.
   """
-  server_state = jax.tree.map(
-    lambda x: jnp.array(x, copy=True), server.init(variables)
+  clients = ()
+  if algorithm.init_client_state is not None:
+    if num_clients is None or num_clients < 1:
+      raise ValueError(
+        'num_clients must be given (>= 1) for an algorithm with per-client '
+        f'state, got {num_clients}'
+      )
+    one = algorithm.init_client_state(variables)
+    clients = jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (num_clients, *jnp.shape(x))), one
+    )
+  state = RoundState(
+    round=jnp.zeros((), jnp.int32),
+    server=algorithm.init(variables),
+    clients=clients,
   )
-  return RoundState(round=jnp.zeros((), jnp.int32), server=server_state)
+  return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
 
 
 def round_keys(key: jax.Array, round_index: jax.Array) -> jax.Array:
@@ -55,18 +78,42 @@ def round_keys(key: jax.Array, round_index: jax.Array) -> jax.Array:
   return jax.random.split(jax.random.fold_in(key, round_index), 4)
 
 
-def next_models(
-  server: types.ServerTransform, state: RoundState, key: jax.Array
-) -> Any:
-  """The K models the next round will dispatch (leaves `[K, ...]`).
+def uniform_sampler(clients_per_round: int) -> types.Sampler:
+  """The default sampler: K distinct clients, uniformly at random."""
+  k = int(clients_per_round)
 
-  Exactly what `round_fn(state, data, key)` sends its clients: the same
-  dispatch key. For FedMR the recombined models, for FedMut the mutated
+  def sampler(key, round_index, server_state, data):
+    del round_index, server_state
+    return sample_clients(key, data.num_clients, k)
+
+  return sampler
+
+
+def sampler_of(
+  algorithm: types.Algorithm, clients_per_round: int
+) -> types.Sampler:
+  """The algorithm's sampler, or the uniform one."""
+  return algorithm.sampler or uniform_sampler(clients_per_round)
+
+
+def next_dispatch(
+  algorithm: types.Algorithm,
+  state: RoundState,
+  data: client_data_lib.ClientData,
+  key: jax.Array,
+  clients_per_round: int,
+) -> types.Dispatch:
+  """Exactly what `round_fn(state, data, key)` sends its clients next.
+
+  The same sampling and dispatch keys as the round. For FedMR the
+  `per_client` part holds the recombined models, for FedMut the mutated
   ones; diagnostics evaluate them.
   """
-  return server.dispatch(
-    state.server, state.round, round_keys(key, state.round)[1]
+  k_sample, k_dispatch, _, _ = round_keys(key, state.round)
+  ids = sampler_of(algorithm, clients_per_round)(
+    k_sample, state.round, state.server, data
   )
+  return algorithm.dispatch(state.server, ids, state.round, k_dispatch)
 
 
 def sample_clients(key: jax.Array, num_clients: int, k: int) -> jax.Array:
@@ -112,9 +159,12 @@ def balanced_order(sizes: jax.Array, num_shards: int) -> jax.Array:
   return jnp.zeros(k, jnp.int32).at[shard * per + row].set(order)
 
 
+def _gather(tree: Any, ids: jax.Array) -> Any:
+  return jax.tree.map(lambda x: x[ids], tree)
+
+
 def make_round_fn(
-  server: types.ServerTransform,
-  client_update: types.ClientUpdate,
+  algorithm: types.Algorithm,
   *,
   clients_per_round: int,
   client_chunk: int = 1,
@@ -126,13 +176,15 @@ def make_round_fn(
   """Builds one federated round.
 
   The round's keys are `round_keys(key, state.round)`: sampling, dispatch,
-  the clients and aggregation. Client k's key does not
-  depend on where it runs, so results do not depend on `client_chunk` or
-  on the mesh (up to float reassociation).
+  the clients and aggregation. Client k's key does not depend on where it
+  runs, so results do not depend on `client_chunk` or on the mesh (up to
+  float reassociation). The dispatch's shared part is handed to every
+  client as one value (replicated over the mesh, never stacked K times);
+  its per-client part and the gathered per-client state travel with the
+  client axis.
 
   Args:
-    server: the server transform.
-    client_update: local training of one client.
+    algorithm: the algorithm.
     clients_per_round: K.
     client_chunk: how clients are mapped on each device (see
       `map_clients`).
@@ -145,7 +197,7 @@ def make_round_fn(
   Returns:
     `round_fn(state, data, key) -> (state, metrics)`; metrics: `train_loss`
     (per-example mean over the round's local training), `num_examples`,
-    `num_steps`, `client_ids` `[K]`, and the server's own metrics.
+    `num_steps`, `client_ids` `[K]`, and the algorithm's own metrics.
   """
   k = int(clients_per_round)
   shards = 1 if mesh is None else mesh.devices.size
@@ -154,19 +206,13 @@ def make_round_fn(
       f'clients_per_round={k} must be a multiple of the number of devices '
       f'({shards}) the client axis is sharded over'
     )
+  sample = sampler_of(algorithm, k)
+  update = algorithm.client_update
 
-  shared = server.shared_dispatch is not None
-
-  def train_clients(inputs, ids, keys, data):
-    if shared:  # one model for all: closed over, never stacked K times
-      return map_clients(
-        lambda c, ck: client_update(inputs, data, c, ck),
-        (ids, keys),
-        client_chunk,
-      )
+  def train_clients(shared, per_client, client_state, ids, keys, data):
     return map_clients(
-      lambda v, c, ck: client_update(v, data, c, ck),
-      (inputs, ids, keys),
+      lambda p, s, c, ck: update(shared, p, s, data, c, ck),
+      (per_client, client_state, ids, keys),
       client_chunk,
     )
 
@@ -177,28 +223,40 @@ def make_round_fn(
     sharded_train = jax.shard_map(
       train_clients,
       mesh=mesh,
-      in_specs=(replicated if shared else spec, spec, spec, replicated),
+      in_specs=(replicated, spec, spec, spec, spec, replicated),
       out_specs=spec,
       check_vma=False,
     )
 
   def round_fn(state, data, key):
     k_sample, k_dispatch, k_clients, k_aggregate = round_keys(key, state.round)
-    ids = sample_clients(k_sample, data.num_clients, k)
-    dispatch = server.shared_dispatch if shared else server.dispatch
-    inputs = dispatch(state.server, state.round, k_dispatch)
+    ids = sample(k_sample, state.round, state.server, data)
+    sent = algorithm.dispatch(state.server, ids, state.round, k_dispatch)
     keys = jax.random.split(k_clients, k)
+    client_state = _gather(state.clients, ids)
     if shards == 1:
-      outputs = train_clients(inputs, ids, keys, data)
+      outputs, client_state = train_clients(
+        sent.shared, sent.per_client, client_state, ids, keys, data
+      )
     else:
       perm = balanced_order(data.sizes[ids], shards)
-      if not shared:
-        inputs = jax.tree.map(lambda x: x[perm], inputs)
-      outputs = sharded_train(inputs, ids[perm], keys[perm], data)
+      outputs, client_state = sharded_train(
+        sent.shared,
+        _gather(sent.per_client, perm),
+        _gather(client_state, perm),
+        ids[perm],
+        keys[perm],
+        data,
+      )
       inverse = jnp.argsort(perm)
-      outputs = jax.tree.map(lambda x: x[inverse], outputs)
-    server_state, server_metrics = server.aggregate(
-      state.server, outputs, state.round, k_aggregate
+      outputs, client_state = _gather((outputs, client_state), inverse)
+    clients = jax.tree.map(
+      lambda all_, new: all_.at[ids].set(new.astype(all_.dtype)),
+      state.clients,
+      client_state,
+    )
+    server_state, server_metrics = algorithm.aggregate(
+      state.server, outputs, ids, state.round, k_aggregate
     )
     n = outputs.num_examples.astype(jnp.float32)
     metrics = {
@@ -208,7 +266,10 @@ def make_round_fn(
       'client_ids': ids,
       **server_metrics,
     }
-    return RoundState(round=state.round + 1, server=server_state), metrics
+    new_state = RoundState(
+      round=state.round + 1, server=server_state, clients=clients
+    )
+    return new_state, metrics
 
   return round_fn
 

@@ -26,16 +26,13 @@ import jax
 import numpy as np
 import optax
 
+from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
-from fedjax_mr.core import grouping
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
 from fedjax_mr.models import model as model_lib
-from fedjax_mr.server import fedavg
-from fedjax_mr.server import fedmr
-from fedjax_mr.server import fedmut
 from fedjax_mr.training import checkpoint
 from fedjax_mr.training import client
 from fedjax_mr.training import config as config_lib
@@ -67,60 +64,43 @@ class Result(NamedTuple):
   workdir: str
 
 
-def build_server(
-  config: config_lib.ExperimentConfig, variables: types.Variables
-) -> types.ServerTransform:
-  """The server transform named by `config.algorithm`.
+def build_algorithm(
+  config: config_lib.ExperimentConfig,
+  model: model_lib.Model,
+  variables: types.Variables,
+) -> types.Algorithm:
+  """The algorithm named by `config.algorithm`, from the registry.
 
   Args:
     config: the experiment (validated).
+    model: the model the clients train.
     variables: the initial model variables as `model.init` returns them
       (their key order is the model's layer order, which FedMR-p's segments
       follow).
+
+  Raises:
+    ConfigError: a hyper-parameter that does not fit the model, named by
+      its flag.
   """
-  k = config.clients_per_round
-  weighted = not config_lib.uniform_weights(config)
-  if config.algorithm == 'fedavg':
-    return fedavg.fedavg(k, weighted=weighted)
-  if config.algorithm == 'fedmut':
-    return fedmut.fedmut(
-      k,
-      alpha=config.fedmut_alpha,
-      beta0=config.fedmut_beta0,
-      bound=config.fedmut_bound,
-      weighted=weighted,
-      grouping=config.fedmr_grouping,
-    )
-  if config.algorithm in ('fedmr', 'fedmr_p', 'indep'):
-    segments = {'fedmr': None, 'fedmr_p': config.fedmr_segments, 'indep': 1}
-    repeats = config.fedmr_secure_repeats
-    max_sent = config.fedmr_secure_max_sent or None
-    if repeats:
-      num_layers = len(fedmr.secure_layers(variables, config.fedmr_grouping))
-      hi = max_sent or num_layers
-      if not config.fedmr_secure_min_sent <= hi <= num_layers:
-        raise errors.ConfigError(
-          f'--fedmr_secure_min_sent={config.fedmr_secure_min_sent} and '
-          f'--fedmr_secure_max_sent={config.fedmr_secure_max_sent} must '
-          f'satisfy min <= max <= {num_layers}, the number of layers of '
-          f'--model={config.model} with --fedmr_grouping='
-          f'{config.fedmr_grouping}'
-        )
-    return fedmr.fedmr(
-      k,
-      first_stage_bound=config.fedmr_first_stage,
-      grouping=config.fedmr_grouping,
-      num_segments=segments[config.algorithm],
-      secure_repeats=repeats,
-      weighted_global=weighted,
-      secure_min_sent=config.fedmr_secure_min_sent,
-      secure_max_sent=max_sent,
-      layer_order=grouping.model_order(variables),
-    )
-  raise errors.ConfigError(
-    f'--algorithm: unknown {config.algorithm!r}; choose one of '
-    f'{", ".join(config_lib.ALGORITHMS)}'
+  local = client.LocalTraining(
+    model,
+    optax.sgd(config.lr, momentum=config.momentum or None),
+    config.local_epochs,
+    config.batch_size,
+    config.lr,
   )
+  setting = registry.Setting(
+    local=local,
+    clients_per_round=config.clients_per_round,
+    num_clients=config.num_clients,
+    weighted=not config_lib.uniform_weights(config),
+    variables=variables,
+  )
+  entry = registry.get(config.algorithm)
+  try:
+    return entry.factory(setting, config_lib.hparams(config))
+  except errors.ArgumentError as e:
+    raise config_lib.as_config_error(config.algorithm, e) from None
 
 
 def make_partition(
@@ -151,6 +131,99 @@ def _log_default(line: str) -> None:
   print(line, flush=True)
 
 
+class Experiment(NamedTuple):
+  """Everything a run needs, built by `setup` (or by hand, from a notebook).
+
+  Attributes:
+    config: the experiment (its loop settings: rounds, evaluation,
+      checkpoints, devices).
+    model: the model.
+    algorithm: the federated algorithm.
+    data: the clients' training data (`ClientData`, on the devices).
+    test: the test set (`EvalData`, on the devices).
+    state: the initial `RoundState` (on the devices).
+    key: the run key; round r uses `fold_in(key, r)`.
+    mesh: the devices the client axis is sharded over.
+    client_sizes: every client's number of training examples.
+    partition: the partition summary written to partition.json, or None.
+  """
+
+  config: config_lib.ExperimentConfig
+  model: model_lib.Model
+  algorithm: types.Algorithm
+  data: client_data_lib.ClientData
+  test: client_data_lib.EvalData
+  state: engine.RoundState
+  key: jax.Array
+  mesh: jax.sharding.Mesh
+  client_sizes: list[int]
+  partition: dict[str, Any] | None = None
+
+
+def setup(config: config_lib.ExperimentConfig) -> Experiment:
+  """Config → data, partition, model, algorithm and initial state.
+
+  Writes nothing. Every piece can be replaced before `run` (e.g.
+  `setup(config)._replace(algorithm=..., state=engine.init_state(...))`).
+
+  Raises:
+    UserError: bad config or data (the message names the flag).
+  """
+  config_lib.validate(config)
+  mesh = distributed.make_mesh(config.num_devices)
+  num_devices = mesh.devices.size
+  if config.clients_per_round % num_devices:
+    raise errors.ConfigError(
+      f'--clients_per_round={config.clients_per_round} must be a multiple of '
+      f'the {num_devices} devices the clients are sharded over; set '
+      '--num_devices (or --host_devices on CPU) to a divisor of it'
+    )
+  dataset = datasets.load(
+    config.dataset,
+    config.data_dir or None,
+    cifar100_labels=config.cifar100_labels,
+    leaf_min_samples=config.leaf_min_samples,
+  )
+  if config.partition == 'natural':
+    dataset = datasets.natural_clients(dataset, config.num_clients, config.seed)
+  model = model_lib.get(
+    config.model,
+    dataset.num_classes,
+    dataset.input_shape,
+    dataset=config.dataset,
+  )
+  parts = make_partition(config, dataset.y_train, dataset.clients)
+  data = client_data_lib.from_partition(
+    dataset.x_train, dataset.y_train, parts, dataset.scale, dataset.shift
+  )
+  test = client_data_lib.eval_data(
+    dataset.x_test,
+    dataset.y_test,
+    config.eval_batch_size,
+    dataset.scale,
+    dataset.shift,
+  )
+  key = jax.random.key(config.seed)
+  variables = model.init(jax.random.fold_in(key, _INIT))
+  algorithm = build_algorithm(config, model, variables)
+  state = engine.init_state(algorithm, variables, len(parts))
+  data, test, state = distributed.replicate((data, test, state), mesh)
+  return Experiment(
+    config=config,
+    model=model,
+    algorithm=algorithm,
+    data=data,
+    test=test,
+    state=state,
+    key=jax.random.fold_in(key, _ROUNDS),
+    mesh=mesh,
+    client_sizes=[len(p) for p in parts],
+    partition=partition_lib.summary(
+      parts, dataset.y_train, dataset.num_classes
+    ),
+  )
+
+
 def train_and_evaluate(
   config: config_lib.ExperimentConfig,
   workdir: str | None = None,
@@ -158,7 +231,7 @@ def train_and_evaluate(
   log: Callable[[str], None] = _log_default,
   on_round: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> Result:
-  """Runs (or resumes) an experiment.
+  """Runs (or resumes) an experiment: `run(setup(config), workdir)`.
 
   Args:
     config: the experiment.
@@ -177,69 +250,54 @@ def train_and_evaluate(
       so far and the last checkpoint are kept.
   """
   config_lib.validate(config)
-  mesh = distributed.make_mesh(config.num_devices)
+  workdir = workdir or config.workdir or config.default_workdir()
+  config_path = os.path.join(workdir, CONFIG_FILE)
+  if os.path.exists(config_path):  # refuse another run's workdir first
+    config_lib.check_resumable(config, config_path)
+  return run(setup(config), workdir, log=log, on_round=on_round)
+
+
+def run(
+  experiment: Experiment,
+  workdir: str,
+  *,
+  log: Callable[[str], None] = _log_default,
+  on_round: Callable[[int, dict[str, Any]], None] | None = None,
+) -> Result:
+  """The host loop: rounds, metrics, evaluation, checkpoints, plots.
+
+  A workdir holding a checkpoint resumes from it (its config.json must
+  define the same run).
+
+  Args:
+    experiment: from `setup` (or built by hand).
+    workdir: output folder.
+    log: where progress lines go.
+    on_round: called with (round, metrics row) after each round is logged
+      and checkpointed.
+
+  Returns:
+    A `Result`.
+  """
+  config = experiment.config
+  algorithm, data, test = experiment.algorithm, experiment.data, experiment.test
+  state, mesh = experiment.state, experiment.mesh
+  round_key = experiment.key
   num_devices = mesh.devices.size
-  if config.clients_per_round % num_devices:
-    raise errors.ConfigError(
-      f'--clients_per_round={config.clients_per_round} must be a multiple of '
-      f'the {num_devices} devices the clients are sharded over; set '
-      '--num_devices (or --host_devices on CPU) to a divisor of it'
-    )
   primary = distributed.is_primary()
   if not primary:
     log = _quiet
-  workdir = workdir or config.workdir or config.default_workdir()
-  os.makedirs(workdir, exist_ok=True)
   config_path = os.path.join(workdir, CONFIG_FILE)
   if os.path.exists(config_path):
     config_lib.check_resumable(config, config_path)
+  os.makedirs(workdir, exist_ok=True)
   if primary:
     with open(config_path, 'w') as f:
       json.dump(config.to_dict(), f, indent=2)
-
-  dataset = datasets.load(
-    config.dataset,
-    config.data_dir or None,
-    cifar100_labels=config.cifar100_labels,
-    leaf_min_samples=config.leaf_min_samples,
-  )
-  if config.partition == 'natural':
-    dataset = datasets.natural_clients(dataset, config.num_clients, config.seed)
-  model = model_lib.get(
-    config.model,
-    dataset.num_classes,
-    dataset.input_shape,
-    dataset=config.dataset,
-  )
-  parts = make_partition(config, dataset.y_train, dataset.clients)
-  if primary:
-    partition_lib.save_summary(
-      os.path.join(workdir, PARTITION_FILE),
-      partition_lib.summary(parts, dataset.y_train, dataset.num_classes),
-    )
-  data = client_data_lib.from_partition(
-    dataset.x_train, dataset.y_train, parts, dataset.scale, dataset.shift
-  )
-  test = client_data_lib.eval_data(
-    dataset.x_test,
-    dataset.y_test,
-    config.eval_batch_size,
-    dataset.scale,
-    dataset.shift,
-  )
-
-  key = jax.random.key(config.seed)
-  variables = model.init(jax.random.fold_in(key, _INIT))
-  server = build_server(config, variables)
-  client_update = client.make_client_update(
-    model,
-    optax.sgd(config.lr, momentum=config.momentum or None),
-    local_epochs=config.local_epochs,
-    batch_size=config.batch_size,
-  )
-  state = engine.init_state(server, variables)
-  data, test, state = distributed.replicate((data, test, state), mesh)
-  round_key = jax.random.fold_in(key, _ROUNDS)
+    if experiment.partition is not None:
+      partition_lib.save_summary(
+        os.path.join(workdir, PARTITION_FILE), experiment.partition
+      )
 
   ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
   metrics_path = os.path.join(workdir, METRICS_FILE)
@@ -252,10 +310,11 @@ def train_and_evaluate(
   history = metrics_io.truncate(metrics_path, start) if primary else []
   num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
   log(
-    f'{config.algorithm} on {config.dataset} ({len(dataset.x_train)} train / '
-    f'{len(dataset.x_test)} test), {config.model} ({num_params:,} '
-    f'parameters), {config.num_clients} clients ({config.partition}), '
-    f'{config.clients_per_round} per round, {config.rounds} rounds'
+    f'{config.algorithm} on {config.dataset} ({int(data.x.shape[0])} train '
+    f'/ {int(jax.numpy.sum(test.mask))} test), {config.model} '
+    f'({num_params:,} parameters), {data.num_clients} clients '
+    f'({config.partition}), {config.clients_per_round} per round, '
+    f'{config.rounds} rounds'
   )
   platform = mesh.devices.flat[0].platform
   chunk = config.client_chunk or (
@@ -269,8 +328,7 @@ def train_and_evaluate(
 
   round_fn = jax.jit(
     engine.make_round_fn(
-      server,
-      client_update,
+      algorithm,
       clients_per_round=config.clients_per_round,
       client_chunk=chunk,
       mesh=mesh if num_devices > 1 else None,
@@ -279,22 +337,23 @@ def train_and_evaluate(
     out_shardings=distributed.replicated(mesh),
   )
   evaluate = jax.jit(
-    engine.make_evaluate(model), out_shardings=distributed.replicated(mesh)
+    engine.make_evaluate(experiment.model),
+    out_shardings=distributed.replicated(mesh),
   )
-  evaluate_many = engine.make_evaluate_many(model)
+  evaluate_many = engine.make_evaluate_many(experiment.model)
   local_evaluate = None
-  if config.algorithm in config_lib.MULTI_MODEL:
+  if config_lib.multi_model(config):
     # The K different models the next round dispatches (recombined or
     # mutated), each on the whole test set.
+    def next_models(s, d):
+      return engine.next_dispatch(
+        algorithm, s, d, round_key, config.clients_per_round
+      ).per_client
+
     local_evaluate = jax.jit(
-      lambda s, t: evaluate_many(engine.next_models(server, s, round_key), t),
+      lambda s, d, t: evaluate_many(next_models(s, d), t),
       out_shardings=distributed.replicated(mesh),
     )
-  # Down- and upload of K models, for servers that do not count their own.
-  model_bytes = sum(
-    x.size * x.dtype.itemsize for x in jax.tree.leaves(variables)
-  )
-  round_bytes = 2 * config.clients_per_round * model_bytes
 
   def should(every: int, r: int) -> bool:
     return r == config.rounds or (every > 0 and r % every == 0)
@@ -321,7 +380,6 @@ def train_and_evaluate(
     )
     # Who trained this round: the energy simulation replays it.
     row['client_ids'] = [int(i) for i in metrics['client_ids']]
-    row.setdefault('bytes_communicated', float(round_bytes))
     if not math.isfinite(row['train_loss']):
       if primary:
         metrics_io.append(metrics_path, row)
@@ -335,7 +393,7 @@ def train_and_evaluate(
       row['test_accuracy'] = float(ev['accuracy'])
       row['test_loss'] = float(ev['loss'])
     if local_evaluate is not None and should(config.local_eval_every, r):
-      local = jax.device_get(local_evaluate(state, test))['accuracy']
+      local = jax.device_get(local_evaluate(state, data, test))['accuracy']
       row['local_accuracy_mean'] = float(np.mean(local))
       row['local_accuracy_std'] = float(np.std(local))
     row['round_time_s'] = time.perf_counter() - t0
@@ -391,7 +449,7 @@ def train_and_evaluate(
     )
   log(timer.summary(history, workdir))
   if primary and config_lib.energy_mixes(config):
-    energy = simulate_energy(config, history, [len(p) for p in parts])
+    energy = simulate_energy(config, history, experiment.client_sizes)
     with open(os.path.join(workdir, ENERGY_FILE), 'w') as f:
       json.dump(energy, f, indent=1)
     for mix, e in energy.items():

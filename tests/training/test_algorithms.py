@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.training import compare
 from fedjax_mr.training import config as config_lib
@@ -124,7 +125,9 @@ def test_degenerate_settings_are_unweighted_fedavg(
 
 def test_weighting_auto_follows_the_papers(small_config):
   assert not config_lib.uniform_weights(small_config)
-  for algorithm in config_lib.MULTI_MODEL:
+  multi = [n for n, e in registry.REGISTRY.items() if e.multi_model]
+  assert multi == ['fedmr', 'fedmr_p', 'indep', 'fedmut']
+  for algorithm in multi:
     cfg = dataclasses.replace(small_config, algorithm=algorithm)
     assert config_lib.uniform_weights(cfg)
   cfg = dataclasses.replace(small_config, weighting='uniform')

@@ -110,3 +110,41 @@ def test_masked_cross_entropy_weights_real_examples_only():
   expected = [np.log(2), np.log1p(np.exp(-2.0))]
   np.testing.assert_allclose(total, sum(expected), rtol=1e-6)
   np.testing.assert_allclose(mean, np.mean(expected), rtol=1e-6)
+
+
+def test_perturbations_by_hand():
+  params = {'a': jnp.array([1.0, -2.0]), 'b': jnp.array([0.5])}
+  grads = {'a': jnp.array([3.0, 0.0]), 'b': jnp.array([4.0])}
+  eps = client.sam(0.5)(params, grads)  # 0.5 * g / 5
+  np.testing.assert_allclose(eps['a'], [0.3, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(eps['b'], [0.4], rtol=1e-6)
+  # ASAM, eta 0: T = |w| = (1, 2, 0.5); T g = (3, 0, 2), norm sqrt(13);
+  # eps = rho T^2 g / ||T g||.
+  eps = client.asam(1.0, 0.0)(params, grads)
+  np.testing.assert_allclose(eps['a'], [3 / 13**0.5, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(eps['b'], [0.25 * 4 / 13**0.5], rtol=1e-6)
+
+
+def test_two_pass_step_keeps_steps_and_rho_zero_is_plain_sgd():
+  model = helpers.linear_bn_model()
+  data, _ = helpers.toy_data([7, 13, 3])
+  local = client.LocalTraining(model, optax.sgd(0.3), 2, 5, 0.3)
+  variables = model.init(jax.random.key(0))
+  key, cid = jax.random.key(3), jnp.int32(1)
+  plain = jax.jit(client.make_local_update(local))(variables, data, cid, key)
+  outs = {
+    rho: jax.jit(
+      client.make_local_update(local, perturbation=client.asam(rho, 0.01))
+    )(variables, data, cid, key)
+    for rho in (0.0, 0.5)
+  }
+  helpers.tree_equal(outs[0.0].variables, plain.variables)
+  assert int(outs[0.5].num_steps) == int(plain.num_steps) == 2 * 3
+  # The reported loss is taken at the unperturbed weights of the first pass.
+  np.testing.assert_allclose(outs[0.0].loss, plain.loss, rtol=1e-6)
+  diff = jax.tree.map(
+    lambda a, b: float(jnp.abs(a - b).max()),
+    outs[0.5].variables['params'],
+    plain.variables['params'],
+  )
+  assert max(jax.tree.leaves(diff)) > 1e-4

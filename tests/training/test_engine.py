@@ -4,24 +4,25 @@ import numpy as np
 import optax
 import pytest
 
+from fedjax_mr.algorithms import fedavg
+from fedjax_mr.core import tree
+from fedjax_mr.core import types
 from fedjax_mr.data import client_data
-from fedjax_mr.server import fedavg
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
 from tests import helpers
 
 
+def _local(model):
+  return client.LocalTraining(model, optax.sgd(0.2, momentum=0.9), 2, 4, 0.2)
+
+
 def _setup(chunk=1, k=4):
   model = helpers.linear_model()
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
-  update = client.make_client_update(
-    model, optax.sgd(0.2, momentum=0.9), local_epochs=2, batch_size=4
-  )
-  server = fedavg.fedavg(k)
+  server = fedavg.fedavg(_local(model), k)
   round_fn = jax.jit(
-    engine.make_round_fn(
-      server, update, clients_per_round=k, client_chunk=chunk
-    )
+    engine.make_round_fn(server, clients_per_round=k, client_chunk=chunk)
   )
   state = engine.init_state(server, model.init(jax.random.key(0)))
   return round_fn, state, data
@@ -114,15 +115,10 @@ def test_sharded_round_equals_one_device():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
   model = helpers.linear_model()
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
-  update = client.make_client_update(
-    model, optax.sgd(0.2, momentum=0.9), local_epochs=2, batch_size=4
-  )
-  server = fedavg.fedavg(4)
+  server = fedavg.fedavg(_local(model), 4)
   state = engine.init_state(server, model.init(jax.random.key(0)))
-  one = jax.jit(engine.make_round_fn(server, update, clients_per_round=4))
-  two = jax.jit(
-    engine.make_round_fn(server, update, clients_per_round=4, mesh=mesh)
-  )
+  one = jax.jit(engine.make_round_fn(server, clients_per_round=4))
+  two = jax.jit(engine.make_round_fn(server, clients_per_round=4, mesh=mesh))
   s1, h1 = _run(one, state, data, jax.random.key(5))
   s2, h2 = _run(two, state, data, jax.random.key(5))
   helpers.tree_allclose(
@@ -136,9 +132,23 @@ def test_sharded_round_equals_one_device():
 
 def test_sharding_needs_a_multiple_of_devices():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
-  server = fedavg.fedavg(3)
+  server = fedavg.fedavg(_local(helpers.linear_model()), 3)
   with pytest.raises(ValueError, match='multiple of the number of devices'):
-    engine.make_round_fn(server, None, clients_per_round=3, mesh=mesh)
+    engine.make_round_fn(server, clients_per_round=3, mesh=mesh)
+
+
+def _stacked(algorithm, k):
+  """The same algorithm sending K stacked copies of its model instead of
+  one shared model."""
+
+  def dispatch(state, ids, r, key):
+    sent = algorithm.dispatch(state, ids, r, key)
+    return types.Dispatch(per_client=tree.broadcast(sent.shared, k))
+
+  def client_update(shared, per_client, client_state, data, cid, key):
+    return algorithm.client_update(per_client, (), client_state, data, cid, key)
+
+  return algorithm._replace(dispatch=dispatch, client_update=client_update)
 
 
 @pytest.mark.parametrize('devices,chunk', [(1, 1), (1, 2), (1, 4), (2, 1)])
@@ -148,18 +158,13 @@ def test_shared_dispatch_equals_stacked_dispatch(devices, chunk):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ('clients',))
   model = helpers.linear_model()
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
-  update = client.make_client_update(
-    model, optax.sgd(0.2, momentum=0.9), local_epochs=2, batch_size=4
-  )
-  shared = fedavg.fedavg(4)
-  assert shared.shared_dispatch is not None
-  stacked = shared._replace(shared_dispatch=None)
+  shared = fedavg.fedavg(_local(model), 4)
+  stacked = _stacked(shared, 4)
   state = engine.init_state(shared, model.init(jax.random.key(0)))
   fns = [
     jax.jit(
       engine.make_round_fn(
         s,
-        update,
         clients_per_round=4,
         client_chunk=chunk,
         mesh=mesh if devices > 1 else None,
@@ -180,14 +185,12 @@ def test_shared_dispatch_holds_one_copy_of_the_model():
   temporary memory, the shared model none."""
   model = helpers.linear_model()
   data, _ = helpers.toy_data([5] * 64)
-  update = client.make_client_update(
-    model, optax.sgd(0.1), local_epochs=1, batch_size=4
-  )
-  shared = fedavg.fedavg(64)
+  local = client.LocalTraining(model, optax.sgd(0.1), 1, 4, 0.1)
+  shared = fedavg.fedavg(local, 64)
   state = engine.init_state(shared, model.init(jax.random.key(0)))
   temp = []
-  for s in (shared, shared._replace(shared_dispatch=None)):
-    fn = jax.jit(engine.make_round_fn(s, update, clients_per_round=64))
+  for s in (shared, _stacked(shared, 64)):
+    fn = jax.jit(engine.make_round_fn(s, clients_per_round=64))
     mem = fn.lower(state, data, jax.random.key(0)).compile().memory_analysis()
     if mem is None:
       pytest.skip('this backend reports no memory analysis')

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.training import compare
 from fedjax_mr.training import config as config_lib
@@ -180,7 +181,8 @@ CONFIGS = os.path.join(
 
 def _read_flagfile(path):
   """An absl flagfile of `--name=value` lines as an ExperimentConfig."""
-  fields = {f.name: f for f in dataclasses.fields(config_lib.ExperimentConfig)}
+  fields = {f.name: f for f in config_lib.base_fields()}
+  fields.update({n: f for n, (f, _) in registry.all_flags().items()})
   values = {}
   for line in open(path):
     line = line.strip()

@@ -6,14 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedjax_mr.algorithms import fedavg
+from fedjax_mr.algorithms import fedmr
 from fedjax_mr.core import grouping
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
-from fedjax_mr.server import fedavg
-from fedjax_mr.server import fedmr
-from tests.server import contract
+from tests.algorithms import contract
 
 K = 4
+IDS = jnp.arange(K, dtype=jnp.int32)
 
 
 def stack():
@@ -387,14 +388,16 @@ def test_secure_volume_matches_eq_27():
 
 def test_first_stage_covering_all_rounds_is_unweighted_fedavg():
   contract.assert_same_runs(
-    fedmr.fedmr(K, first_stage_bound=3), fedavg.fedavg(K, weighted=False)
+    fedmr.fedmr(contract.LOCAL, K, first_stage_bound=3),
+    fedavg.fedavg(contract.LOCAL, K, weighted=False),
+    K,
   )
 
 
 def test_two_stage_recombines_from_the_end_of_round_bound():
-  server = fedmr.fedmr(K, first_stage_bound=2)
+  server = fedmr.fedmr(contract.LOCAL, K, first_stage_bound=2)
   dispatched, states = contract.run_by_hand(
-    server, contract.tiny_variables(), 4
+    server, contract.tiny_variables(), 4, K
   )
   for r in (0, 1, 2):  # After rounds 0 and 1: K copies of the mean.
     chex.assert_trees_all_equal(
@@ -416,17 +419,18 @@ def outputs_of(variables, num_examples=(1, 1, 1, 1)):
 
 
 def test_global_is_the_mean_and_recombination_keeps_uploaded_rows():
-  server = fedmr.fedmr(K)
+  server = fedmr.fedmr(contract.LOCAL, K)
   state = server.init(one_model())
   outputs = outputs_of(stack(), (1, 1, 1, 5))
-  new, metrics = server.aggregate(state, outputs, 0, jax.random.key(0))
+  new, metrics = server.aggregate(state, outputs, IDS, 0, jax.random.key(0))
   # Mean of rows 0, 100, 200, 300 (+ 30).
   np.testing.assert_array_equal(new.params['params']['Dense_1']['bias'], 180)
   chex.assert_trees_all_equal(
     sorted_rows(new.client_models), sorted_rows(stack())
   )
   chex.assert_trees_all_equal(
-    server.dispatch(new, 1, jax.random.key(1)), new.client_models
+    server.dispatch(new, IDS, 1, jax.random.key(1)).per_client,
+    new.client_models,
   )
   # 13 float32 per model, K down + K up: 2 * 4 * 52 bytes.
   assert metrics['bytes_communicated'] == 416.0
@@ -434,14 +438,14 @@ def test_global_is_the_mean_and_recombination_keeps_uploaded_rows():
   np.testing.assert_allclose(
     metrics['pairwise_cosine'], fedmr.pairwise_cosine(stack())
   )
-  weighted = fedmr.fedmr(K, weighted_global=True)
-  new_w, _ = weighted.aggregate(state, outputs, 0, jax.random.key(0))
+  weighted = fedmr.fedmr(contract.LOCAL, K, weighted_global=True)
+  new_w, _ = weighted.aggregate(state, outputs, IDS, 0, jax.random.key(0))
   # (0 + 100 + 200 + 5 * 300) / 8 + 30.
   np.testing.assert_allclose(new_w.params['params']['Dense_1']['bias'], 255)
 
 
 def test_indep_redispatches_whole_trained_models():
-  server = fedmr.fedmr(K, num_segments=1)
+  server = fedmr.fedmr(contract.LOCAL, K, num_segments=1)
   dispatch, aggregate = jax.jit(server.dispatch), jax.jit(server.aggregate)
   state = server.init(one_model())
 
@@ -452,17 +456,19 @@ def test_indep_redispatches_whole_trained_models():
     )
 
   for r in range(3):
-    client = dispatch(state, r, jax.random.key(r))
+    client = dispatch(state, IDS, r, jax.random.key(r)).per_client
     outputs = contract.fake_outputs(client, jax.random.key(10 + r))
-    state, _ = aggregate(state, outputs, r, jax.random.key(20 + r))
+    state, _ = aggregate(state, outputs, IDS, r, jax.random.key(20 + r))
     assert rows(state.client_models) == rows(outputs.variables)
 
 
 def test_secure_transform_sees_only_the_mixed_stack_and_counts_bytes():
-  server = fedmr.fedmr(K, secure_repeats=2, secure_max_sent=2)
+  server = fedmr.fedmr(contract.LOCAL, K, secure_repeats=2, secure_max_sent=2)
   state = server.init(one_model())
   key = jax.random.key(3)
-  new, metrics = jax.jit(server.aggregate)(state, outputs_of(stack()), 0, key)
+  new, metrics = jax.jit(server.aggregate)(
+    state, outputs_of(stack()), IDS, 0, key
+  )
   k_secure, k_mix = jax.random.split(key)
   plan = fedmr.secure_plan(k_secure, K, 4, repeats=2, min_sent=1, max_sent=2)
   mixed = fedmr.apply_secure_plan(stack(), plan)
@@ -473,13 +479,13 @@ def test_secure_transform_sees_only_the_mixed_stack_and_counts_bytes():
   expect = 416.0 + np.asarray(plan.layer_transfers) @ SECURE_SIZES
   assert float(metrics['bytes_communicated']) == expect
   with pytest.raises(ValueError):
-    fedmr.fedmr(K, secure_repeats=1, weighted_global=True)
+    fedmr.fedmr(contract.LOCAL, K, secure_repeats=1, weighted_global=True)
 
 
 def test_segments_need_a_layer_order():
   with pytest.raises(ValueError, match='layer_order'):
-    fedmr.fedmr(K, num_segments=2)
-  fedmr.fedmr(K, num_segments=1)
+    fedmr.fedmr(contract.LOCAL, K, num_segments=2)
+  fedmr.fedmr(contract.LOCAL, K, num_segments=1)
 
 
 @pytest.mark.parametrize(
@@ -492,14 +498,16 @@ def test_segments_need_a_layer_order():
   ],
 )
 def test_fedmr_meets_the_contract(options):
-  history = contract.check_server_transform(fedmr.fedmr(K, **options), K)
+  history = contract.check_server_side(
+    fedmr.fedmr(contract.LOCAL, K, **options), K
+  )
   assert set(history[0]) == {'pairwise_cosine', 'bytes_communicated'}
 
 
 def test_fedmr_segments_on_a_real_model_meet_the_contract():
-  server = fedmr.fedmr(3, num_segments=3, layer_order=BN_ORDER)
-  contract.check_server_transform(server, 3, BN_VARIABLES)
+  server = fedmr.fedmr(contract.LOCAL, 3, num_segments=3, layer_order=BN_ORDER)
+  contract.check_server_side(server, 3, BN_VARIABLES)
 
 
 def test_fedavg_meets_the_contract():
-  contract.check_server_transform(fedavg.fedavg(K), K)
+  contract.check_server_side(fedavg.fedavg(contract.LOCAL, K), K)

@@ -23,14 +23,19 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from fedjax_mr.core import errors
 from fedjax_mr.core import grouping as grouping_lib
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
+from fedjax_mr.training import client
 
 
 def beta_schedule(
@@ -159,6 +164,7 @@ class FedMutState(NamedTuple):
 
 
 def fedmut(
+  local: client.LocalTraining,
   num_models: int,
   alpha: float = 4.0,
   beta0: float = 0.3,
@@ -166,7 +172,7 @@ def fedmut(
   weighted: bool = False,
   *,
   grouping: grouping_lib.Grouping = 'leaf',
-) -> types.ServerTransform:
+) -> types.Algorithm:
   """Builds FedMut.
 
   `aggregate` only averages: the new state is (mean, old global). The
@@ -180,6 +186,7 @@ def fedmut(
   through their mean.
 
   Args:
+    local: how clients train; client k trains mutated model k.
     num_models: K, the clients per round.
     alpha: mutation range (paper: 4.0; 5.0 fails to converge).
     beta0: initial dynamic preference (paper: 0.3 for CNN and VGG-16, 0.5
@@ -190,7 +197,7 @@ def fedmut(
     grouping: 'leaf' (default, as the reference) or 'module'.
 
   Returns:
-    A `ServerTransform` whose state is a `FedMutState`. Metrics: 'delta_norm'
+    An `Algorithm` whose server state is a `FedMutState`. Metrics: 'delta_norm'
     (||w - w_prev|| of this round's aggregation) and 'beta' (beta_t of the
     mutation that follows), float32 scalars.
 
@@ -211,16 +218,19 @@ def fedmut(
       params=variables, prev_params=jax.tree.map(jnp.array, variables)
     )
 
-  def dispatch(state, round_index, key):
+  def dispatch(state, client_ids, round_index, key):
+    del client_ids
     beta = beta_schedule(jnp.maximum(round_index - 1, 0), beta0, bound)
-    return mutate(
-      key,
-      state.params,
-      state.prev_params,
-      num_models=k,
-      alpha=alpha,
-      beta=beta,
-      grouping=grouping,
+    return types.Dispatch(
+      per_client=mutate(
+        key,
+        state.params,
+        state.prev_params,
+        num_models=k,
+        alpha=alpha,
+        beta=beta,
+        grouping=grouping,
+      )
     )
 
   def advance(state, global_params, round_index):
@@ -234,14 +244,94 @@ def fedmut(
     metrics = {
       'delta_norm': jnp.sqrt(jnp.asarray(sq, jnp.float32)),
       'beta': beta_schedule(round_index, beta0, bound),
+      'bytes_communicated': jnp.float32(2 * k * tree.nbytes(global_params)),
     }
     return FedMutState(params=global_params, prev_params=state.params), metrics
 
-  def aggregate(state, outputs, round_index, key):
-    del key
+  def aggregate(state, outputs, client_ids, round_index, key):
+    del client_ids, key
     weights = outputs.num_examples if weighted else None
     return advance(
       state, tree.weighted_mean(outputs.variables, weights), round_index
     )
 
-  return types.ServerTransform(init, dispatch, aggregate)
+  return types.Algorithm(
+    init,
+    dispatch,
+    client.trains_per_client(client.make_local_update(local)),
+    aggregate,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Hparams:
+  """FedMut's hyper-parameters (flags `--fedmut_<field>`; the grouping is
+  FedMR's flag `--fedmr_grouping`)."""
+
+  alpha: float = dataclasses.field(
+    default=4.0,
+    metadata={'help': 'Mutation range alpha (paper: 4; 5 diverges).'},
+  )
+  beta0: float = dataclasses.field(
+    default=0.3,
+    metadata={
+      'help': 'Initial dynamic preference beta_0 (paper: 0.3 for CNN and '
+      'VGG-16, 0.5 for ResNet-18).'
+    },
+  )
+  bound: int = dataclasses.field(
+    default=50,
+    metadata={'help': 'Rounds T_b over which beta decays linearly to 0.'},
+  )
+  grouping: str = dataclasses.field(
+    default='leaf',
+    metadata={
+      'help': 'What one layer is: leaf (every tensor, params and BatchNorm '
+      "statistics, as the authors' code) or module (kernel and bias of one "
+      'module together).',
+      'choices': grouping_lib.GROUPINGS,
+      'flag': 'fedmr_grouping',
+    },
+  )
+
+  def validate(self, **setting) -> None:
+    """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
+    del setting
+    if not (self.alpha >= 0 and math.isfinite(self.alpha)):
+      raise errors.ArgumentError(
+        'alpha', f'must be finite and >= 0, got {self.alpha}'
+      )
+    if not 0 <= self.beta0 < 2:
+      raise errors.ArgumentError(
+        'beta0',
+        f'must be in [0, 2), got {self.beta0} (at 2 the negative '
+        'coefficients -1 + beta turn into +1)',
+      )
+    if self.bound < 0:
+      raise errors.ArgumentError('bound', f'must be >= 0, got {self.bound}')
+    if self.grouping not in grouping_lib.GROUPINGS:
+      raise errors.ArgumentError(
+        'grouping',
+        f'must be one of {", ".join(grouping_lib.GROUPINGS)}, got '
+        f'{self.grouping!r}',
+      )
+
+
+def build(setting: Any, hp: Hparams) -> types.Algorithm:
+  """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
+  hp.validate()
+  return fedmut(
+    setting.local,
+    setting.clients_per_round,
+    alpha=hp.alpha,
+    beta0=hp.beta0,
+    bound=hp.bound,
+    weighted=setting.weighted,
+    grouping=hp.grouping,
+  )
+
+
+# Named variants of `experiments.compare`: the alpha ablation.
+VARIANTS = {
+  f'fedmut_a{a:g}': {'fedmut_alpha': float(a)} for a in (0, 1, 2, 4, 5)
+}

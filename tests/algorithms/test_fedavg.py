@@ -4,11 +4,12 @@ import numpy as np
 import optax
 import pytest
 
+from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import types
-from fedjax_mr.server import fedavg
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
 from tests import helpers
+from tests.algorithms import contract
 
 
 @pytest.mark.parametrize('weighted', [True, False])
@@ -19,12 +20,10 @@ def test_one_round_equals_hand_computation(weighted):
   model = helpers.linear_model(num_classes=2, zero_init=True)
   data, (x, y, parts) = helpers.toy_data([1, 3], num_classes=2, seed=4)
   lr = 0.3
-  update = client.make_client_update(
-    model, optax.sgd(lr), local_epochs=1, batch_size=8
-  )
-  server = fedavg.fedavg(2, weighted=weighted)
-  round_fn = jax.jit(engine.make_round_fn(server, update, clients_per_round=2))
-  state = engine.init_state(server, model.init(jax.random.key(0)))
+  local = client.LocalTraining(model, optax.sgd(lr), 1, 8, lr)
+  algorithm = fedavg.fedavg(local, 2, weighted=weighted)
+  round_fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=2))
+  state = engine.init_state(algorithm, model.init(jax.random.key(0)))
   state, metrics = round_fn(state, data, jax.random.key(1))
 
   feats = x.reshape(len(x), -1) / 255.0
@@ -50,12 +49,14 @@ def test_one_round_equals_hand_computation(weighted):
   np.testing.assert_allclose(metrics['train_loss'], np.log(2), rtol=1e-6)
 
 
-def test_dispatch_broadcasts_and_state_exposes_params():
+def test_dispatch_shares_one_model_and_state_exposes_params():
   variables = {'params': {'w': jnp.arange(3.0)}}
-  server = fedavg.fedavg(4)
+  server = fedavg.fedavg(contract.LOCAL, 4)
   state = server.init(variables)
-  client_vars = server.dispatch(state, jnp.int32(0), jax.random.key(0))
-  assert client_vars['params']['w'].shape == (4, 3)
+  ids = jnp.arange(4, dtype=jnp.int32)
+  sent = server.dispatch(state, ids, jnp.int32(0), jax.random.key(0))
+  assert sent.per_client == ()
+  np.testing.assert_array_equal(sent.shared['params']['w'], [0, 1, 2])
   out = types.ClientOutput(
     variables={
       'params': {'w': jnp.array([[1.0] * 3, [2] * 3, [3] * 3, [4] * 3])}
@@ -64,6 +65,9 @@ def test_dispatch_broadcasts_and_state_exposes_params():
     loss=jnp.zeros(4),
     num_steps=jnp.ones(4, jnp.int32),
   )
-  new, metrics = server.aggregate(state, out, jnp.int32(0), jax.random.key(0))
+  new, metrics = server.aggregate(
+    state, out, ids, jnp.int32(0), jax.random.key(0)
+  )
   np.testing.assert_allclose(new.params['params']['w'], [26 / 8] * 3)
-  assert metrics == {}
+  # 4 models of 3 float32 down and up.
+  assert metrics == {'bytes_communicated': 2 * 4 * 3 * 4}

@@ -4,13 +4,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fedjax_mr.algorithms import fedavg
+from fedjax_mr.algorithms import fedmut
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
-from fedjax_mr.server import fedavg
-from fedjax_mr.server import fedmut
-from tests.server import contract
+from tests.algorithms import contract
 
 K = 4
+IDS = jnp.arange(K, dtype=jnp.int32)
 
 # Dyadic values: every sum below is exact in float32.
 GLOBAL = {
@@ -196,7 +197,9 @@ def test_beta_schedule():
 
 def test_alpha0_is_unweighted_fedavg():
   contract.assert_same_runs(
-    fedmut.fedmut(K, alpha=0.0), fedavg.fedavg(K, weighted=False)
+    fedmut.fedmut(contract.LOCAL, K, alpha=0.0),
+    fedavg.fedavg(contract.LOCAL, K, weighted=False),
+    K,
   )
 
 
@@ -207,17 +210,18 @@ def outputs_of(variables, num_examples=(1, 1, 1, 1)):
 
 
 def test_rounds_mutate_after_round0_with_the_schedule():
-  server = fedmut.fedmut(K, alpha=2.0, beta0=0.5, bound=4)
+  server = fedmut.fedmut(contract.LOCAL, K, alpha=2.0, beta0=0.5, bound=4)
   init = {'w': jnp.array([1.0, -1.0])}
   state = server.init(init)
   chex.assert_trees_all_equal(
-    server.dispatch(state, 0, jax.random.key(0)), tree.broadcast(init, K)
+    server.dispatch(state, IDS, 0, jax.random.key(0)).per_client,
+    tree.broadcast(init, K),
   )
   trained = {
     'w': jnp.array([[1.5, -1.0], [2.0, -0.5], [1.0, 0.0], [1.5, -0.5]])
   }
   state, metrics = server.aggregate(
-    state, outputs_of(trained), 0, jax.random.key(1)
+    state, outputs_of(trained), IDS, 0, jax.random.key(1)
   )
   # New global: mean (1.5, -0.5); previous: init; delta (0.5, 0.5).
   chex.assert_trees_all_equal(state.params, {'w': jnp.array([1.5, -0.5])})
@@ -225,26 +229,26 @@ def test_rounds_mutate_after_round0_with_the_schedule():
   np.testing.assert_allclose(metrics['delta_norm'], np.sqrt(0.5))
   np.testing.assert_allclose(metrics['beta'], 0.5)
   # Dispatch of round 1 uses beta_0 = 0.5: mean = w + 2 * 0.25 * delta.
-  out = server.dispatch(state, 1, jax.random.key(2))
+  out = server.dispatch(state, IDS, 1, jax.random.key(2)).per_client
   np.testing.assert_allclose(np.mean(out['w'], 0), [1.75, -0.25])
   np.testing.assert_allclose(np.sort(out['w'][:, 0]), [1.0, 1.0, 2.5, 2.5])
   # Global (2, -0.5) after round 1, delta (0.5, 0); round 2 uses
   # beta_1 = 0.375: coefficients {1, -0.625}.
   trained = tree.broadcast({'w': jnp.array([2.0, -0.5])}, K)
   state, metrics = server.aggregate(
-    state, outputs_of(trained), 1, jax.random.key(3)
+    state, outputs_of(trained), IDS, 1, jax.random.key(3)
   )
   np.testing.assert_allclose(metrics['beta'], 0.375)
-  out = server.dispatch(state, 2, jax.random.key(4))
+  out = server.dispatch(state, IDS, 2, jax.random.key(4)).per_client
   np.testing.assert_allclose(np.sort(out['w'][:, 0]), [1.375, 1.375, 3, 3])
   np.testing.assert_array_equal(out['w'][:, 1], -0.5)
 
 
 def test_aggregate_sees_only_the_mean():
-  server = fedmut.fedmut(K, alpha=2.0)
+  server = fedmut.fedmut(contract.LOCAL, K, alpha=2.0)
   state = server.init(jax.tree.map(lambda g: g - 1.0, GLOBAL))
   state, _ = server.aggregate(
-    state, outputs_of(tree.broadcast(PREV, K)), 0, jax.random.key(0)
+    state, outputs_of(tree.broadcast(PREV, K)), IDS, 0, jax.random.key(0)
   )
   base = jax.tree.map(
     lambda g, d: (
@@ -260,22 +264,24 @@ def test_aggregate_sees_only_the_mean():
     tree.weighted_mean(base), tree.weighted_mean(other)
   )
   key = jax.random.key(1)
-  a = server.aggregate(state, outputs_of(base), 1, key)
-  b = server.aggregate(state, outputs_of(other), 1, key)
+  a = server.aggregate(state, outputs_of(base), IDS, 1, key)
+  b = server.aggregate(state, outputs_of(other), IDS, 1, key)
   chex.assert_trees_all_equal(a, b)
   chex.assert_trees_all_equal(
-    server.dispatch(a[0], 2, key), server.dispatch(b[0], 2, key)
+    server.dispatch(a[0], IDS, 2, key).per_client,
+    server.dispatch(b[0], IDS, 2, key).per_client,
   )
   # Weighted: the same holds when rows move with their example counts.
-  weighted = fedmut.fedmut(K, weighted=True)
+  weighted = fedmut.fedmut(contract.LOCAL, K, weighted=True)
   counts = (1, 1, 2, 4)
   perm = jnp.array([3, 1, 0, 2])
-  a = weighted.aggregate(state, outputs_of(base, counts), 1, key)
+  a = weighted.aggregate(state, outputs_of(base, counts), IDS, 1, key)
   b = weighted.aggregate(
     state,
     outputs_of(
       jax.tree.map(lambda x: x[perm], base), np.array(counts)[np.array(perm)]
     ),
+    IDS,
     1,
     key,
   )
@@ -287,7 +293,7 @@ def test_aggregate_sees_only_the_mean():
   [(K, {}), (5, {'weighted': True, 'grouping': 'module', 'beta0': 0.5})],
 )
 def test_fedmut_meets_the_contract(num_models, options):
-  history = contract.check_server_transform(
-    fedmut.fedmut(num_models, **options), num_models
+  history = contract.check_server_side(
+    fedmut.fedmut(contract.LOCAL, num_models, **options), num_models
   )
-  assert set(history[0]) == {'delta_norm', 'beta'}
+  assert set(history[0]) == {'delta_norm', 'beta', 'bytes_communicated'}

@@ -32,7 +32,9 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -40,9 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fedjax_mr.core import errors
 from fedjax_mr.core import grouping as grouping_lib
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
+from fedjax_mr.training import client
 
 
 def _num_models(client_params: types.PyTree) -> int:
@@ -558,7 +562,7 @@ def expected_secure_bytes(
 
 
 # ---------------------------------------------------------------------------
-# The server transform.
+# The algorithm.
 
 
 class FedMRState(NamedTuple):
@@ -573,6 +577,7 @@ class FedMRState(NamedTuple):
 
 
 def fedmr(
+  local: client.LocalTraining,
   num_models: int,
   first_stage_bound: int = 0,
   grouping: grouping_lib.Grouping = 'leaf',
@@ -583,7 +588,7 @@ def fedmr(
   secure_min_sent: int = 1,
   secure_max_sent: int | None = None,
   layer_order: Sequence[str] | None = None,
-) -> types.ServerTransform:
+) -> types.Algorithm:
   """Builds FedMR.
 
   Round r (counted from 0): model i of `client_models` trains on the i-th
@@ -600,6 +605,8 @@ def fedmr(
   dispatched models have the same distribution either way.
 
   Args:
+    local: how clients train (model, optimizer, E, B); client k trains
+      model k of the dispatch's per-client part.
     num_models: K, the number of models, equal to the clients per round.
     first_stage_bound: rounds of the aggregation stage (0: recombine from
       round 0).
@@ -619,7 +626,7 @@ def fedmr(
       since jax re-sorts dict keys.
 
   Returns:
-    A `ServerTransform` whose state is a `FedMRState`. Metrics:
+    An `Algorithm` whose server state is a `FedMRState`. Metrics:
     'pairwise_cosine' (of the uploaded models) and 'bytes_communicated'
     (K models down, K up, plus secure recombination's client-to-client
     traffic), float32 scalars.
@@ -660,18 +667,15 @@ def fedmr(
       params=variables, client_models=tree.broadcast(variables, k)
     )
 
-  def dispatch(state, round_index, key):
-    del round_index, key
-    return state.client_models
+  def dispatch(state, client_ids, round_index, key):
+    del client_ids, round_index, key
+    return types.Dispatch(per_client=state.client_models)
 
-  def aggregate(state, outputs, round_index, key):
-    del state
+  def aggregate(state, outputs, client_ids, round_index, key):
+    del state, client_ids
     k_secure, k_mix = jax.random.split(key)
     uploaded = outputs.variables
-    model_bytes = sum(
-      int(np.prod(x.shape[1:], dtype=np.int64)) * x.dtype.itemsize
-      for x in jax.tree.leaves(uploaded)
-    )
+    model_bytes = tree.nbytes(outputs.variables) // k
     client_bytes = jnp.zeros((), jnp.float32)
     if repeats:
       layers = secure_layers(uploaded, grouping)
@@ -716,4 +720,165 @@ def fedmr(
     }
     return FedMRState(global_params, client_models), metrics
 
-  return types.ServerTransform(init, dispatch, aggregate)
+  return types.Algorithm(
+    init,
+    dispatch,
+    client.trains_per_client(client.make_local_update(local)),
+    aggregate,
+  )
+
+
+# ---------------------------------------------------------------------------
+# Hyper-parameters (flags --fedmr_<field>) and the registry's factories.
+
+
+def _flag(default, help_text, **more):
+  return dataclasses.field(
+    default=default, metadata={'help': help_text, **more}
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Hparams:
+  """FedMR's and Indep's hyper-parameters (flags `--fedmr_<field>`)."""
+
+  first_stage: int = _flag(
+    0,
+    'Rounds of the first (FedAvg) stage of two-stage training; '
+    'recombination starts after them (papers: 0 for the CNN, 100 for '
+    'ResNet-20 and VGG-16).',
+  )
+  grouping: str = _flag(
+    'leaf',
+    'What one layer is: leaf (every tensor, params and BatchNorm '
+    "statistics, as the authors' code) or module (kernel and bias of one "
+    'module together).',
+    choices=grouping_lib.GROUPINGS,
+  )
+  secure_repeats: int = _flag(
+    0,
+    'Repeats r_s of the client-to-client secure recombination before '
+    'upload (0: none).',
+  )
+  secure_min_sent: int = _flag(
+    1,
+    'Secure recombination: least number of layers a client sends per '
+    'repeat (n_l).',
+  )
+  secure_max_sent: int = _flag(
+    0,
+    'Secure recombination: most layers a client sends per repeat (n_u); '
+    '0: all layers.',
+  )
+
+  def validate(
+    self, *, clients_per_round=None, weighted=None, **setting
+  ) -> None:
+    """Raises `ArgumentError` naming a bad field or setting."""
+    del setting
+    for name in (
+      'first_stage',
+      'secure_repeats',
+      'secure_min_sent',
+      'secure_max_sent',
+    ):
+      if getattr(self, name) < 0:
+        raise errors.ArgumentError(
+          name, f'must be >= 0, got {getattr(self, name)}'
+        )
+    if self.grouping not in grouping_lib.GROUPINGS:
+      raise errors.ArgumentError(
+        'grouping',
+        f'must be one of {", ".join(grouping_lib.GROUPINGS)}, got '
+        f'{self.grouping!r}',
+      )
+    if self.secure_repeats:
+      if weighted:
+        raise errors.ArgumentError(
+          'weighted',
+          'by examples is not available with secure recombination: after '
+          'it the server cannot tell which client a layer came from',
+        )
+      if clients_per_round is not None and clients_per_round < 2:
+        raise errors.ArgumentError(
+          'clients_per_round',
+          f'must be >= 2 for secure recombination, got {clients_per_round}',
+        )
+      hi = self.secure_max_sent
+      if hi and self.secure_min_sent > hi:
+        raise errors.ArgumentError(
+          'secure_min_sent',
+          f'must not exceed secure_max_sent={hi}, got {self.secure_min_sent}',
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class PHparams(Hparams):
+  """FedMR-p: FedMR's hyper-parameters and the number of segments."""
+
+  segments: int = _flag(
+    2,
+    'FedMR-p: number of contiguous segments of layers (in model order) '
+    'recombined as units; >= 2 (1 is --algorithm=indep).',
+  )
+
+  def validate(self, **setting) -> None:
+    super().validate(**setting)
+    if self.segments < 2:
+      raise errors.ArgumentError(
+        'segments',
+        f'must be >= 2 for FedMR-p, got {self.segments} (one segment is '
+        'Indep: --algorithm=indep)',
+      )
+
+
+def _build(setting: Any, hp: Hparams, num_segments: int | None):
+  k = setting.clients_per_round
+  hp.validate(clients_per_round=k, weighted=setting.weighted)
+  repeats = hp.secure_repeats
+  max_sent = hp.secure_max_sent or None
+  if repeats:
+    num_layers = len(secure_layers(setting.variables, hp.grouping))
+    hi = max_sent or num_layers
+    if not hp.secure_min_sent <= hi <= num_layers:
+      raise errors.ArgumentError(
+        'secure_max_sent',
+        f'(n_u = {hi}) and secure_min_sent (n_l = {hp.secure_min_sent}) '
+        f'must satisfy n_l <= n_u <= {num_layers}, the number of layers of '
+        f'the model with grouping {hp.grouping}',
+      )
+  return fedmr(
+    setting.local,
+    k,
+    first_stage_bound=hp.first_stage,
+    grouping=hp.grouping,
+    num_segments=num_segments,
+    secure_repeats=repeats,
+    weighted_global=setting.weighted,
+    secure_min_sent=hp.secure_min_sent,
+    secure_max_sent=max_sent,
+    layer_order=grouping_lib.model_order(setting.variables),
+  )
+
+
+def build(setting: Any, hp: Hparams) -> types.Algorithm:
+  """FedMR for the registry: one permutation per layer."""
+  return _build(setting, hp, None)
+
+
+def build_p(setting: Any, hp: PHparams) -> types.Algorithm:
+  """FedMR-p for the registry: `hp.segments` contiguous segments."""
+  return _build(setting, hp, hp.segments)
+
+
+def build_indep(setting: Any, hp: Hparams) -> types.Algorithm:
+  """Indep for the registry: whole models re-dispatched, never mixed."""
+  return _build(setting, hp, 1)
+
+
+# Named variants of `experiments.compare` (config overrides).
+VARIANTS = {
+  'fedmr_2stage20': {'fedmr_first_stage': 20},
+  'fedmr_secure': {'fedmr_secure_repeats': 2},
+}
+P_VARIANTS = {'fedmr_p2': {'fedmr_segments': 2}}

@@ -1,0 +1,10 @@
+"""Federated algorithms, one module per algorithm, both sides (server and
+client): `fedavg`, `fedprox`, `scaffold`, `fedmr` (FedMR, FedMR-p, Indep),
+`fedmut`; `registry` lists them for the experiment programs."""
+
+from fedjax_mr.algorithms import fedavg as fedavg
+from fedjax_mr.algorithms import fedmr as fedmr
+from fedjax_mr.algorithms import fedmut as fedmut
+from fedjax_mr.algorithms import fedprox as fedprox
+from fedjax_mr.algorithms import registry as registry
+from fedjax_mr.algorithms import scaffold as scaffold

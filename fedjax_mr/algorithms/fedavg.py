@@ -1,0 +1,94 @@
+"""FedAvg: clients train the global model; the server averages them.
+
+References:
+  McMahan et al., "Communication-Efficient Learning of Deep Networks from
+  Decentralized Data", AISTATS 2017.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+from fedjax_mr.core import tree
+from fedjax_mr.core import types
+from fedjax_mr.training import client
+
+
+class FedAvgState(NamedTuple):
+  """Attributes: params: the global model variables (params and BatchNorm
+  statistics alike)."""
+
+  params: types.Variables
+
+
+@dataclasses.dataclass(frozen=True)
+class Hparams:
+  """FedAvg has no hyper-parameters of its own."""
+
+  def validate(self, **setting) -> None:
+    del setting
+
+
+def server_aggregate(
+  outputs: types.ClientOutput, weighted: bool
+) -> types.Variables:
+  """The (example-weighted or plain) mean of the K uploaded models."""
+  weights = outputs.num_examples if weighted else None
+  return tree.weighted_mean(outputs.variables, weights)
+
+
+def round_bytes(variables: types.Variables, k: int) -> Any:
+  """K models down and K up, as a float32 scalar."""
+  return jnp.float32(2 * k * tree.nbytes(variables))
+
+
+def fedavg(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  weighted: bool = True,
+) -> types.Algorithm:
+  """Builds FedAvg.
+
+  Args:
+    local: how clients train (model, optimizer, E, B).
+    clients_per_round: K.
+    weighted: weight each client by its number of examples (McMahan et al.);
+      False gives the unweighted mean of the K models (as FedMR/FedMut's
+      reference code does for its global model).
+
+  Returns:
+    An `Algorithm` whose server state is a `FedAvgState`; the global model
+    is sent once as the dispatch's shared part. Metrics:
+    'bytes_communicated'.
+  """
+  k = int(clients_per_round)
+  if k < 1:
+    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  update = client.make_local_update(local)
+
+  def init(variables):
+    return FedAvgState(params=variables)
+
+  def dispatch(state, client_ids, round_index, key):
+    del client_ids, round_index, key
+    return types.Dispatch(shared=state.params)
+
+  def aggregate(state, outputs, client_ids, round_index, key):
+    del client_ids, round_index, key
+    return FedAvgState(params=server_aggregate(outputs, weighted)), {
+      'bytes_communicated': round_bytes(state.params, k)
+    }
+
+  return types.Algorithm(
+    init, dispatch, client.trains_shared(update), aggregate
+  )
+
+
+def build(setting: Any, hp: Hparams) -> types.Algorithm:
+  """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
+  del hp
+  return fedavg(setting.local, setting.clients_per_round, setting.weighted)
