@@ -151,7 +151,7 @@ def test_weighting_auto_follows_the_papers(small_config):
         'fedmr_secure_repeats': 1,
         'weighting': 'examples',
       },
-      '--weighting=examples is not available',
+      '--weighting by examples is not available',
     ),
     (
       {
@@ -160,7 +160,7 @@ def test_weighting_auto_follows_the_papers(small_config):
         'fedmr_secure_min_sent': 3,
         'fedmr_secure_max_sent': 2,
       },
-      '--fedmr_secure_min_sent=3 exceeds',
+      '--fedmr_secure_min_sent must not exceed secure_max_sent=2, got 3',
     ),
     (
       {
@@ -168,7 +168,8 @@ def test_weighting_auto_follows_the_papers(small_config):
         'fedmr_secure_repeats': 1,
         'fedmr_secure_max_sent': 99,
       },
-      'the number of layers of --model=cnn_mnist',
+      '--fedmr_secure_max_sent (n_u = 99) and secure_min_sent (n_l = 1) '
+      'must satisfy n_l <= n_u <= 8, the number of layers',
     ),
     ({'algorithm': 'fedmut', 'fedmut_beta0': 2.0}, '--fedmut_beta0'),
     ({'algorithm': 'fedmut', 'fedmut_alpha': -1.0}, '--fedmut_alpha'),
