@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import experiment
@@ -350,5 +351,10 @@ def test_binary_bad_input_is_one_clear_line(tmp_path, args, expected):
 def test_binary_helpfull_documents_every_flag():
   proc = _binary(['--helpfull'])
   out, _ = proc.communicate(timeout=120)
-  for f in dataclasses.fields(config_lib.ExperimentConfig):
-    assert f'--{f.name}' in out or f'--[no]{f.name}' in out, f.name
+  names = [f.name for f in config_lib.base_fields()]
+  names += list(registry.all_flags())  # fedprox_mu, scaffold_global_lr, ...
+  assert 'fedprox_mu' in names and 'options' not in names
+  for name in names:
+    assert f'--{name}' in out or f'--[no]{name}' in out, name
+  for algorithm in registry.REGISTRY:
+    assert algorithm in out
