@@ -66,7 +66,7 @@ def _setup(sizes):
   model = model_lib.get(FLAGS.model, ds.num_classes, ds.input_shape)
   opt = optax.sgd(0.01, momentum=0.9)
   local = client.LocalTraining(
-    model, opt, FLAGS.local_epochs, FLAGS.batch_size, 0.01
+    model, opt, FLAGS.local_epochs, FLAGS.batch_size, 0.01, 0.9
   )
   variables = model.init(jax.random.key(0))
   n = FLAGS.num_clients

@@ -71,6 +71,8 @@ class LocalTraining(NamedTuple):
     batch_size: B.
     learning_rate: the optimizer's (constant) learning rate, for rules
       that need it (SCAFFOLD's control update).
+    momentum: the optimizer's heavy-ball momentum (0 for plain SGD), for
+      the same rules; it must match `optimizer`.
   """
 
   model: model_lib.Model
@@ -78,6 +80,7 @@ class LocalTraining(NamedTuple):
   local_epochs: int
   batch_size: int
   learning_rate: float
+  momentum: float = 0.0
 
 
 class Batch(NamedTuple):

@@ -88,6 +88,7 @@ def build_algorithm(
     config.local_epochs,
     config.batch_size,
     config.lr,
+    config.momentum,
   )
   setting = registry.Setting(
     local=local,

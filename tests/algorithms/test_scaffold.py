@@ -30,8 +30,10 @@ def _softmax_grads(w, b, feats, labels):
   return feats.T @ resid / len(labels), resid.mean(0)
 
 
-def _reference(w, b, feats, y, parts, lr, epochs, eta_g):
-  """SCAFFOLD option II in plain NumPy (full-batch local steps)."""
+def _reference(w, b, feats, y, parts, lr, epochs, eta_g, beta, divisor):
+  """SCAFFOLD option II in plain NumPy (full-batch local steps, heavy-ball
+  momentum `beta` with a fresh buffer per client and round; the control
+  update divides x - y by lr * divisor)."""
   n = len(parts)
   c = [np.zeros_like(w), np.zeros_like(b)]
   c_i = [[np.zeros_like(w), np.zeros_like(b)] for _ in range(n)]
@@ -39,13 +41,15 @@ def _reference(w, b, feats, y, parts, lr, epochs, eta_g):
     dys, dcs = [], []
     for i in ids:
       yw, yb = w.copy(), b.copy()
+      vw, vb = np.zeros_like(w), np.zeros_like(b)
       for _ in range(epochs):  # one full batch per epoch
         gw, gb = _softmax_grads(yw, yb, feats[parts[i]], y[parts[i]])
-        yw = yw - lr * (gw - c_i[i][0] + c[0])
-        yb = yb - lr * (gb - c_i[i][1] + c[1])
+        vw = beta * vw + (gw - c_i[i][0] + c[0])
+        vb = beta * vb + (gb - c_i[i][1] + c[1])
+        yw, yb = yw - lr * vw, yb - lr * vb
       new = [
-        c_i[i][0] - c[0] + (w - yw) / (epochs * lr),
-        c_i[i][1] - c[1] + (b - yb) / (epochs * lr),
+        c_i[i][0] - c[0] + (w - yw) / (divisor * lr),
+        c_i[i][1] - c[1] + (b - yb) / (divisor * lr),
       ]
       dys.append((yw - w, yb - b))
       dcs.append((new[0] - c_i[i][0], new[1] - c_i[i][1]))
@@ -56,16 +60,25 @@ def _reference(w, b, feats, y, parts, lr, epochs, eta_g):
   return w, b, c, c_i
 
 
-def test_two_rounds_equal_a_plain_python_reference():
+# (momentum, control_steps, divisor of lr in the control update for 3
+# steps): at momentum 0 both choices are the paper's steps_i = 3; with
+# momentum 0.5 'effective' is S(3) = 1 + 1.5 + 1.75 = 4.25.
+CASES = [(0.0, 'effective', 3), (0.0, 'taken', 3), (0.5, 'effective', 4.25),
+         (0.5, 'taken', 3)]  # fmt: skip
+
+
+@pytest.mark.parametrize('beta,steps,divisor', CASES)
+def test_two_rounds_equal_a_plain_python_reference(beta, steps, divisor):
   model = helpers.linear_model(num_classes=3)
   data, (x, y, parts) = helpers.toy_data(SIZES, num_classes=3, seed=5)
   lr, epochs, eta_g = 0.5, 3, 0.7
   # Batch 8 >= every client: one full batch per epoch, so the order of the
   # examples does not matter and steps_i = epochs.
-  local = client.LocalTraining(model, optax.sgd(lr), epochs, 8, lr)
-  algorithm = scaffold.scaffold(local, 2, 3, global_lr=eta_g)._replace(
-    sampler=_scheduled
-  )
+  opt = optax.sgd(lr, momentum=beta or None)
+  local = client.LocalTraining(model, opt, epochs, 8, lr, beta)
+  algorithm = scaffold.scaffold(
+    local, 2, 3, global_lr=eta_g, control_steps=steps
+  )._replace(sampler=_scheduled)
   variables = model.init(jax.random.key(0))
   state = engine.init_state(algorithm, variables, 3)
   fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=2))
@@ -82,6 +95,8 @@ def test_two_rounds_equal_a_plain_python_reference():
     lr,
     epochs,
     eta_g,
+    beta,
+    divisor,
   )
   got = state.server.params['params']['Dense_0']
   np.testing.assert_allclose(got['kernel'], w, rtol=1e-5, atol=1e-6)
@@ -100,6 +115,20 @@ def test_two_rounds_equal_a_plain_python_reference():
   )
   # x and c down, y and dc up, for K = 2 clients: 4 model-sized tensors each.
   assert float(metrics['bytes_communicated']) == 2 * 2 * 2 * (4 * 3 + 3) * 4
+
+
+@pytest.mark.parametrize('beta', [0.0, 0.5, 0.9, 0.99])
+def test_effective_steps_is_the_distance_momentum_travels(beta):
+  """n heavy-ball steps on a constant gradient move as far as S(n) plain
+  steps."""
+  for n in [1, 2, 7, 60]:
+    v = w = 0.0
+    for _ in range(n):
+      v = beta * v + 1.0
+      w -= v
+    got = float(scaffold.effective_steps(jnp.int32(n), beta))
+    assert got == pytest.approx(-w, rel=1e-5), n
+  assert float(scaffold.effective_steps(jnp.int32(7), 0.0)) == 7
 
 
 def test_zero_controls_first_round_is_plain_local_sgd():
