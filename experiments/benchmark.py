@@ -9,16 +9,23 @@ For one setting it prints: compile time; steady-state seconds per round
 centralised training of the same model on the same number of sample-steps
 and batch size, as one jitted loop in this process with the same fast
 layers; the ratio round/limit; samples/s; achieved GFLOP/s; the server-side
-share of a round; and peak memory. Every timed round is followed by the
-limit at exactly that round's number of steps (with Dirichlet sizes every
-round runs a different number), and with several device settings the
-rounds of each setting alternate, so ratios and speed-ups compare runs made
-seconds apart. The last line is `round/limit ratio: X.XX` for the first
-setting.
+share of a round; peak memory; and, with PyTorch installed (the `bench`
+extra), the round time of a plain PyTorch FedAvg loop on the same clients
+(`experiments.torch_reference`: same model, batches, epochs and step
+counts, --threads threads). Every timed round is followed by the limit at
+exactly that round's number of steps (with Dirichlet sizes every round runs
+a different number) and by the PyTorch round, and with several device
+settings the rounds of each setting alternate, so ratios and speed-ups
+compare runs made seconds apart. Then the float32 and bfloat16 matmul peak
+of device 0 (large jitted products, measured in the same process) and the
+first setting's fraction of the float32 peak. The last lines are
+`round/pytorch ratio: X.XX` (with PyTorch) and `round/limit ratio: X.XX`
+for the first setting.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import statistics
@@ -42,6 +49,21 @@ flags.DEFINE_integer('host_devices', 0, 'XLA host devices (0: auto).')
 flags.DEFINE_integer('rounds', 5, 'Timed rounds (after one warm-up).')
 flags.DEFINE_bool(
   'matrix', False, '1 and all devices × equal and Dirichlet sizes.'
+)
+flags.DEFINE_bool(
+  'pytorch',
+  True,
+  'Also time a plain PyTorch FedAvg loop on the same clients '
+  '(experiments.torch_reference; needs the bench extra, skipped without it).',
+)
+flags.DEFINE_bool(
+  'limit',
+  True,
+  'Time the limit (centralised training of the same steps, one jitted '
+  'loop); off for large K on accelerators, where it is sequential.',
+)
+flags.DEFINE_integer(
+  'threads', 0, 'PyTorch intra-op threads on the CPU (0: all cores).'
 )
 FLAGS = flags.FLAGS
 
@@ -84,7 +106,7 @@ def _setup(sizes):
     k: client_data.from_partition(ds.x_train, ds.y_train, p, ds.scale, ds.shift)
     for k, p in parts.items()
   }
-  return ds, model, opt, local, variables, data
+  return ds, model, opt, local, variables, data, parts
 
 
 def _limit_fn(model, opt, variables, data, b):
@@ -151,6 +173,65 @@ def _limit_fn(model, opt, variables, data, b):
     cost = cost[0]
   flops = float(cost.get('flops', 0.0)) if cost else 0.0
   return run, flops
+
+
+def _peak_gflops(dtype_name):
+  """GFLOP/s of a large square matmul in `dtype_name` on device 0, jitted,
+  default precision (as the models compute): the machine's arithmetic peak
+  as this process can reach it."""
+  import jax
+  import jax.numpy as jnp
+
+  gpu = jax.devices()[0].platform != 'cpu'
+  n = 8192 if gpu else 2048
+  dtype = jnp.dtype(dtype_name)
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+  f = jax.jit(lambda a, b: a @ b)
+  _block(f(a, b))
+  reps = 20 if gpu else 5
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    _block(f(a, b))
+    times.append(time.perf_counter() - t)
+  return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def _torch_loop(ds, parts, sizes, variables):
+  """The plain PyTorch loop on the same data, or None without PyTorch."""
+  import jax
+
+  try:
+    from experiments import torch_reference
+  except ImportError:
+    return None
+  if FLAGS.model not in torch_reference.MODELS:
+    return None
+  gpu = jax.devices()[0].platform != 'cpu'
+  loop = torch_reference.FedAvgLoop(
+    FLAGS.model,
+    ds.x_train,
+    ds.y_train,
+    parts[sizes],
+    ds.scale,
+    ds.shift,
+    ds.num_classes,
+    FLAGS.local_epochs,
+    FLAGS.batch_size,
+    0.01,
+    0.9,
+    'cuda' if gpu else 'cpu',
+    FLAGS.threads or os.cpu_count(),
+  )
+  ours = sum(v.size for v in jax.tree.leaves(variables['params']))
+  theirs = torch_reference.num_parameters(loop.model)
+  if ours != theirs:
+    raise RuntimeError(
+      f'the PyTorch {FLAGS.model} has {theirs} parameters, ours {ours}'
+    )
+  return loop
 
 
 def _prepare(setting, devices, local, variables, data):
@@ -220,12 +301,16 @@ def _prepare(setting, devices, local, variables, data):
   }
 
 
-def _bench_sizes(sizes, devs, model, opt, local, variables, data):
+def _bench_sizes(
+  sizes, devs, model, opt, local, variables, data, torch_loop=None
+):
   """Times the settings of one client-size kind, interleaved.
 
   After one warm-up round each, every timed round runs once per device
   setting (the same clients: same key, same round index), followed by the
-  limit at exactly that round's number of steps. Each round/limit ratio and
+  limit at exactly that round's number of steps and, with `torch_loop`, a
+  plain PyTorch FedAvg round on the same clients (checked to take the
+  same number of steps). Each round/limit ratio and
   each device speed-up is taken between runs seconds apart, so drifts in
   the machine's speed (large on shared 2-core machines) cancel.
   """
@@ -235,7 +320,11 @@ def _bench_sizes(sizes, devs, model, opt, local, variables, data):
   for r in runs:  # warm-up
     r['state'], m = r['step'](r['state'])
     _block(r['state'])
-  limit(int(m['num_steps']), _key(0))
+  if FLAGS.limit:
+    limit(int(m['num_steps']), _key(0))
+  if torch_loop is not None:
+    torch_loop.round(m['client_ids'].tolist())  # warm-up
+  torch_times = []
   for i in range(FLAGS.rounds):
     for r in runs:
       t = time.perf_counter()
@@ -249,10 +338,18 @@ def _bench_sizes(sizes, devs, model, opt, local, variables, data):
     if len(steps) != 1:
       raise RuntimeError(f'device settings ran different steps: {steps}')
     t = time.perf_counter()
-    limit(steps.pop(), _key(i + 1))
-    lim = time.perf_counter() - t
+    if FLAGS.limit:
+      limit(steps.pop(), _key(i + 1))
+    lim = time.perf_counter() - t if FLAGS.limit else math.nan
     for r in runs:
       r['limits'].append(lim)
+    if torch_loop is not None:
+      pt_s, pt_steps = torch_loop.round(m['client_ids'].tolist())
+      if pt_steps != runs[-1]['steps'][-1]:
+        raise RuntimeError(
+          f'PyTorch took {pt_steps} steps, fedjax_mr {runs[-1]["steps"][-1]}'
+        )
+      torch_times.append(pt_s)
   out = []
   for r in runs:
     times, steps = r['times'], r['steps']
@@ -278,6 +375,12 @@ def _bench_sizes(sizes, devs, model, opt, local, variables, data):
         ),
         'server_pct': 100 * r['server_s'] / round_s,
         'balance': statistics.median(r['balance']),
+        'pytorch_s': statistics.median(torch_times) if torch_times else None,
+        'pytorch_ratio': statistics.median(
+          [t / p for t, p in zip(times, torch_times)]
+        )
+        if torch_times
+        else None,
       }
     )
   return out
@@ -344,7 +447,7 @@ def main(argv):
         f'--devices={dev}: need a divisor of K={k} and at most {n_dev}'
       )
   try:
-    ds, model, opt, local, variables, data = _setup({s for s, _ in runs})
+    ds, model, opt, local, variables, data, parts = _setup({s for s, _ in runs})
   except errors.UserError as e:
     raise app.UsageError(str(e)) from None
   print(
@@ -357,8 +460,11 @@ def main(argv):
     devs = [dev for s, dev in runs if s == sizes]
     if not devs:
       continue
+    loop = _torch_loop(ds, parts, sizes, variables) if FLAGS.pytorch else None
+    if FLAGS.pytorch and loop is None and sizes == runs[0][0]:
+      print('PyTorch reference: not installed (pip install -e .[bench])')
     for r in _bench_sizes(
-      sizes, devs, model, opt, local, variables, data[sizes]
+      sizes, devs, model, opt, local, variables, data[sizes], loop
     ):
       results.append(r)
       print(
@@ -368,6 +474,12 @@ def main(argv):
         f'round/limit {r["ratio"]:.3f} | {r["samples_per_s"]:.0f} samples/s '
         f'| {r["gflops"]:.1f} GFLOP/s | server {r["server_pct"]:.3f}% of '
         'round'
+        + (
+          f' | pytorch {r["pytorch_s"]:.3f}s, round/pytorch '
+          f'{r["pytorch_ratio"]:.3f}'
+          if r['pytorch_s'] is not None
+          else ''
+        )
       )
   first_ratio = results[0]['ratio']
   by = {(r['setting'], r['devices']): r for r in results}
@@ -384,6 +496,15 @@ def main(argv):
         f'(clients dealt to devices allow at most {bound:.2f}x)'
       )
   print(_memory_line())
+  peak32 = _peak_gflops('float32')
+  peak16 = _peak_gflops('bfloat16')
+  print(
+    f'matmul peak: float32 {peak32:.1f} GFLOP/s, bfloat16 {peak16:.1f} '
+    f'GFLOP/s (default precision, device 0); the first setting reaches '
+    f'{100 * results[0]["gflops"] / peak32:.1f}% of the float32 peak'
+  )
+  if results[0]['pytorch_ratio'] is not None:
+    print(f'round/pytorch ratio: {results[0]["pytorch_ratio"]:.2f}')
   print(f'round/limit ratio: {first_ratio:.2f}')
 
 

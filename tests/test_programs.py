@@ -23,6 +23,13 @@ def test_benchmark_prints_its_figures(small_fmnist_dir):
   assert re.search(r'round/limit [\d.]+ \| \d+ samples/s', out)
   assert re.search(r'server [\d.]+% of round', out)
   assert 'peak host memory' in out
+  assert re.search(r'reaches \d+\.\d% of the float32 peak', out)
+  try:
+    import torch  # noqa: F401
+  except ImportError:
+    assert 'PyTorch reference: not installed' in out
+  else:
+    assert re.search(r'^round/pytorch ratio: \d+\.\d\d$', out, re.M)
   assert re.search(r'^round/limit ratio: \d+\.\d\d$', out, re.M)
 
 
