@@ -62,7 +62,7 @@ class Entry(NamedTuple):
 REGISTRY: dict[str, Entry] = {
   'fedavg': Entry(fedavg.Hparams, fedavg.build),
   'fedprox': Entry(fedprox.Hparams, fedprox.build),
-  'scaffold': Entry(scaffold.Hparams, scaffold.build, 'uniform'),
+  'scaffold': Entry(scaffold.Hparams, scaffold.build, 'uniform', False, '', scaffold.VARIANTS),  # noqa: E501
   'fedmr': Entry(fedmr.Hparams, fedmr.build, 'uniform', True, '', fedmr.VARIANTS),  # noqa: E501
   'fedmr_p': Entry(fedmr.PHparams, fedmr.build_p, 'uniform', True, 'fedmr', fedmr.P_VARIANTS),  # noqa: E501
   'indep': Entry(fedmr.Hparams, fedmr.build_indep, 'uniform', True, 'fedmr'),

@@ -59,6 +59,8 @@ from fedjax_mr.training import client
 
 CONTROL_DTYPES = ('float32', 'bfloat16')
 CONTROL_STEPS = ('effective', 'taken')
+# experiments.compare's named variant of the literal formula.
+VARIANTS = {'scaffold_taken': {'scaffold_control_steps': 'taken'}}
 
 
 class ScaffoldState(NamedTuple):

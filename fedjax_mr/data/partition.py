@@ -9,6 +9,7 @@ References:
 from __future__ import annotations
 
 import json
+import os
 from typing import Sequence
 
 import numpy as np
@@ -132,5 +133,8 @@ def summary(
 
 
 def save_summary(path: str, summary_dict: dict) -> None:
-  with open(path, 'w') as f:
+  """Writes the summary as JSON, atomically (temporary file, rename)."""
+  tmp = f'{path}.tmp.{os.getpid()}'
+  with open(tmp, 'w') as f:
     json.dump(summary_dict, f)
+  os.replace(tmp, path)

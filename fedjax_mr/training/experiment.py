@@ -253,7 +253,9 @@ def train_and_evaluate(
   config_lib.validate(config)
   workdir = workdir or config.workdir or config.default_workdir()
   config_path = os.path.join(workdir, CONFIG_FILE)
-  if os.path.exists(config_path):  # refuse another run's workdir first
+  # Refuse another run's workdir before loading anything (the primary
+  # process only, see `run`).
+  if distributed.is_primary() and os.path.exists(config_path):
     config_lib.check_resumable(config, config_path)
   return run(setup(config), workdir, log=log, on_round=on_round)
 
@@ -289,12 +291,13 @@ def run(
   if not primary:
     log = _quiet
   config_path = os.path.join(workdir, CONFIG_FILE)
-  if os.path.exists(config_path):
+  # Only the primary process reads and writes config.json: the others
+  # could find the file the primary has just written for this very run.
+  if primary and os.path.exists(config_path):
     config_lib.check_resumable(config, config_path)
   os.makedirs(workdir, exist_ok=True)
   if primary:
-    with open(config_path, 'w') as f:
-      json.dump(config.to_dict(), f, indent=2)
+    metrics_io.write_json(config_path, config.to_dict(), indent=2)
     if experiment.partition is not None:
       partition_lib.save_summary(
         os.path.join(workdir, PARTITION_FILE), experiment.partition

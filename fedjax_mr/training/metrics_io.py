@@ -17,6 +17,21 @@ def read(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def write_json(path: str, obj: Any, **dump_kwargs: Any) -> None:
+  """Writes `obj` as JSON atomically: a reader (another process of the same
+  run, a resumed run) sees the old file or the whole new one, never part."""
+  tmp = f'{path}.tmp.{os.getpid()}'
+  try:
+    with open(tmp, 'w') as f:
+      json.dump(obj, f, **dump_kwargs)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
 def append(path: str, row: Mapping[str, Any]) -> None:
   """Appends one row and flushes it to disk."""
   with open(path, 'a') as f:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from fedjax_mr.training import distributed
 from fedjax_mr.training import metrics_io
@@ -65,7 +66,20 @@ def test_two_processes_equal_one(small_fmnist_dir, tmp_path):
     )
     for i in range(2)
   ]
-  outs = [p.communicate(timeout=300) for p in procs]
+  try:
+    outs = [p.communicate(timeout=300) for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    report = [p.communicate() for p in procs]
+    pytest.fail(
+      'the two processes did not finish in 300 s:\n'
+      + '\n'.join(
+        f'process {i}: rc {p.returncode}\nstdout: {o[-2000:]}\n'
+        f'stderr: {e[-4000:]}'
+        for i, (p, (o, e)) in enumerate(zip(procs, report))
+      )
+    )
   for p, (out, err) in zip(procs, outs):
     assert p.returncode == 0, err
   assert '2 cpu device(s) in 2 process(es)' in outs[0][0]
