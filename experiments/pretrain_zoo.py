@@ -37,12 +37,16 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Split, initialisation, shuffling.')
 _OUT = flags.DEFINE_string('out', 'runs/pool', 'Pool folder.')
 
 
+_LOCKS = []
+
+
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
   logging.set_verbosity(logging.WARNING)  # orbax logs every save
   from fedjax_mr import models
   from fedjax_mr.core import errors
+  from fedjax_mr.core import workdir as workdir_lib
   from fedjax_mr.data import datasets
   from fedjax_mr.stitch import pool
 
@@ -55,11 +59,13 @@ def main(argv) -> None:
         f'--models: unknown {", ".join(unknown)}; choose from '
         f'{", ".join(models.NAMES)}'
       )
+    workdir_lib.check_free(_OUT.value, '--out')
     ds = datasets.load(_DATASET.value, _DATA_DIR.value)
     public, _ = pool.split_public(
       len(ds.y_train), _PUBLIC_SIZE.value, _SEED.value
     )
-    os.makedirs(_OUT.value, exist_ok=True)
+    # Held until the process ends: one writer per pool folder.
+    _LOCKS.append(workdir_lib.acquire(_OUT.value, '--out'))
     split_path = os.path.join(_OUT.value, 'public.json')
     split = {
       'dataset': ds.name,

@@ -151,6 +151,9 @@ def _print_round(state) -> None:
       )
 
 
+_LOCKS = []
+
+
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
@@ -168,6 +171,7 @@ def _main(stitch, errors) -> None:
   import jax.numpy as jnp
   import numpy as np
 
+  from fedjax_mr.core import workdir as workdir_lib
   from fedjax_mr.data import datasets
   from fedjax_mr.data import partition
   from fedjax_mr.stitch import federated
@@ -186,6 +190,7 @@ def _main(stitch, errors) -> None:
         simulation.assign_profiles(mix, _NUM_CLIENTS.value, _SEED.value)
     except ValueError as e:
       raise errors.ConfigError(f'--energy_mix={mix!r}: {e}') from None
+  workdir_lib.check_free(_WORKDIR.value)
   ds = datasets.load(_DATASET.value, _DATA_DIR.value)
   models = pool_lib.load(_POOL.value, _POOL_MODELS.value or None)
   for m in models:
@@ -256,7 +261,8 @@ def _main(stitch, errors) -> None:
       label_map=label_map,
     )
 
-  os.makedirs(_WORKDIR.value, exist_ok=True)
+  # Held until the process ends: one writer per workdir.
+  _LOCKS.append(workdir_lib.acquire(_WORKDIR.value))
   config = _config(stitch, _SEED.value)
   state = stitch.run(
     pool,

@@ -25,6 +25,7 @@ import numpy as np
 
 from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
+from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import metrics_io
 
@@ -239,9 +240,14 @@ def run_matrix(
   loss becomes non-finite is logged and left (it would diverge again the
   same way: runs are deterministic); the others go on.
 
+  Each run's workdir is locked while it runs (`experiment.run`); a run
+  that another process is running is refused before anything starts.
+
   Returns:
     `{(variant, seed): round}` of the runs that diverged.
   """
+  for _, _, config in runs:  # refuse before running any of them
+    workdir_lib.check_free(config.workdir, '--out')
   diverged = {}
   for i, (name, seed, config) in enumerate(runs):
     log(f'[{i + 1}/{len(runs)}] {name} seed {seed} in {config.workdir}')

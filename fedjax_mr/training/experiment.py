@@ -29,6 +29,7 @@ import optax
 from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
+from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
@@ -255,8 +256,10 @@ def train_and_evaluate(
   config_path = os.path.join(workdir, CONFIG_FILE)
   # Refuse another run's workdir before loading anything (the primary
   # process only, see `run`).
-  if distributed.is_primary() and os.path.exists(config_path):
-    config_lib.check_resumable(config, config_path)
+  if distributed.is_primary():
+    workdir_lib.check_free(workdir)
+    if os.path.exists(config_path):
+      config_lib.check_resumable(config, config_path)
   return run(setup(config), workdir, log=log, on_round=on_round)
 
 
@@ -270,7 +273,9 @@ def run(
   """The host loop: rounds, metrics, evaluation, checkpoints, plots.
 
   A workdir holding a checkpoint resumes from it (its config.json must
-  define the same run).
+  define the same run). The primary process holds the workdir's lock
+  (`fedjax_mr.core.workdir`) while it runs: a second run on the same
+  workdir is refused.
 
   Args:
     experiment: from `setup` (or built by hand).
@@ -282,14 +287,21 @@ def run(
   Returns:
     A `Result`.
   """
+  primary = distributed.is_primary()
+  if not primary:
+    return _run(experiment, workdir, _quiet, on_round)
+  # The primary process writes the workdir; one such process at a time.
+  with workdir_lib.acquire(workdir):
+    return _run(experiment, workdir, log, on_round)
+
+
+def _run(experiment, workdir, log, on_round) -> Result:
   config = experiment.config
   algorithm, data, test = experiment.algorithm, experiment.data, experiment.test
   state, mesh = experiment.state, experiment.mesh
   round_key = experiment.key
   num_devices = mesh.devices.size
   primary = distributed.is_primary()
-  if not primary:
-    log = _quiet
   config_path = os.path.join(workdir, CONFIG_FILE)
   # Only the primary process reads and writes config.json: the others
   # could find the file the primary has just written for this very run.

@@ -1,0 +1,117 @@
+"""One writer per output folder: an exclusive OS lock on `<folder>/.lock`.
+
+The lock is `fcntl.flock` on an open file, so the kernel drops it when the
+process ends in any way (exit, exception, `kill -9`): a killed run never
+leaves a stale lock, and the next run of the same command resumes. The
+file itself stays (it holds the holder's pid, for the message only); its
+presence means nothing.
+
+Programs take the lock after everything that can fail on bad input has
+been checked and before writing anything (`acquire`); `check_free` asks
+the same question earlier without creating a file, so a second run is
+refused before it loads data.
+
+flock locks are advisory and local to one machine: they do not protect a
+folder on a network file system shared by two hosts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from fedjax_mr.core import errors
+
+LOCK_FILE = '.lock'
+
+
+class Lock:
+  """A held lock; `release()` (or the end of the process) frees it."""
+
+  def __init__(self, fd: int, path: str):
+    self._fd = fd
+    self.path = path
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)  # closing the descriptor drops the flock
+      self._fd = None
+
+  def __enter__(self) -> Lock:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def _busy(folder: str, flag: str, fd: int) -> errors.ConfigError:
+  try:
+    holder = os.pread(fd, 32, 0).decode(errors='replace').strip()
+  except OSError:
+    holder = ''
+  who = f' (pid {holder})' if holder.isdigit() else ''
+  return errors.ConfigError(
+    f'{flag}={folder} is in use by another running process{who}; wait for '
+    'it to finish or choose another folder'
+  )
+
+
+def check_free(folder: str, flag: str = '--workdir') -> None:
+  """Raises `ConfigError` if a live process holds `folder`'s lock.
+
+  Creates nothing (a folder without a lock file is free).
+  """
+  path = os.path.join(folder, LOCK_FILE)
+  try:
+    fd = os.open(path, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+      raise _busy(folder, flag, fd) from None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+  finally:
+    os.close(fd)
+
+
+def acquire(folder: str, flag: str = '--workdir') -> Lock:
+  """Creates `folder` if needed and takes its exclusive lock.
+
+  Args:
+    folder: the output folder.
+    flag: how the user named it, for the message.
+
+  Returns:
+    The held `Lock`; keep it for as long as the process writes `folder`.
+
+  Raises:
+    ConfigError: another live process holds the lock, or the folder
+      cannot be created or locked (a file, a read-only place, ...).
+  """
+  path = os.path.join(folder, LOCK_FILE)
+  try:
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise errors.ConfigError(
+      f'{flag}={folder}: cannot create or lock it ({e.strerror})'
+    ) from None
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    err = _busy(folder, flag, fd)
+    os.close(fd)
+    raise err from None
+  except OSError as e:
+    os.close(fd)
+    raise errors.ConfigError(
+      f'{flag}={folder}: cannot lock it ({e.strerror})'
+    ) from None
+  try:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+  except OSError:
+    pass  # the pid is only for the message
+  return Lock(fd, path)
