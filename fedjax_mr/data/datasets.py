@@ -297,6 +297,26 @@ def _load_idx(name: str, spec: _Spec, folder: str) -> Dataset:
       raise errors.DataError(
         f'{folder}: {split} images {x.shape} and labels {y.shape} do not match'
       )
+    if x.dtype != np.uint8:
+      raise errors.DataError(
+        f'{idx.find_idx_file(folder, _IDX_STEMS["x_" + split])}: images must '
+        f'be unsigned bytes (IDX type 0x08), not {x.dtype}'
+      )
+    labels = idx.find_idx_file(folder, _IDX_STEMS['y_' + split])
+    if not np.issubdtype(y.dtype, np.integer):
+      raise errors.DataError(
+        f'{labels}: labels must be integers, not {y.dtype}'
+      )
+    if len(y) and (y.min() < 0 or y.max() >= spec.num_classes):
+      raise errors.DataError(
+        f'{labels}: labels must lie in 0..{spec.num_classes - 1}, found '
+        f'{int(y.min())}..{int(y.max())}'
+      )
+  if arrays['x_train'].shape[1:] != arrays['x_test'].shape[1:]:
+    raise errors.DataError(
+      f'{folder}: test images are {arrays["x_test"].shape[1:]}, training '
+      f'images {arrays["x_train"].shape[1:]}'
+    )
   return _dataset(
     name,
     spec,

@@ -21,6 +21,35 @@ _DTYPES = {
 
 
 _CHUNK = 1 << 22
+# deflate cannot compress better than about 1032:1.
+_MAX_DEFLATE_RATIO = 1100
+
+
+def _check_size(path: str, header_bytes: int, data_bytes: int) -> None:
+  """Refuses a header whose data cannot be in the file, before allocating.
+
+  A plain file's size is exact. A gzip file bounds it: deflate compresses
+  at most about 1032:1, and the trailer holds the uncompressed size modulo
+  2**32 (of the last member only, so a mismatch is trusted only for claims
+  over 1 GiB, which no multi-member IDX file reaches); the read itself
+  checks the exact size.
+  """
+  disk = os.path.getsize(path)
+  want = header_bytes + data_bytes
+  bad = None
+  if not path.endswith('.gz'):
+    bad = disk != want
+  elif want > disk * _MAX_DEFLATE_RATIO:
+    bad = True
+  elif want > 2**30 and disk >= 18:
+    with open(path, 'rb') as raw:
+      raw.seek(-4, os.SEEK_END)
+      bad = int.from_bytes(raw.read(4), 'little') != want % 2**32
+  if bad:
+    raise errors.DataError(
+      f'{path}: its header announces {data_bytes} bytes of data, more or '
+      'less than the file holds'
+    )
 
 
 def read_idx(path: str) -> np.ndarray:
@@ -43,6 +72,10 @@ def read_idx(path: str) -> np.ndarray:
       shape = tuple(
         int.from_bytes(dims[4 * i : 4 * i + 4], 'big') for i in range(ndim)
       )
+      size = 1
+      for d in shape:
+        size *= d
+      _check_size(path, 4 + 4 * ndim, size * dtype.itemsize)
       # Read straight into the aligned array: the file's bytes are never
       # held twice.
       out = host.empty(shape, dtype)

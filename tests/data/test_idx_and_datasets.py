@@ -33,8 +33,94 @@ def test_read_idx_rejects_garbage(tmp_path):
     idx.read_idx(str(path))
   trunc = tmp_path / 'trunc'
   trunc.write_bytes(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))
-  with pytest.raises(errors.DataError, match='does not match'):
+  with pytest.raises(errors.DataError, match='header announces 9 bytes'):
     idx.read_idx(str(trunc))
+  short = tmp_path / 'short.gz'  # gzip: found while reading
+  with gzip.open(short, 'wb') as f:
+    f.write(bytes([0, 0, 8, 1, 0, 0, 0, 9, 1, 2]))
+  with pytest.raises(errors.DataError, match='does not match'):
+    idx.read_idx(str(short))
+
+
+@pytest.mark.parametrize('gz', [False, True])
+def test_read_idx_refuses_a_huge_header_before_allocating(
+  tmp_path, monkeypatch, gz
+):
+  """A header claiming 2**32 - 1 images of 28×28 (3.4 TB) in a tiny file."""
+  header = bytes([0, 0, 8, 3]) + b''.join(
+    d.to_bytes(4, 'big') for d in (2**32 - 1, 28, 28)
+  )
+  path = tmp_path / ('big.gz' if gz else 'big')
+  if gz:
+    with gzip.open(path, 'wb') as f:
+      f.write(header + bytes(100))
+  else:
+    path.write_bytes(header + bytes(100))
+
+  def no_allocation(*args):
+    raise AssertionError('allocated')
+
+  monkeypatch.setattr(idx.host, 'empty', no_allocation)
+  with pytest.raises(errors.DataError, match='header announces'):
+    idx.read_idx(str(path))
+
+
+def _idx_folder(tmp_path, **changes):
+  rng = np.random.default_rng(0)
+  arrays = dict(
+    x_train=rng.integers(0, 256, (20, 28, 28)),
+    y_train=np.arange(20) % 10,
+    x_test=rng.integers(0, 256, (5, 28, 28)),
+    y_test=np.arange(5),
+  )
+  arrays.update(changes)
+  return conftest.write_idx_dataset(tmp_path, **arrays)
+
+
+def _write_typed(path, array, code):
+  header = bytes([0, 0, code, array.ndim])
+  header += b''.join(int(d).to_bytes(4, 'big') for d in array.shape)
+  with gzip.open(path, 'wb') as f:
+    f.write(header + array.tobytes())
+
+
+def test_idx_labels_out_of_range_name_the_file(tmp_path):
+  folder = _idx_folder(tmp_path, y_train=np.full(20, 200))
+  with pytest.raises(errors.DataError) as e:
+    datasets.load('fashion_mnist', folder)
+  assert str(e.value) == (
+    f'{folder}/train-labels-idx1-ubyte.gz: labels must lie in 0..9, found '
+    '200..200'
+  )
+  _write_typed(  # int8 labels of -1
+    os.path.join(folder, 'train-labels-idx1-ubyte.gz'),
+    np.full(20, 0, np.int8),
+    0x09,
+  )
+  _write_typed(
+    os.path.join(folder, 't10k-labels-idx1-ubyte.gz'),
+    np.full(5, -1, np.int8),
+    0x09,
+  )
+  with pytest.raises(errors.DataError, match=r't10k-labels.*found -1\.\.-1'):
+    datasets.load('fashion_mnist', folder)
+
+
+def test_idx_images_must_be_bytes_of_one_shape(tmp_path):
+  folder = _idx_folder(tmp_path / 'a', x_test=np.zeros((5, 27, 28)))
+  with pytest.raises(
+    errors.DataError,
+    match=r'test images are \(27, 28\), training images \(28, 28\)',
+  ):
+    datasets.load('fashion_mnist', folder)
+  folder = _idx_folder(tmp_path / 'b')
+  _write_typed(
+    os.path.join(folder, 'train-images-idx3-ubyte.gz'),
+    np.full((20, 28, 28), np.nan, '>f4'),
+    0x0D,
+  )
+  with pytest.raises(errors.DataError, match='must be unsigned bytes'):
+    datasets.load('fashion_mnist', folder)
 
 
 def test_real_fashion_mnist(fashion_mnist):
