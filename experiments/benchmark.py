@@ -31,8 +31,9 @@ import resource
 import statistics
 import time
 
-from absl import app
 from absl import flags
+
+from experiments import cli
 
 flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
 flags.DEFINE_string('data_dir', '', 'Dataset folder (see experiments.run).')
@@ -421,9 +422,36 @@ def _memory_line():
   return line
 
 
+def _check_flags():
+  """One line naming the first bad flag (before any JAX work)."""
+  for name in (
+    'num_clients',
+    'clients_per_round',
+    'local_epochs',
+    'batch_size',
+    'rounds',
+  ):
+    if FLAGS[name].value < 1:
+      cli.fail(f'--{name} must be ≥ 1, got {FLAGS[name].value}')
+  for name in ('client_chunk', 'host_devices', 'threads'):
+    if FLAGS[name].value < 0:
+      cli.fail(f'--{name} must be ≥ 0, got {FLAGS[name].value}')
+  if FLAGS.clients_per_round > FLAGS.num_clients:
+    cli.fail(
+      f'--clients_per_round={FLAGS.clients_per_round} exceeds '
+      f'--num_clients={FLAGS.num_clients}'
+    )
+  if not (FLAGS.alpha > 0 and math.isfinite(FLAGS.alpha)):
+    cli.fail(f'--alpha must be finite and > 0, got {FLAGS.alpha}')
+  if FLAGS.devices != 'all' and not FLAGS.devices.isdigit():
+    cli.fail(f"--devices must be '1', 'all' or a number, got {FLAGS.devices!r}")
+  if FLAGS.devices.isdigit() and int(FLAGS.devices) < 1:
+    cli.fail(f'--devices must be ≥ 1, got {FLAGS.devices}')
+
+
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  cli.no_arguments(argv)
+  _check_flags()
   from fedjax_mr.core import errors
   from fedjax_mr.training import distributed
 
@@ -432,8 +460,6 @@ def main(argv):
   import jax
 
   n_dev = len(jax.devices())
-  if FLAGS.devices not in ('all',) and not FLAGS.devices.isdigit():
-    raise app.UsageError("--devices must be '1', 'all' or a number")
   if FLAGS.matrix:
     runs = [
       (sizes, dev) for sizes in ('equal', 'dirichlet') for dev in ('1', 'all')
@@ -443,13 +469,11 @@ def main(argv):
   for sizes, dev in runs:
     d = n_dev if dev == 'all' else int(dev)
     if d > n_dev or k % d:
-      raise app.UsageError(
-        f'--devices={dev}: need a divisor of K={k} and at most {n_dev}'
-      )
+      cli.fail(f'--devices={dev}: need a divisor of K={k} and at most {n_dev}')
   try:
     ds, model, opt, local, variables, data, parts = _setup({s for s, _ in runs})
   except errors.UserError as e:
-    raise app.UsageError(str(e)) from None
+    cli.fail(str(e))
   print(
     f'{FLAGS.model} on {FLAGS.dataset}: K={k} of N={FLAGS.num_clients}, '
     f'E={FLAGS.local_epochs}, B={FLAGS.batch_size}; {n_dev} '
@@ -510,4 +534,4 @@ def main(argv):
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  app.run(main)
+  cli.run(main)

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import sys
 
-from absl import app
 from absl import flags
 from absl import logging
 
+from experiments import cli
 from experiments import run as run_flags  # defines the experiment flags
 from fedjax_mr.core import errors
 
@@ -48,8 +48,7 @@ _SUMMARIZE_ONLY = flags.DEFINE_bool(
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)
   from fedjax_mr.training import compare
   from fedjax_mr.training import distributed
@@ -62,6 +61,11 @@ def main(argv) -> None:
       raise errors.ConfigError(
         f'--seeds: integers, comma-separated; got {",".join(_SEEDS.value)}'
       ) from None
+    bad = [s for s in seeds if not 0 <= s < 2**32]
+    if bad:
+      raise errors.ConfigError(
+        f'--seeds must lie in [0, 2**32), got {",".join(map(str, bad))}'
+      )
     if _LAST.value < 1:
       raise errors.ConfigError(f'--last must be >= 1, got {_LAST.value}')
     variants = [compare.parse_variant(v) for v in _VARIANTS.value]
@@ -85,13 +89,15 @@ def main(argv) -> None:
     )
     print(compare.table(summary, title=title))
     print(f'curves: {_OUT.value}/{compare.CURVES_FILE}')
-  except (errors.UserError, errors.NonFiniteError) as e:
+  except errors.UserError as e:
+    cli.fail(str(e))
+  except errors.NonFiniteError as e:
     print(f'error: {e}', file=sys.stderr)
-    sys.exit(2 if isinstance(e, errors.UserError) else 3)
+    sys.exit(3)
   except KeyboardInterrupt:
     print('interrupted; re-run the same command to resume', file=sys.stderr)
     sys.exit(130)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -13,12 +13,14 @@ printed. Re-running skips models already saved.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
-from absl import app
 from absl import flags
 from absl import logging
+
+from experiments import cli
 
 _DATASET = flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'Dataset folder.')
@@ -41,8 +43,7 @@ _LOCKS = []
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save
   from fedjax_mr import models
   from fedjax_mr.core import errors
@@ -51,8 +52,17 @@ def main(argv) -> None:
   from fedjax_mr.stitch import pool
 
   try:
-    if _EPOCHS.value < 1:
-      raise errors.ConfigError(f'--epochs must be ≥ 1, got {_EPOCHS.value}')
+    for flag in (_EPOCHS, _BATCH_SIZE, _PUBLIC_SIZE):
+      if flag.value < 1:
+        raise errors.ConfigError(f'--{flag.name} must be ≥ 1, got {flag.value}')
+    if not (_LEARNING_RATE.value > 0 and math.isfinite(_LEARNING_RATE.value)):
+      raise errors.ConfigError(
+        f'--learning_rate must be finite and > 0, got {_LEARNING_RATE.value}'
+      )
+    if not 0 <= _SEED.value < 2**32:
+      raise errors.ConfigError(
+        f'--seed must be in [0, 2**32), got {_SEED.value}'
+      )
     unknown = [m for m in _MODELS.value if m not in models.NAMES]
     if unknown:
       raise errors.ConfigError(
@@ -122,8 +132,8 @@ def main(argv) -> None:
         f'(loss {losses[-1]:.3f}, {seconds:.0f} s)'
       )
   except (errors.ConfigError, errors.DataError) as e:
-    raise app.UsageError(str(e)) from None
+    cli.fail(str(e))
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -15,9 +15,9 @@ also after an error, Ctrl-C or SIGTERM.
 import logging
 import sys
 
-from absl import app
 from absl import flags
 
+from experiments import cli
 from fedjax_mr import energy
 from fedjax_mr.energy import profiling
 
@@ -122,7 +122,7 @@ def _print_plan(backend, configs) -> None:
 
 def _error(message: str, code: int = 1) -> int:
   """Prints a one-line error; the exit code to return (2: bad usage)."""
-  print(f'profile_device: error: {message}', file=sys.stderr)
+  print(f'error: {message}', file=sys.stderr)
   return code
 
 
@@ -184,4 +184,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from absl import app
 from absl import flags
 from absl import logging
 
+from experiments import cli
 from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.training import config as config_lib
@@ -61,20 +61,24 @@ def config_from_flags() -> config_lib.ExperimentConfig:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   from fedjax_mr.training import distributed
   from fedjax_mr.training import experiment
 
   try:
     config = config_from_flags()
+    # Every flag is checked before the distributed runtime starts (a bad
+    # --coordinator_address would otherwise wait for a coordinator).
+    config_lib.validate(config)
     # Before any JAX computation: host devices and the distributed runtime.
     distributed.initialize_for(config)
     experiment.train_and_evaluate(config)
-  except (errors.UserError, errors.NonFiniteError) as e:
+  except errors.UserError as e:
+    cli.fail(str(e))
+  except errors.NonFiniteError as e:
     print(f'error: {e}', file=sys.stderr)
-    sys.exit(2 if isinstance(e, errors.UserError) else 3)
+    sys.exit(3)
   except KeyboardInterrupt:
     print(
       'interrupted; re-run with the same --workdir to resume', file=sys.stderr
@@ -83,4 +87,4 @@ def main(argv) -> None:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

@@ -28,9 +28,10 @@ import json
 import os
 import pickle
 
-from absl import app
 from absl import flags
 from absl import logging
+
+from experiments import cli
 
 _POOL = flags.DEFINE_string('pool', 'runs/pool', 'Pool folder.')
 _POOL_MODELS = flags.DEFINE_list(
@@ -155,8 +156,7 @@ _LOCKS = []
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore
   from fedjax_mr import stitch
   from fedjax_mr.core import errors
@@ -164,7 +164,7 @@ def main(argv) -> None:
   try:
     _main(stitch, errors)
   except (errors.ConfigError, errors.DataError) as e:
-    raise app.UsageError(str(e)) from None
+    cli.fail(str(e))
 
 
 def _main(stitch, errors) -> None:
@@ -201,8 +201,18 @@ def _main(stitch, errors) -> None:
       )
   label_map = None
   if _LABEL_MAP.value:
-    with open(_LABEL_MAP.value) as f:
-      label_map = json.load(f)
+    try:
+      with open(_LABEL_MAP.value) as f:
+        label_map = json.load(f)
+    except (OSError, ValueError) as e:
+      reason = e.strerror if isinstance(e, OSError) else f'not JSON ({e})'
+      raise errors.ConfigError(
+        f'--label_map={_LABEL_MAP.value}: cannot read it: {reason}'
+      ) from None
+    if not isinstance(label_map, list):
+      raise errors.ConfigError(
+        f'--label_map={_LABEL_MAP.value}: must hold a JSON list'
+      )
     if len(label_map) != ds.num_classes:
       raise errors.ConfigError(
         f'--label_map: {len(label_map)} entries, --dataset has '
@@ -404,4 +414,4 @@ def _simulate_energy(federated, log) -> dict:
 
 
 if __name__ == '__main__':
-  app.run(main)
+  cli.run(main)

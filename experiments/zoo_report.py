@@ -25,8 +25,9 @@ import subprocess
 import sys
 import time
 
-from absl import app
 from absl import flags
+
+from experiments import cli
 
 # (model, input shape, classes): the papers' dataset for each model.
 MODELS = {
@@ -161,22 +162,21 @@ def _measure_dataset(name: str) -> None:
 
 
 def main(argv) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  cli.no_arguments(argv)
   if _MEMORY_OF.value:
     _measure_dataset(_MEMORY_OF.value)
     return
   for name in _MODELS.value:
     if name not in MODELS:
-      raise app.UsageError(f'--models: unknown {name!r}; one of {list(MODELS)}')
+      cli.fail(f'--models: unknown {name!r}; one of {list(MODELS)}')
   for name in _DATASETS.value:
     if name not in TFDS_TRAIN and name not in COMPUTED:
-      raise app.UsageError(
+      cli.fail(
         f'--datasets: unknown {name!r}; one of '
         f'{list(TFDS_TRAIN) + list(COMPUTED)}'
       )
   if _REPEATS.value < 1:
-    raise app.UsageError('--repeats must be >= 1')
+    cli.fail('--repeats must be >= 1')
   if _MODELS.value:
     import jax
 
@@ -226,4 +226,4 @@ def main(argv) -> None:
 
 if __name__ == '__main__':
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  app.run(main)
+  cli.run(main)

@@ -55,8 +55,12 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
         f'{", ".join(VARIANTS)} or define one as name:field=value,...'
       )
     return name, dict(VARIANTS[name])
-  if not name or '/' in name:
-    raise errors.ConfigError(f'--variants: bad variant name in {spec!r}')
+  if not name or '/' in name or name.startswith('.'):
+    # The name is a folder under --out: it must stay inside it.
+    raise errors.ConfigError(
+      f'--variants: bad variant name in {spec!r} (a folder name under --out, '
+      "without '/' and not starting with '.')"
+    )
   fields = {f.name: f for f in config_lib.base_fields()}
   fields.update({flag: f for flag, (f, _) in registry.all_flags().items()})
   overrides: dict[str, Any] = {}

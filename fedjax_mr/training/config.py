@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 from typing import Mapping
 
@@ -320,9 +321,15 @@ def validate(config: ExperimentConfig) -> None:
       raise errors.ConfigError(
         f'--{name} must be ≥ 0, got {getattr(config, name)}'
       )
-  if config.energy_ms_per_sample <= 0:
+  if not 0 <= config.seed < 2**32:
+    raise errors.ConfigError(f'--seed must be in [0, 2**32), got {config.seed}')
+  if not (
+    config.energy_ms_per_sample > 0
+    and math.isfinite(config.energy_ms_per_sample)
+  ):
     raise errors.ConfigError(
-      f'--energy_ms_per_sample must be > 0, got {config.energy_ms_per_sample}'
+      '--energy_ms_per_sample must be finite and > 0, got '
+      f'{config.energy_ms_per_sample}'
     )
   for mix in energy_mixes(config):
     from fedjax_mr.energy import simulation  # host-only, no jax
@@ -342,16 +349,27 @@ def validate(config: ExperimentConfig) -> None:
       f'--process_id must be in [0, --num_processes={config.num_processes}),'
       f' got {config.process_id}'
     )
-  if not config.lr > 0:
-    raise errors.ConfigError(f'--lr must be > 0, got {config.lr}')
+  if not (config.lr > 0 and math.isfinite(config.lr)):
+    raise errors.ConfigError(f'--lr must be finite and > 0, got {config.lr}')
   if not 0 <= config.momentum < 1:
     raise errors.ConfigError(
       f'--momentum must be in [0, 1), got {config.momentum}'
     )
-  if config.partition == 'dirichlet' and not config.alpha > 0:
+  if config.partition == 'dirichlet' and not (
+    config.alpha > 0 and math.isfinite(config.alpha)
+  ):
     raise errors.ConfigError(
-      f'--alpha must be > 0 for --partition=dirichlet, got {config.alpha}'
+      '--alpha must be finite and > 0 for --partition=dirichlet (IID is '
+      f'--partition=iid), got {config.alpha}'
     )
+  if config.num_processes > 1:
+    host, sep, port = config.coordinator_address.rpartition(':')
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+      raise errors.ConfigError(
+        '--coordinator_address must be host:port (e.g. 10.0.0.1:1234) with '
+        f'--num_processes={config.num_processes}, got '
+        f'{config.coordinator_address!r}'
+      )
   gives, takes = _input_kinds(config.dataset, config.model)
   if gives != takes:
     raise errors.ConfigError(

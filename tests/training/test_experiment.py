@@ -335,7 +335,7 @@ def test_binary_sigkill_then_resume_matches(small_config, tmp_path):
 @pytest.mark.parametrize(
   'args,expected',
   [
-    (['--alpha=-1'], 'error: --alpha must be > 0'),
+    (['--alpha=-1'], 'error: --alpha must be finite and > 0'),
     (['--model=vgg99'], 'error: --model: unknown value'),
     (['--clients_per_round=500'], 'error: --clients_per_round=500 exceeds'),
   ],

@@ -1,0 +1,210 @@
+"""Every bad invocation is one line naming the flag or file, exit code 2.
+
+Table-driven: for each program, all its cases run in one subprocess
+(`tests.bad_invocations`, flags reset between cases), so the table is fast.
+Every case must exit with code 2, print exactly one line on stderr that
+contains the given fragment (the flag or file it names), and create
+nothing at the program's output path ({S}).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# program -> [(argv, fragment the one line must contain)]
+CASES = {
+  'experiments.run': [
+    (['--seed=-1'], '--seed'),
+    (['--seed=99999999999999999999'], '--seed'),
+    (['--alpha=inf'], '--alpha'),
+    (['--alpha=0'], '--alpha'),
+    (['--alpha=nan'], '--alpha'),
+    (['--energy_ms_per_sample=nan'], '--energy_ms_per_sample'),
+    (['--energy_ms_per_sample=0'], '--energy_ms_per_sample'),
+    (
+      ['--num_processes=2', '--coordinator_address=nonsense'],
+      '--coordinator_address',
+    ),
+    (
+      ['--num_processes=2', '--coordinator_address=h:0'],
+      '--coordinator_address',
+    ),
+    (
+      ['--num_processes=2', '--process_id=2', '--coordinator_address=h:1'],
+      '--process_id',
+    ),
+    (['--lr=0'], '--lr'),
+    (['--lr=nan'], '--lr'),
+    (['--lr=inf'], '--lr'),
+    (['--momentum=1'], '--momentum'),
+    (['--momentum=-0.5'], '--momentum'),
+    (['--rounds=0'], '--rounds'),
+    (['--num_clients=0'], '--num_clients'),
+    (['--clients_per_round=0'], '--clients_per_round'),
+    (['--clients_per_round=11'], '--clients_per_round'),
+    (['--local_epochs=0'], '--local_epochs'),
+    (['--batch_size=0'], '--batch_size'),
+    (['--eval_batch_size=0'], '--eval_batch_size'),
+    (['--keep_checkpoints=0'], '--keep_checkpoints'),
+    (['--eval_every=-1'], '--eval_every'),
+    (['--checkpoint_every=-1'], '--checkpoint_every'),
+    (['--client_chunk=-1'], '--client_chunk'),
+    (['--num_devices=-1'], '--num_devices'),
+    (['--host_devices=-1'], '--host_devices'),
+    (['--min_client_size=-1'], '--min_client_size'),
+    (['--algorithm=bogus'], '--algorithm'),
+    (['--model=bogus'], '--model'),
+    (['--dataset=bogus'], '--dataset'),
+    (['--partition=bogus'], '--partition'),
+    (['--partition=natural'], '--partition=natural'),
+    (['--leaf_min_samples=5'], '--leaf_min_samples'),
+    (['--cifar100_labels=coarse'], '--cifar100_labels'),
+    (['--model=char_lstm'], '--model=char_lstm'),
+    (['--algorithm=fedprox', '--fedprox_mu=-1'], '--fedprox_mu'),
+    (['--algorithm=fedmut', '--fedmut_alpha=nan'], '--fedmut_alpha'),
+    (['--algorithm=fedavg', '--fedmut_alpha=2'], '--fedmut_alpha'),
+    (
+      ['--algorithm=scaffold', '--scaffold_control_steps=x'],
+      '--scaffold_control_steps',
+    ),
+    (
+      ['--algorithm=scaffold', '--scaffold_global_lr=0'],
+      '--scaffold_global_lr',
+    ),
+    (
+      ['--algorithm=scaffold', '--scaffold_control_dtype=float16'],
+      '--scaffold_control_dtype',
+    ),
+    (['--algorithm=fedmr_p', '--fedmr_segments=0'], '--fedmr_segments'),
+    (['--energy_mix=bogus'], '--energy_mix'),
+    (['--data_dir=/nonexistent/fmnist'], '/nonexistent/fmnist'),
+    (['--rounds=abc'], '--rounds'),
+    (['--bogus_flag=1'], 'bogus_flag'),
+    (['--flagfile=/nonexistent/x.flags'], '/nonexistent/x.flags'),
+    (['positional'], 'unexpected arguments'),
+  ],
+  'experiments.compare': [
+    (['--seeds=-1'], '--seeds'),
+    (['--seeds=a'], '--seeds'),
+    (['--seeds=99999999999'], '--seeds'),
+    (['--variants=bogus'], '--variants'),
+    (['--variants=fedavg,fedavg'], '--variants'),
+    (['--last=0'], '--last'),
+    (['--variants=', '--variant=x:nofield=1'], 'nofield'),
+    (['--variants=', '--variant=x:lr=abc'], 'lr'),
+    (['--variants=', '--variant=..:lr=0.1'], '--variants'),
+    (['--variants=', '--variant=a/b:lr=0.1'], '--variants'),
+    (['--variants=fedavg', '--lr=-1'], '--lr'),
+    (['--variants=fedavg', '--rounds=0'], '--rounds'),
+    (['positional'], 'unexpected arguments'),
+  ],
+  'experiments.benchmark': [
+    (['--rounds=0'], '--rounds'),
+    (['--batch_size=0'], '--batch_size'),
+    (['--local_epochs=0'], '--local_epochs'),
+    (['--num_clients=5'], '--clients_per_round'),
+    (['--clients_per_round=0'], '--clients_per_round'),
+    (['--alpha=inf'], '--alpha'),
+    (['--devices=0'], '--devices'),
+    (['--devices=x'], '--devices'),
+    (['--devices=7'], '--devices=7'),
+    (['--threads=-1'], '--threads'),
+    (['--rounds=abc'], '--rounds'),
+    (['positional'], 'unexpected arguments'),
+  ],
+  'experiments.pretrain_zoo': [
+    (['--batch_size=0'], '--batch_size'),
+    (['--epochs=0'], '--epochs'),
+    (['--public_size=0'], '--public_size'),
+    (['--learning_rate=nan'], '--learning_rate'),
+    (['--seed=-1'], '--seed'),
+    (['--models=bogus'], '--models'),
+    (['--dataset=bogus'], '--dataset'),
+    (['positional'], 'unexpected arguments'),
+  ],
+  'experiments.stitch': [
+    (['--eval=bogus'], '--eval'),
+    (['--energy_mix=bogus'], '--energy_mix'),
+    (['--pool=/nonexistent/pool'], '/nonexistent/pool'),
+    (['--dataset=bogus'], '--dataset'),
+    (['--num_clients=x'], '--num_clients'),
+    (['positional'], 'unexpected arguments'),
+  ],
+  'experiments.zoo_report': [
+    (['--models=bogus'], '--models'),
+    (['--repeats=0'], '--repeats'),
+    (['positional'], 'unexpected arguments'),
+  ],
+  'experiments.profile_device': [
+    (['--sysfs_root=/nonexistent/sys'], '--sysfs_root'),
+    (['positional'], 'unexpected arguments'),
+  ],
+}
+# Where each program writes (every case points it at the scratch folder
+# {S}), and a small setting, so that a case wrongly accepted fails fast.
+_SMALL = '--num_clients=10 --clients_per_round=2 --rounds=1 --local_epochs=1'
+BASE = {
+  'experiments.run': ['--workdir={S}', *_SMALL.split()],
+  'experiments.compare': ['--out={S}', '--seeds=0', *_SMALL.split()],
+  'experiments.pretrain_zoo': ['--out={S}', '--epochs=1'],
+  'experiments.stitch': ['--workdir={S}'],
+  'experiments.profile_device': ['--output={S}/profile.json'],
+  'experiments.benchmark': ['--rounds=1', '--local_epochs=1'],
+}
+_LOG_LINE = re.compile(r'^[IWEF]\d{4} ')  # absl log lines (not errors)
+
+
+def test_the_table_has_at_least_80_cases():
+  assert sum(len(c) for c in CASES.values()) >= 80
+
+
+@pytest.mark.parametrize('program', sorted(CASES))
+def test_bad_invocations(program, tmp_path):
+  scratch = str(tmp_path / 'out')
+  extra = BASE.get(program, [])
+  argvs = [
+    [a.replace('{S}', scratch) for a in [*extra, *argv]]
+    for argv, _ in CASES[program]
+  ]
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'tests.bad_invocations',
+      program,
+      json.dumps(argvs),
+      scratch,
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  problems = []
+  for (argv, fragment), r in zip(CASES[program], results):
+    lines = [
+      x
+      for x in r['stderr'].splitlines()
+      if x.strip() and not _LOG_LINE.match(x)
+    ]
+    ok = (
+      r['code'] == 2
+      and len(lines) == 1
+      and lines[0].startswith('error: ')
+      and fragment in lines[0]
+      and not r['wrote']
+    )
+    if not ok:
+      problems.append(
+        f'{" ".join(argv)}: exit {r["code"]}, wrote {r["wrote"]}, '
+        f'stderr {r["stderr"][-600:]!r}'
+      )
+  assert not problems, '\n'.join(problems)
