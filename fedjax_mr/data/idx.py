@@ -36,19 +36,20 @@ def _check_size(path: str, header_bytes: int, data_bytes: int) -> None:
   """
   disk = os.path.getsize(path)
   want = header_bytes + data_bytes
-  bad = None
+  holds = None
   if not path.endswith('.gz'):
-    bad = disk != want
+    if disk != want:
+      holds = f'the file holds {max(disk - header_bytes, 0)}'
   elif want > disk * _MAX_DEFLATE_RATIO:
-    bad = True
+    holds = f'more than a {disk}-byte gzip file can hold'
   elif want > 2**30 and disk >= 18:
     with open(path, 'rb') as raw:
       raw.seek(-4, os.SEEK_END)
-      bad = int.from_bytes(raw.read(4), 'little') != want % 2**32
-  if bad:
+      if int.from_bytes(raw.read(4), 'little') != want % 2**32:
+        holds = "its gzip trailer's size differs"
+  if holds:
     raise errors.DataError(
-      f'{path}: its header announces {data_bytes} bytes of data, more or '
-      'less than the file holds'
+      f'{path}: its header announces {data_bytes} bytes of data; {holds}'
     )
 
 
