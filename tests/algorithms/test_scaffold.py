@@ -61,10 +61,10 @@ def _reference(w, b, feats, y, parts, lr, epochs, eta_g, beta, divisor):
 
 
 # (momentum, control_steps, divisor of lr in the control update for 3
-# steps): at momentum 0 both choices are the paper's steps_i = 3; with
-# momentum 0.5 'effective' is S(3) = 1 + 1.5 + 1.75 = 4.25.
-CASES = [(0.0, 'effective', 3), (0.0, 'taken', 3), (0.5, 'effective', 4.25),
-         (0.5, 'taken', 3)]  # fmt: skip
+# steps): at momentum 0 'effective' is the paper's steps_i = 3 ('taken'
+# runs the same arithmetic there); with momentum 0.5 'effective' is
+# S(3) = 1 + 1.5 + 1.75 = 4.25.
+CASES = [(0.0, 'effective', 3), (0.5, 'effective', 4.25), (0.5, 'taken', 3)]
 
 
 @pytest.mark.parametrize('beta,steps,divisor', CASES)
