@@ -17,6 +17,7 @@ folder on a network file system shared by two hosts.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 
@@ -109,9 +110,9 @@ def acquire(folder: str, flag: str = '--workdir') -> Lock:
     raise errors.ConfigError(
       f'{flag}={folder}: cannot lock it ({e.strerror})'
     ) from None
-  try:
+  # The holder's pid, for the message of a refused second process only: a
+  # failure to write it changes nothing about the lock.
+  with contextlib.suppress(OSError):
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
-  except OSError:
-    pass  # the pid is only for the message
   return Lock(fd, path)
