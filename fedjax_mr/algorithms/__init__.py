@@ -1,8 +1,11 @@
 """Federated algorithms, one module per algorithm, both sides (server and
-client): `fedavg`, `fedprox`, `scaffold`, `fedmr` (FedMR, FedMR-p, Indep),
-`fedmut`; `registry` lists them for the experiment programs."""
+client): `fedavg`, `fedprox`, `scaffold`, `fedexp`, `fedasam` (FedASAM and
+FedSAM), `fedmr` (FedMR, FedMR-p, Indep), `fedmut`; `registry` lists them
+for the experiment programs."""
 
+from fedjax_mr.algorithms import fedasam as fedasam
 from fedjax_mr.algorithms import fedavg as fedavg
+from fedjax_mr.algorithms import fedexp as fedexp
 from fedjax_mr.algorithms import fedmr as fedmr
 from fedjax_mr.algorithms import fedmut as fedmut
 from fedjax_mr.algorithms import fedprox as fedprox

@@ -18,7 +18,9 @@ from typing import Callable
 from typing import Mapping
 from typing import NamedTuple
 
+from fedjax_mr.algorithms import fedasam
 from fedjax_mr.algorithms import fedavg
+from fedjax_mr.algorithms import fedexp
 from fedjax_mr.algorithms import fedmr
 from fedjax_mr.algorithms import fedmut
 from fedjax_mr.algorithms import fedprox
@@ -62,6 +64,9 @@ class Entry(NamedTuple):
 REGISTRY: dict[str, Entry] = {
   'fedavg': Entry(fedavg.Hparams, fedavg.build),
   'fedprox': Entry(fedprox.Hparams, fedprox.build),
+  'fedexp': Entry(fedexp.Hparams, fedexp.build, 'uniform'),
+  'fedasam': Entry(fedasam.Hparams, fedasam.build),
+  'fedsam': Entry(fedasam.SamHparams, fedasam.build_sam),
   'scaffold': Entry(scaffold.Hparams, scaffold.build, 'uniform', False, '', scaffold.VARIANTS),  # noqa: E501
   'fedmr': Entry(fedmr.Hparams, fedmr.build, 'uniform', True, '', fedmr.VARIANTS),  # noqa: E501
   'fedmr_p': Entry(fedmr.PHparams, fedmr.build_p, 'uniform', True, 'fedmr', fedmr.P_VARIANTS),  # noqa: E501

@@ -105,6 +105,9 @@ class Algorithm(NamedTuple):
       everything else. None: no per-client state.
     sampler: optional `Sampler`; None samples K distinct clients uniformly.
       Sampled ids must be distinct when the algorithm keeps client state.
+    evaluated: optional `evaluated(state) -> variables`, the model the
+      experiment evaluates as the global one (FedExP: the average of the
+      last two iterates); None: `state.params`. See `evaluated_model`.
   """
 
   init: Callable[[Variables], Any]
@@ -116,3 +119,11 @@ class Algorithm(NamedTuple):
   ]
   init_client_state: Callable[[Variables], PyTree] | None = None
   sampler: Sampler | None = None
+  evaluated: Callable[[Any], Variables] | None = None
+
+
+def evaluated_model(algorithm: Algorithm, state: Any) -> Variables:
+  """The global model to evaluate for server state `state`."""
+  if algorithm.evaluated is None:
+    return state.params
+  return algorithm.evaluated(state)

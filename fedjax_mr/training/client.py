@@ -128,9 +128,19 @@ def sam(rho: float) -> Perturbation:
   return perturb
 
 
+def _is_bias(path) -> bool:
+  last = path[-1] if path else None
+  return getattr(last, 'key', getattr(last, 'name', None)) == 'bias'
+
+
 def asam(rho: float, eta: float) -> Perturbation:
-  """Adaptive SAM's perturbation: with T = |w| + eta (element-wise),
+  """Adaptive SAM's perturbation: with the normalisation operator T,
   eps = rho * T^2 g / ||T g||.
+
+  T = |w| + eta element-wise for every parameter except biases, whose T is
+  1 (the ASAM authors' code, which FedASAM's authors use: it scales the
+  parameters named 'weight', the kernels and normalisation scales, and
+  leaves biases alone; leaves named 'bias' here).
 
   References:
     Kwon et al., "ASAM: Adaptive Sharpness-Aware Minimization for
@@ -142,7 +152,10 @@ def asam(rho: float, eta: float) -> Perturbation:
     raise ValueError(f'eta must be >= 0, got {eta}')
 
   def perturb(params, grads):
-    t = jax.tree.map(lambda w: jnp.abs(w) + eta, params)
+    t = jax.tree_util.tree_map_with_path(
+      lambda path, w: jnp.ones_like(w) if _is_bias(path) else jnp.abs(w) + eta,
+      params,
+    )
     tg = jax.tree.map(lambda a, g: a * g, t, grads)
     scale = rho / (_global_norm(tg) + 1e-12)
     return jax.tree.map(lambda a, g: scale * a * g, t, tg)

@@ -352,8 +352,11 @@ def _run(experiment, workdir, log, on_round) -> Result:
     donate_argnums=0,
     out_shardings=distributed.replicated(mesh),
   )
+  evaluate_model = engine.make_evaluate(experiment.model)
   evaluate = jax.jit(
-    engine.make_evaluate(experiment.model),
+    lambda server, t: evaluate_model(
+      types.evaluated_model(algorithm, server), t
+    ),
     out_shardings=distributed.replicated(mesh),
   )
   evaluate_many = engine.make_evaluate_many(experiment.model)
@@ -405,7 +408,7 @@ def _run(experiment, workdir, log, on_round) -> Result:
         f'checkpoint (round {saved_round}) is kept. Try a smaller --lr.'
       )
     if should(config.eval_every, r):
-      ev = jax.device_get(evaluate(state.server.params, test))
+      ev = jax.device_get(evaluate(state.server, test))
       row['test_accuracy'] = float(ev['accuracy'])
       row['test_loss'] = float(ev['loss'])
     if local_evaluate is not None and should(config.local_eval_every, r):

@@ -123,6 +123,17 @@ def test_perturbations_by_hand():
   eps = client.asam(1.0, 0.0)(params, grads)
   np.testing.assert_allclose(eps['a'], [3 / 13**0.5, 0.0], rtol=1e-6)
   np.testing.assert_allclose(eps['b'], [0.25 * 4 / 13**0.5], rtol=1e-6)
+  # A leaf named 'bias' is not normalised (T = 1): with eta 0.5,
+  # T = (1.5, 2.5) for the kernel, T g = (4.5, 0, 4), norm sqrt(36.25).
+  layer = {'kernel': params['a'], 'bias': params['b']}
+  eps = client.asam(2.0, 0.5)(
+    {'Dense_0': layer}, {'Dense_0': {'kernel': grads['a'], 'bias': grads['b']}}
+  )['Dense_0']
+  norm = 36.25**0.5
+  np.testing.assert_allclose(
+    eps['kernel'], [2 * 1.5**2 * 3 / norm, 0.0], rtol=1e-6
+  )
+  np.testing.assert_allclose(eps['bias'], [2 * 4 / norm], rtol=1e-6)
 
 
 def test_two_pass_step_keeps_steps_and_rho_zero_is_plain_sgd():

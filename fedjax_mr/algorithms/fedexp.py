@@ -1,0 +1,189 @@
+"""FedExP: FedAvg with an adaptive server step size (extrapolation).
+
+With the K uploaded models w_i, the global model w_t and the pseudo-
+gradients Delta_i = w_t - w_i, Delta = sum_i p_i Delta_i, the server sets
+
+  eta_g = max(1, sum_i p_i ||Delta_i||^2 / (2 (||Delta||^2 + eps)))
+  w_{t+1} = w_t - eta_g Delta
+
+(p_i = 1/K, the paper's plain mean, by default; by numbers of examples
+with `weighted`). Since sum_i p_i ||Delta_i||^2 >= ||Delta||^2, eta_g only
+exceeds 1 when the clients disagree: FedAvg's step is extrapolated when
+averaging has shrunk it. The update is computed as
+w_{t+1} = wbar + (eta_g - 1) (wbar - w_t) with wbar the clients' mean, so
+that eta_g = 1 gives FedAvg's model bit for bit.
+
+The iterates oscillate, so the paper evaluates the average of the last two,
+(w_t + w_{t+1}) / 2; this is the model `evaluated` returns (the algorithm's
+`types.Algorithm.evaluated`), and what the experiment reports as the global
+model (`average_last_two=False` evaluates w_{t+1} itself). Clients always
+start from w_{t+1}.
+
+The step size acts on the trainable parameters (norms over them too);
+BatchNorm statistics are averaged as in FedAvg.
+
+eps defaults to 1e-3, the paper's value for its neural-network experiments.
+
+References:
+  Jhunjhunwala, Wang and Joshi, "FedExP: Speeding Up Federated Averaging
+  via Extrapolation", ICLR 2023.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_mr.algorithms import fedavg
+from fedjax_mr.core import errors
+from fedjax_mr.core import types
+from fedjax_mr.training import client
+
+
+class FedExPState(NamedTuple):
+  """Attributes:
+  params: the global model w_t (all variables); clients start from it.
+  previous: w_{t-1} (the initial model before the first round).
+  """
+
+  params: types.Variables
+  previous: types.Variables
+
+
+@dataclasses.dataclass(frozen=True)
+class Hparams:
+  """FedExP's eps and which model is evaluated."""
+
+  epsilon: float = dataclasses.field(
+    default=1e-3,
+    metadata={
+      'help': 'eps in the step size max(1, sum p_i |D_i|^2 / (2 (|D|^2 + '
+      'eps))) (paper: 1e-3); a huge value gives FedAvg.'
+    },
+  )
+  average_last_two: bool = dataclasses.field(
+    default=True,
+    metadata={
+      'help': 'Evaluate the average of the last two global models, as the '
+      'paper does (else the last one).'
+    },
+  )
+
+  def validate(self, **setting) -> None:
+    """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
+    del setting
+    if not (self.epsilon >= 0 and math.isfinite(self.epsilon)):
+      raise errors.ArgumentError(
+        'epsilon', f'must be finite and >= 0, got {self.epsilon}'
+      )
+
+
+def _sq_norm(t: types.PyTree) -> jax.Array:
+  return sum(
+    jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(t)
+  )
+
+
+def step_size(
+  deltas: types.PyTree, weights: jax.Array, epsilon: float
+) -> jax.Array:
+  """eta_g = max(1, sum_i p_i ||Delta_i||^2 / (2 (||Delta||^2 + eps))).
+
+  Args:
+    deltas: the K pseudo-gradients, leaves `[K, ...]`.
+    weights: `[K]` p_i, summing to 1.
+    epsilon: eps >= 0.
+
+  Returns:
+    float32 scalar.
+  """
+  per_client = jax.vmap(_sq_norm)(deltas)
+  mean = jax.tree.map(
+    lambda d: jnp.tensordot(weights, d.astype(jnp.float32), axes=1), deltas
+  )
+  ratio = jnp.sum(weights * per_client) / (2 * (_sq_norm(mean) + epsilon))
+  return jnp.maximum(jnp.float32(1), ratio)
+
+
+def fedexp(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  epsilon: float = 1e-3,
+  weighted: bool = False,
+  average_last_two: bool = True,
+) -> types.Algorithm:
+  """Builds FedExP.
+
+  Args:
+    local: how clients train (model, optimizer, E, B).
+    clients_per_round: K.
+    epsilon: eps, >= 0.
+    weighted: p_i by numbers of examples instead of the paper's 1/K.
+    average_last_two: evaluate (w_t + w_{t+1}) / 2 (the paper) instead of
+      w_{t+1}.
+
+  Returns:
+    An `Algorithm` with server state `FedExPState` and an `evaluated`
+    function; FedAvg's clients. Metrics: 'bytes_communicated' (FedAvg's)
+    and 'global_lr' (eta_g).
+  """
+  Hparams(epsilon, average_last_two).validate()
+  base = fedavg.fedavg(local, clients_per_round, weighted)
+  k = int(clients_per_round)
+
+  def init(variables):
+    return FedExPState(params=variables, previous=variables)
+
+  def dispatch(state, client_ids, round_index, key):
+    del client_ids, round_index, key
+    return types.Dispatch(shared=state.params)
+
+  def aggregate(state, outputs, client_ids, round_index, key):
+    del client_ids, round_index, key
+    n = outputs.num_examples.astype(jnp.float32)
+    weights = n / jnp.sum(n) if weighted else jnp.full((k,), 1.0 / k)
+    mean = fedavg.server_aggregate(outputs, weighted)
+    w = state.params['params']
+    deltas = jax.tree.map(
+      lambda wi, g: g.astype(jnp.float32) - wi.astype(jnp.float32),
+      outputs.variables['params'],
+      w,
+    )
+    eta = step_size(deltas, weights, epsilon)
+    params = jax.tree.map(
+      lambda m, g: (m + (eta - 1) * (m - g)).astype(m.dtype), mean['params'], w
+    )
+    new = FedExPState(params={**mean, 'params': params}, previous=state.params)
+    return new, {
+      'bytes_communicated': fedavg.round_bytes(state.params, k),
+      'global_lr': eta,
+    }
+
+  def evaluated(state):
+    if not average_last_two:
+      return state.params
+    return jax.tree.map(
+      lambda a, b: ((a.astype(jnp.float32) + b) / 2).astype(a.dtype),
+      state.params,
+      state.previous,
+    )
+
+  return types.Algorithm(
+    init, dispatch, base.client_update, aggregate, evaluated=evaluated
+  )
+
+
+def build(setting: Any, hp: Hparams) -> types.Algorithm:
+  """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
+  return fedexp(
+    setting.local,
+    setting.clients_per_round,
+    hp.epsilon,
+    setting.weighted,
+    hp.average_last_two,
+  )
