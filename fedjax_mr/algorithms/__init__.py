@@ -1,8 +1,9 @@
 """Federated algorithms, one module per algorithm, both sides (server and
 client): `fedavg`, `fedprox`, `scaffold`, `fedexp`, `fedasam` (FedASAM and
-FedSAM), `fedmr` (FedMR, FedMR-p, Indep), `fedmut`; `registry` lists them
-for the experiment programs."""
+FedSAM), `clusamp` (clustered sampling), `fedmr` (FedMR, FedMR-p, Indep),
+`fedmut`; `registry` lists them for the experiment programs."""
 
+from fedjax_mr.algorithms import clusamp as clusamp
 from fedjax_mr.algorithms import fedasam as fedasam
 from fedjax_mr.algorithms import fedavg as fedavg
 from fedjax_mr.algorithms import fedexp as fedexp

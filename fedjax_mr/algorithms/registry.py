@@ -18,6 +18,7 @@ from typing import Callable
 from typing import Mapping
 from typing import NamedTuple
 
+from fedjax_mr.algorithms import clusamp
 from fedjax_mr.algorithms import fedasam
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.algorithms import fedexp
@@ -67,6 +68,7 @@ REGISTRY: dict[str, Entry] = {
   'fedexp': Entry(fedexp.Hparams, fedexp.build, 'uniform'),
   'fedasam': Entry(fedasam.Hparams, fedasam.build),
   'fedsam': Entry(fedasam.SamHparams, fedasam.build_sam),
+  'clusamp': Entry(clusamp.Hparams, clusamp.build, 'uniform', False, '', clusamp.VARIANTS),  # noqa: E501
   'scaffold': Entry(scaffold.Hparams, scaffold.build, 'uniform', False, '', scaffold.VARIANTS),  # noqa: E501
   'fedmr': Entry(fedmr.Hparams, fedmr.build, 'uniform', True, '', fedmr.VARIANTS),  # noqa: E501
   'fedmr_p': Entry(fedmr.PHparams, fedmr.build_p, 'uniform', True, 'fedmr', fedmr.P_VARIANTS),  # noqa: E501
