@@ -26,18 +26,27 @@ class CNNMnist(nn.Module):
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+    self,
+    x: jax.Array,
+    train: bool = False,
+    mask: jax.Array | None = None,
+    *,
+    features_only: bool = False,
+    from_features: bool = False,
   ) -> jax.Array:
     del train, mask
-    x = nn.relu(
-      layers.max_pool_2x2(layers.Conv(20, (5, 5), padding='VALID')(x))
-    )
-    x = nn.relu(
-      layers.max_pool_2x2(layers.Conv(50, (5, 5), padding='VALID')(x))
-    )
-    x = x.reshape(x.shape[0], -1)
-    x = nn.relu(nn.Dense(50)(x))
-    return nn.Dense(self.num_classes)(x)
+    if not from_features:
+      x = nn.relu(
+        layers.max_pool_2x2(layers.Conv(20, (5, 5), padding='VALID')(x))
+      )
+      x = nn.relu(
+        layers.max_pool_2x2(layers.Conv(50, (5, 5), padding='VALID')(x))
+      )
+      x = x.reshape(x.shape[0], -1)
+      x = nn.relu(nn.Dense(50)(x))
+      if features_only:
+        return x
+    return nn.Dense(self.num_classes, name='Dense_1')(x)
 
 
 class CNNCifar(nn.Module):
@@ -50,17 +59,28 @@ class CNNCifar(nn.Module):
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+    self,
+    x: jax.Array,
+    train: bool = False,
+    mask: jax.Array | None = None,
+    *,
+    features_only: bool = False,
+    from_features: bool = False,
   ) -> jax.Array:
     del train, mask
-    x = layers.max_pool_2x2(nn.relu(layers.Conv(6, (5, 5), padding='VALID')(x)))
-    x = layers.max_pool_2x2(
-      nn.relu(layers.Conv(16, (5, 5), padding='VALID')(x))
-    )
-    x = x.reshape(x.shape[0], -1)
-    x = nn.relu(nn.Dense(120)(x))
-    x = nn.relu(nn.Dense(84)(x))
-    return nn.Dense(self.num_classes)(x)
+    if not from_features:
+      x = layers.max_pool_2x2(
+        nn.relu(layers.Conv(6, (5, 5), padding='VALID')(x))
+      )
+      x = layers.max_pool_2x2(
+        nn.relu(layers.Conv(16, (5, 5), padding='VALID')(x))
+      )
+      x = x.reshape(x.shape[0], -1)
+      x = nn.relu(nn.Dense(120)(x))
+      x = nn.relu(nn.Dense(84)(x))
+      if features_only:
+        return x
+    return nn.Dense(self.num_classes, name='Dense_2')(x)
 
 
 class CNNFemnist(nn.Module):
@@ -73,18 +93,27 @@ class CNNFemnist(nn.Module):
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+    self,
+    x: jax.Array,
+    train: bool = False,
+    mask: jax.Array | None = None,
+    *,
+    features_only: bool = False,
+    from_features: bool = False,
   ) -> jax.Array:
     del train, mask
-    x = nn.relu(
-      layers.max_pool_2x2(layers.Conv(16, (5, 5), padding='VALID')(x))
-    )
-    x = nn.relu(
-      layers.max_pool_2x2(layers.Conv(32, (5, 5), padding='VALID')(x))
-    )
-    x = x.reshape(x.shape[0], -1)
-    x = nn.relu(nn.Dense(256)(x))
-    return nn.Dense(self.num_classes)(x)
+    if not from_features:
+      x = nn.relu(
+        layers.max_pool_2x2(layers.Conv(16, (5, 5), padding='VALID')(x))
+      )
+      x = nn.relu(
+        layers.max_pool_2x2(layers.Conv(32, (5, 5), padding='VALID')(x))
+      )
+      x = x.reshape(x.shape[0], -1)
+      x = nn.relu(nn.Dense(256)(x))
+      if features_only:
+        return x
+    return nn.Dense(self.num_classes, name='Dense_1')(x)
 
 
 class CNNFedAvg(nn.Module):
@@ -95,11 +124,24 @@ class CNNFedAvg(nn.Module):
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+    self,
+    x: jax.Array,
+    train: bool = False,
+    mask: jax.Array | None = None,
+    *,
+    features_only: bool = False,
+    from_features: bool = False,
   ) -> jax.Array:
     del train, mask
-    x = layers.max_pool_2x2(nn.relu(layers.Conv(32, (5, 5), padding='SAME')(x)))
-    x = layers.max_pool_2x2(nn.relu(layers.Conv(64, (5, 5), padding='SAME')(x)))
-    x = x.reshape(x.shape[0], -1)
-    x = nn.relu(nn.Dense(512)(x))
-    return nn.Dense(self.num_classes)(x)
+    if not from_features:
+      x = layers.max_pool_2x2(
+        nn.relu(layers.Conv(32, (5, 5), padding='SAME')(x))
+      )
+      x = layers.max_pool_2x2(
+        nn.relu(layers.Conv(64, (5, 5), padding='SAME')(x))
+      )
+      x = x.reshape(x.shape[0], -1)
+      x = nn.relu(nn.Dense(512)(x))
+      if features_only:
+        return x
+    return nn.Dense(self.num_classes, name='Dense_1')(x)

@@ -84,13 +84,23 @@ class CharLSTM(nn.Module):
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+    self,
+    x: jax.Array,
+    train: bool = False,
+    mask: jax.Array | None = None,
+    *,
+    features_only: bool = False,
+    from_features: bool = False,
   ) -> jax.Array:
     """`x` `[B, T]` integer token ids → logits `[B, C]`."""
     del train, mask  # no dropout, no BatchNorm
-    h = nn.Embed(self.num_classes, self.embed_dim, name='embed')(
-      x.astype(jnp.int32)
-    )
-    for i in range(self.num_layers):
-      h = LSTMLayer(self.hidden, name=f'lstm{i}')(h)
-    return nn.Dense(self.num_classes, name='fc')(h[:, -1])
+    if not from_features:
+      h = nn.Embed(self.num_classes, self.embed_dim, name='embed')(
+        x.astype(jnp.int32)
+      )
+      for i in range(self.num_layers):
+        h = LSTMLayer(self.hidden, name=f'lstm{i}')(h)
+      x = h[:, -1]
+      if features_only:
+        return x
+    return nn.Dense(self.num_classes, name='fc')(x)

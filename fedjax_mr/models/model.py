@@ -23,7 +23,11 @@ class Model(NamedTuple):
   Attributes:
     name: registry name.
     module: a Flax linen module called as `module(x, train=..., mask=...)`
-      (`mask`: `[B]` real-example mask or None, used by BatchNorm).
+      (`mask`: `[B]` real-example mask or None, used by BatchNorm). Zoo
+      modules split at their last layer (the head, a Dense): with
+      `features_only=True` they return the representation the head takes,
+      with `from_features=True` they apply the head alone to such a
+      representation (see `apply_train_features`, `apply_head`).
     input_shape: one example's shape, e.g. `(28, 28, 1)`.
     num_classes: number of logits.
     input_dtype: dtype of the model input (float32 for images; int32 for
@@ -76,6 +80,49 @@ class Model(NamedTuple):
   def apply_eval(self, variables: types.Variables, x: jax.Array) -> jax.Array:
     """Inference-mode forward pass: logits `[B, C]`."""
     return self.module.apply(variables, x, train=False)
+
+  def apply_train_features(
+    self,
+    variables: types.Variables,
+    x: jax.Array,
+    key: jax.Array,
+    mask: jax.Array | None = None,
+  ) -> tuple[jax.Array, jax.Array, types.Variables]:
+    """`apply_train` that also returns the representation (the input of
+    the head), from one pass through the network.
+
+    Returns:
+      `(logits [B, C], representation [B, D], state)`, the logits equal to
+      `apply_train`'s.
+    """
+    mutable = [k for k in variables if k != 'params']
+    kwargs = dict(
+      train=True, mask=mask, rngs={'dropout': key}, features_only=True
+    )
+    if mutable:
+      feats, state = self.module.apply(variables, x, mutable=mutable, **kwargs)
+      state = dict(state)
+    else:
+      feats, state = self.module.apply(variables, x, **kwargs), {}
+    return self.apply_head(variables, feats), feats, state
+
+  def apply_head(
+    self, variables: types.Variables, features: jax.Array
+  ) -> jax.Array:
+    """The head alone on representations `[B, D]`: logits `[B, C]`."""
+    return self.module.apply(
+      variables, features, train=False, from_features=True
+    )
+
+  def feature_dim(self) -> int:
+    """D, the size of the representation the head takes."""
+    variables = jax.eval_shape(self.init, jax.random.key(0))
+    x = jnp.zeros((1, *self.input_shape), self.input_dtype)
+    out = jax.eval_shape(
+      lambda v: self.module.apply(v, x, train=False, features_only=True),
+      variables,
+    )
+    return int(out.shape[-1])
 
 
 class _Entry(NamedTuple):

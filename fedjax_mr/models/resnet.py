@@ -99,17 +99,26 @@ class ResNet20(nn.Module):
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+    self,
+    x: jax.Array,
+    train: bool = False,
+    mask: jax.Array | None = None,
+    *,
+    features_only: bool = False,
+    from_features: bool = False,
   ) -> jax.Array:
-    x = _conv(16, 3, name='conv1')(x)
-    for i, (planes, stride) in enumerate(((16, 1), (32, 2), (64, 2))):
-      for j in range(2):
-        x = PreActBottleneck(
-          planes, stride if j == 0 else 1, name=f'layer{i + 1}_{j}'
-        )(x, train, mask)
-    if self.final_bn_relu:
-      x = nn.relu(layers.batch_norm(x, train, mask, 'bn'))
-    x = jnp.mean(x, axis=(1, 2))
+    if not from_features:
+      x = _conv(16, 3, name='conv1')(x)
+      for i, (planes, stride) in enumerate(((16, 1), (32, 2), (64, 2))):
+        for j in range(2):
+          x = PreActBottleneck(
+            planes, stride if j == 0 else 1, name=f'layer{i + 1}_{j}'
+          )(x, train, mask)
+      if self.final_bn_relu:
+        x = nn.relu(layers.batch_norm(x, train, mask, 'bn'))
+      x = jnp.mean(x, axis=(1, 2))
+      if features_only:
+        return x
     return nn.Dense(self.num_classes, name='linear')(x)
 
 
@@ -149,16 +158,25 @@ class ResNet18(nn.Module):
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+    self,
+    x: jax.Array,
+    train: bool = False,
+    mask: jax.Array | None = None,
+    *,
+    features_only: bool = False,
+    from_features: bool = False,
   ) -> jax.Array:
-    x = _conv(64, 3, name='conv1')(x)
-    x = nn.relu(layers.batch_norm(x, train, mask, 'bn1'))
-    for i, (planes, stride) in enumerate(
-      ((64, 1), (128, 2), (256, 2), (512, 2))
-    ):
-      for j in range(2):
-        x = BasicBlock(
-          planes, stride if j == 0 else 1, name=f'layer{i + 1}_{j}'
-        )(x, train, mask)
-    x = jnp.mean(x, axis=(1, 2))
+    if not from_features:
+      x = _conv(64, 3, name='conv1')(x)
+      x = nn.relu(layers.batch_norm(x, train, mask, 'bn1'))
+      for i, (planes, stride) in enumerate(
+        ((64, 1), (128, 2), (256, 2), (512, 2))
+      ):
+        for j in range(2):
+          x = BasicBlock(
+            planes, stride if j == 0 else 1, name=f'layer{i + 1}_{j}'
+          )(x, train, mask)
+      x = jnp.mean(x, axis=(1, 2))
+      if features_only:
+        return x
     return nn.Dense(self.num_classes, name='linear')(x)

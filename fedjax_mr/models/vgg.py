@@ -65,18 +65,27 @@ class VGG16(nn.Module):
 
   @nn.compact
   def __call__(
-    self, x: jax.Array, train: bool = False, mask: jax.Array | None = None
+    self,
+    x: jax.Array,
+    train: bool = False,
+    mask: jax.Array | None = None,
+    *,
+    features_only: bool = False,
+    from_features: bool = False,
   ) -> jax.Array:
-    i = 0
-    for v in VGG16_PATTERN:
-      if v == 'M':
-        x = max_pool_2x2_ceil(x)
-        continue
-      x = layers.Conv(v, (3, 3), padding=((1, 1), (1, 1)), name=f'conv{i}')(x)
-      x = nn.relu(layers.batch_norm(x, train, mask, f'bn{i}'))
-      i += 1
-    x = jnp.max(x, axis=(1, 2))  # [B, 512]; the identity on a 1×1 map
-    for j in range(2):
-      x = nn.relu(nn.Dense(4096, name=f'fc{j}')(x))
-      x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+    if not from_features:
+      i = 0
+      for v in VGG16_PATTERN:
+        if v == 'M':
+          x = max_pool_2x2_ceil(x)
+          continue
+        x = layers.Conv(v, (3, 3), padding=((1, 1), (1, 1)), name=f'conv{i}')(x)
+        x = nn.relu(layers.batch_norm(x, train, mask, f'bn{i}'))
+        i += 1
+      x = jnp.max(x, axis=(1, 2))  # [B, 512]; the identity on a 1×1 map
+      for j in range(2):
+        x = nn.relu(nn.Dense(4096, name=f'fc{j}')(x))
+        x = nn.Dropout(self.dropout_rate, deterministic=not train)(x)
+      if features_only:
+        return x
     return nn.Dense(self.num_classes, name='fc2')(x)

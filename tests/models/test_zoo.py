@@ -203,3 +203,43 @@ def test_registry_lists_the_zoo():
   assert {'resnet20', 'resnet18', 'vgg16', 'char_lstm'} <= set(model_lib.NAMES)
   with pytest.raises(errors.ConfigError, match='--model.*resnet20'):
     model_lib.get('resnet1000', 10, (32, 32, 3))
+
+
+@pytest.mark.parametrize(
+  'name,classes,shape,dim,head',
+  [
+    ('cnn_mnist', 10, (28, 28, 1), 50, 'Dense_1'),
+    ('cnn_cifar', 10, (32, 32, 3), 84, 'Dense_2'),
+    ('cnn_femnist', 62, (28, 28, 1), 256, 'Dense_1'),
+    ('cnn_fedavg', 10, (28, 28, 1), 512, 'Dense_1'),
+    ('resnet20', 10, (8, 8, 3), 256, 'linear'),
+    ('resnet18', 10, (8, 8, 3), 512, 'linear'),
+    ('vgg16', 10, (8, 8, 3), 4096, 'fc2'),
+    ('char_lstm', 12, (5,), 256, 'fc'),
+  ],
+)
+def test_split_at_the_head_is_the_whole_network(
+  name, classes, shape, dim, head
+):
+  # The representation (input of the last Dense) and the head alone give
+  # apply_train's logits and state; the parameter names stay those of the
+  # whole network (checkpoints and FedMR's layer order do not change).
+  m = model_lib.get(name, classes, shape)
+  assert m.feature_dim() == dim
+  assert _abstract(m)['params'][head]['kernel'].shape == (dim, classes)
+  if name in ('resnet18', 'vgg16'):
+    return  # large: the same split as resnet20 / the CNNs, shapes above
+  v = m.init(jax.random.key(0))
+  if name == 'char_lstm':
+    x = jax.random.randint(jax.random.key(1), (3, *shape), 0, classes)
+  else:
+    x = jax.random.uniform(jax.random.key(1), (3, *shape))
+  mask = jnp.array([1.0, 1.0, 0.0])
+  logits, state = m.apply_train(v, x, jax.random.key(2), mask)
+  split, feats, split_state = m.apply_train_features(
+    v, x, jax.random.key(2), mask
+  )
+  assert feats.shape == (3, dim)
+  np.testing.assert_array_equal(split, logits)
+  jax.tree.map(np.testing.assert_array_equal, split_state, state)
+  np.testing.assert_allclose(m.apply_head(v, feats), logits, rtol=1e-6)
