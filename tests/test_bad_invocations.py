@@ -69,6 +69,11 @@ CASES = {
     (['--algorithm=fedprox', '--fedprox_mu=-1'], '--fedprox_mu'),
     (['--algorithm=fedmut', '--fedmut_alpha=nan'], '--fedmut_alpha'),
     (['--algorithm=fedavg', '--fedmut_alpha=2'], '--fedmut_alpha'),
+    (['--algorithm=fedexp', '--fedexp_epsilon=-1'], '--fedexp_epsilon'),
+    (['--algorithm=fedasam', '--fedasam_rho=nan'], '--fedasam_rho'),
+    (['--algorithm=fedsam', '--fedasam_eta=0.5'], '--fedasam_eta'),
+    (['--algorithm=clusamp', '--clusamp_distance=l3'], '--clusamp_distance'),
+    (['--algorithm=clusamp', '--weighting=examples'], '--weighting'),
     (
       ['--algorithm=scaffold', '--scaffold_control_steps=x'],
       '--scaffold_control_steps',
