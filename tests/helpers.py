@@ -21,14 +21,19 @@ class Linear(nn.Module):
   zero_init: bool = False
 
   @nn.compact
-  def __call__(self, x, train=False, mask=None):
+  def __call__(
+    self, x, train=False, mask=None, *, features_only=False, from_features=False
+  ):
+    # The representation is the flattened input (the zoo's split).
     del train, mask
     init = (
       nn.initializers.zeros if self.zero_init else nn.linear.default_kernel_init
     )
-    return nn.Dense(self.num_classes, kernel_init=init)(
-      x.reshape(x.shape[0], -1)
-    )
+    if not from_features:
+      x = x.reshape(x.shape[0], -1)
+      if features_only:
+        return x
+    return nn.Dense(self.num_classes, kernel_init=init, name='Dense_0')(x)
 
 
 def linear_model(num_classes=3, shape=(2, 2, 1), zero_init=False):
@@ -65,11 +70,18 @@ class LinearBN(nn.Module):
   num_classes: int
 
   @nn.compact
-  def __call__(self, x, train=False, mask=None):
-    h = nn.Dense(6)(x.reshape(x.shape[0], -1))
-    m = None if mask is None else (mask[:, None] > 0)
-    h = nn.BatchNorm(use_running_average=not train, momentum=0.8)(h, mask=m)
-    return nn.Dense(self.num_classes)(nn.relu(h))
+  def __call__(
+    self, x, train=False, mask=None, *, features_only=False, from_features=False
+  ):
+    # The representation is the input of the last Dense (the zoo's split).
+    if not from_features:
+      h = nn.Dense(6, name='Dense_0')(x.reshape(x.shape[0], -1))
+      m = None if mask is None else (mask[:, None] > 0)
+      h = nn.BatchNorm(use_running_average=not train, momentum=0.8)(h, mask=m)
+      x = nn.relu(h)
+      if features_only:
+        return x
+    return nn.Dense(self.num_classes, name='Dense_1')(x)
 
 
 def linear_bn_model(num_classes=3, shape=(2, 2, 1)):

@@ -74,6 +74,10 @@ CASES = {
     (['--algorithm=fedsam', '--fedasam_eta=0.5'], '--fedasam_eta'),
     (['--algorithm=clusamp', '--clusamp_distance=l3'], '--clusamp_distance'),
     (['--algorithm=clusamp', '--weighting=examples'], '--weighting'),
+    (['--algorithm=moon', '--moon_temperature=0'], '--moon_temperature'),
+    (['--algorithm=moon', '--moon_projection_dim=-2'], '--moon_projection_dim'),
+    (['--algorithm=fedgen', '--fedgen_decay=0'], '--fedgen_decay'),
+    (['--algorithm=fedavg', '--fedgen_noise_dim=8'], '--fedgen_noise_dim'),
     (
       ['--algorithm=scaffold', '--scaffold_control_steps=x'],
       '--scaffold_control_steps',

@@ -4,10 +4,12 @@ An entry names the algorithm's hyper-parameter dataclass (each field is a
 flag `--<prefix>_<field>`, or the field's `metadata['flag']`), its factory
 `factory(setting, hparams) -> Algorithm`, its default aggregation weights
 ('examples' or 'uniform', what `--weighting=auto` means for it), whether it
-keeps K different models (their accuracies are then evaluated too), and
-named variants for `experiments.compare`. The flags of `experiments.run`,
-the list of `--algorithm` choices and compare's variants are generated from
-here; adding an algorithm is one module and one line below.
+keeps K different models (their accuracies are then evaluated too),
+named variants for `experiments.compare`, and optionally how it changes
+the network the clients train (MOON's projection head). The flags of
+`experiments.run`, the list of `--algorithm` choices and compare's
+variants are generated from here; adding an algorithm is one module and
+one line below.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from fedjax_mr.algorithms import clusamp
 from fedjax_mr.algorithms import fedasam
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.algorithms import fedexp
+from fedjax_mr.algorithms import fedgen
 from fedjax_mr.algorithms import fedmr
 from fedjax_mr.algorithms import fedmut
 from fedjax_mr.algorithms import fedprox
+from fedjax_mr.algorithms import moon
 from fedjax_mr.algorithms import scaffold
 from fedjax_mr.core import types
+from fedjax_mr.models import model as model_lib
 from fedjax_mr.training import client
 
 
@@ -58,9 +63,13 @@ class Entry(NamedTuple):
   multi_model: bool = False
   prefix: str = ''
   variants: Mapping[str, Mapping[str, Any]] = {}
+  # model(zoo model, hparams) -> the network the algorithm trains; None:
+  # the zoo model unchanged.
+  model: Callable[[model_lib.Model, Any], model_lib.Model] | None = None
 
 
-# name: Entry(hparams, factory, weighting, multi_model, prefix, variants)
+# name: Entry(hparams, factory, weighting, multi_model, prefix, variants,
+#             model)
 # fmt: off
 REGISTRY: dict[str, Entry] = {
   'fedavg': Entry(fedavg.Hparams, fedavg.build),
@@ -68,7 +77,9 @@ REGISTRY: dict[str, Entry] = {
   'fedexp': Entry(fedexp.Hparams, fedexp.build, 'uniform'),
   'fedasam': Entry(fedasam.Hparams, fedasam.build),
   'fedsam': Entry(fedasam.SamHparams, fedasam.build_sam),
+  'fedgen': Entry(fedgen.Hparams, fedgen.build),
   'clusamp': Entry(clusamp.Hparams, clusamp.build, 'uniform', False, '', clusamp.VARIANTS),  # noqa: E501
+  'moon': Entry(moon.Hparams, moon.build, 'examples', False, '', {}, moon.wrap_model),  # noqa: E501
   'scaffold': Entry(scaffold.Hparams, scaffold.build, 'uniform', False, '', scaffold.VARIANTS),  # noqa: E501
   'fedmr': Entry(fedmr.Hparams, fedmr.build, 'uniform', True, '', fedmr.VARIANTS),  # noqa: E501
   'fedmr_p': Entry(fedmr.PHparams, fedmr.build_p, 'uniform', True, 'fedmr', fedmr.P_VARIANTS),  # noqa: E501
@@ -88,6 +99,13 @@ def get(name: str) -> Entry:
       f'unknown algorithm {name!r}; choose one of {", ".join(REGISTRY)}'
     )
   return REGISTRY[name]
+
+
+def model_for(name: str, model: model_lib.Model, hp: Any) -> model_lib.Model:
+  """The network algorithm `name` (hyper-parameters `hp`) trains, built
+  from the zoo model `model`."""
+  wrap = get(name).model
+  return model if wrap is None else wrap(model, hp)
 
 
 def flag_name(name: str, field: dataclasses.Field) -> str:

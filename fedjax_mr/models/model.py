@@ -106,6 +106,12 @@ class Model(NamedTuple):
       feats, state = self.module.apply(variables, x, **kwargs), {}
     return self.apply_head(variables, feats), feats, state
 
+  def apply_features(
+    self, variables: types.Variables, x: jax.Array
+  ) -> jax.Array:
+    """Inference-mode representation (the head's input) `[B, D]`."""
+    return self.module.apply(variables, x, train=False, features_only=True)
+
   def apply_head(
     self, variables: types.Variables, features: jax.Array
   ) -> jax.Array:

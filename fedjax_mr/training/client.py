@@ -1,11 +1,12 @@
 """Local training of one client, in reusable pieces.
 
 `make_local_update` builds the local SGD loop every algorithm's client
-update is assembled from; its hooks add an extra loss term (FedProx,
-MOON), correct the gradient (SCAFFOLD) or take a two-pass sharpness-aware
-step (SAM/ASAM, for FedASAM). Every hook receives the per-call `context`
-(e.g. the global model, the controls), so one built update serves all
-clients and rounds.
+update is assembled from; its hooks add an extra loss term on the
+parameters (FedProx) or on the representation of the same forward pass
+(MOON, FedGen), correct the gradient (SCAFFOLD) or take a two-pass
+sharpness-aware step (SAM/ASAM, for FedASAM). Every hook receives the
+per-call `context` (e.g. the global model, the controls), so one built
+update serves all clients and rounds.
 
 Exact step counts, no padding steps:
 
@@ -33,6 +34,9 @@ from jax import lax
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.models import model as model_lib
+
+# fold_in tag of the key a representation_loss hook receives.
+_HOOK = 0x4F4B
 
 
 def epoch_permutation(key: jax.Array, n_max: int, n: jax.Array) -> jax.Array:
@@ -97,6 +101,13 @@ class Batch(NamedTuple):
 # mean task loss (only its gradient matters; the reported loss is the task
 # loss alone).
 LossTerm = Callable[[types.PyTree, Any, Batch], jax.Array]
+# representation_loss(features, params, context, batch, key) -> float32
+# scalar added to each step's mean task loss; `features` `[B, D]` is the
+# representation (the head's input) from the step's own forward pass, with
+# its gradient (MOON's contrastive term, FedGen's generated-feature term).
+RepresentationLoss = Callable[
+  [jax.Array, types.PyTree, Any, Batch, jax.Array], jax.Array
+]
 # grad_correction(grads, params, context) -> grads, applied before the
 # optimizer.
 GradCorrection = Callable[[types.PyTree, types.PyTree, Any], types.PyTree]
@@ -167,6 +178,7 @@ def make_local_update(
   local: LocalTraining,
   *,
   loss_term: LossTerm | None = None,
+  representation_loss: RepresentationLoss | None = None,
   grad_correction: GradCorrection | None = None,
   perturbation: Perturbation | None = None,
 ) -> LocalUpdate:
@@ -174,8 +186,9 @@ def make_local_update(
 
   A fresh optimizer state is made per call (momentum starts at zero), as in
   the papers' reference code. Each step: the gradient of the batch's mean
-  task loss (+ `loss_term`), taken at `params + perturbation(params, g)`
-  when a perturbation is given (a second forward/backward pass; BatchNorm
+  task loss (+ `loss_term`, + `representation_loss`), taken at
+  `params + perturbation(params, g)` when a perturbation is given (a
+  second forward/backward pass; BatchNorm
   statistics come from the first pass), then `grad_correction`, then the
   optimizer. Step counts and the masked last batch are the same with every
   hook.
@@ -183,6 +196,10 @@ def make_local_update(
   Args:
     local: the shared pieces (model, optimizer, E, B).
     loss_term: extra loss `(params, context, batch) -> scalar`.
+    representation_loss: extra loss `(features, params, context, batch,
+      key) -> scalar` on the step's representation (from
+      `model.apply_train_features`, the same forward pass; `key` is the
+      step's key, folded for the hook).
     grad_correction: `(grads, params, context) -> grads`.
     perturbation: `(params, grads) -> eps`, e.g. `sam(rho)`, `asam(rho,
       eta)`.
@@ -196,12 +213,23 @@ def make_local_update(
   local_epochs, batch_size = local.local_epochs, local.batch_size
 
   def loss_fn(params, state, batch, key, context):
-    logits, new_state = model.apply_train(
-      {'params': params, **state}, batch.x, key, mask=batch.mask
-    )
+    variables = {'params': params, **state}
+    if representation_loss is None:
+      logits, new_state = model.apply_train(
+        variables, batch.x, key, mask=batch.mask
+      )
+    else:
+      logits, feats, new_state = model.apply_train_features(
+        variables, batch.x, key, mask=batch.mask
+      )
     mean_loss, total = masked_cross_entropy(logits, batch.y, batch.mask)
     if loss_term is not None:
       mean_loss = mean_loss + loss_term(params, context, batch)
+    if representation_loss is not None:
+      hook_key = jax.random.fold_in(key, _HOOK)
+      mean_loss = mean_loss + representation_loss(
+        feats, params, context, batch, hook_key
+      )
     return mean_loss, (new_state, total)
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)

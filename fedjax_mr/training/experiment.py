@@ -194,6 +194,9 @@ def setup(config: config_lib.ExperimentConfig) -> Experiment:
     dataset.input_shape,
     dataset=config.dataset,
   )
+  model = registry.model_for(
+    config.algorithm, model, config_lib.hparams(config)
+  )
   parts = make_partition(config, dataset.y_train, dataset.clients)
   data = client_data_lib.from_partition(
     dataset.x_train, dataset.y_train, parts, dataset.scale, dataset.shift

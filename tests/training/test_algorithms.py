@@ -85,13 +85,17 @@ def test_crash_and_resume_equals_uninterrupted(small_config, tmp_path, changes):
     assert sent == [plain] * cfg.rounds
 
 
-@pytest.mark.parametrize('algorithm', ['scaffold', 'fedexp', 'clusamp'])
+@pytest.mark.parametrize(
+  'algorithm', ['scaffold', 'fedexp', 'clusamp', 'moon', 'fedgen']
+)
 def test_single_model_algorithms_resume_exactly(
   small_config, tmp_path, algorithm
 ):
-  # Per-client state (SCAFFOLD's controls), server state beyond the model
+  # Per-client state (SCAFFOLD's controls, MOON's previous models on a
+  # network with a projection head), server state beyond the model
   # (FedExP's previous iterate, clustered sampling's N client updates that
-  # drive its sampler) survive a crash bit for bit. (FedASAM's state is
+  # drive its sampler, FedGen's generator and its Adam state) survive a
+  # crash bit for bit. (FedASAM's state is
   # FedAvg's.)
   cfg = dataclasses.replace(small_config, algorithm=algorithm)
   ref = experiment.train_and_evaluate(cfg, str(tmp_path / 'ref'), log=_quiet)
