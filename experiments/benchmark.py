@@ -3,6 +3,7 @@ r"""Benchmarks a federated round against the hardware limit.
   python -m experiments.benchmark                 # default setting
   python -m experiments.benchmark --matrix        # devices × sizes
   python -m experiments.benchmark --num_clients=10000 --clients_per_round=1000
+  python -m experiments.benchmark --algorithm=scaffold   # against FedAvg
 
 For one setting it prints: compile time; steady-state seconds per round
 (median over --rounds after a warm-up, `block_until_ready`); the *limit* —
@@ -21,6 +22,15 @@ of device 0 (large jitted products, measured in the same process) and the
 first setting's fraction of the float32 peak. The last lines are
 `round/pytorch ratio: X.XX` (with PyTorch) and `round/limit ratio: X.XX`
 for the first setting.
+
+`--algorithm` times another algorithm of the registry (its hyper-parameter
+flags as in `experiments.run`) on the same clients, and FedAvg beside it on
+the first device setting, round for round; it then also prints
+`round/fedavg ratio: X.XX`, the median ratio of the two algorithms' time
+per local step (equal to the ratio of round times when both train the same
+clients; clustered sampling draws its own). The limit and the PyTorch loop
+stay FedAvg's work on the algorithm's clients: what the algorithm's extra
+computation costs shows in those ratios too.
 """
 
 from __future__ import annotations
@@ -66,6 +76,10 @@ flags.DEFINE_bool(
 flags.DEFINE_integer(
   'threads', 0, 'PyTorch intra-op threads on the CPU (0: all cores).'
 )
+flags.DEFINE_string(
+  'algorithm', 'fedavg', 'Algorithm to time (a name of the registry).'
+)
+ALGORITHM_FLAGS = cli.define_algorithm_flags()
 FLAGS = flags.FLAGS
 
 
@@ -83,15 +97,11 @@ def _setup(sizes):
   from fedjax_mr.data import datasets
   from fedjax_mr.data import partition
   from fedjax_mr.models import model as model_lib
-  from fedjax_mr.training import client
 
   ds = datasets.load(FLAGS.dataset, FLAGS.data_dir or None)
-  model = model_lib.get(FLAGS.model, ds.num_classes, ds.input_shape)
+  base = model_lib.get(FLAGS.model, ds.num_classes, ds.input_shape)
   opt = optax.sgd(0.01, momentum=0.9)
-  local = client.LocalTraining(
-    model, opt, FLAGS.local_epochs, FLAGS.batch_size, 0.01, 0.9
-  )
-  variables = model.init(jax.random.key(0))
+  variables = base.init(jax.random.key(0))
   n = FLAGS.num_clients
   # The papers' minimum of 10 examples per client, relaxed when N is so
   # large that the average client holds fewer than 20.
@@ -107,7 +117,48 @@ def _setup(sizes):
     k: client_data.from_partition(ds.x_train, ds.y_train, p, ds.scale, ds.shift)
     for k, p in parts.items()
   }
-  return ds, model, opt, local, variables, data, parts
+  # The requested algorithm with its flags; FedAvg beside it with none.
+  options = cli.algorithm_options(ALGORITHM_FLAGS)
+  algorithms = {FLAGS.algorithm: _algorithm(FLAGS.algorithm, base, options)}
+  if FLAGS.algorithm != 'fedavg':
+    algorithms['fedavg'] = _algorithm('fedavg', base, {})
+  return ds, base, opt, variables, data, parts, algorithms
+
+
+def _algorithm(name, base, options):
+  """`(algorithm, its model's initial variables)` for registry entry
+  `name`, with hyper-parameter flags `options` and the benchmark's
+  setting."""
+  import jax
+
+  from fedjax_mr.algorithms import registry
+  from fedjax_mr.training import config as config_lib
+  from fedjax_mr.training import experiment
+
+  config = _config(name, options)
+  config_lib.validate(config)
+  model = registry.model_for(name, base, config_lib.hparams(config))
+  variables = model.init(jax.random.key(0))
+  return experiment.build_algorithm(config, model, variables), variables
+
+
+def _config(name, options):
+  """The experiment config of the benchmark's setting for algorithm
+  `name` (its hyper-parameter flags `options`)."""
+  from fedjax_mr.training import config as config_lib
+
+  return config_lib.ExperimentConfig(
+    algorithm=name,
+    dataset=FLAGS.dataset,
+    model=FLAGS.model,
+    num_clients=FLAGS.num_clients,
+    clients_per_round=FLAGS.clients_per_round,
+    local_epochs=FLAGS.local_epochs,
+    batch_size=FLAGS.batch_size,
+    lr=0.01,
+    momentum=0.9,
+    **options,
+  )
 
 
 def _limit_fn(model, opt, variables, data, b):
@@ -235,14 +286,12 @@ def _torch_loop(ds, parts, sizes, variables):
   return loop
 
 
-def _prepare(setting, devices, local, variables, data):
+def _prepare(setting, devices, data, name, algorithm, variables):
   """Compiles one setting's round and times its server-side work alone."""
   import jax
+  import jax.numpy as jnp
   import numpy as np
 
-  from fedjax_mr.algorithms import fedavg
-  from fedjax_mr.core import tree
-  from fedjax_mr.core import types
   from fedjax_mr.training import engine
 
   k = FLAGS.clients_per_round
@@ -250,43 +299,55 @@ def _prepare(setting, devices, local, variables, data):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:d]), ('clients',))
   platform = jax.devices()[0].platform
   chunk = FLAGS.client_chunk or (1 if platform == 'cpu' else k // d)
-  server = fedavg.fedavg(local, k)
   round_fn = jax.jit(
     engine.make_round_fn(
-      server,
+      algorithm,
       clients_per_round=k,
       client_chunk=chunk,
       mesh=mesh if d > 1 else None,
     )
   )
-  state = engine.init_state(server, variables, data.num_clients)
+  state = engine.init_state(algorithm, variables, data.num_clients)
   key = jax.random.key(1)
   t = time.perf_counter()
   compiled = round_fn.lower(state, data, key).compile()
   compile_s = time.perf_counter() - t
 
-  # Server-side work alone: dispatch + aggregate on stacked client outputs.
-  ids = jax.numpy.arange(k, dtype=jax.numpy.int32)
+  # Server-side work alone: sampling (when the algorithm has its own
+  # sampler), dispatch and aggregate on stand-in uploads of the right
+  # layout (the client update's output for K clients, as ones).
+  ids = jnp.arange(k, dtype=jnp.int32)
+  one_client = jax.tree.map(lambda x: x[0], state.clients)
+  sent = jax.eval_shape(algorithm.dispatch, state.server, ids, state.round, key)
+  per_client = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), sent.per_client
+  )
+  upload = jax.eval_shape(
+    algorithm.client_update,
+    sent.shared,
+    per_client,
+    one_client,
+    data,
+    ids[0],
+    key,
+  )[0]
+  outputs = jax.tree.map(lambda s: jnp.ones((k, *s.shape), s.dtype), upload)
 
-  def server_only(st, variables_k):
-    out = types.ClientOutput(
-      variables_k,
-      jax.numpy.ones((k,), jax.numpy.int32),
-      jax.numpy.zeros((k,)),
-      jax.numpy.ones((k,), jax.numpy.int32),
-    )
-    inputs = server.dispatch(st.server, ids, st.round, key)
-    new, _ = server.aggregate(st.server, out, ids, st.round, key)
+  def server_only(st, out):
+    if algorithm.sampler is not None:
+      algorithm.sampler(key, st.round, st.server, data)
+    inputs = algorithm.dispatch(st.server, ids, st.round, key)
+    new, _ = algorithm.aggregate(st.server, out, ids, st.round, key)
     return new, inputs
 
-  stacked = tree.broadcast(state.server.params, k)
   srv = jax.jit(server_only)
-  _block(srv(state, stacked))
+  _block(srv(state, outputs))
   t = time.perf_counter()
   for _ in range(10):
-    _block(srv(state, stacked))
+    _block(srv(state, outputs))
   server_s = (time.perf_counter() - t) / 10
   return {
+    'name': name,
     'setting': setting,
     'devices': d,
     'chunk': chunk,
@@ -302,9 +363,7 @@ def _prepare(setting, devices, local, variables, data):
   }
 
 
-def _bench_sizes(
-  sizes, devs, model, opt, local, variables, data, torch_loop=None
-):
+def _bench_sizes(sizes, devs, model, opt, variables, data, algorithms, loop):
   """Times the settings of one client-size kind, interleaved.
 
   After one warm-up round each, every timed round runs once per device
@@ -315,10 +374,16 @@ def _bench_sizes(
   each device speed-up is taken between runs seconds apart, so drifts in
   the machine's speed (large on shared 2-core machines) cancel.
   """
-  runs = [_prepare(sizes, dev, local, variables, data) for dev in devs]
+  torch_loop = loop
+  name = FLAGS.algorithm
+  runs = [_prepare(sizes, dev, data, name, *algorithms[name]) for dev in devs]
+  # FedAvg beside another algorithm, on the first device setting.
+  baseline = None
+  if name != 'fedavg':
+    baseline = _prepare(sizes, devs[0], data, 'fedavg', *algorithms['fedavg'])
   b = min(FLAGS.batch_size, int(data.max_size))
   limit, flops = _limit_fn(model, opt, variables, data, b)
-  for r in runs:  # warm-up
+  for r in ([baseline] if baseline else []) + runs:  # warm-up
     r['state'], m = r['step'](r['state'])
     _block(r['state'])
   if FLAGS.limit:
@@ -335,6 +400,12 @@ def _bench_sizes(
       r['steps'].append(int(m['num_steps']))
       r['examples'].append(int(m['num_examples']) * FLAGS.local_epochs)
       r['balance'].append(_balance(data, m['client_ids'], b, r['devices']))
+    if baseline is not None:
+      t = time.perf_counter()
+      baseline['state'], mb = baseline['step'](baseline['state'])
+      _block(baseline['state'])
+      baseline['times'].append(time.perf_counter() - t)
+      baseline['steps'].append(int(mb['num_steps']))
     steps = {r['steps'][-1] for r in runs}
     if len(steps) != 1:
       raise RuntimeError(f'device settings ran different steps: {steps}')
@@ -381,6 +452,17 @@ def _bench_sizes(
           [t / p for t, p in zip(times, torch_times)]
         )
         if torch_times
+        else None,
+        'fedavg_ratio': statistics.median(
+          (t / st) / (tb / sb)
+          for t, st, tb, sb in zip(
+            times, steps, baseline['times'], baseline['steps']
+          )
+        )
+        if baseline is not None and r is runs[0]
+        else None,
+        'fedavg_s': statistics.median(baseline['times'])
+        if baseline is not None and r is runs[0]
         else None,
       }
     )
@@ -447,6 +529,15 @@ def _check_flags():
     cli.fail(f"--devices must be '1', 'all' or a number, got {FLAGS.devices!r}")
   if FLAGS.devices.isdigit() and int(FLAGS.devices) < 1:
     cli.fail(f'--devices must be ≥ 1, got {FLAGS.devices}')
+  from fedjax_mr.core import errors
+  from fedjax_mr.training import config as config_lib
+
+  try:
+    config = _config(FLAGS.algorithm, cli.algorithm_options(ALGORITHM_FLAGS))
+    config_lib.validate(config)
+    config_lib.hparams(config)
+  except errors.UserError as e:
+    cli.fail(str(e))
 
 
 def main(argv):
@@ -471,13 +562,16 @@ def main(argv):
     if d > n_dev or k % d:
       cli.fail(f'--devices={dev}: need a divisor of K={k} and at most {n_dev}')
   try:
-    ds, model, opt, local, variables, data, parts = _setup({s for s, _ in runs})
+    ds, model, opt, variables, data, parts, algorithms = _setup(
+      {s for s, _ in runs}
+    )
   except errors.UserError as e:
     cli.fail(str(e))
   print(
-    f'{FLAGS.model} on {FLAGS.dataset}: K={k} of N={FLAGS.num_clients}, '
-    f'E={FLAGS.local_epochs}, B={FLAGS.batch_size}; {n_dev} '
-    f'{jax.devices()[0].platform} device(s), {FLAGS.rounds} timed rounds'
+    f'{FLAGS.algorithm}, {FLAGS.model} on {FLAGS.dataset}: K={k} of '
+    f'N={FLAGS.num_clients}, E={FLAGS.local_epochs}, B={FLAGS.batch_size}; '
+    f'{n_dev} {jax.devices()[0].platform} device(s), {FLAGS.rounds} timed '
+    'rounds'
   )
   results = []
   for sizes in ('equal', 'dirichlet'):
@@ -488,7 +582,7 @@ def main(argv):
     if FLAGS.pytorch and loop is None and sizes == runs[0][0]:
       print('PyTorch reference: not installed (pip install -e .[bench])')
     for r in _bench_sizes(
-      sizes, devs, model, opt, local, variables, data[sizes], loop
+      sizes, devs, model, opt, variables, data[sizes], algorithms, loop
     ):
       results.append(r)
       print(
@@ -502,6 +596,12 @@ def main(argv):
           f' | pytorch {r["pytorch_s"]:.3f}s, round/pytorch '
           f'{r["pytorch_ratio"]:.3f}'
           if r['pytorch_s'] is not None
+          else ''
+        )
+        + (
+          f' | fedavg {r["fedavg_s"]:.3f}s, per-step ratio '
+          f'{r["fedavg_ratio"]:.3f}'
+          if r['fedavg_ratio'] is not None
           else ''
         )
       )
@@ -527,6 +627,8 @@ def main(argv):
     f'GFLOP/s (default precision, device 0); the first setting reaches '
     f'{100 * results[0]["gflops"] / peak32:.1f}% of the float32 peak'
   )
+  if results[0]['fedavg_ratio'] is not None:
+    print(f'round/fedavg ratio: {results[0]["fedavg_ratio"]:.2f}')
   if results[0]['pytorch_ratio'] is not None:
     print(f'round/pytorch ratio: {results[0]["pytorch_ratio"]:.2f}')
   print(f'round/limit ratio: {first_ratio:.2f}')

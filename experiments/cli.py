@@ -8,7 +8,9 @@ usage text, no traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from typing import Any
 from typing import Callable
 from typing import NoReturn
 
@@ -42,3 +44,35 @@ def no_arguments(argv: list[str]) -> None:
 def run(main: Callable[[list[str]], object]) -> None:
   """`absl.app.run(main)` with one-line errors for unparsable flags."""
   app.run(main, flags_parser=parse_flags)
+
+
+def define_flag(name: str, f: dataclasses.Field, help_text: str) -> None:
+  """An absl flag `--name` of the dataclass field `f`'s type and default."""
+  if f.type in ('bool', bool):
+    flags.DEFINE_bool(name, f.default, help_text)
+  elif f.type in ('int', int):
+    flags.DEFINE_integer(name, f.default, help_text)
+  elif f.type in ('float', float):
+    flags.DEFINE_float(name, f.default, help_text)
+  else:
+    flags.DEFINE_string(name, f.default, help_text)
+
+
+def define_algorithm_flags() -> list[str]:
+  """The algorithms' hyper-parameter flags, from the registry (each help
+  text names the algorithms that read it). Returns their names."""
+  from fedjax_mr.algorithms import registry
+
+  names = []
+  for name, (f, users) in registry.all_flags().items():
+    help_text = f'{", ".join(users)}: {f.metadata.get("help", "")}'
+    if f.metadata.get('choices'):
+      help_text += f' One of: {", ".join(f.metadata["choices"])}.'
+    define_flag(name, f, help_text)
+    names.append(name)
+  return names
+
+
+def algorithm_options(names: list[str]) -> dict[str, Any]:
+  """{flag: value} of the algorithm flags `names` as parsed."""
+  return {name: flags.FLAGS[name].value for name in names}

@@ -9,7 +9,6 @@ Every flag is a field of `fedjax_mr.training.config.ExperimentConfig`;
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 from absl import flags
@@ -21,17 +20,6 @@ from fedjax_mr.core import errors
 from fedjax_mr.training import config as config_lib
 
 
-def _define(name: str, f: dataclasses.Field, help_text: str) -> None:
-  if f.type in ('bool', bool):
-    flags.DEFINE_bool(name, f.default, help_text)
-  elif f.type in ('int', int):
-    flags.DEFINE_integer(name, f.default, help_text)
-  elif f.type in ('float', float):
-    flags.DEFINE_float(name, f.default, help_text)
-  else:
-    flags.DEFINE_string(name, f.default, help_text)
-
-
 def _define_flags() -> None:
   for f in config_lib.base_fields():
     help_text = f.metadata['help']
@@ -39,13 +27,9 @@ def _define_flags() -> None:
     if allowed:
       # Validated by config_lib.validate, for one clear error message.
       help_text += f' One of: {", ".join(allowed)}.'
-    _define(f.name, f, help_text)
+    cli.define_flag(f.name, f, help_text)
   # The algorithms' hyper-parameters, from the registry.
-  for name, (f, users) in registry.all_flags().items():
-    help_text = f'{", ".join(users)}: {f.metadata.get("help", "")}'
-    if f.metadata.get('choices'):
-      help_text += f' One of: {", ".join(f.metadata["choices"])}.'
-    _define(name, f, help_text)
+  cli.define_algorithm_flags()
 
 
 _define_flags()

@@ -125,6 +125,9 @@ CASES = {
     (['--devices=7'], '--devices=7'),
     (['--threads=-1'], '--threads'),
     (['--rounds=abc'], '--rounds'),
+    (['--algorithm=nope'], '--algorithm'),
+    (['--fedprox_mu=0.5'], '--fedprox_mu'),
+    (['--algorithm=fedgen', '--fedgen_noise_dim=0'], '--fedgen_noise_dim'),
     (['positional'], 'unexpected arguments'),
   ],
   'experiments.pretrain_zoo': [

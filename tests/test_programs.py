@@ -8,8 +8,11 @@ _run = helpers.run_module
 
 
 def test_benchmark_prints_its_figures(small_fmnist_dir):
+  # MOON (a network with a projection head, per-client state) timed with
+  # FedAvg beside it; FedAvg alone runs the same code without the pair.
   proc = _run(
     'experiments.benchmark',
+    '--algorithm=moon',
     f'--data_dir={small_fmnist_dir}',
     '--num_clients=8',
     '--clients_per_round=2',
@@ -31,6 +34,8 @@ def test_benchmark_prints_its_figures(small_fmnist_dir):
   else:
     assert re.search(r'^round/pytorch ratio: \d+\.\d\d$', out, re.M)
   assert re.search(r'^round/limit ratio: \d+\.\d\d$', out, re.M)
+  assert re.search(r'fedavg [\d.]+s, per-step ratio [\d.]+', out)
+  assert re.search(r'^round/fedavg ratio: \d+\.\d\d$', out, re.M)
 
 
 def test_benchmark_rejects_bad_devices(small_fmnist_dir):
