@@ -588,8 +588,13 @@ def main(argv):
       print(
         f'[{r["setting"]}, {r["devices"]} device(s), chunk {r["chunk"]}] '
         f'compile {r["compile_s"]:.2f}s | round {r["round_s"]:.3f}s '
-        f'({r["steps"]:.0f} steps) | limit {r["limit_s"]:.3f}s | '
-        f'round/limit {r["ratio"]:.3f} | {r["samples_per_s"]:.0f} samples/s '
+        f'({r["steps"]:.0f} steps) | '
+        + (
+          f'limit {r["limit_s"]:.3f}s | round/limit {r["ratio"]:.3f} | '
+          if FLAGS.limit
+          else 'limit not timed | '
+        )
+        + f'{r["samples_per_s"]:.0f} samples/s '
         f'| {r["gflops"]:.1f} GFLOP/s | server {r["server_pct"]:.3f}% of '
         'round'
         + (
@@ -631,7 +636,8 @@ def main(argv):
     print(f'round/fedavg ratio: {results[0]["fedavg_ratio"]:.2f}')
   if results[0]['pytorch_ratio'] is not None:
     print(f'round/pytorch ratio: {results[0]["pytorch_ratio"]:.2f}')
-  print(f'round/limit ratio: {first_ratio:.2f}')
+  if FLAGS.limit:
+    print(f'round/limit ratio: {first_ratio:.2f}')
 
 
 if __name__ == '__main__':
