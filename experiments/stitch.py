@@ -15,8 +15,11 @@ writes, under `--workdir`:
 * `results.json`: every stitched network (path, accuracy by its head and/or
   a kNN probe), every pool model's own accuracy, the "Local" baseline when
   `--local_clients` > 0, timing, pool sizes and the peak host memory;
-* `networks.pkl`: the stitched networks (block paths + stitch matrices);
-* `state.pkl`: the run state after the last round (a re-run resumes).
+* `networks.npz`: the stitched networks (block paths + stitch matrices;
+  `fedjax_mr.stitch.federated.read_document` reads it);
+* `state.npz`: the run state after the last round and the flags that
+  define the run (a re-run with the same flags resumes; other flags are
+  refused). Neither file is a pickle: nothing is ever unpickled.
 
 Pool models whose labels differ from the dataset's need `--label_map`, a
 JSON list with, per dataset class, the pool classes that count as it.
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 
 from absl import flags
 from absl import logging
@@ -124,6 +126,44 @@ def _config(stitch, seed):
   )
 
 
+STATE_FILE = 'state.npz'
+# The flags that define a run's state (the others only change what is
+# evaluated or reported); saved with the state, checked on resume.
+_IDENTITY_FLAGS = (
+  'cuts',
+  'dataset',
+  'num_clients',
+  'partition',
+  'dirichlet_alpha',
+  'clients_per_round',
+  'batch_size',
+  'top_k',
+  'epsilon',
+  'epsilon_decay',
+  'reward',
+  'penalty',
+  'threshold',
+  'aggregation',
+  'num_selections',
+  'rounds_per_selection',
+  'max_depth',
+  'prune',
+  'view',
+  'debiased',
+  'spatial',
+  'stitch_bias',
+  'stitch_solver',
+  'seed',
+)
+
+
+def _identity(models) -> dict:
+  """The flags that define the run, and the pool's models by id."""
+  out = {name: flags.FLAGS[name].value for name in _IDENTITY_FLAGS}
+  out['pool_models'] = [m.id for m in models]
+  return out
+
+
 def _peak_mib() -> float:
   with open('/proc/self/status') as f:
     for line in f:
@@ -163,7 +203,7 @@ def main(argv) -> None:
 
   try:
     _main(stitch, errors)
-  except (errors.ConfigError, errors.DataError) as e:
+  except errors.UserError as e:
     cli.fail(str(e))
 
 
@@ -191,6 +231,13 @@ def _main(stitch, errors) -> None:
     except ValueError as e:
       raise errors.ConfigError(f'--energy_mix={mix!r}: {e}') from None
   workdir_lib.check_free(_WORKDIR.value)
+  old_state = os.path.join(_WORKDIR.value, 'state.pkl')
+  if os.path.exists(old_state):
+    raise errors.ConfigError(
+      f'--workdir: {old_state} is a state saved as a pickle by an older '
+      'version; fedjax_mr never unpickles, so it cannot resume it: pass '
+      'another --workdir (or remove that file to start over)'
+    )
   ds = datasets.load(_DATASET.value, _DATA_DIR.value)
   models = pool_lib.load(_POOL.value, _POOL_MODELS.value or None)
   for m in models:
@@ -279,7 +326,8 @@ def _main(stitch, errors) -> None:
     batch_fn,
     _NUM_CLIENTS.value,
     config,
-    state_path=os.path.join(_WORKDIR.value, 'state.pkl'),
+    state_path=os.path.join(_WORKDIR.value, STATE_FILE),
+    identity=_identity(models),
     on_round=_print_round,
   )
   # Over every round of the run, also those before a resume.
@@ -307,8 +355,11 @@ def _main(stitch, errors) -> None:
       flush=True,
     )
   nets.sort(key=lambda n: -n[key])
-  with open(os.path.join(_WORKDIR.value, 'networks.pkl'), 'wb') as f:
-    pickle.dump(federated.to_host(state)['finished'], f)
+  federated.write_document(
+    os.path.join(_WORKDIR.value, 'networks.npz'),
+    federated.to_host(state)['finished'],
+    _identity(models),
+  )
 
   pool_acc = {
     # A pool model is its own blocks, with nothing between them.

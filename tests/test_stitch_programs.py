@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from fedjax_mr.stitch import federated
 from tests import helpers
 
 _run = helpers.run_module
@@ -72,11 +73,32 @@ def test_stitch_runs_evaluates_and_resumes(
   assert results['peak_host_mib'] > 0
   rounds = [json.loads(line) for line in open(tmp_path / 'log.jsonl')]
   assert [r['round'] for r in rounds] == list(range(len(rounds)))
-  # A re-run resumes from state.pkl: same networks, no new rounds.
+  # A re-run resumes from state.npz: same networks, no new rounds.
   again = _run(*args)
   assert again.returncode == 0, again.stderr
   assert 'round ' not in again.stdout.split('stitched networks')[0]
   assert json.load(open(tmp_path / 'results.json'))['networks'] == nets
+  # The networks are stored without a pickle, with the run's flags.
+  finished, identity = federated.read_document(str(tmp_path / 'networks.npz'))
+  assert sorted(f['round'] for f in finished) == sorted(
+    n['round'] for n in nets
+  )
+  assert identity['seed'] == 0 and identity['num_clients'] == 6
+  # Another setting on the same workdir is refused in one line, and the
+  # state is untouched.
+  state = (tmp_path / 'state.npz').read_bytes()
+  other = _run(*args, '--partition=iid')
+  assert other.returncode == 2
+  assert other.stderr.count('\n') == 1 and "--partition='dirichlet'" in (
+    other.stderr
+  )
+  assert (tmp_path / 'state.npz').read_bytes() == state
+  # A pickle left by an older version is never loaded.
+  old = tmp_path / 'old'
+  old.mkdir()
+  (old / 'state.pkl').write_bytes(b'\x80\x04\x95 whatever')
+  refused = _run(*args[:-1], f'--workdir={old}')
+  assert refused.returncode == 2 and 'never unpickles' in refused.stderr
 
 
 @pytest.mark.parametrize(

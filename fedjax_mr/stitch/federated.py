@@ -47,8 +47,9 @@ References:
 
 from __future__ import annotations
 
+import io
+import json
 import os
-import pickle
 import time
 from typing import Any
 from typing import Callable
@@ -660,7 +661,7 @@ def _select(pool, state, cands, batch_fn, config):
 
 
 def to_host(state: State) -> dict:
-  """The state as plain Python and numpy (what `save_state` pickles)."""
+  """The state as plain Python and numpy (what `save_state` stores)."""
 
   def stitches(net):
     return [
@@ -755,17 +756,142 @@ def _from_host(pool: Pool, d: dict) -> State:
   )
 
 
-def save_state(path: str, state: State) -> None:
-  """Writes the state atomically (a temporary file, then a rename)."""
+# The state file: one .npz whose entry `STATE_ENTRY` is a JSON document
+# (format name and version, the run's identity, the state with each array
+# replaced by a reference) and whose other entries are the arrays. Nothing
+# is ever unpickled: numpy reads it with allow_pickle=False.
+STATE_FORMAT = 'fedjax_mr.fedstitch.state'
+STATE_VERSION = 1
+STATE_ENTRY = '__document__'
+
+
+class StateFileError(errors.UserError):
+  """A state file that cannot be read, or that holds another run."""
+
+
+def _encode(value: Any, arrays: dict[str, np.ndarray]) -> Any:
+  """JSON-able form of plain Python / numpy data; arrays go to `arrays`."""
+  if isinstance(value, (np.ndarray, jax.Array)):
+    name = f'a{len(arrays)}'
+    arrays[name] = np.asarray(value)
+    return {'__array__': name}
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, dict):
+    if not all(isinstance(k, str) for k in value):
+      raise TypeError(f'state dict keys must be strings: {list(value)[:3]}')
+    return {k: _encode(v, arrays) for k, v in value.items()}
+  if isinstance(value, tuple):
+    return {'__tuple__': [_encode(v, arrays) for v in value]}
+  if isinstance(value, list):
+    return [_encode(v, arrays) for v in value]
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  raise TypeError(f'cannot store {type(value).__name__} in a state file')
+
+
+def _decode(value: Any, arrays: Any) -> Any:
+  if isinstance(value, dict):
+    if set(value) == {'__array__'}:
+      return np.asarray(arrays[value['__array__']])
+    if set(value) == {'__tuple__'}:
+      return tuple(_decode(v, arrays) for v in value['__tuple__'])
+    return {k: _decode(v, arrays) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_decode(v, arrays) for v in value]
+  return value
+
+
+def write_document(path: str, payload: Any, identity: Any = None) -> None:
+  """Writes `payload` (plain Python, numpy arrays, tuples) and the run's
+  `identity` (JSON-able) as a versioned .npz, atomically (a temporary
+  file, then a rename)."""
+  arrays: dict[str, np.ndarray] = {}
+  doc = {
+    'format': STATE_FORMAT,
+    'version': STATE_VERSION,
+    'identity': identity,
+    'payload': _encode(payload, arrays),
+  }
+  text = json.dumps(doc).encode('utf-8')
+  arrays[STATE_ENTRY] = np.frombuffer(text, np.uint8)
   tmp = f'{path}.tmp'
   with open(tmp, 'wb') as f:
-    pickle.dump(to_host(state), f)
+    np.savez(f, **arrays)
+    f.flush()
+    os.fsync(f.fileno())
   os.replace(tmp, path)
 
 
-def load_state(path: str, pool: Pool) -> State:
-  with open(path, 'rb') as f:
-    return _from_host(pool, pickle.load(f))
+def read_document(path: str) -> tuple[Any, Any]:
+  """`(payload, identity)` of a file `write_document` wrote.
+
+  Raises:
+    StateFileError: not such a file (damaged, another format or version);
+      the message names the file.
+  """
+  try:
+    with open(path, 'rb') as f:
+      data = f.read()
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+      arrays = {k: npz[k] for k in npz.files}
+    if STATE_ENTRY not in arrays:
+      raise StateFileError(f'{path} is not a FedStitch state file')
+    doc = json.loads(arrays.pop(STATE_ENTRY).tobytes().decode('utf-8'))
+  except StateFileError:
+    raise
+  except Exception as e:  # noqa: BLE001 (zip, numpy, JSON, unicode, ...)
+    raise StateFileError(
+      f'{path} is not a readable FedStitch state file '
+      f'({type(e).__name__}: {" ".join(str(e).split())[:120]})'
+    ) from None
+  if not isinstance(doc, dict) or doc.get('format') != STATE_FORMAT:
+    raise StateFileError(f'{path} is not a FedStitch state file')
+  if doc.get('version') != STATE_VERSION:
+    raise StateFileError(
+      f'{path} has state format version {doc.get("version")!r}; this '
+      f'version of fedjax_mr reads version {STATE_VERSION}'
+    )
+  try:
+    return _decode(doc['payload'], arrays), doc.get('identity')
+  except KeyError as e:
+    raise StateFileError(f'{path} refers to a missing array {e}') from None
+
+
+def save_state(path: str, state: State, identity: Any = None) -> None:
+  """Writes the state and the run's identity (JSON-able, e.g. its flags)
+  to `path` (see `write_document`)."""
+  write_document(path, to_host(state), identity)
+
+
+def load_state(path: str, pool: Pool, identity: Any = None) -> State:
+  """The state `save_state` wrote.
+
+  Raises:
+    StateFileError: an unreadable file, or (with `identity`) a state saved
+      by a run of another identity (the differing keys are named).
+  """
+  payload, saved = read_document(path)
+  if identity is not None and saved != identity:
+    if isinstance(saved, dict) and isinstance(identity, dict):
+      keys = sorted(set(saved) | set(identity))
+      diffs = [
+        f'--{k}={saved.get(k)!r} there, {identity.get(k)!r} here'
+        for k in keys
+        if saved.get(k) != identity.get(k)
+      ]
+    else:
+      diffs = ['another run']
+    raise StateFileError(
+      f'{path} holds a run of a different config ({"; ".join(diffs)}); '
+      'pass another --workdir or the same flags'
+    )
+  try:
+    return _from_host(pool, payload)
+  except (KeyError, TypeError, ValueError) as e:
+    raise StateFileError(
+      f'{path} does not fit this pool ({type(e).__name__}: {e})'
+    ) from None
 
 
 def run(
@@ -777,6 +903,7 @@ def run(
   population: Sequence[int] | None = None,
   starts: Sequence[int] | None = None,
   state_path: str | None = None,
+  identity: Any = None,
   on_round: Callable[[State], None] | None = None,
   max_rounds: int = 1000,
 ) -> State:
@@ -792,7 +919,10 @@ def run(
       the "Local" baseline: a client stitching alone).
     starts: pool ids of the start blocks to begin from (default all).
     state_path: a file the state is saved to after every round and resumed
-      from if present.
+      from if present (`save_state`; never a pickle).
+    identity: JSON-able description of the run (e.g. its flags), saved with
+      the state; a state file of another identity is refused
+      (`StateFileError`) instead of being resumed.
     on_round: called with the state after every round (logging).
     max_rounds: a safety bound.
 
@@ -804,13 +934,13 @@ def run(
     list(range(num_clients)) if population is None else list(population)
   )
   if state_path and os.path.exists(state_path):
-    state = load_state(state_path, pool)
+    state = load_state(state_path, pool, identity)
   else:
     state = init_state(pool, num_clients, starts)
   while state.live and state.round < max_rounds:
     state = run_round(pool, state, batch_fn, config, population=population)
     if state_path:
-      save_state(state_path, state)
+      save_state(state_path, state, identity)
     if on_round is not None:
       on_round(state)
   return state

@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from typing import Any
+from typing import Callable
 
 import jax
 import orbax.checkpoint as ocp
+
+from fedjax_mr.core import errors
+
+# The folder of a workdir that holds the checkpoints.
+FOLDER = 'checkpoints'
+
+
+class CheckpointError(errors.UserError):
+  """No checkpoint of a workdir restores."""
 
 
 class Checkpointer:
@@ -17,10 +29,15 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, keep: int = 2):
-    self._manager = ocp.CheckpointManager(
-      os.path.abspath(os.path.join(workdir, 'checkpoints')),
+    self._folder = os.path.abspath(os.path.join(workdir, FOLDER))
+    self._keep = keep
+    self._manager = self._new_manager()
+
+  def _new_manager(self) -> ocp.CheckpointManager:
+    return ocp.CheckpointManager(
+      self._folder,
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=False
+        max_to_keep=self._keep, create=True, enable_async_checkpointing=False
       ),
     )
 
@@ -28,12 +45,93 @@ class Checkpointer:
     """Rounds completed at the newest checkpoint, or None."""
     return self._manager.latest_step()
 
-  def save(self, round_index: int, state: Any) -> None:
-    """Saves `state` as the checkpoint after `round_index` rounds."""
+  def restore_newest(
+    self,
+    like: Any,
+    log: Callable[[str], None],
+    move_aside: bool = True,
+  ) -> tuple[int | None, Any]:
+    """The newest checkpoint that restores, falling back over damaged ones.
+
+    A checkpoint whose files are damaged (garbled or truncated data, a
+    missing item folder, an empty round folder) does not restore; the next
+    older one is tried. Each one skipped is reported in one line and, with
+    `move_aside` (the primary process), moved to
+    `<workdir>/checkpoints_damaged/<round>.<time>` (kept, not deleted) so
+    that the run can save that round again.
+
+    Returns:
+      `(round, state)`, or `(None, like)` when there is no checkpoint.
+
+    Raises:
+      CheckpointError: checkpoints exist but none restores (nothing is
+        moved then: a workdir of another run's layout is not touched).
+    """
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    failed = []
+    for step in steps:
+      try:
+        state = self.restore(step, like)
+      except Exception as e:  # noqa: BLE001 (orbax/TensorStore raise many)
+        reason = ' '.join(str(e).split())[:200] or type(e).__name__
+        failed.append((step, reason))
+        # A failed restore can leave the manager with a wrong idea of the
+        # checkpoints' items: the next one is read by a fresh manager.
+        self._manager.close()
+        self._manager = self._new_manager()
+        continue
+      for bad, reason in failed:
+        where = self._damaged_path(bad)
+        if move_aside:
+          os.makedirs(os.path.dirname(where), exist_ok=True)
+          shutil.move(self._step_path(bad), where)
+        log(
+          f'checkpoint after round {bad} does not restore ({reason}); '
+          f'resuming from round {step}'
+          + (f', the damaged one moved to {where}' if move_aside else '')
+        )
+      if failed:
+        self._manager.close()
+        self._manager = self._new_manager()
+      return step, state
+    if failed:
+      step, reason = failed[0]
+      raise CheckpointError(
+        f'no checkpoint in {self._folder} restores (the newest, '
+        f'after round {step}: {reason}); if the workdir holds a run of '
+        'another setting, pass another --workdir'
+      )
+    return None, like
+
+  def _step_path(self, step: int) -> str:
+    return os.path.join(self._folder, str(step))
+
+  def _damaged_path(self, step: int) -> str:
+    root = os.path.dirname(self._folder)
+    stamp = time.strftime('%Y%m%d-%H%M%S')
+    return os.path.join(root, 'checkpoints_damaged', f'{step}.{stamp}')
+
+  def save(
+    self, round_index: int, state: Any, metadata: dict[str, Any] | None = None
+  ) -> None:
+    """Saves `state` as the checkpoint after `round_index` rounds, with a
+    JSON-able `metadata` dict inside it (the run's config)."""
     self._manager.save(
-      int(round_index), args=ocp.args.StandardSave(state), force=True
+      int(round_index),
+      args=ocp.args.StandardSave(state),
+      force=True,
+      custom_metadata=metadata,
     )
     self._manager.wait_until_finished()
+
+  def metadata(self, round_index: int) -> dict[str, Any]:
+    """The metadata saved with checkpoint `round_index` ({} for none, as
+    in checkpoints made before it was kept)."""
+    try:
+      found = self._manager.metadata(int(round_index)).custom_metadata
+    except Exception:  # noqa: BLE001 (no step metadata file)
+      return {}
+    return dict(found or {})
 
   def restore(self, round_index: int, like: Any) -> Any:
     """Restores the checkpoint `round_index` into the structure of `like`."""

@@ -481,15 +481,21 @@ def check_resumable(config: ExperimentConfig, saved_path: str) -> None:
       saved = json.load(f)
   except (OSError, ValueError) as e:
     raise errors.ConfigError(f'cannot read {saved_path}: {e}') from None
-  # A field the saved run predates had its default there.
-  defaults = ExperimentConfig().identity()
-  diffs = [
-    f'--{k}={saved.get(k, defaults[k])!r} there, {v!r} here'
-    for k, v in config.identity().items()
-    if saved.get(k, defaults[k]) != v
-  ]
+  diffs = config_diffs(config, saved)
   if diffs:
     raise errors.ConfigError(
       f'--workdir holds a run of a different config ({"; ".join(diffs)}); '
       'pass another --workdir or the same flags'
     )
+
+
+def config_diffs(config: ExperimentConfig, saved: Mapping[str, Any]):
+  """`--flag=<saved> there, <value> here` for each field that defines the
+  run and differs between `config` and a saved config dict (a field the
+  saved run predates had its default there)."""
+  defaults = ExperimentConfig().identity()
+  return [
+    f'--{k}={saved.get(k, defaults[k])!r} there, {v!r} here'
+    for k, v in config.identity().items()
+    if saved.get(k, defaults[k]) != v
+  ]

@@ -310,6 +310,29 @@ def _run(experiment, workdir, log, on_round) -> Result:
   # could find the file the primary has just written for this very run.
   if primary and os.path.exists(config_path):
     config_lib.check_resumable(config, config_path)
+  # What the workdir's checkpoints hold decides whether the run can start:
+  # nothing is written before (a fresh workdir has no checkpoints folder,
+  # and the checkpointer is only made once the run starts).
+  ckpt, start = None, None
+  if os.path.isdir(os.path.join(workdir, checkpoint.FOLDER)):
+    ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+    start, state = ckpt.restore_newest(state, log, move_aside=primary)
+  if start is not None:
+    # The config a checkpoint was made with is kept inside it: config.json
+    # alone could be deleted or replaced.
+    saved = ckpt.metadata(start).get('config')
+    diffs = config_lib.config_diffs(config, saved) if saved else []
+    if diffs:
+      raise errors.ConfigError(
+        f'the checkpoint after round {start} in {workdir} was made with '
+        f'another config ({"; ".join(diffs)}); pass another --workdir or '
+        'the same flags'
+      )
+  if start is not None and start > config.rounds:
+    raise errors.ConfigError(
+      f'--rounds={config.rounds}: the run in {workdir} is already past it '
+      f'({start} rounds done); pass --rounds={start} or more to resume it'
+    )
   os.makedirs(workdir, exist_ok=True)
   if primary:
     metrics_io.write_json(config_path, config.to_dict(), indent=2)
@@ -317,16 +340,24 @@ def _run(experiment, workdir, log, on_round) -> Result:
       partition_lib.save_summary(
         os.path.join(workdir, PARTITION_FILE), experiment.partition
       )
-
-  ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+  if ckpt is None:
+    ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+  meta = {'config': config.to_dict()}
   metrics_path = os.path.join(workdir, METRICS_FILE)
-  start = ckpt.latest_round()
   if start is not None:
-    state = ckpt.restore(start, state)
     log(f'resuming {workdir} after round {start}')
   else:
     start = 0
-  history = metrics_io.truncate(metrics_path, start) if primary else []
+  history = []
+  if primary:
+    if start > 0 and not os.path.exists(metrics_path):
+      log(
+        f'{metrics_path} is missing: rounds 1-{start} of this run have no '
+        'metrics rows (the checkpoint resumes the training itself)'
+      )
+    history, dropped = metrics_io.truncate(metrics_path, start)
+    if dropped:
+      log(f'{metrics_path}: {dropped}')
   num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
   log(
     f'{config.algorithm} on {config.dataset} ({int(data.x.shape[0])} train '
@@ -438,8 +469,9 @@ def _run(experiment, workdir, log, on_round) -> Result:
         row = record(*pending)
         pending = None
         if should(config.checkpoint_every, r):
-          ckpt.save(r, state)
-          saved_round = r
+          with _SignalsDeferred():
+            ckpt.save(r, state, meta)
+            saved_round = r
         if on_round is not None:
           on_round(r, row)
     except KeyboardInterrupt:
@@ -458,8 +490,10 @@ def _run(experiment, workdir, log, on_round) -> Result:
       if (
         _alive(state) and written > saved_round and int(state.round) == written
       ):
-        ckpt.save(written, state)
-        log(f'interrupted: saved a checkpoint after round {written}')
+        # A second interrupt waits for this save (and then ends the run).
+        with _SignalsDeferred():
+          ckpt.save(written, state, meta)
+          log(f'interrupted: saved a checkpoint after round {written}')
       ckpt.close()
       raise
   ckpt.close()
@@ -615,4 +649,40 @@ class _TerminationAsInterrupt:
   def __exit__(self, *exc):
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
+    return False
+
+
+class _SignalsDeferred:
+  """Holds SIGINT and SIGTERM back while a checkpoint is written.
+
+  An interrupt inside orbax's save left a half-written temporary folder
+  that the interrupt handler's own save then collided with (`OSError:
+  Directory not empty`, 2 runs in 11). Inside this block the two signals
+  are only recorded (Python runs signal handlers in the main thread
+  between bytecodes, so a recording handler never interrupts the save);
+  on leaving it, a recorded signal becomes the KeyboardInterrupt it would
+  have been, after the checkpoint is complete.
+  """
+
+  _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __enter__(self):
+    self._got = None
+    self._previous = {}
+    try:
+      for s in self._SIGNALS:
+        self._previous[s] = signal.signal(s, self._record)
+    except ValueError:  # not in the main thread: nothing to defer
+      self._previous = {}
+    return self
+
+  def _record(self, signum, frame):
+    del frame
+    self._got = signum
+
+  def __exit__(self, exc_type, *exc):
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    if self._got is not None and exc_type is None:
+      raise KeyboardInterrupt
     return False

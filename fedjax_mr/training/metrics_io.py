@@ -10,11 +10,33 @@ from typing import Sequence
 
 
 def read(path: str) -> list[dict[str, Any]]:
-  """All rows of a metrics.jsonl file (empty if it does not exist)."""
+  """The rows of a metrics.jsonl file (empty if it does not exist); lines
+  that are not a JSON object with an integer 'round' (a partial last line
+  left by a crash, garbled or binary data) are skipped, see `read_checked`.
+  """
+  return read_checked(path)[0]
+
+
+def read_checked(path: str) -> tuple[list[dict[str, Any]], int]:
+  """`(rows, number of unreadable lines)` of a metrics.jsonl file."""
   if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    return [], 0
+  rows, bad = [], 0
+  with open(path, 'rb') as f:
+    for raw in f:
+      if not raw.strip():
+        continue
+      try:
+        row = json.loads(raw.decode('utf-8'))
+      except (UnicodeDecodeError, ValueError):
+        bad += 1
+        continue
+      ok = isinstance(row, dict) and type(row.get('round')) is int
+      if ok:
+        rows.append(row)
+      else:
+        bad += 1
+  return rows, bad
 
 
 def write_json(path: str, obj: Any, **dump_kwargs: Any) -> None:
@@ -40,15 +62,45 @@ def append(path: str, row: Mapping[str, Any]) -> None:
     os.fsync(f.fileno())
 
 
-def truncate(path: str, max_round: int) -> list[dict[str, Any]]:
-  """Keeps only rows with `round <= max_round` (atomically); returns them."""
-  rows = [r for r in read(path) if r['round'] <= max_round]
-  tmp = path + '.tmp'
-  with open(tmp, 'w') as f:
-    for r in rows:
-      f.write(json.dumps(r) + '\n')
-  os.replace(tmp, path)
-  return rows
+def truncate(path: str, max_round: int) -> tuple[list[dict[str, Any]], str]:
+  """Keeps only the readable rows with `round <= max_round`, each round
+  once (atomically).
+
+  Returns:
+    `(rows kept, what was dropped)`: the second is '' when nothing but rows
+    past `max_round` went (those belong to rounds the checkpoint does not
+    hold), else one line naming the unreadable lines and repeated rounds
+    dropped.
+  """
+  rows, bad = read_checked(path)
+  kept, seen, repeated = [], set(), 0
+  for r in rows:
+    if r['round'] > max_round:
+      continue
+    if r['round'] in seen:
+      repeated += 1
+      continue
+    seen.add(r['round'])
+    kept.append(r)
+  notes = []
+  if bad:
+    notes.append(
+      f'dropped {bad} unreadable line{"s" * (bad != 1)} (not a JSON row '
+      "with a 'round')"
+    )
+  if repeated:
+    notes.append(
+      f'dropped {repeated} repeated row{"s" * (repeated != 1)} of a round'
+    )
+  if os.path.exists(path) or kept:
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+      for r in kept:
+        f.write(json.dumps(r) + '\n')
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  return kept, '; '.join(notes)
 
 
 def plot_curves(

@@ -432,7 +432,7 @@ def test_run_is_deterministic(baseline):
 
 
 def test_run_resumes_after_a_stop(baseline, tmp_path):
-  path = str(tmp_path / 'state.pkl')
+  path = str(tmp_path / 'state.npz')
   first = _run(state_path=path, max_rounds=1)  # mid-selection
   assert first.round == 1
   second = _run(state_path=path, max_rounds=3)  # past a selection
@@ -442,7 +442,7 @@ def test_run_resumes_after_a_stop(baseline, tmp_path):
 
 
 def test_run_resumes_after_a_crash(baseline, tmp_path):
-  path = str(tmp_path / 'state.pkl')
+  path = str(tmp_path / 'state.npz')
 
   def crash(state):
     if state.round == 2:
@@ -457,10 +457,16 @@ def test_run_resumes_after_a_crash(baseline, tmp_path):
 
 
 def test_save_and_load_state_round_trip(baseline, tmp_path):
-  path = str(tmp_path / 'state.pkl')
-  federated.save_state(path, baseline)
-  loaded = federated.load_state(path, _pool())
+  path = str(tmp_path / 'state.npz')
+  federated.save_state(path, baseline, {'seed': 0})
+  loaded = federated.load_state(path, _pool(), {'seed': 0})
   assert _summary(loaded) == _summary(baseline)
+  # Everything comes back as it was, types included (tuples stay tuples).
+  assert loaded.log == baseline.log and loaded.fit_ids == baseline.fit_ids
+  np.testing.assert_array_equal(loaded.weights, baseline.weights)
+  # No pickle anywhere: numpy reads the file with allow_pickle=False.
+  with np.load(path, allow_pickle=False) as npz:
+    assert all(npz[k].dtype != object for k in npz.files)
   x = batch_fn(1, 0)
   for a, b in zip(loaded.finished, baseline.finished):
     np.testing.assert_array_equal(
@@ -502,3 +508,34 @@ def test_no_prune_runs_and_greedy_depth_two():
   assert state.round == CONFIG.rounds_per_selection
   assert all(f.net.depth == 2 for f in state.finished)
   assert all(f.net.blocks[-1].kind == 'end' for f in state.finished)
+
+
+def test_a_state_of_another_run_is_refused(baseline, tmp_path):
+  path = str(tmp_path / 'state.npz')
+  federated.save_state(path, baseline, {'seed': 0, 'partition': 'iid'})
+  with pytest.raises(
+    federated.StateFileError,
+    match=r"--partition='iid' there, 'dirichlet' here; --seed=0 there, 5",
+  ):
+    federated.load_state(path, _pool(), {'seed': 5, 'partition': 'dirichlet'})
+
+
+@pytest.mark.parametrize(
+  'content, message',
+  [
+    (b'', 'not a readable FedStitch state file'),
+    (b'\x80\x04\x95 a pickle', 'not a readable FedStitch state file'),
+    (None, 'not a FedStitch state file'),
+  ],
+)
+def test_a_foreign_or_damaged_state_file_is_one_error(
+  tmp_path, content, message
+):
+  path = str(tmp_path / 'state.npz')
+  if content is None:  # an .npz of something else
+    np.savez(path, x=np.zeros(3))
+  else:
+    with open(path, 'wb') as f:
+      f.write(content)
+  with pytest.raises(federated.StateFileError, match=message):
+    federated.load_state(path, _pool())

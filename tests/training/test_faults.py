@@ -1,0 +1,221 @@
+"""Faults a run survives: damaged checkpoints and metrics, a --rounds below
+what is done (issue 25, items 6, 7 and 10)."""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import time
+
+import jax
+import pytest
+from orbax.checkpoint._src.path import atomicity
+
+from fedjax_mr.core import errors
+from fedjax_mr.training import checkpoint
+from fedjax_mr.training import experiment
+from fedjax_mr.training import metrics_io
+from tests import helpers
+
+
+def _quiet(line):
+  del line
+
+
+def _no_times(rows):
+  return [{k: v for k, v in r.items() if not k.endswith('_s')} for r in rows]
+
+
+@pytest.fixture(scope='module')
+def finished(small_fmnist_dir, tmp_path_factory):
+  """A finished 4-round run (checkpoints after rounds 2 and 4) and its
+  result."""
+  cfg = helpers.small_config(
+    small_fmnist_dir, rounds=4, checkpoint_every=2, eval_every=2
+  )
+  work = str(tmp_path_factory.mktemp('finished'))
+  res = experiment.train_and_evaluate(cfg, work, log=_quiet)
+  return cfg, work, res
+
+
+def _copy(finished, tmp_path):
+  cfg, work, res = finished
+  copy = str(tmp_path / 'run')
+  shutil.copytree(work, copy)
+  return cfg, copy, res
+
+
+def _files(folder):
+  for root, _, names in os.walk(folder):
+    for name in names:
+      yield os.path.join(root, name)
+
+
+def _garble(step_dir):
+  for path in _files(os.path.join(step_dir, 'default')):
+    size = os.path.getsize(path)
+    with open(path, 'wb') as f:
+      f.write(bytes((i * 37 + 11) % 256 for i in range(size)))
+
+
+def _truncate(step_dir):
+  for path in _files(os.path.join(step_dir, 'default')):
+    with open(path, 'r+b') as f:
+      f.truncate(os.path.getsize(path) // 2)
+
+
+def _drop_item(step_dir):
+  shutil.rmtree(os.path.join(step_dir, 'default'))
+
+
+def _empty(step_dir):
+  shutil.rmtree(step_dir)
+  os.makedirs(step_dir)
+
+
+@pytest.mark.parametrize('damage', [_garble, _truncate, _drop_item, _empty])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(
+  finished, tmp_path, damage
+):
+  cfg, work, ref = _copy(finished, tmp_path)
+  damage(os.path.join(work, checkpoint.FOLDER, '4'))
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  fallback = [line for line in lines if 'does not restore' in line]
+  assert len(fallback) == 1 and 'resuming from round 2' in fallback[0]
+  assert f'resuming {work} after round 2' in lines
+  # Rounds 3 and 4 trained again: the same result, the same rows.
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
+  assert _no_times(rows) == _no_times(ref.history)
+  # The damaged checkpoint is kept aside, and round 4 was saved anew.
+  aside = os.listdir(os.path.join(work, 'checkpoints_damaged'))
+  assert len(aside) == 1 and aside[0].startswith('4.')
+  assert checkpoint.Checkpointer(work).latest_round() == 4
+
+
+def test_when_no_checkpoint_restores_nothing_is_touched(finished, tmp_path):
+  cfg, work, _ = _copy(finished, tmp_path)
+  for step in ('2', '4'):
+    _garble(os.path.join(work, checkpoint.FOLDER, step))
+  before = sorted(_files(work))
+  with pytest.raises(checkpoint.CheckpointError, match='no checkpoint in'):
+    experiment.train_and_evaluate(cfg, work, log=_quiet)
+  assert sorted(_files(work)) == before
+
+
+def test_rounds_below_those_done_is_refused_before_writing(finished, tmp_path):
+  cfg, work, _ = _copy(finished, tmp_path)
+  config_path = os.path.join(work, 'config.json')
+  with open(config_path) as f:
+    saved = f.read()
+  with pytest.raises(errors.ConfigError, match='already past it'):
+    experiment.train_and_evaluate(
+      dataclasses.replace(cfg, rounds=2), work, log=_quiet
+    )
+  with open(config_path) as f:
+    assert f.read() == saved
+  assert json.loads(saved)['rounds'] == 4
+
+
+@pytest.mark.parametrize(
+  'tail', [b'{"round": 3, "train_lo', b'\x00\xff\xfe garbage\n{"x": 1}\n']
+)
+def test_a_damaged_metrics_tail_does_not_stop_a_resume(
+  finished, tmp_path, tail
+):
+  cfg, work, ref = _copy(finished, tmp_path)
+  shutil.rmtree(os.path.join(work, checkpoint.FOLDER, '4'))
+  path = os.path.join(work, 'metrics.jsonl')
+  rows = metrics_io.read(path)
+  metrics_io.truncate(path, 2)
+  with open(path, 'ab') as f:
+    f.write(tail)
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert any('unreadable line' in line for line in lines)
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  assert _no_times(metrics_io.read(path)) == _no_times(rows)
+
+
+def test_a_missing_metrics_file_is_reported(finished, tmp_path):
+  cfg, work, _ = _copy(finished, tmp_path)
+  os.remove(os.path.join(work, 'metrics.jsonl'))
+  lines = []
+  experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert any('metrics.jsonl is missing: rounds 1-4' in line for line in lines)
+
+
+def test_the_config_inside_the_checkpoint_is_checked(finished, tmp_path):
+  # Without config.json a changed --lr is still refused: the checkpoint
+  # holds the config it was made with.
+  cfg, work, _ = _copy(finished, tmp_path)
+  os.remove(os.path.join(work, 'config.json'))
+  before = sorted(_files(work))
+  with pytest.raises(errors.ConfigError, match=r'--lr=0\.01 there, 0\.05 here'):
+    experiment.train_and_evaluate(
+      dataclasses.replace(cfg, lr=0.05), work, log=_quiet
+    )
+  assert sorted(_files(work)) == before
+  # The same config resumes (and writes config.json again).
+  experiment.train_and_evaluate(cfg, work, log=_quiet)
+  assert os.path.exists(os.path.join(work, 'config.json'))
+
+
+def test_checkpoints_without_metadata_still_resume(tmp_path):
+  # Checkpoints made before the config was kept in them.
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  state = {'w': jax.numpy.arange(3.0)}
+  ckpt.save(1, state)
+  ckpt.save(2, state, {'config': {'lr': 0.1}})
+  assert ckpt.metadata(1) == {}
+  assert ckpt.metadata(2) == {'config': {'lr': 0.1}}
+  assert ckpt.restore_newest(state, _quiet)[0] == 2
+
+
+@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize('during', ['periodic', 'interrupted'])
+def test_a_signal_during_a_checkpoint_write_waits_for_it(
+  finished, tmp_path, monkeypatch, signum, during
+):
+  # 'periodic': the signal arrives while orbax writes round 2's regular
+  # checkpoint. 'interrupted': the run is interrupted after round 3 (not a
+  # checkpoint round) and a second signal arrives while the interrupt's
+  # own save of round 3 is written. Either way the save completes, the run
+  # ends with KeyboardInterrupt and resumes to the uninterrupted result.
+  cfg, _, ref = finished
+  work = str(tmp_path / 'run')
+  target = 2 if during == 'periodic' else 3
+  sent = []
+  finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+  async def finalize_with_a_signal(self, *args, **kwargs):
+    # Mid-write: the data is in orbax's temporary folder, not yet renamed.
+    if os.path.basename(str(self.get())).startswith(f'{target}.'):
+      sent.append(target)
+      os.kill(os.getpid(), signum)
+      time.sleep(0.1)  # the handler runs here, in the main thread
+    return await finalize(self, *args, **kwargs)
+
+  def interrupt_after_3(r, row):
+    del row
+    if during == 'interrupted' and r == 3:
+      raise KeyboardInterrupt
+
+  monkeypatch.setattr(
+    atomicity.AtomicRenameTemporaryPath, 'finalize', finalize_with_a_signal
+  )
+  with pytest.raises(KeyboardInterrupt):
+    experiment.train_and_evaluate(
+      cfg, work, log=_quiet, on_round=interrupt_after_3
+    )
+  monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, 'finalize', finalize)
+  assert sent == [target]
+  assert checkpoint.Checkpointer(work).latest_round() == target
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert lines[0] == f'resuming {work} after round {target}'
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
+  assert _no_times(rows) == _no_times(ref.history)
