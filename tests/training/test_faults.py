@@ -174,8 +174,10 @@ def test_checkpoints_without_metadata_still_resume(tmp_path):
   assert ckpt.restore_newest(state, _quiet)[0] == 2
 
 
-@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
-@pytest.mark.parametrize('during', ['periodic', 'interrupted'])
+@pytest.mark.parametrize(
+  'signum, during',
+  [(signal.SIGINT, 'periodic'), (signal.SIGTERM, 'interrupted')],
+)
 def test_a_signal_during_a_checkpoint_write_waits_for_it(
   finished, tmp_path, monkeypatch, signum, during
 ):
