@@ -655,13 +655,14 @@ class _TerminationAsInterrupt:
 class _SignalsDeferred:
   """Holds SIGINT and SIGTERM back while a checkpoint is written.
 
-  An interrupt inside orbax's save left a half-written temporary folder
-  that the interrupt handler's own save then collided with (`OSError:
-  Directory not empty`, 2 runs in 11). Inside this block the two signals
-  are only recorded (Python runs signal handlers in the main thread
-  between bytecodes, so a recording handler never interrupts the save);
-  on leaving it, a recorded signal becomes the KeyboardInterrupt it would
-  have been, after the checkpoint is complete.
+  An interrupt inside orbax's save abandons a half-written temporary
+  folder, and the interrupt handler then saves the same round again (with
+  an older orbax that second save failed, `OSError: Directory not empty`,
+  2 runs in 11; orbax 0.12.8 removes the folder first). Inside this block
+  the two signals are only recorded (Python runs signal handlers in the
+  main thread between bytecodes, so a recording handler never interrupts
+  the save); on leaving it, a recorded signal becomes the
+  KeyboardInterrupt it would have been, after the checkpoint is complete.
   """
 
   _SIGNALS = (signal.SIGINT, signal.SIGTERM)
