@@ -402,8 +402,10 @@ def fedgen(
     return dict(gen_vars)
 
   def init(variables):
-    # A placeholder of the right layout: the generator is initialised from
-    # the run's key before its first training (aggregate of round 0).
+    # `init` has no key: this fixes the state's layout, and round 0's
+    # aggregate draws the generator's actual initial weights from the
+    # run's key before it first trains it (clients do not use it in round
+    # 0).
     gen_vars = init_generator(jax.random.key(0))
     return FedGenState(
       params=variables,
