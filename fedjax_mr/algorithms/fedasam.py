@@ -35,21 +35,12 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.training import client
-
-
-def _check(name: str, value: float, positive: bool = False) -> None:
-  ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
-  if not ok:
-    raise errors.ArgumentError(
-      name, f'must be finite and {">" if positive else ">="} 0, got {value}'
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +65,8 @@ class Hparams:
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
     del setting
-    _check('rho', self.rho)
-    _check('eta', self.eta)
+    errors.check_finite('rho', self.rho)
+    errors.check_finite('eta', self.eta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +84,7 @@ class SamHparams:
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
     del setting
-    _check('rho', self.rho)
+    errors.check_finite('rho', self.rho)
 
 
 def fedasam(

@@ -57,7 +57,6 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 from typing import NamedTuple
 
@@ -115,16 +114,6 @@ class FedGenState(NamedTuple):
   opt_state: Any
   labels: jax.Array
   trained: jax.Array
-
-
-def _positive(name, value):
-  if not (math.isfinite(value) and value > 0):
-    raise errors.ArgumentError(name, f'must be finite and > 0, got {value}')
-
-
-def _nonnegative(name, value):
-  if not (math.isfinite(value) and value >= 0):
-    raise errors.ArgumentError(name, f'must be finite and >= 0, got {value}')
 
 
 def _at_least_one(name, value):
@@ -206,7 +195,7 @@ class Hparams:
         'generator_steps',
         f'must be an integer >= 0, got {self.generator_steps}',
       )
-    _positive('generator_lr', self.generator_lr)
+    errors.check_finite('generator_lr', self.generator_lr, positive=True)
     for name in (
       'generator_weight_decay',
       'ensemble_alpha',
@@ -214,7 +203,7 @@ class Hparams:
       'generative_alpha',
       'generative_beta',
     ):
-      _nonnegative(name, getattr(self, name))
+      errors.check_finite(name, getattr(self, name))
     if not 0 < self.decay <= 1:
       raise errors.ArgumentError(
         'decay', f'must be in (0, 1], got {self.decay}'

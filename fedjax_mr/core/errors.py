@@ -1,6 +1,8 @@
 """Errors that name the bad input; the experiment binaries print them as one
 line and exit non-zero (no traceback)."""
 
+import math
+
 
 class UserError(ValueError):
   """Bad input from the user (a flag, a path, a config)."""
@@ -26,3 +28,13 @@ class ArgumentError(ValueError):
     super().__init__(f'{argument} {message}')
     self.argument = argument
     self.message = message
+
+
+def check_finite(name: str, value: float, positive: bool = False) -> None:
+  """Raises `ArgumentError` naming `name` unless `value` is finite and > 0
+  (`positive`) or >= 0."""
+  ok = math.isfinite(value) and (value > 0 if positive else value >= 0)
+  if not ok:
+    raise ArgumentError(
+      name, f'must be finite and {">" if positive else ">="} 0, got {value}'
+    )
