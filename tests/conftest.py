@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import os
+import shutil
+import tempfile
 
 # Two XLA host devices, as the experiment binary uses on a 2-core machine:
 # the in-process runs exercise the sharded client axis. Must precede the
@@ -12,10 +15,25 @@ os.environ['XLA_FLAGS'] = (
   os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2'
 ).strip()
 
+# One persistent compilation cache for the whole session, shared with the
+# programs the tests start as subprocesses: the same round function is
+# compiled by many tests (a reference run, a killed run, its resume), and
+# reading it back is bit-identical to compiling it again. A fresh folder per
+# session, so nothing carries over between sessions.
+os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(
+  prefix='fedjax_mr_test_jax_cache_'
+)
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
+
 import numpy as np
 import pytest
 
 from fedjax_mr.data import datasets
+
+atexit.register(
+  shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True
+)
 
 FMNIST_DIR = datasets.DEFAULT_FASHION_MNIST_DIR
 
