@@ -41,9 +41,33 @@ def no_arguments(argv: list[str]) -> None:
     fail(f'unexpected arguments: {" ".join(argv[1:])} (flags are --name=value)')
 
 
+def guarded(
+  main: Callable[[list[str]], object],
+) -> Callable[[list[str]], object]:
+  """`main` with bad input and unwritable files as one-line errors.
+
+  A `UserError` (a bad flag, file or config) and an `OSError` (a full
+  disk, a read-only folder, a file where a folder should be) that reach
+  the top end the program with `fail`.
+  """
+  from fedjax_mr.core import errors
+
+  def wrapped(argv: list[str]) -> object:
+    try:
+      return main(argv)
+    except errors.UserError as e:
+      fail(str(e))
+    except OSError as e:
+      where = f'{e.filename}: ' if e.filename else ''
+      fail(f'{where}{e.strerror or e}')
+
+  return wrapped
+
+
 def run(main: Callable[[list[str]], object]) -> None:
-  """`absl.app.run(main)` with one-line errors for unparsable flags."""
-  app.run(main, flags_parser=parse_flags)
+  """`absl.app.run(main)` with one-line errors for unparsable flags, bad
+  input and unwritable files (`guarded`)."""
+  app.run(guarded(main), flags_parser=parse_flags)
 
 
 def define_flag(name: str, f: dataclasses.Field, help_text: str) -> None:

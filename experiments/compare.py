@@ -50,6 +50,7 @@ _SUMMARIZE_ONLY = flags.DEFINE_bool(
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)
+  from fedjax_mr.core import workdir as workdir_lib
   from fedjax_mr.training import compare
   from fedjax_mr.training import distributed
   from fedjax_mr.training import experiment
@@ -72,6 +73,7 @@ def main(argv) -> None:
     variants += [compare.parse_variant(v) for v in _VARIANT.value]
     if not variants or not seeds:
       raise errors.ConfigError('--variants and --seeds must not be empty')
+    workdir_lib.check_usable(_OUT.value, '--out')
     base = run_flags.config_from_flags()
     runs = compare.configs(base, variants, seeds, _OUT.value)
     base = runs[0][2]

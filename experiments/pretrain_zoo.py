@@ -47,6 +47,7 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every save
   from fedjax_mr import models
   from fedjax_mr.core import errors
+  from fedjax_mr.core import files
   from fedjax_mr.core import workdir as workdir_lib
   from fedjax_mr.data import datasets
   from fedjax_mr.stitch import pool
@@ -91,8 +92,7 @@ def main(argv) -> None:
           f'--out={_OUT.value} holds a pool trained on another public split '
           '(--dataset, --public_size or --seed differ): use a new --out'
         )
-    with open(split_path, 'w') as f:
-      json.dump(split, f)
+    files.write_atomic(split_path, lambda f: json.dump(split, f))
     x, y = ds.x_train[public], ds.y_train[public]
     for name in _MODELS.value:
       if os.path.exists(os.path.join(_OUT.value, name, 'meta.json')):

@@ -207,10 +207,98 @@ def main(argv) -> None:
     cli.fail(str(e))
 
 
+def _check_flags(stitch, errors, network) -> None:
+  """Refuses a bad flag value in one line, before anything is loaded."""
+  import math
+
+  from fedjax_mr.stitch import blocks
+  from fedjax_mr.stitch import federated
+
+  n = _NUM_CLIENTS.value
+  checks = [
+    (n >= 1, f'--num_clients must be ≥ 1, got {n}'),
+    (
+      _CLIENTS_PER_ROUND.value <= n,
+      f'--clients_per_round={_CLIENTS_PER_ROUND.value} exceeds '
+      f'--num_clients={n}; it must be between 1 and num_clients',
+    ),
+    (
+      0 <= _SEED.value < 2**32,
+      f'--seed must be in [0, 2**32), got {_SEED.value}',
+    ),
+    (
+      _EVAL_EXAMPLES.value >= 0,
+      f'--eval_examples must be ≥ 0 (0: all), got {_EVAL_EXAMPLES.value}',
+    ),
+    (
+      _KNN_REFERENCE.value >= 1,
+      f'--knn_reference must be ≥ 1, got {_KNN_REFERENCE.value}',
+    ),
+    (
+      0 <= _LOCAL_CLIENTS.value <= n,
+      f'--local_clients must be in [0, --num_clients={n}], got '
+      f'{_LOCAL_CLIENTS.value}',
+    ),
+    (
+      _EVAL.value in network.EVAL_MODES,
+      f'--eval must be one of {", ".join(network.EVAL_MODES)}',
+    ),
+    (
+      _CUTS.value in blocks.CUT_STYLES,
+      f'--cuts must be one of {", ".join(blocks.CUT_STYLES)}',
+    ),
+  ]
+  alpha = _ALPHA.value
+  if _PARTITION.value == 'dirichlet':
+    checks.append(
+      (
+        alpha > 0 and math.isfinite(alpha),
+        f'--dirichlet_alpha must be finite and > 0, got {alpha}',
+      )
+    )
+  else:
+    checks.append(
+      (
+        flags.FLAGS['dirichlet_alpha'].using_default_value,
+        f'--dirichlet_alpha applies to --partition=dirichlet only, not '
+        f'--partition={_PARTITION.value}',
+      )
+    )
+  for name in ('epsilon', 'epsilon_decay', 'reward', 'penalty', 'threshold'):
+    value = flags.FLAGS[name].value
+    checks.append(
+      (math.isfinite(value), f'--{name} must be finite, got {value}')
+    )
+  for ok, message in checks:
+    if not ok:
+      raise errors.ConfigError(message)
+  federated.check_config(_config(stitch, _SEED.value), n)
+
+
+def _read_label_map(errors) -> list | None:
+  """The JSON list of --label_map, or None without one."""
+  if not _LABEL_MAP.value:
+    return None
+  try:
+    with open(_LABEL_MAP.value) as f:
+      label_map = json.load(f)
+  except (OSError, ValueError) as e:
+    reason = e.strerror if isinstance(e, OSError) else f'not JSON ({e})'
+    raise errors.ConfigError(
+      f'--label_map={_LABEL_MAP.value}: cannot read it: {reason}'
+    ) from None
+  if not isinstance(label_map, list):
+    raise errors.ConfigError(
+      f'--label_map={_LABEL_MAP.value}: must hold a JSON list'
+    )
+  return label_map
+
+
 def _main(stitch, errors) -> None:
   import jax.numpy as jnp
   import numpy as np
 
+  from fedjax_mr.core import files
   from fedjax_mr.core import workdir as workdir_lib
   from fedjax_mr.data import datasets
   from fedjax_mr.data import partition
@@ -218,10 +306,8 @@ def _main(stitch, errors) -> None:
   from fedjax_mr.stitch import network
   from fedjax_mr.stitch import pool as pool_lib
 
-  if _EVAL.value not in network.EVAL_MODES:
-    raise errors.ConfigError(
-      f'--eval must be one of {", ".join(network.EVAL_MODES)}'
-    )
+  _check_flags(stitch, errors, network)
+  _read_label_map(errors)  # a bad file is refused before the data loads
   from fedjax_mr.energy import simulation
 
   for mix in _ENERGY_MIX.value:
@@ -246,20 +332,8 @@ def _main(stitch, errors) -> None:
         f'--pool: model {m.id} takes {m.model.input_shape}, --dataset='
         f'{ds.name} has examples of shape {ds.input_shape}'
       )
-  label_map = None
-  if _LABEL_MAP.value:
-    try:
-      with open(_LABEL_MAP.value) as f:
-        label_map = json.load(f)
-    except (OSError, ValueError) as e:
-      reason = e.strerror if isinstance(e, OSError) else f'not JSON ({e})'
-      raise errors.ConfigError(
-        f'--label_map={_LABEL_MAP.value}: cannot read it: {reason}'
-      ) from None
-    if not isinstance(label_map, list):
-      raise errors.ConfigError(
-        f'--label_map={_LABEL_MAP.value}: must hold a JSON list'
-      )
+  label_map = _read_label_map(errors)
+  if label_map is not None:
     if len(label_map) != ds.num_classes:
       raise errors.ConfigError(
         f'--label_map: {len(label_map)} entries, --dataset has '
@@ -332,9 +406,10 @@ def _main(stitch, errors) -> None:
   )
   # Over every round of the run, also those before a resume.
   run_seconds = sum(e.get('round_time_s', 0.0) for e in state.log)
-  with open(os.path.join(_WORKDIR.value, 'log.jsonl'), 'w') as f:
-    for e in state.log:
-      f.write(json.dumps(e) + '\n')
+  files.write_atomic(
+    os.path.join(_WORKDIR.value, 'log.jsonl'),
+    lambda f: f.writelines(json.dumps(e) + '\n' for e in state.log),
+  )
 
   key = 'head' if _EVAL.value in ('head', 'both') else 'knn'
   nets = []
@@ -414,8 +489,10 @@ def _main(stitch, errors) -> None:
     'energy': energy,
     'peak_host_mib': _peak_mib(),
   }
-  with open(os.path.join(_WORKDIR.value, 'results.json'), 'w') as f:
-    json.dump(results, f, indent=1, default=_plain)
+  files.write_atomic(
+    os.path.join(_WORKDIR.value, 'results.json'),
+    lambda f: json.dump(results, f, indent=1, default=_plain),
+  )
   print(
     f'{len(nets)} stitched networks in {len(rounds)} rounds '
     f'({run_seconds:.0f} s; client selection time '

@@ -40,7 +40,7 @@ def main() -> None:
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
       try:
         args = cli.parse_flags([module_name, *argv])
-        code = module.main(args) or 0
+        code = cli.guarded(module.main)(args) or 0
       except SystemExit as e:
         code = e.code
       except BaseException:  # noqa: BLE001 - reported, the test fails on it

@@ -101,31 +101,6 @@ def test_stitch_runs_evaluates_and_resumes(
   assert refused.returncode == 2 and 'never unpickles' in refused.stderr
 
 
-@pytest.mark.parametrize(
-  'flag, message',
-  [
-    ('--aggregation=vote', '--aggregation'),
-    ('--energy_mix=nosuch@1:1', '--energy_mix'),
-    ('--eval=probe', '--eval'),
-    ('--cuts=some', '--cuts'),
-  ],
-)
-def test_stitch_bad_flags_are_one_line_errors(
-  small_pool, small_fmnist_dir, tmp_path, flag, message
-):
-  pool_dir, _ = small_pool
-  proc = _run(
-    'experiments.stitch',
-    f'--pool={pool_dir}',
-    f'--data_dir={small_fmnist_dir}',
-    '--num_clients=6',
-    f'--workdir={tmp_path}',
-    flag,
-  )
-  assert proc.returncode != 0
-  assert message in proc.stderr and 'Traceback' not in proc.stderr
-
-
 def test_stitch_without_a_pool_says_how_to_make_one(small_fmnist_dir, tmp_path):
   proc = _run(
     'experiments.stitch',

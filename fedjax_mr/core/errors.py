@@ -2,6 +2,8 @@
 line and exit non-zero (no traceback)."""
 
 import math
+import os
+import re
 
 
 class UserError(ValueError):
@@ -14,6 +16,23 @@ class ConfigError(UserError):
 
 class DataError(UserError):
   """A dataset that is missing, unreadable or malformed."""
+
+
+class StorageError(UserError):
+  """A file that cannot be written: a full disk, a read-only place."""
+
+
+def os_reason(error: BaseException) -> str | None:
+  """The operating-system error behind `error` in words ('No space left on
+  device'), or None if it is not one. Understands OSError and the errors
+  that orbax/TensorStore raise for a failed write (they carry
+  `os_error_code='28'` in their text)."""
+  if isinstance(error, OSError) and error.strerror:
+    return error.strerror
+  found = re.search(r"os_error_code='?(\d+)", str(error))
+  if found:
+    return os.strerror(int(found.group(1)))
+  return None
 
 
 class NonFiniteError(RuntimeError):

@@ -57,11 +57,39 @@ def _busy(folder: str, flag: str, fd: int) -> errors.ConfigError:
   )
 
 
+def check_usable(folder: str, flag: str = '--workdir') -> None:
+  """Raises `ConfigError` unless `folder` is, or can be made, a writable
+  folder: not a file, not below a file, not on a read-only place.
+
+  Creates nothing.
+  """
+  existing = os.path.abspath(folder)
+  while not os.path.exists(existing):
+    parent = os.path.dirname(existing)
+    if parent == existing:
+      break
+    existing = parent
+  if not os.path.isdir(existing):
+    where = (
+      'it is a file'
+      if existing == os.path.abspath(folder)
+      else (f'{existing} is a file')
+    )
+    raise errors.ConfigError(f'{flag}={folder}: {where}, not a folder')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    what = 'it' if existing == os.path.abspath(folder) else existing
+    raise errors.ConfigError(
+      f'{flag}={folder}: {what} is not writable (read-only or no permission)'
+    )
+
+
 def check_free(folder: str, flag: str = '--workdir') -> None:
-  """Raises `ConfigError` if a live process holds `folder`'s lock.
+  """Raises `ConfigError` if `folder` cannot be written (`check_usable`)
+  or a live process holds its lock.
 
   Creates nothing (a folder without a lock file is free).
   """
+  check_usable(folder, flag)
   path = os.path.join(folder, LOCK_FILE)
   try:
     fd = os.open(path, os.O_RDONLY)

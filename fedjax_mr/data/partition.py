@@ -9,12 +9,12 @@ References:
 from __future__ import annotations
 
 import json
-import os
 from typing import Sequence
 
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import files
 
 
 def iid(num_examples: int, num_clients: int, seed: int) -> list[np.ndarray]:
@@ -134,7 +134,4 @@ def summary(
 
 def save_summary(path: str, summary_dict: dict) -> None:
   """Writes the summary as JSON, atomically (temporary file, rename)."""
-  tmp = f'{path}.tmp.{os.getpid()}'
-  with open(tmp, 'w') as f:
-    json.dump(summary_dict, f)
-  os.replace(tmp, path)
+  files.write_atomic(path, lambda f: json.dump(summary_dict, f))

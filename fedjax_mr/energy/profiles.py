@@ -35,6 +35,7 @@ import os
 from typing import Any
 from typing import Mapping
 
+from fedjax_mr.core import files
 from fedjax_mr.energy import sysfs
 
 # TX2 (L4T 32) frequency tables. The A57 and Denver clusters share one table.
@@ -198,9 +199,12 @@ class DeviceProfile:
 
 def save_profile(profile: DeviceProfile, path: str | os.PathLike[str]) -> None:
   """Writes `profile` as JSON."""
-  with open(path, 'w') as f:
+
+  def write(f) -> None:
     json.dump(profile.to_dict(), f, indent=2)
     f.write('\n')
+
+  files.write_atomic(os.fspath(path), write)
 
 
 def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:

@@ -60,6 +60,7 @@ import jax
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import files
 from fedjax_mr.stitch import blocks as blocks_lib
 from fedjax_mr.stitch import cka
 from fedjax_mr.stitch import network as network_lib
@@ -815,12 +816,7 @@ def write_document(path: str, payload: Any, identity: Any = None) -> None:
   }
   text = json.dumps(doc).encode('utf-8')
   arrays[STATE_ENTRY] = np.frombuffer(text, np.uint8)
-  tmp = f'{path}.tmp'
-  with open(tmp, 'wb') as f:
-    np.savez(f, **arrays)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  files.write_atomic(path, lambda f: np.savez(f, **arrays), binary=True)
 
 
 def read_document(path: str) -> tuple[Any, Any]:

@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 
 from fedjax_mr import models as models_lib
 from fedjax_mr.core import errors
+from fedjax_mr.core import files
 from fedjax_mr.stitch import blocks as blocks_lib
 
 
@@ -168,8 +169,9 @@ def save_model(
     'input_shape': list(model.input_shape),
     **meta,
   }
-  with open(os.path.join(path, 'meta.json'), 'w') as f:
-    json.dump(info, f, indent=1)
+  files.write_atomic(
+    os.path.join(path, 'meta.json'), lambda f: json.dump(info, f, indent=1)
+  )
 
 
 def load_model(folder: str, model_id: str) -> PoolModel:

@@ -2,19 +2,66 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import logging
 import os
 import shutil
+import sys
 import time
 from typing import Any
 from typing import Callable
 
 import jax
 import orbax.checkpoint as ocp
+from absl import logging as absl_logging
 
 from fedjax_mr.core import errors
 
 # The folder of a workdir that holds the checkpoints.
 FOLDER = 'checkpoints'
+
+
+class _OrbaxErrorsQuiet:
+  """Drops orbax's own error log lines while a save runs: a failed write
+  is raised (and reported in one line) by `save` itself."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (
+      record.levelno >= logging.ERROR
+      and f'{os.sep}orbax{os.sep}' in (record.pathname)
+    )
+
+  def __enter__(self):
+    self._loggers = [absl_logging.get_absl_logger(), logging.getLogger()]
+    for logger in self._loggers:
+      logger.addFilter(self)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for logger in self._loggers:
+      logger.removeFilter(self)
+
+
+def _ignore_closed_loop_callbacks() -> None:
+  """Drops the "Event loop is closed" errors that the TensorStore callbacks
+  of an aborted orbax save raise (reported through `sys.unraisablehook`,
+  one traceback each, after the save has failed); anything else passes
+  on. Installed once per process."""
+  previous = sys.unraisablehook
+  if getattr(previous, 'fedjax_mr_closed_loop', False):
+    return
+
+  def hook(unraisable) -> None:
+    value = unraisable.exc_value
+    if isinstance(value, RuntimeError) and str(value) == (
+      'Event loop is closed'
+    ):
+      return
+    previous(unraisable)
+
+  hook.fedjax_mr_closed_loop = True
+  sys.unraisablehook = hook
 
 
 class CheckpointError(errors.UserError):
@@ -115,14 +162,37 @@ class Checkpointer:
     self, round_index: int, state: Any, metadata: dict[str, Any] | None = None
   ) -> None:
     """Saves `state` as the checkpoint after `round_index` rounds, with a
-    JSON-able `metadata` dict inside it (the run's config)."""
-    self._manager.save(
-      int(round_index),
-      args=ocp.args.StandardSave(state),
-      force=True,
-      custom_metadata=metadata,
-    )
-    self._manager.wait_until_finished()
+    JSON-able `metadata` dict inside it (the run's config).
+
+    Raises:
+      StorageError: the checkpoint cannot be written (a full disk, a
+        read-only folder); its partial files are removed, the previous
+        checkpoints are untouched.
+    """
+    # When one write of a save fails, the save's other writes still end,
+    # one by one, and each reports to an event loop that orbax has closed.
+    _ignore_closed_loop_callbacks()
+    try:
+      with _OrbaxErrorsQuiet():
+        self._manager.save(
+          int(round_index),
+          args=ocp.args.StandardSave(state),
+          force=True,
+          custom_metadata=metadata,
+        )
+        self._manager.wait_until_finished()
+    except Exception as e:
+      reason = errors.os_reason(e)
+      if reason is None:
+        raise
+      with contextlib.suppress(Exception), _OrbaxErrorsQuiet():
+        self._manager.close()
+      for partial in glob.glob(f'{self._step_path(round_index)}.orbax-*'):
+        shutil.rmtree(partial, ignore_errors=True)
+      raise errors.StorageError(
+        f'cannot write the checkpoint after round {round_index} in '
+        f'{self._folder}: {reason}'
+      ) from None
 
   def metadata(self, round_index: int) -> dict[str, Any]:
     """The metadata saved with checkpoint `round_index` ({} for none, as

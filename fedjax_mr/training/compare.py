@@ -25,6 +25,7 @@ import numpy as np
 
 from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
+from fedjax_mr.core import files
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import metrics_io
@@ -188,10 +189,11 @@ def summarize(
       f'{", ".join(map(str, seeds))} there; nothing to summarize'
     )
   summary = {'variants': results, 'last': last}
-  with open(os.path.join(out, RESULTS_FILE), 'w') as f:
-    json.dump(summary, f, indent=2)
-  with open(os.path.join(out, TABLE_FILE), 'w') as f:
-    f.write(table(summary, title=title))
+  files.write_atomic(
+    os.path.join(out, RESULTS_FILE), lambda f: json.dump(summary, f, indent=2)
+  )
+  text = table(summary, title=title)
+  files.write_atomic(os.path.join(out, TABLE_FILE), lambda f: f.write(text))
   if curves:
     metrics_io.plot_curves(curves, os.path.join(out, CURVES_FILE), title=title)
   return summary

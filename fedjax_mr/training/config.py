@@ -182,8 +182,9 @@ class ExperimentConfig:
   )
   host_devices: int = _field(
     0,
-    'CPU only: XLA host devices per process (0: the largest divisor of K '
-    'up to the number of cores). One CPU device keeps ~1.3 cores busy.',
+    'CPU only: XLA host devices per process (0: --num_devices if set, '
+    'else the largest divisor of K up to the number of cores). One CPU '
+    'device keeps ~1.3 cores busy.',
     run_only=True,
   )
   coordinator_address: str = _field(
@@ -362,6 +363,14 @@ def validate(config: ExperimentConfig) -> None:
       '--alpha must be finite and > 0 for --partition=dirichlet (IID is '
       f'--partition=iid), got {config.alpha}'
     )
+  if config.partition != 'dirichlet':
+    defaults = {f.name: f.default for f in base_fields()}
+    for name in ('alpha', 'min_client_size'):
+      if getattr(config, name) != defaults[name]:
+        raise errors.ConfigError(
+          f'--{name}={getattr(config, name)} applies to '
+          f'--partition=dirichlet only, not --partition={config.partition}'
+        )
   if config.num_processes > 1:
     host, sep, port = config.coordinator_address.rpartition(':')
     if not (sep and host and port.isdigit() and 0 < int(port) < 65536):

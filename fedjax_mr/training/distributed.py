@@ -33,6 +33,7 @@ def auto_host_devices(clients_per_round: int) -> int:
 def initialize(
   *,
   host_devices: int = 0,
+  num_devices: int = 0,
   clients_per_round: int = 1,
   coordinator_address: str = '',
   num_processes: int = 1,
@@ -42,13 +43,15 @@ def initialize(
 
   Args:
     host_devices: XLA host (CPU) devices per process; 0 picks
+      `num_devices` if that is set, else
       `auto_host_devices(clients_per_round)`. Only affects the CPU backend.
+    num_devices: the devices the client axis will be sharded over (0: all).
     clients_per_round: K, for the automatic choice.
     coordinator_address: `host:port` of process 0; empty for one process.
     num_processes: number of cooperating processes.
     process_id: this process's index.
   """
-  n = host_devices or auto_host_devices(clients_per_round)
+  n = host_devices or num_devices or auto_host_devices(clients_per_round)
   flags = os.environ.get('XLA_FLAGS', '')
   if 'xla_force_host_platform_device_count' not in flags:
     os.environ['XLA_FLAGS'] = (
@@ -75,6 +78,7 @@ def initialize_for(config) -> None:
   """`initialize` with the device and process flags of an ExperimentConfig."""
   initialize(
     host_devices=config.host_devices,
+    num_devices=config.num_devices,
     clients_per_round=config.clients_per_round,
     coordinator_address=config.coordinator_address,
     num_processes=config.num_processes,

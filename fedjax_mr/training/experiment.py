@@ -12,13 +12,13 @@ way out, so no finished round is lost and no round's row is skipped.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
 import time
 from typing import Any
 from typing import Callable
+from typing import Mapping
 from typing import NamedTuple
 from typing import Sequence
 
@@ -126,6 +126,15 @@ def make_partition(
     config.alpha,
     config.seed,
     min_size=config.min_client_size,
+  )
+
+
+def _describe(mapping: Mapping[str, Any]) -> str:
+  """A client mapping (see `_run`) in words."""
+  return (
+    f'{mapping.get("devices")} {mapping.get("platform")} device(s) in '
+    f'{mapping.get("processes")} process(es), --client_chunk='
+    f'{mapping.get("client_chunk")}'
   )
 
 
@@ -342,10 +351,30 @@ def _run(experiment, workdir, log, on_round) -> Result:
       )
   if ckpt is None:
     ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
-  meta = {'config': config.to_dict()}
+  platform = mesh.devices.flat[0].platform
+  chunk = config.client_chunk or (
+    1 if platform == 'cpu' else config.clients_per_round // num_devices
+  )
+  # How the clients are mapped onto devices decides the order of the
+  # floating-point sums over clients, so it is kept with each checkpoint.
+  mapping = {
+    'platform': platform,
+    'processes': jax.process_count(),
+    'devices': int(num_devices),
+    'client_chunk': int(chunk),
+  }
+  meta = {'config': config.to_dict(), 'mapping': mapping}
   metrics_path = os.path.join(workdir, METRICS_FILE)
   if start is not None:
     log(f'resuming {workdir} after round {start}')
+    before = ckpt.metadata(start).get('mapping')
+    if before and before != mapping:
+      log(
+        f'note: round {start} was run with {_describe(before)}, this '
+        f'process runs {_describe(mapping)}: the sums over clients are '
+        'grouped differently, so the results are not bit-identical to an '
+        'uninterrupted run (differences start in the last digits)'
+      )
   else:
     start = 0
   history = []
@@ -365,10 +394,6 @@ def _run(experiment, workdir, log, on_round) -> Result:
     f'({num_params:,} parameters), {data.num_clients} clients '
     f'({config.partition}), {config.clients_per_round} per round, '
     f'{config.rounds} rounds'
-  )
-  platform = mesh.devices.flat[0].platform
-  chunk = config.client_chunk or (
-    1 if platform == 'cpu' else config.clients_per_round // num_devices
   )
   log(
     f'{num_devices} {platform} device(s) in {jax.process_count()} '
@@ -474,6 +499,19 @@ def _run(experiment, workdir, log, on_round) -> Result:
             saved_round = r
         if on_round is not None:
           on_round(r, row)
+    except (OSError, errors.StorageError) as e:
+      # A full disk or a folder that became read-only: what is written
+      # stays (a partial metrics row is dropped on resume).
+      what = (
+        str(e)
+        if isinstance(e, errors.StorageError)
+        else f'cannot write {e.filename or "a file"}: {e.strerror or e}'
+      )
+      raise errors.StorageError(
+        f'{what}; stopped. Nothing written before is lost: free space (or '
+        f'make the folder writable) and re-run the same command, it resumes '
+        f'after round {saved_round}'
+      ) from None
     except KeyboardInterrupt:
       # Most of a round is spent waiting for its results, so that is where a
       # signal usually lands: the state has advanced but the row is missing.
@@ -506,8 +544,7 @@ def _run(experiment, workdir, log, on_round) -> Result:
   log(timer.summary(history, workdir))
   if primary and config_lib.energy_mixes(config):
     energy = simulate_energy(config, history, experiment.client_sizes)
-    with open(os.path.join(workdir, ENERGY_FILE), 'w') as f:
-      json.dump(energy, f, indent=1)
+    metrics_io.write_json(os.path.join(workdir, ENERGY_FILE), energy, indent=1)
     for mix, e in energy.items():
       log(energy_line(mix, e))
   return Result(state=state, history=history, workdir=workdir)

@@ -8,6 +8,8 @@ from typing import Any
 from typing import Mapping
 from typing import Sequence
 
+from fedjax_mr.core import files
+
 
 def read(path: str) -> list[dict[str, Any]]:
   """The rows of a metrics.jsonl file (empty if it does not exist); lines
@@ -40,26 +42,15 @@ def read_checked(path: str) -> tuple[list[dict[str, Any]], int]:
 
 
 def write_json(path: str, obj: Any, **dump_kwargs: Any) -> None:
-  """Writes `obj` as JSON atomically: a reader (another process of the same
-  run, a resumed run) sees the old file or the whole new one, never part."""
-  tmp = f'{path}.tmp.{os.getpid()}'
-  try:
-    with open(tmp, 'w') as f:
-      json.dump(obj, f, **dump_kwargs)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  finally:
-    if os.path.exists(tmp):
-      os.remove(tmp)
+  """Writes `obj` as JSON atomically (`files.write_atomic`): a reader
+  (another process of the same run, a resumed run) sees the old file or the
+  whole new one, never part."""
+  files.write_atomic(path, lambda f: json.dump(obj, f, **dump_kwargs))
 
 
 def append(path: str, row: Mapping[str, Any]) -> None:
   """Appends one row and flushes it to disk."""
-  with open(path, 'a') as f:
-    f.write(json.dumps(row) + '\n')
-    f.flush()
-    os.fsync(f.fileno())
+  files.append_line(path, json.dumps(row))
 
 
 def truncate(path: str, max_round: int) -> tuple[list[dict[str, Any]], str]:
@@ -93,13 +84,9 @@ def truncate(path: str, max_round: int) -> tuple[list[dict[str, Any]], str]:
       f'dropped {repeated} repeated row{"s" * (repeated != 1)} of a round'
     )
   if os.path.exists(path) or kept:
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-      for r in kept:
-        f.write(json.dumps(r) + '\n')
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
+    files.write_atomic(
+      path, lambda f: f.writelines(json.dumps(r) + '\n' for r in kept)
+    )
   return kept, '; '.join(notes)
 
 
@@ -141,5 +128,9 @@ def plot_curves(
   if title:
     fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  try:
+    files.write_atomic(
+      path, lambda f: fig.savefig(f, dpi=100, format='png'), binary=True
+    )
+  finally:
+    plt.close(fig)

@@ -44,7 +44,7 @@ def _quiet(line):
 def test_run_learns_and_writes_everything(small_config, tmp_path):
   lines = []
   cfg = dataclasses.replace(
-    small_config, partition='iid', rounds=5, local_epochs=3
+    small_config, partition='iid', alpha=0.1, rounds=5, local_epochs=3
   )
   res = experiment.train_and_evaluate(cfg, str(tmp_path), log=lines.append)
   files = set(os.listdir(tmp_path))
@@ -67,7 +67,7 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
   # Real learning on real data: 10 classes, chance is 0.1.
   assert rows[-1]['test_accuracy'] > 0.65
   assert rows[-1]['train_loss'] < rows[0]['train_loss']
-  assert json.load(open(tmp_path / 'config.json'))['alpha'] == 0.5
+  assert json.load(open(tmp_path / 'config.json'))['partition'] == 'iid'
   part = json.load(open(tmp_path / 'partition.json'))
   assert sum(part['sizes']) == 1500 and len(part['sizes']) == 10
   assert any(

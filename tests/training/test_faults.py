@@ -1,18 +1,23 @@
 """Faults a run survives: damaged checkpoints and metrics, a --rounds below
-what is done (issue 25, items 6, 7 and 10)."""
+what is done, a full disk, an unwritable workdir, a resume on another
+client mapping (issue 25, items 6, 7, 9, 10 and 14)."""
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import jax
+import orbax.checkpoint as ocp
 import pytest
 from orbax.checkpoint._src.path import atomicity
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import files
 from fedjax_mr.training import checkpoint
 from fedjax_mr.training import experiment
 from fedjax_mr.training import metrics_io
@@ -216,3 +221,179 @@ def test_a_signal_during_a_checkpoint_write_waits_for_it(
   helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
   rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
   assert _no_times(rows) == _no_times(ref.history)
+
+
+def test_a_resume_on_another_client_mapping_says_so(finished, tmp_path):
+  # The mapping of clients onto devices is kept in each checkpoint: a
+  # resume that maps them otherwise groups the sums over clients otherwise.
+  cfg, work, _ = _copy(finished, tmp_path)
+  shutil.rmtree(os.path.join(work, checkpoint.FOLDER, '4'))
+  metrics_io.truncate(os.path.join(work, 'metrics.jsonl'), 2)
+  assert checkpoint.Checkpointer(work).metadata(2)['mapping'] == {
+    'platform': 'cpu',
+    'processes': 1,
+    'devices': 2,
+    'client_chunk': 1,
+  }
+  lines = []
+  experiment.train_and_evaluate(
+    dataclasses.replace(cfg, client_chunk=2), work, log=lines.append
+  )
+  notes = [line for line in lines if line.startswith('note:')]
+  assert notes == [
+    'note: round 2 was run with 2 cpu device(s) in 1 process(es), '
+    '--client_chunk=1, this process runs 2 cpu device(s) in 1 process(es), '
+    '--client_chunk=2: the sums over clients are grouped differently, so '
+    'the results are not bit-identical to an uninterrupted run (differences '
+    'start in the last digits)'
+  ]
+  # Resumed with the mapping it was saved with: not a word.
+  lines = []
+  experiment.train_and_evaluate(
+    dataclasses.replace(cfg, rounds=5, client_chunk=2), work, log=lines.append
+  )
+  assert lines[0] == f'resuming {work} after round 4'
+  assert not [line for line in lines if line.startswith('note:')]
+
+
+def _fill_disk_at(monkeypatch, round_index):
+  """orbax fails the save of `round_index` as it does on a full disk."""
+  save = ocp.CheckpointManager.save
+
+  def save_or_fail(self, step, *args, **kwargs):
+    if step == round_index:
+      raise ValueError(
+        'RESOURCE_EXHAUSTED: Error writing "server.params" in OCDBT '
+        'database: Failed to write 130761 bytes to file 15: No space left '
+        "on device [os_error_code='28']"
+      )
+    return save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, 'save', save_or_fail)
+
+
+def test_a_full_disk_during_a_checkpoint_loses_nothing(
+  finished, tmp_path, monkeypatch
+):
+  cfg, _, ref = finished
+  work = str(tmp_path / 'run')
+  _fill_disk_at(monkeypatch, 4)
+  with pytest.raises(
+    errors.StorageError,
+    match=r'^cannot write the checkpoint after round 4 in .*: No space left '
+    r'on device; stopped\. .* it resumes after round 2$',
+  ):
+    experiment.train_and_evaluate(cfg, work, log=_quiet)
+  monkeypatch.undo()
+  assert checkpoint.Checkpointer(work).latest_round() == 2
+  res = experiment.train_and_evaluate(cfg, work, log=_quiet)
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
+  assert _no_times(rows) == _no_times(ref.history)
+
+
+def test_a_full_disk_while_a_row_is_written_loses_nothing(
+  finished, tmp_path, monkeypatch
+):
+  cfg, _, ref = finished
+  work = str(tmp_path / 'run')
+  append = files.append_line
+
+  def append_or_fail(path, line):
+    if line.startswith('{"round": 3,'):
+      with open(path, 'a') as f:
+        f.write(line[:25])  # what a full disk leaves: part of the row
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    append(path, line)
+
+  monkeypatch.setattr(files, 'append_line', append_or_fail)
+  with pytest.raises(
+    errors.StorageError,
+    match=r'^cannot write .*metrics\.jsonl: No space left on device; '
+    r'stopped\. .* it resumes after round 2$',
+  ):
+    experiment.train_and_evaluate(cfg, work, log=_quiet)
+  monkeypatch.undo()
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert any('dropped 1 unreadable line' in line for line in lines)
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
+  assert _no_times(rows) == _no_times(ref.history)
+
+
+def test_an_unwritable_workdir_is_refused_before_anything(
+  finished, tmp_path, monkeypatch
+):
+  # As a read-only mount answers (root included): access() says no.
+  cfg, work, _ = _copy(finished, tmp_path)
+  before = {p: open(p, 'rb').read() for p in _files(work)}
+  access = os.access
+
+  def read_only(path, mode, **kwargs):
+    if os.path.abspath(path) == work and mode & os.W_OK:
+      return False
+    return access(path, mode, **kwargs)
+
+  monkeypatch.setattr(os, 'access', read_only)
+  with pytest.raises(
+    errors.ConfigError, match=r'^--workdir=.*: it is not writable'
+  ):
+    experiment.train_and_evaluate(
+      dataclasses.replace(cfg, rounds=6), work, log=_quiet
+    )
+  assert {p: open(p, 'rb').read() for p in _files(work)} == before
+
+
+def _mount_tmpfs(folder, size):
+  """Mounts a tmpfs of `size` at `folder`; False where this is not allowed
+  (not root, no mount in a container)."""
+  os.makedirs(folder)
+  proc = subprocess.run(
+    ['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', folder],
+    capture_output=True,
+  )
+  return proc.returncode == 0
+
+
+def test_a_real_full_disk_is_one_line_and_resumes(small_fmnist_dir, tmp_path):
+  # The real thing where the machine allows it: a 3 MiB tmpfs that fills
+  # up while orbax writes a checkpoint.
+  disk = str(tmp_path / 'disk')
+  if shutil.which('mount') is None or not _mount_tmpfs(disk, '3m'):
+    pytest.skip('cannot mount a tmpfs here (needs root)')
+  try:
+    work = os.path.join(disk, 'w')
+    flags = [
+      f'--data_dir={small_fmnist_dir}',
+      '--num_clients=10',
+      '--clients_per_round=4',
+      '--alpha=0.5',
+      '--local_epochs=1',
+      '--eval_every=2',
+      '--checkpoint_every=1',
+      f'--workdir={work}',
+    ]
+    proc = helpers.run_module('experiments.run', *flags, '--rounds=2')
+    assert proc.returncode == 0, proc.stderr
+    ref = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
+    free = shutil.disk_usage(disk).free
+    with open(os.path.join(disk, 'filler'), 'wb') as f:
+      f.write(bytes(free - 150_000))  # less than a checkpoint
+    proc = helpers.run_module('experiments.run', *flags, '--rounds=4')
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1, proc.stderr
+    assert (
+      err[0].startswith('error: cannot write the checkpoint after round 3')
+      and 'No space left on device' in err[0]
+    ), err[0]
+    assert err[0].endswith('it resumes after round 2')
+    assert checkpoint.Checkpointer(work).latest_round() == 2
+    assert metrics_io.read(os.path.join(work, 'metrics.jsonl'))[:2] == ref
+    os.remove(os.path.join(disk, 'filler'))
+    proc = helpers.run_module('experiments.run', *flags, '--rounds=4')
+    assert proc.returncode == 0, proc.stderr
+    assert 'resuming' in proc.stdout and 'after round 2' in proc.stdout
+  finally:
+    subprocess.run(['umount', disk], capture_output=True)
