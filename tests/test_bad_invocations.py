@@ -7,13 +7,17 @@ contains the given fragment (the flag or file it names), and create
 nothing at the program's output path ({S}).
 """
 
+import gzip
 import json
 import os
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from tests.data import test_idx_and_datasets as idx_tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,6 +102,12 @@ CASES = {
     (['--workdir=README.md'], 'README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
     (['--data_dir=/nonexistent/fmnist'], '/nonexistent/fmnist'),
+    # Damaged IDX files (item 11), each named.
+    (['--data_dir={bad:labels_200}'], 'train-labels-idx1-ubyte.gz'),
+    (['--data_dir={bad:test_labels_negative}'], 't10k-labels-idx1-ubyte.gz'),
+    (['--data_dir={bad:huge_header}'], 'train-images-idx3-ubyte.gz'),
+    (['--data_dir={bad:nan_pixels}'], 'train-images-idx3-ubyte.gz'),
+    (['--data_dir={bad:test_shape}'], '/b: test images are (27, 28)'),
     (['--rounds=abc'], '--rounds'),
     (['--bogus_flag=1'], 'bogus_flag'),
     (['--flagfile=/nonexistent/x.flags'], '/nonexistent/x.flags'),
@@ -116,6 +126,7 @@ CASES = {
     (['--variants=', '--variant=a/b:lr=0.1'], '--variants'),
     (['--variants=fedavg', '--lr=-1'], '--lr'),
     (['--variants=fedavg', '--rounds=0'], '--rounds'),
+    (['--data_dir={bad:test_shape}'], '/b: test images are (27, 28)'),
     (['--out=README.md'], 'README.md'),
     (['--out=README.md/sub'], 'README.md/sub'),
     (['positional'], 'unexpected arguments'),
@@ -147,6 +158,7 @@ CASES = {
     (['--dataset=bogus'], '--dataset'),
     (['--out=README.md'], 'README.md'),
     (['--out=README.md/sub'], 'README.md/sub'),
+    (['--data_dir={bad:labels_200}'], 'train-labels-idx1-ubyte.gz'),
     (['positional'], 'unexpected arguments'),
   ],
   'experiments.stitch': [
@@ -206,12 +218,49 @@ def test_the_table_has_at_least_80_cases():
   assert sum(len(c) for c in CASES.values()) >= 80
 
 
+@pytest.fixture(scope='module')
+def bad_data(tmp_path_factory):
+  """{name: a Fashion-MNIST IDX folder with one damaged file}."""
+  root = tmp_path_factory.mktemp('bad_idx')
+  out = {
+    'labels_200': idx_tests.idx_folder(root / 'a', y_train=np.full(20, 200)),
+    'test_shape': idx_tests.idx_folder(
+      root / 'b', x_test=np.zeros((5, 27, 28))
+    ),
+  }
+  out['test_labels_negative'] = idx_tests.idx_folder(root / 'c')
+  idx_tests.write_typed(
+    os.path.join(out['test_labels_negative'], 't10k-labels-idx1-ubyte.gz'),
+    np.full(5, -1, np.int8),
+    0x09,
+  )
+  out['nan_pixels'] = idx_tests.idx_folder(root / 'd')
+  idx_tests.write_typed(
+    os.path.join(out['nan_pixels'], 'train-images-idx3-ubyte.gz'),
+    np.full((20, 28, 28), np.nan, '>f4'),
+    0x0D,
+  )
+  out['huge_header'] = idx_tests.idx_folder(root / 'e')
+  header = bytes([0, 0, 8, 3]) + b''.join(
+    d.to_bytes(4, 'big') for d in (2**32 - 1, 28, 28)
+  )
+  path = os.path.join(out['huge_header'], 'train-images-idx3-ubyte.gz')
+  with gzip.open(path, 'wb') as f:
+    f.write(header + bytes(100))
+  return out
+
+
+def _substitute(arg, scratch, bad_data):
+  arg = arg.replace('{S}', scratch)
+  return re.sub(r'\{bad:(\w+)\}', lambda m: bad_data[m.group(1)], arg)
+
+
 @pytest.mark.parametrize('program', sorted(CASES))
-def test_bad_invocations(program, tmp_path):
+def test_bad_invocations(program, tmp_path, bad_data):
   scratch = str(tmp_path / 'out')
   extra = BASE.get(program, [])
   argvs = [
-    [a.replace('{S}', scratch) for a in [*extra, *argv]]
+    [_substitute(a, scratch, bad_data) for a in [*extra, *argv]]
     for argv, _ in CASES[program]
   ]
   proc = subprocess.run(

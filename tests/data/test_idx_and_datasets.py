@@ -65,7 +65,7 @@ def test_read_idx_refuses_a_huge_header_before_allocating(
     idx.read_idx(str(path))
 
 
-def _idx_folder(tmp_path, **changes):
+def idx_folder(tmp_path, **changes):
   rng = np.random.default_rng(0)
   arrays = dict(
     x_train=rng.integers(0, 256, (20, 28, 28)),
@@ -77,7 +77,7 @@ def _idx_folder(tmp_path, **changes):
   return conftest.write_idx_dataset(tmp_path, **arrays)
 
 
-def _write_typed(path, array, code):
+def write_typed(path, array, code):
   header = bytes([0, 0, code, array.ndim])
   header += b''.join(int(d).to_bytes(4, 'big') for d in array.shape)
   with gzip.open(path, 'wb') as f:
@@ -85,19 +85,19 @@ def _write_typed(path, array, code):
 
 
 def test_idx_labels_out_of_range_name_the_file(tmp_path):
-  folder = _idx_folder(tmp_path, y_train=np.full(20, 200))
+  folder = idx_folder(tmp_path, y_train=np.full(20, 200))
   with pytest.raises(errors.DataError) as e:
     datasets.load('fashion_mnist', folder)
   assert str(e.value) == (
     f'{folder}/train-labels-idx1-ubyte.gz: labels must lie in 0..9, found '
     '200..200'
   )
-  _write_typed(  # int8 labels of -1
+  write_typed(  # int8 labels of -1
     os.path.join(folder, 'train-labels-idx1-ubyte.gz'),
     np.full(20, 0, np.int8),
     0x09,
   )
-  _write_typed(
+  write_typed(
     os.path.join(folder, 't10k-labels-idx1-ubyte.gz'),
     np.full(5, -1, np.int8),
     0x09,
@@ -107,14 +107,14 @@ def test_idx_labels_out_of_range_name_the_file(tmp_path):
 
 
 def test_idx_images_must_be_bytes_of_one_shape(tmp_path):
-  folder = _idx_folder(tmp_path / 'a', x_test=np.zeros((5, 27, 28)))
+  folder = idx_folder(tmp_path / 'a', x_test=np.zeros((5, 27, 28)))
   with pytest.raises(
     errors.DataError,
     match=r'test images are \(27, 28\), training images \(28, 28\)',
   ):
     datasets.load('fashion_mnist', folder)
-  folder = _idx_folder(tmp_path / 'b')
-  _write_typed(
+  folder = idx_folder(tmp_path / 'b')
+  write_typed(
     os.path.join(folder, 'train-images-idx3-ubyte.gz'),
     np.full((20, 28, 28), np.nan, '>f4'),
     0x0D,
