@@ -129,6 +129,17 @@ def make_partition(
   )
 
 
+# Measured with jaxlib 0.10.2 (BUILD.md, "Reproducibility"): several XLA
+# host devices running at once on several cores give results that differ
+# from run to run in the last digits; one device, or one core, does not.
+CPU_DEVICES_NOTE = (
+  'note: XLA:CPU does not give bit-identical results from run to run with '
+  'several host devices on several cores (differences start in the last '
+  'digits and grow with the rounds); --host_devices=1 --num_devices=1 is '
+  'bit-reproducible, and slower'
+)
+
+
 def _describe(mapping: Mapping[str, Any]) -> str:
   """A client mapping (see `_run`) in words."""
   return (
@@ -400,6 +411,8 @@ def _run(experiment, workdir, log, on_round) -> Result:
     f'process(es); {config.clients_per_round // num_devices} clients per '
     f'device, {chunk} at a time'
   )
+  if platform == 'cpu' and num_devices > 1:
+    log(CPU_DEVICES_NOTE)
 
   round_fn = jax.jit(
     engine.make_round_fn(
