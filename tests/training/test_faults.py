@@ -44,6 +44,14 @@ def finished(small_fmnist_dir, tmp_path_factory):
   return cfg, work, res
 
 
+def _resume_matches(cfg, work, ref, log=_quiet):
+  """Resumes `work` to the end; its state and rows are the reference's."""
+  res = experiment.train_and_evaluate(cfg, work, log=log)
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
+  assert _no_times(rows) == _no_times(ref.history)
+
+
 def _copy(finished, tmp_path):
   cfg, work, res = finished
   copy = str(tmp_path / 'run')
@@ -216,11 +224,8 @@ def test_a_signal_during_a_checkpoint_write_waits_for_it(
   assert sent == [target]
   assert checkpoint.Checkpointer(work).latest_round() == target
   lines = []
-  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  _resume_matches(cfg, work, ref, log=lines.append)
   assert lines[0] == f'resuming {work} after round {target}'
-  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
-  rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
-  assert _no_times(rows) == _no_times(ref.history)
 
 
 def test_a_resume_on_another_client_mapping_says_so(finished, tmp_path):
@@ -239,7 +244,7 @@ def test_a_resume_on_another_client_mapping_says_so(finished, tmp_path):
   experiment.train_and_evaluate(
     dataclasses.replace(cfg, client_chunk=2), work, log=lines.append
   )
-  notes = [line for line in lines if line.startswith('note:')]
+  notes = [line for line in lines if line.startswith('note: round')]
   assert notes == [
     'note: round 2 was run with 2 cpu device(s) in 1 process(es), '
     '--client_chunk=1, this process runs 2 cpu device(s) in 1 process(es), '
@@ -253,7 +258,7 @@ def test_a_resume_on_another_client_mapping_says_so(finished, tmp_path):
     dataclasses.replace(cfg, rounds=5, client_chunk=2), work, log=lines.append
   )
   assert lines[0] == f'resuming {work} after round 4'
-  assert not [line for line in lines if line.startswith('note:')]
+  assert not [line for line in lines if line.startswith('note: round')]
 
 
 def _fill_disk_at(monkeypatch, round_index):
@@ -286,10 +291,7 @@ def test_a_full_disk_during_a_checkpoint_loses_nothing(
     experiment.train_and_evaluate(cfg, work, log=_quiet)
   monkeypatch.undo()
   assert checkpoint.Checkpointer(work).latest_round() == 2
-  res = experiment.train_and_evaluate(cfg, work, log=_quiet)
-  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
-  rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
-  assert _no_times(rows) == _no_times(ref.history)
+  _resume_matches(cfg, work, ref)
 
 
 def test_a_full_disk_while_a_row_is_written_loses_nothing(
@@ -315,11 +317,8 @@ def test_a_full_disk_while_a_row_is_written_loses_nothing(
     experiment.train_and_evaluate(cfg, work, log=_quiet)
   monkeypatch.undo()
   lines = []
-  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  _resume_matches(cfg, work, ref, log=lines.append)
   assert any('dropped 1 unreadable line' in line for line in lines)
-  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
-  rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
-  assert _no_times(rows) == _no_times(ref.history)
 
 
 def test_an_unwritable_workdir_is_refused_before_anything(
