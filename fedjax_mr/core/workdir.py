@@ -69,15 +69,10 @@ def check_usable(folder: str, flag: str = '--workdir') -> None:
     if parent == existing:
       break
     existing = parent
+  what = 'it' if existing == os.path.abspath(folder) else existing
   if not os.path.isdir(existing):
-    where = (
-      'it is a file'
-      if existing == os.path.abspath(folder)
-      else (f'{existing} is a file')
-    )
-    raise errors.ConfigError(f'{flag}={folder}: {where}, not a folder')
+    raise errors.ConfigError(f'{flag}={folder}: {what} is a file, not a folder')
   if not os.access(existing, os.W_OK | os.X_OK):
-    what = 'it' if existing == os.path.abspath(folder) else existing
     raise errors.ConfigError(
       f'{flag}={folder}: {what} is not writable (read-only or no permission)'
     )

@@ -27,10 +27,8 @@ class _OrbaxErrorsQuiet:
   is raised (and reported in one line) by `save` itself."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (
-      record.levelno >= logging.ERROR
-      and f'{os.sep}orbax{os.sep}' in (record.pathname)
-    )
+    in_orbax = f'{os.sep}orbax{os.sep}' in record.pathname
+    return not (record.levelno >= logging.ERROR and in_orbax)
 
   def __enter__(self):
     self._loggers = [absl_logging.get_absl_logger(), logging.getLogger()]
