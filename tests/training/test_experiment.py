@@ -64,6 +64,14 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
     True,
     True,
   ]
+  # Evaluation is timed apart from the round, on the rounds that evaluate;
+  # the elapsed time covers both.
+  assert ['eval_time_s' in r for r in rows] == [
+    'test_accuracy' in r for r in rows
+  ]
+  for before, row in zip(rows, rows[1:]):
+    spent = row['elapsed_s'] - before['elapsed_s']
+    assert 0 < row['round_time_s'] + row.get('eval_time_s', 0.0) <= spent
   # Real learning on real data: 10 classes, chance is 0.1.
   assert rows[-1]['test_accuracy'] > 0.65
   assert rows[-1]['train_loss'] < rows[0]['train_loss']
