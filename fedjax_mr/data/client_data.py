@@ -102,11 +102,17 @@ def eval_data(
   batch_size: int,
   scale: float = 1.0,
   shift: float = 0.0,
+  num_shards: int = 1,
 ) -> EvalData:
-  """Pads and reshapes a test set into `[num_batches, batch_size, ...]`."""
+  """Pads and reshapes a test set into `[num_batches, batch_size, ...]`.
+
+  `num_batches` is rounded up to a multiple of `num_shards` (wholly masked
+  batches), so that the batches split evenly over that many devices.
+  """
   n = len(x)
   b = min(batch_size, n)
   nb = -(-n // b)
+  nb = -(-nb // num_shards) * num_shards
   pad = nb * b - n
   if pad:
     xp = host.empty((nb * b, *x.shape[1:]), x.dtype)

@@ -134,7 +134,10 @@ class ExperimentConfig:
     run_only=True,
   )
   eval_batch_size: int = _field(
-    1000, 'Batch size for evaluation.', run_only=True
+    500,
+    'Batch size for evaluation (on CPU 500 evaluates cnn_mnist 1.4x faster '
+    'than 1000, whose activations leave the cache).',
+    run_only=True,
   )
   seed: int = _field(0, 'Seed of the partition, the init and every round.')
   workdir: str = _field(

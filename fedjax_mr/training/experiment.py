@@ -227,6 +227,7 @@ def setup(config: config_lib.ExperimentConfig) -> Experiment:
     config.eval_batch_size,
     dataset.scale,
     dataset.shift,
+    num_shards=mesh.devices.size,
   )
   key = jax.random.key(config.seed)
   variables = model.init(jax.random.fold_in(key, _INIT))
@@ -424,14 +425,15 @@ def _run(experiment, workdir, log, on_round) -> Result:
     donate_argnums=0,
     out_shardings=distributed.replicated(mesh),
   )
-  evaluate_model = engine.make_evaluate(experiment.model)
+  eval_mesh = mesh if num_devices > 1 else None
+  evaluate_model = engine.make_evaluate(experiment.model, eval_mesh)
   evaluate = jax.jit(
     lambda server, t: evaluate_model(
       types.evaluated_model(algorithm, server), t
     ),
     out_shardings=distributed.replicated(mesh),
   )
-  evaluate_many = engine.make_evaluate_many(experiment.model)
+  evaluate_many = engine.make_evaluate_many(experiment.model, eval_mesh)
   local_evaluate = None
   if config_lib.multi_model(config):
     # The K different models the next round dispatches (recombined or

@@ -95,6 +95,32 @@ def test_evaluate_counts_padding_out():
   np.testing.assert_allclose(res['loss'], np.log(3), rtol=1e-6)
 
 
+def test_evaluate_split_over_two_devices_is_the_same_evaluation():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
+  model = helpers.linear_model()
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 256, (7, 2, 2, 1)).astype(np.uint8)
+  y = np.array([0, 2, 0, 1, 2, 0, 1])
+  variables = model.init(jax.random.key(1))
+  # 7 examples in batches of 3: 3 batches, padded to 4 for two devices.
+  test = client_data.eval_data(x, y, 3, num_shards=2)
+  assert test.x.shape[0] == 4 and float(test.mask.sum()) == 7
+  one = jax.jit(engine.make_evaluate(model))(variables, test)
+  two = jax.jit(engine.make_evaluate(model, mesh))(variables, test)
+  for key in ('accuracy', 'loss'):
+    assert float(two[key]) == float(one[key]), key
+  stacked = jax.tree.map(lambda v: jnp.stack([v, -v, 2 * v]), variables)
+  many = jax.jit(engine.make_evaluate_many(model, mesh))(stacked, test)
+  for i, sign in enumerate([1, -1, 2]):
+    alone = jax.jit(engine.make_evaluate(model))(
+      jax.tree.map(lambda v: sign * v, variables), test
+    )
+    assert float(many['accuracy'][i]) == float(alone['accuracy'])
+    np.testing.assert_allclose(many['loss'][i], alone['loss'], rtol=1e-6)
+  with pytest.raises(ValueError, match='do not split over 2 devices'):
+    engine.make_evaluate(model, mesh)(variables, client_data.eval_data(x, y, 3))
+
+
 def test_balanced_order_hand_case():
   perm = engine.balanced_order(jnp.array([1, 10, 3, 7]), 2)
   np.testing.assert_array_equal(perm, [1, 0, 3, 2])  # shard sums 11 and 10
