@@ -559,8 +559,8 @@ def main(argv):
     runs = [(FLAGS.sizes, FLAGS.devices)]
   for sizes, dev in runs:
     d = n_dev if dev == 'all' else int(dev)
-    if d > n_dev or k % d:
-      cli.fail(f'--devices={dev}: need a divisor of K={k} and at most {n_dev}')
+    if d > min(n_dev, k):
+      cli.fail(f'--devices={dev}: need at most K={k} and at most {n_dev}')
   try:
     ds, model, opt, variables, data, parts, algorithms = _setup(
       {s for s, _ in runs}

@@ -98,7 +98,7 @@ CASES = {
     (['--energy_mix=bogus'], '--energy_mix'),
     (['--partition=iid', '--alpha=0.5'], '--alpha'),
     (['--partition=iid', '--min_client_size=5'], '--min_client_size'),
-    (['--clients_per_round=3', '--num_devices=2'], '--clients_per_round=3'),
+    (['--clients_per_round=1', '--num_devices=2'], '--clients_per_round=1'),
     (['--workdir=README.md'], 'README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
     (['--data_dir=/nonexistent/fmnist'], '/nonexistent/fmnist'),

@@ -179,15 +179,14 @@ class ExperimentConfig:
   )
   num_devices: int = _field(
     0,
-    'Devices the client axis is sharded over (0: all; K must be a '
-    'multiple). Clients are balanced by local steps.',
+    'Devices the client axis is sharded over (0: all; at most K). '
+    'Clients are balanced by local steps.',
     run_only=True,
   )
   host_devices: int = _field(
     0,
     'CPU only: XLA host devices per process (0: --num_devices if set, '
-    'else the largest divisor of K up to the number of cores). One CPU '
-    'device keeps ~1.3 cores busy.',
+    'else one per core, at most K). One CPU device keeps ~1.3 cores busy.',
     run_only=True,
   )
   coordinator_address: str = _field(

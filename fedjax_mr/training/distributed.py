@@ -21,13 +21,17 @@ AXIS = 'clients'
 
 
 def auto_host_devices(clients_per_round: int) -> int:
-  """The largest divisor of K that is at most the number of CPU cores."""
+  """One host device per CPU core this process may use, at most K.
+
+  K need not be a multiple: the round fills the client axis up with empty
+  clients (see `engine.make_round_fn`).
+  """
   cores = (
     len(os.sched_getaffinity(0))
     if hasattr(os, 'sched_getaffinity')
     else (os.cpu_count() or 1)
   )
-  return max(d for d in range(1, cores + 1) if clients_per_round % d == 0)
+  return max(1, min(cores, int(clients_per_round)))
 
 
 def initialize(

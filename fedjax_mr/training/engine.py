@@ -190,9 +190,11 @@ def make_round_fn(
     client_chunk: how clients are mapped on each device (see
       `map_clients`).
     mesh: optional 1-D mesh (any axis name) over which the client axis is
-      sharded: each device trains K / D clients, chosen by
+      sharded: each device trains ⌈K / D⌉ clients, chosen by
       `balanced_order` so devices get about equal numbers of local steps.
-      K must be a multiple of D. The mesh may span several processes
+      When D does not divide K the client axis is filled up with empty
+      clients (no examples, so no local steps) whose outputs are dropped
+      before aggregation. The mesh may span several processes
       (`jax.distributed`); the data and the state are then replicated.
 
   Returns:
@@ -202,11 +204,8 @@ def make_round_fn(
   """
   k = int(clients_per_round)
   shards = 1 if mesh is None else mesh.devices.size
-  if k % shards:
-    raise ValueError(
-      f'clients_per_round={k} must be a multiple of the number of devices '
-      f'({shards}) the client axis is sharded over'
-    )
+  # Empty clients that fill the client axis up to a multiple of D.
+  fill = -k % shards
   sample = sampler_of(algorithm, k)
   update = algorithm.client_update
 
@@ -240,16 +239,29 @@ def make_round_fn(
         sent.shared, sent.per_client, client_state, ids, keys, data
       )
     else:
-      perm = balanced_order(data.sizes[ids], shards)
+      run_ids, run_data = ids, data
+      if fill:
+        # Client id N (one past the last) is an empty client: its row
+        # of indices is zeros and its size 0. The per-client inputs of the
+        # filling entries are copies of client 0's (never used).
+        run_ids = jnp.concatenate([ids, jnp.full((fill,), data.num_clients)])
+        run_data = data.replace(
+          indices=jnp.concatenate(
+            [data.indices, jnp.zeros_like(data.indices[:1])]
+          ),
+          sizes=jnp.concatenate([data.sizes, jnp.zeros_like(data.sizes[:1])]),
+        )
+      first = jnp.concatenate([jnp.arange(k), jnp.zeros((fill,), jnp.int32)])
+      perm = balanced_order(run_data.sizes[run_ids], shards)
       outputs, client_state = sharded_train(
         sent.shared,
-        _gather(sent.per_client, perm),
-        _gather(client_state, perm),
-        ids[perm],
-        keys[perm],
-        data,
+        _gather(sent.per_client, first[perm]),
+        _gather(client_state, first[perm]),
+        run_ids[perm],
+        keys[first[perm]],
+        run_data,
       )
-      inverse = jnp.argsort(perm)
+      inverse = jnp.argsort(perm)[:k]
       outputs, client_state = _gather((outputs, client_state), inverse)
     clients = jax.tree.map(
       lambda all_, new: all_.at[ids].set(new.astype(all_.dtype)),

@@ -194,11 +194,12 @@ def setup(config: config_lib.ExperimentConfig) -> Experiment:
   config_lib.validate(config)
   mesh = distributed.make_mesh(config.num_devices)
   num_devices = mesh.devices.size
-  if config.clients_per_round % num_devices:
+  if num_devices > config.clients_per_round:
     raise errors.ConfigError(
-      f'--clients_per_round={config.clients_per_round} must be a multiple of '
-      f'the {num_devices} devices the clients are sharded over; set '
-      '--num_devices (or --host_devices on CPU) to a divisor of it'
+      f'--clients_per_round={config.clients_per_round} is fewer than the '
+      f'{num_devices} devices the clients are sharded over; set '
+      '--num_devices (or --host_devices on CPU) to at most '
+      f'{config.clients_per_round}'
     )
   dataset = datasets.load(
     config.dataset,
@@ -364,9 +365,8 @@ def _run(experiment, workdir, log, on_round) -> Result:
   if ckpt is None:
     ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
   platform = mesh.devices.flat[0].platform
-  chunk = config.client_chunk or (
-    1 if platform == 'cpu' else config.clients_per_round // num_devices
-  )
+  per_device = -(-config.clients_per_round // num_devices)
+  chunk = config.client_chunk or (1 if platform == 'cpu' else per_device)
   # How the clients are mapped onto devices decides the order of the
   # floating-point sums over clients, so it is kept with each checkpoint.
   mapping = {
@@ -409,8 +409,7 @@ def _run(experiment, workdir, log, on_round) -> Result:
   )
   log(
     f'{num_devices} {platform} device(s) in {jax.process_count()} '
-    f'process(es); {config.clients_per_round // num_devices} clients per '
-    f'device, {chunk} at a time'
+    f'process(es); {per_device} clients per device, {chunk} at a time'
   )
   if platform == 'cpu' and num_devices > 1:
     log(CPU_DEVICES_NOTE)

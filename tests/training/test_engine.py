@@ -156,11 +156,33 @@ def test_sharded_round_equals_one_device():
     np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
 
 
-def test_sharding_needs_a_multiple_of_devices():
+@pytest.mark.parametrize('kind', ['shared', 'stacked', 'client_state'])
+def test_three_clients_on_two_devices_equal_one_device(kind):
+  """K = 3 on 2 devices: the client axis is filled up with an empty client
+  (no steps, output dropped); every client trains as on one device."""
+  from fedjax_mr.algorithms import scaffold
+
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
-  server = fedavg.fedavg(_local(helpers.linear_model()), 3)
-  with pytest.raises(ValueError, match='multiple of the number of devices'):
-    engine.make_round_fn(server, clients_per_round=3, mesh=mesh)
+  model = helpers.linear_model()
+  data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
+  algorithm = {
+    'shared': lambda: fedavg.fedavg(_local(model), 3),
+    'stacked': lambda: _stacked(fedavg.fedavg(_local(model), 3), 3),
+    'client_state': lambda: scaffold.scaffold(_local(model), 3, 6),
+  }[kind]()
+  state = engine.init_state(algorithm, model.init(jax.random.key(0)), 6)
+  one = jax.jit(engine.make_round_fn(algorithm, clients_per_round=3))
+  two = jax.jit(engine.make_round_fn(algorithm, clients_per_round=3, mesh=mesh))
+  s1, h1 = _run(one, state, data, jax.random.key(5))
+  s2, h2 = _run(two, state, data, jax.random.key(5))
+  helpers.tree_allclose(s1.server, s2.server, rtol=1e-5, atol=1e-6)
+  helpers.tree_allclose(s1.clients, s2.clients, rtol=1e-5, atol=1e-6)
+  for a, b in zip(h1, h2):
+    np.testing.assert_array_equal(a['client_ids'], b['client_ids'])
+    # The empty client adds no steps, no examples and no loss.
+    assert a['num_steps'] == b['num_steps']
+    assert a['num_examples'] == b['num_examples']
+    np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
 
 
 def _stacked(algorithm, k):
