@@ -29,6 +29,7 @@ from fedjax_mr.core import files
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import metrics_io
+from fedjax_mr.training import provenance
 
 # The named variants of the papers' comparisons: every algorithm by its
 # name and the registry entries' own variants.
@@ -189,8 +190,11 @@ def summarize(
       f'{", ".join(map(str, seeds))} there; nothing to summarize'
     )
   summary = {'variants': results, 'last': last}
+  # Who wrote the table (each run's own config.json records the devices
+  # and versions it ran with).
+  written = {**summary, 'provenance': provenance.collect(with_devices=False)}
   files.write_atomic(
-    os.path.join(out, RESULTS_FILE), lambda f: json.dump(summary, f, indent=2)
+    os.path.join(out, RESULTS_FILE), lambda f: json.dump(written, f, indent=2)
   )
   text = table(summary, title=title)
   files.write_atomic(os.path.join(out, TABLE_FILE), lambda f: f.write(text))

@@ -12,6 +12,7 @@ way out, so no finished round is lost and no round's row is skipped.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -40,10 +41,13 @@ from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import distributed
 from fedjax_mr.training import engine
 from fedjax_mr.training import metrics_io
+from fedjax_mr.training import provenance
 
 METRICS_FILE = 'metrics.jsonl'
 ENERGY_FILE = 'energy.json'
 CONFIG_FILE = 'config.json'
+# config.json's list of provenance records (see `provenance.collect`).
+PROVENANCE_KEY = 'provenance'
 PARTITION_FILE = 'partition.json'
 CURVE_FILE = 'learning_curve.png'
 
@@ -357,7 +361,13 @@ def _run(experiment, workdir, log, on_round) -> Result:
     )
   os.makedirs(workdir, exist_ok=True)
   if primary:
-    metrics_io.write_json(config_path, config.to_dict(), indent=2)
+    # config.json: the config, and one provenance record per process that
+    # ran (or resumed) the run.
+    records = _provenance_records(config_path) if start else []
+    records.append(provenance.collect())
+    metrics_io.write_json(
+      config_path, {**config.to_dict(), PROVENANCE_KEY: records}, indent=2
+    )
     if experiment.partition is not None:
       partition_lib.save_summary(
         os.path.join(workdir, PARTITION_FILE), experiment.partition
@@ -628,6 +638,19 @@ def _alive(tree: Any) -> bool:
   return not any(
     getattr(x, 'is_deleted', lambda: False)() for x in jax.tree.leaves(tree)
   )
+
+
+def _provenance_records(config_path: str) -> list[dict[str, Any]]:
+  """The provenance records of an earlier config.json (none if unreadable
+  or missing: the checkpoint, not this file, defines the run)."""
+  try:
+    with open(config_path) as f:
+      records = json.load(f).get(PROVENANCE_KEY, [])
+  except (OSError, ValueError, AttributeError):
+    return []
+  if not isinstance(records, list):
+    return []
+  return [r for r in records if isinstance(r, dict)]
 
 
 class _Timer:

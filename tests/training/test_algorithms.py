@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import fedjax_mr
 from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.training import compare
@@ -310,6 +311,9 @@ def test_summarize_exact_values(tmp_path):
   assert '| b | 45.00 (diverged: seed 1 at round 5) | 1 | 3 |' in table
   assert '| d | diverged: seed 0 at round 2 | 0 | 0 |' in table
   assert (tmp_path / compare.CURVES_FILE).stat().st_size > 1000
+  written = json.load(open(tmp_path / compare.RESULTS_FILE))
+  assert written['variants']['a'] == summary['variants']['a']
+  assert written['provenance']['packages']['fedjax_mr'] == fedjax_mr.__version__
   # Nothing to summarize: a clear error, and the table above stays.
   with pytest.raises(errors.ConfigError, match=r'--out=.*no runs of .*c'):
     compare.summarize(str(tmp_path), ['c'], [0, 1])

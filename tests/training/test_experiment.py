@@ -1,11 +1,14 @@
 """End-to-end runs on a small real subset of Fashion-MNIST."""
 
 import dataclasses
+import datetime
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -75,7 +78,25 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
   # Real learning on real data: 10 classes, chance is 0.1.
   assert rows[-1]['test_accuracy'] > 0.65
   assert rows[-1]['train_loss'] < rows[0]['train_loss']
-  assert json.load(open(tmp_path / 'config.json'))['partition'] == 'iid'
+  saved = json.load(open(tmp_path / 'config.json'))
+  assert saved['partition'] == 'iid'
+  # Provenance: one record of this process.
+  (record,) = saved['provenance']
+  assert record['packages']['jax'] == jax.__version__
+  assert record['devices'] == {
+    'platform': 'cpu',
+    'kind': jax.devices()[0].device_kind,
+    'count': 2,
+    'processes': 1,
+  }
+  assert record['host'] == socket.gethostname()
+  started = datetime.datetime.fromisoformat(record['start_time'])
+  assert abs(time.time() - started.timestamp()) < 600
+  head = subprocess.run(
+    ['git', '-C', REPO, 'rev-parse', 'HEAD'], capture_output=True, text=True
+  )
+  if head.returncode == 0:  # the suite runs from a git checkout
+    assert record['source']['commit'] == head.stdout.strip()
   # Two host devices: the run says it is not bit-reproducible (issue 25.15).
   assert experiment.CPU_DEVICES_NOTE in lines
   part = json.load(open(tmp_path / 'partition.json'))
@@ -234,6 +255,10 @@ def test_resume_with_more_rounds_continues(small_config, tmp_path):
     small_config, str(tmp_path / 'ref'), log=_quiet
   )
   helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  # The resuming process added its provenance record to the first one's.
+  records = json.load(open(tmp_path / 'config.json'))['provenance']
+  assert len(records) == 2
+  assert records[0]['start_time'] <= records[1]['start_time']
 
 
 def test_workdir_of_another_config_is_an_error(small_config, tmp_path):
