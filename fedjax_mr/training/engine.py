@@ -124,6 +124,15 @@ def sample_clients(key: jax.Array, num_clients: int, k: int) -> jax.Array:
   )
 
 
+# The round's per-client metrics (`[K]` each, in sampling order).
+PER_CLIENT_METRICS = (
+  'client_ids',
+  'client_examples',
+  'client_steps',
+  'client_loss',
+)
+
+
 def map_clients(fn: Callable, xs: Any, chunk: int) -> Any:
   """Maps `fn` over the leading axis of `xs` (a tuple of trees).
 
@@ -200,7 +209,9 @@ def make_round_fn(
   Returns:
     `round_fn(state, data, key) -> (state, metrics)`; metrics: `train_loss`
     (per-example mean over the round's local training), `num_examples`,
-    `num_steps`, `client_ids` `[K]`, and the algorithm's own metrics.
+    `num_steps`, the per-client `client_ids`, `client_examples`,
+    `client_steps` and `client_loss` (each `[K]`, in sampling order; see
+    `PER_CLIENT_METRICS`), and the algorithm's own metrics.
   """
   k = int(clients_per_round)
   shards = 1 if mesh is None else mesh.devices.size
@@ -277,6 +288,9 @@ def make_round_fn(
       'num_examples': jnp.sum(outputs.num_examples),
       'num_steps': jnp.sum(outputs.num_steps),
       'client_ids': ids,
+      'client_examples': outputs.num_examples,
+      'client_steps': outputs.num_steps,
+      'client_loss': outputs.loss,
       **server_metrics,
     }
     new_state = RoundState(

@@ -44,6 +44,9 @@ from fedjax_mr.training import metrics_io
 from fedjax_mr.training import provenance
 
 METRICS_FILE = 'metrics.jsonl'
+# Per round: each sampled client's id, examples, local steps and training
+# loss, and the K local models' test accuracies when evaluated.
+CLIENTS_FILE = 'clients.jsonl'
 ENERGY_FILE = 'energy.json'
 CONFIG_FILE = 'config.json'
 # config.json's list of provenance records (see `provenance.collect`).
@@ -387,6 +390,7 @@ def _run(experiment, workdir, log, on_round) -> Result:
   }
   meta = {'config': config.to_dict(), 'mapping': mapping}
   metrics_path = os.path.join(workdir, METRICS_FILE)
+  clients_path = os.path.join(workdir, CLIENTS_FILE)
   if start is not None:
     log(f'resuming {workdir} after round {start}')
     before = ckpt.metadata(start).get('mapping')
@@ -409,6 +413,9 @@ def _run(experiment, workdir, log, on_round) -> Result:
     history, dropped = metrics_io.truncate(metrics_path, start)
     if dropped:
       log(f'{metrics_path}: {dropped}')
+    _, dropped = metrics_io.truncate(clients_path, start)
+    if dropped:
+      log(f'{clients_path}: {dropped}')
   num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
   log(
     f'{config.algorithm} on {config.dataset} ({int(data.x.shape[0])} train '
@@ -463,6 +470,16 @@ def _run(experiment, workdir, log, on_round) -> Result:
   timer = _Timer(start, config.rounds)
   saved_round = written = start
 
+  clients_written = start
+
+  def write_clients_row(clients_row: dict[str, Any]) -> None:
+    # Once per round, also when an interrupt lands between this row and
+    # the metrics row and the round's record is finished on the way out.
+    nonlocal clients_written
+    if clients_row['round'] > clients_written:
+      metrics_io.append(clients_path, clients_row)
+      clients_written = clients_row['round']
+
   def record(r: int, metrics: Any, t0: float) -> dict[str, Any]:
     """Evaluates round r's state and writes its metrics row."""
     nonlocal written
@@ -480,13 +497,26 @@ def _run(experiment, workdir, log, on_round) -> Result:
       {
         k: _to_json(v)
         for k, v in metrics.items()
-        if k not in row and k != 'client_ids'
+        if k not in row and k not in engine.PER_CLIENT_METRICS
       }
     )
     # Who trained this round: the energy simulation replays it.
     row['client_ids'] = [int(i) for i in metrics['client_ids']]
+    clients_row = {
+      'round': r,
+      'clients': [
+        {'id': int(i), 'examples': int(n), 'steps': int(t), 'loss': float(l)}
+        for i, n, t, l in zip(
+          metrics['client_ids'],
+          metrics['client_examples'],
+          metrics['client_steps'],
+          metrics['client_loss'],
+        )
+      ],
+    }
     if not math.isfinite(row['train_loss']):
       if primary:
+        write_clients_row(clients_row)
         metrics_io.append(metrics_path, row)
       raise errors.NonFiniteError(
         f'non-finite train loss ({row["train_loss"]}) at round {r}; '
@@ -504,6 +534,7 @@ def _run(experiment, workdir, log, on_round) -> Result:
       local = jax.device_get(local_evaluate(state, data, test))['accuracy']
       row['local_accuracy_mean'] = float(np.mean(local))
       row['local_accuracy_std'] = float(np.std(local))
+      clients_row['local_accuracy'] = [float(a) for a in local]
       evaluated = True
     row['round_time_s'] = round_s
     if evaluated:
@@ -511,6 +542,7 @@ def _run(experiment, workdir, log, on_round) -> Result:
     timer.tick(r, time.perf_counter() - t0)
     row['elapsed_s'] = timer.elapsed
     if primary:
+      write_clients_row(clients_row)
       metrics_io.append(metrics_path, row)
     written = r
     history.append(row)
@@ -709,8 +741,8 @@ class _Timer:
         f'{best["test_accuracy"]:.4f} at round {best["round"]}'
       )
     lines.append(
-      f'workdir {workdir}: {METRICS_FILE}, {CONFIG_FILE}, {PARTITION_FILE}, '
-      f'{CURVE_FILE}, checkpoints/'
+      f'workdir {workdir}: {METRICS_FILE}, {CLIENTS_FILE}, {CONFIG_FILE}, '
+      f'{PARTITION_FILE}, {CURVE_FILE}, checkpoints/'
     )
     return '\n'.join(lines)
 

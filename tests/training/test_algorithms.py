@@ -75,6 +75,16 @@ def test_crash_and_resume_equals_uninterrupted(small_config, tmp_path, changes):
   assert (
     'local_accuracy_mean' in rows[1] and 'local_accuracy_mean' not in rows[0]
   )
+  # clients.jsonl lists the K models' accuracies on the rounds that
+  # evaluate them.
+  per_client = metrics_io.read(os.path.join(ref.workdir, 'clients.jsonl'))
+  assert ['local_accuracy' in c for c in per_client] == [
+    'local_accuracy_mean' in r for r in rows
+  ]
+  local = per_client[1]['local_accuracy']
+  assert len(local) == cfg.clients_per_round
+  assert np.mean(local) == pytest.approx(rows[1]['local_accuracy_mean'])
+  assert np.std(local) == pytest.approx(rows[1]['local_accuracy_std'])
   # cnn_mnist: 66,130 float32 parameters, 4 models down and 4 up; the secure
   # protocol adds the client-to-client layer transfers.
   plain = 2 * 4 * 66_130 * 4

@@ -53,6 +53,7 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
   files = set(os.listdir(tmp_path))
   assert {
     'metrics.jsonl',
+    'clients.jsonl',
     'config.json',
     'partition.json',
     'learning_curve.png',
@@ -67,6 +68,20 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
     True,
     True,
   ]
+  # Per-client records: the round's totals are their sums, its training
+  # loss their example-weighted mean.
+  per_client = metrics_io.read(str(tmp_path / 'clients.jsonl'))
+  assert [c['round'] for c in per_client] == [1, 2, 3, 4, 5]
+  for row, c in zip(rows, per_client):
+    assert [x['id'] for x in c['clients']] == row['client_ids']
+    assert sum(x['examples'] for x in c['clients']) == row['num_examples']
+    assert sum(x['steps'] for x in c['clients']) == row['num_steps']
+    for x in c['clients']:  # local_epochs of batch_size (all clients 150)
+      steps = cfg.local_epochs * -(-x['examples'] // cfg.batch_size)
+      assert x['steps'] == steps
+    mean = sum(x['examples'] * x['loss'] for x in c['clients'])
+    assert mean / row['num_examples'] == pytest.approx(row['train_loss'])
+    assert 'local_accuracy' not in c  # FedAvg has one model
   # Evaluation is timed apart from the round, on the rounds that evaluate;
   # the elapsed time covers both.
   assert ['eval_time_s' in r for r in rows] == [
@@ -186,6 +201,9 @@ def test_kill_and_resume_equals_uninterrupted(
   assert _no_times(metrics_io.read(os.path.join(work, 'metrics.jsonl'))) == (
     _no_times(ref.history)
   )
+  assert metrics_io.read(os.path.join(work, 'clients.jsonl')) == (
+    metrics_io.read(os.path.join(tmp_path / 'ref', 'clients.jsonl'))
+  )
 
 
 @pytest.mark.parametrize(
@@ -208,7 +226,8 @@ def test_interrupt_while_a_rounds_row_is_written_loses_no_row(
   left = [interrupts]
 
   def interrupted_append(path, row):
-    if row['round'] == 3 and left[0]:
+    # Between round 3's clients row and its metrics row.
+    if path.endswith('metrics.jsonl') and row['round'] == 3 and left[0]:
       left[0] -= 1
       raise KeyboardInterrupt
     append(path, row)
@@ -232,6 +251,9 @@ def test_interrupt_while_a_rounds_row_is_written_loses_no_row(
     )
   monkeypatch.setattr(experiment.metrics_io, 'append', append)
   assert left == [0]
+  # Finishing round 3's record on the way out wrote its clients row once.
+  with open(os.path.join(work, 'clients.jsonl')) as f:
+    assert [json.loads(line)['round'] for line in f] == [1, 2, 3]
   assert logged[-1] == (
     f'interrupted: saved a checkpoint after round {expected_resume}'
     if expected_resume == 3
