@@ -505,8 +505,8 @@ def _run(experiment, workdir, log, on_round) -> Result:
     clients_row = {
       'round': r,
       'clients': [
-        {'id': int(i), 'examples': int(n), 'steps': int(t), 'loss': float(l)}
-        for i, n, t, l in zip(
+        {'id': int(i), 'examples': int(n), 'steps': int(t), 'loss': float(x)}
+        for i, n, t, x in zip(
           metrics['client_ids'],
           metrics['client_examples'],
           metrics['client_steps'],
