@@ -154,6 +154,12 @@ class ExperimentConfig:
   keep_checkpoints: int = _field(
     2, 'How many checkpoints to keep.', run_only=True
   )
+  tensorboard: bool = _field(
+    True,
+    'Also write the metrics rows as TensorBoard event files to '
+    '<workdir>/tensorboard (view: tensorboard --logdir <workdir>).',
+    run_only=True,
+  )
   energy_mix: str = _field(
     '',
     'Simulated client devices, profile[@speed]:weight,... (several mixes '

@@ -42,6 +42,7 @@ from fedjax_mr.training import distributed
 from fedjax_mr.training import engine
 from fedjax_mr.training import metrics_io
 from fedjax_mr.training import provenance
+from fedjax_mr.training import tensorboard
 
 METRICS_FILE = 'metrics.jsonl'
 # Per round: each sampled client's id, examples, local steps and training
@@ -471,6 +472,19 @@ def _run(experiment, workdir, log, on_round) -> Result:
   saved_round = written = start
 
   clients_written = start
+  events = None  # the TensorBoard writer, opened with the first row
+
+  def write_events(row: dict[str, Any]) -> None:
+    nonlocal events
+    if not (primary and config.tensorboard):
+      return
+    if events is None:
+      # A resumed run's file makes TensorBoard drop the rounds it redoes.
+      events = tensorboard.EventWriter(
+        os.path.join(workdir, tensorboard.FOLDER),
+        purge_step=start + 1 if start else None,
+      )
+    events.scalars(row['round'], row)
 
   def write_clients_row(clients_row: dict[str, Any]) -> None:
     # Once per round, also when an interrupt lands between this row and
@@ -518,6 +532,7 @@ def _run(experiment, workdir, log, on_round) -> Result:
       if primary:
         write_clients_row(clients_row)
         metrics_io.append(metrics_path, row)
+        write_events(row)
       raise errors.NonFiniteError(
         f'non-finite train loss ({row["train_loss"]}) at round {r}; '
         f'stopped. Metrics up to it are in {metrics_path}; the last '
@@ -545,6 +560,8 @@ def _run(experiment, workdir, log, on_round) -> Result:
       write_clients_row(clients_row)
       metrics_io.append(metrics_path, row)
     written = r
+    # After `written`: an interrupt here must not write the rows again.
+    write_events(row)
     history.append(row)
     log(timer.progress_line(row))
     return row
@@ -599,6 +616,9 @@ def _run(experiment, workdir, log, on_round) -> Result:
           log(f'interrupted: saved a checkpoint after round {written}')
       ckpt.close()
       raise
+    finally:
+      if events is not None:
+        events.close()
   ckpt.close()
   if history and primary:
     metrics_io.plot_curves(

@@ -195,10 +195,12 @@ def check_algorithm(
   structure, shapes and dtypes (per-client state `[N, ...]` included); the
   sampled ids are K clients in range, distinct when the algorithm keeps
   client state; only the sampled clients'
-  state rows change; metrics are finite scalars with
-  'bytes_communicated'; two runs from the same key are identical; 2
-  devices give the 1-device result (up to reassociation) and a sharded
-  run's per-client state equals the unsharded one.
+  state rows change; the per-client records are the sampled clients'
+  sizes, positive step counts and finite losses; the other metrics are
+  finite scalars with 'bytes_communicated'; two runs from the same key
+  are identical; 2 devices give the 1-device result (up to
+  reassociation) and a sharded run's per-client state equals the
+  unsharded one.
 
   Returns:
     The 1-device metrics of every round.
@@ -236,6 +238,14 @@ def check_algorithm(
         after,
       )
       assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == layout
+      # The per-client records: [K], in sampling order, of those clients.
+      np.testing.assert_array_equal(
+        metrics.pop('client_examples'), np.asarray(sizes)[ids]
+      )
+      steps = metrics.pop('client_steps')
+      assert steps.shape == (k,) and (steps > 0).all()
+      client_loss = metrics.pop('client_loss')
+      assert client_loss.shape == (k,) and np.isfinite(client_loss).all()
       _finite_scalars(
         {m: v for m, v in metrics.items() if m not in ('num_examples',)}
       )

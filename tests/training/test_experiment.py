@@ -19,6 +19,7 @@ from fedjax_mr.core import errors
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import experiment
 from fedjax_mr.training import metrics_io
+from fedjax_mr.training import tensorboard
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -281,6 +282,37 @@ def test_resume_with_more_rounds_continues(small_config, tmp_path):
   records = json.load(open(tmp_path / 'config.json'))['provenance']
   assert len(records) == 2
   assert records[0]['start_time'] <= records[1]['start_time']
+
+
+def _same_scalars(workdir, rows):
+  """The TensorBoard event files show exactly the metrics rows' numbers."""
+  shown = tensorboard.read_scalars(os.path.join(workdir, 'tensorboard'))
+  for key in ('train_loss', 'test_accuracy', 'round_time_s', 'num_steps'):
+    expected = [(r['round'], r[key]) for r in rows if key in r]
+    assert [s for s, _ in shown[key]] == [s for s, _ in expected], key
+    np.testing.assert_allclose(
+      [v for _, v in shown[key]], [v for _, v in expected], rtol=1e-6
+    )
+  assert 'client_ids' not in shown and 'round' not in shown
+
+
+def test_tensorboard_events_match_metrics_across_a_resume(
+  small_config, tmp_path
+):
+  cfg = dataclasses.replace(small_config, rounds=4, checkpoint_every=2)
+  work = str(tmp_path / 'w')
+  with pytest.raises(RuntimeError):  # after round 3; checkpoint of round 2
+    experiment.train_and_evaluate(
+      cfg, work, log=_quiet, on_round=_interrupt_at(3, RuntimeError('x'))
+    )
+  _same_scalars(work, metrics_io.read(os.path.join(work, 'metrics.jsonl')))
+  res = experiment.train_and_evaluate(cfg, work, log=_quiet)
+  # Round 3 was run twice: TensorBoard shows it once, the second time.
+  assert len(os.listdir(os.path.join(work, 'tensorboard'))) == 2
+  _same_scalars(work, res.history)
+  off = dataclasses.replace(cfg, tensorboard=False)
+  experiment.train_and_evaluate(off, str(tmp_path / 'off'), log=_quiet)
+  assert not os.path.exists(tmp_path / 'off' / 'tensorboard')
 
 
 def test_workdir_of_another_config_is_an_error(small_config, tmp_path):

@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -50,6 +51,9 @@ def _resume_matches(cfg, work, ref, log=_quiet):
   helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
   rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
   assert _no_times(rows) == _no_times(ref.history)
+  clients = metrics_io.read(os.path.join(work, 'clients.jsonl'))
+  assert clients == metrics_io.read(os.path.join(ref.workdir, 'clients.jsonl'))
+  assert [r['round'] for r in clients] == [r['round'] for r in rows]
 
 
 def _copy(finished, tmp_path):
@@ -294,15 +298,16 @@ def test_a_full_disk_during_a_checkpoint_loses_nothing(
   _resume_matches(cfg, work, ref)
 
 
+@pytest.mark.parametrize('name', ['metrics.jsonl', 'clients.jsonl'])
 def test_a_full_disk_while_a_row_is_written_loses_nothing(
-  finished, tmp_path, monkeypatch
+  finished, tmp_path, monkeypatch, name
 ):
   cfg, _, ref = finished
   work = str(tmp_path / 'run')
   append = files.append_line
 
   def append_or_fail(path, line):
-    if line.startswith('{"round": 3,'):
+    if path.endswith(name) and line.startswith('{"round": 3,'):
       with open(path, 'a') as f:
         f.write(line[:25])  # what a full disk leaves: part of the row
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
@@ -311,14 +316,16 @@ def test_a_full_disk_while_a_row_is_written_loses_nothing(
   monkeypatch.setattr(files, 'append_line', append_or_fail)
   with pytest.raises(
     errors.StorageError,
-    match=r'^cannot write .*metrics\.jsonl: No space left on device; '
+    match=rf'^cannot write .*{re.escape(name)}: No space left on device; '
     r'stopped\. .* it resumes after round 2$',
   ):
     experiment.train_and_evaluate(cfg, work, log=_quiet)
   monkeypatch.undo()
   lines = []
   _resume_matches(cfg, work, ref, log=lines.append)
-  assert any('dropped 1 unreadable line' in line for line in lines)
+  assert any(
+    name in line and 'dropped 1 unreadable line' in line for line in lines
+  )
 
 
 def test_an_unwritable_workdir_is_refused_before_anything(
