@@ -45,6 +45,7 @@ _EXPORTS = {
   'init_state': ('fedjax_mr.training.engine', 'init_state'),
   'setup': ('fedjax_mr.training.experiment', 'setup'),
   'train_and_evaluate': ('fedjax_mr.training.experiment', 'train_and_evaluate'),
+  'load_run': ('fedjax_mr.training.experiment', 'load_run'),
 }
 
 __all__ = sorted(_EXPORTS) + list(_SUBPACKAGES)

@@ -15,6 +15,8 @@ _MODULES = (
   'engine',
   'experiment',
   'metrics_io',
+  'provenance',
+  'tensorboard',
 )
 _EXPORTS = {
   'LocalTraining': ('client', 'LocalTraining'),
@@ -27,6 +29,8 @@ _EXPORTS = {
   'make_round_fn': ('engine', 'make_round_fn'),
   'setup': ('experiment', 'setup'),
   'train_and_evaluate': ('experiment', 'train_and_evaluate'),
+  'load_run': ('experiment', 'load_run'),
+  'FinishedRun': ('experiment', 'FinishedRun'),
 }
 
 __all__ = sorted(_EXPORTS) + list(_MODULES)

@@ -90,6 +90,10 @@ class Checkpointer:
     """Rounds completed at the newest checkpoint, or None."""
     return self._manager.latest_step()
 
+  def all_rounds(self) -> list[int]:
+    """The rounds of every checkpoint kept, oldest first."""
+    return sorted(self._manager.all_steps())
+
   def restore_newest(
     self,
     like: Any,

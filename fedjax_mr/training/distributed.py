@@ -61,7 +61,7 @@ def initialize(
     os.environ['XLA_FLAGS'] = (
       f'{flags} --xla_force_host_platform_device_count={n}'.strip()
     )
-  if num_processes > 1:
+  if num_processes > 1 and not jax.distributed.is_initialized():
     if not coordinator_address:
       raise errors.ConfigError(
         '--coordinator_address (host:port of process 0) is required when '
@@ -78,8 +78,24 @@ def initialize(
     )
 
 
+def backend_started() -> bool:
+  """Whether JAX has set up its devices (then `initialize` comes too late
+  to change the host device count)."""
+  try:
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # a JAX without the private helper
+    return True
+
+
 def initialize_for(config) -> None:
-  """`initialize` with the device and process flags of an ExperimentConfig."""
+  """`initialize` with the device and process flags of an ExperimentConfig.
+
+  Idempotent; `experiment.setup` calls it, so a run started from Python
+  gets the devices the command line gives it, if JAX has not set up its
+  devices before (then it says so in `setup`).
+  """
   initialize(
     host_devices=config.host_devices,
     num_devices=config.num_devices,

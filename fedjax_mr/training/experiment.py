@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from typing import Any
 from typing import Callable
 from typing import Mapping
@@ -200,6 +201,12 @@ def setup(config: config_lib.ExperimentConfig) -> Experiment:
     UserError: bad config or data (the message names the flag).
   """
   config_lib.validate(config)
+  if not distributed.backend_started():
+    # From Python as from the command line: the host devices (one per
+    # core, at most K) and processes of the config.
+    distributed.initialize_for(config)
+  else:
+    _note_devices(config)
   mesh = distributed.make_mesh(config.num_devices)
   num_devices = mesh.devices.size
   if num_devices > config.clients_per_round:
@@ -257,6 +264,27 @@ def setup(config: config_lib.ExperimentConfig) -> Experiment:
       parts, dataset.y_train, dataset.num_classes
     ),
   )
+
+
+def _note_devices(config: config_lib.ExperimentConfig) -> None:
+  """Warns when JAX set up fewer CPU devices than the command line would
+  give this config (it started before `setup` could choose)."""
+  if jax.process_count() > 1 or jax.devices()[0].platform != 'cpu':
+    return
+  want = (
+    config.host_devices
+    or config.num_devices
+    or distributed.auto_host_devices(config.clients_per_round)
+  )
+  have = len(jax.devices())
+  if have < want and not config.num_devices:
+    warnings.warn(
+      f'JAX started with {have} CPU device(s) before this run was set up; '
+      f'the command line would use {want}. Call '
+      'fedjax_mr.training.distributed.initialize_for(config) before any '
+      'JAX computation to get them.',
+      stacklevel=3,
+    )
 
 
 def train_and_evaluate(
@@ -633,6 +661,74 @@ def _run(experiment, workdir, log, on_round) -> Result:
     for mix, e in energy.items():
       log(energy_line(mix, e))
   return Result(state=state, history=history, workdir=workdir)
+
+
+class FinishedRun(NamedTuple):
+  """A run read back from its workdir (`load_run`).
+
+  Attributes:
+    config: the run's config (from config.json).
+    state: the `RoundState` of the checkpoint read (host arrays, on the
+      devices of this process's mesh as `setup` places them).
+    model: the model (`model.apply_eval(state.server.params, x)`), as the run
+      built it.
+    history: the metrics rows up to that round.
+    round: the rounds completed at that checkpoint.
+  """
+
+  config: config_lib.ExperimentConfig
+  state: engine.RoundState
+  model: Any
+  history: list[dict[str, Any]]
+  round: int
+
+
+def load_run(workdir: str, round_index: int | None = None) -> FinishedRun:
+  """Reads a run back: config, state, model and history in one call.
+
+  The model and the state's layout are rebuilt from config.json the way
+  the run built them (`setup`, so the run's dataset must be readable) and
+  the newest checkpoint that restores (or the one of `round_index`) is
+  read into them; nothing in the workdir is written or moved.
+
+  Raises:
+    UserError: no config.json or no checkpoint (of that round), or one
+      that this version cannot read; the message names the file.
+  """
+  config_path = os.path.join(workdir, CONFIG_FILE)
+  try:
+    with open(config_path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise errors.ConfigError(f'cannot read {config_path}: {e}') from None
+  known = set(config_lib.ExperimentConfig().to_dict())
+  try:
+    config = config_lib.ExperimentConfig(
+      **{k: v for k, v in saved.items() if k in known}
+    )
+  except TypeError as e:
+    raise errors.ConfigError(f'{config_path}: {e}') from None
+  experiment = setup(config)
+  ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+  try:
+    if round_index is None:
+      done, state = ckpt.restore_newest(
+        experiment.state, log=_quiet, move_aside=False
+      )
+    elif round_index in ckpt.all_rounds():
+      done, state = round_index, ckpt.restore(round_index, experiment.state)
+    else:
+      done = None
+  finally:
+    ckpt.close()
+  if done is None:
+    which = '' if round_index is None else f' of round {round_index}'
+    raise errors.ConfigError(
+      f'{os.path.join(workdir, checkpoint.FOLDER)}: no checkpoint{which}'
+    )
+  rows = metrics_io.read(os.path.join(workdir, METRICS_FILE))
+  history = [r for r in rows if r['round'] <= done]
+  return FinishedRun(config, state, experiment.model, history, done)
 
 
 def simulate_energy(

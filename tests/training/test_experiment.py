@@ -447,3 +447,61 @@ def test_binary_helpfull_documents_every_flag():
     assert f'--{name}' in out or f'--[no]{name}' in out, name
   for algorithm in registry.REGISTRY:
     assert algorithm in out
+
+
+def test_load_run_gives_back_config_state_model_and_history(
+  small_config, tmp_path
+):
+  cfg = dataclasses.replace(small_config, rounds=3, checkpoint_every=1)
+  work = str(tmp_path / 'run')
+  res = experiment.train_and_evaluate(cfg, work, log=_quiet)
+  back = experiment.load_run(work)
+  assert back.config == cfg.__class__(**{**cfg.to_dict(), 'workdir': ''})
+  assert back.round == 3 and back.history == res.history
+  helpers.tree_equal(jax.device_get(back.state), jax.device_get(res.state))
+  # The model is the run's: its logits on a batch are the state's.
+  x = np.zeros((2, 28, 28, 1), np.float32)
+  logits = back.model.apply_eval(back.state.server.params, x)
+  assert logits.shape == (2, 10) and np.isfinite(logits).all()
+  # An earlier checkpoint still kept, and one that is not.
+  two = experiment.load_run(work, round_index=2)
+  assert two.round == 2 and two.history == res.history[:2]
+  assert not np.array_equal(
+    jax.tree.leaves(jax.device_get(two.state.server.params))[0],
+    jax.tree.leaves(jax.device_get(back.state.server.params))[0],
+  )
+  with pytest.raises(errors.ConfigError, match='no checkpoint of round 1$'):
+    experiment.load_run(work, round_index=1)
+  with pytest.raises(errors.ConfigError, match='cannot read .*config.json'):
+    experiment.load_run(str(tmp_path / 'nothing'))
+  assert not os.path.exists(tmp_path / 'nothing')
+
+
+def test_a_run_started_from_python_gets_the_command_lines_devices(
+  small_fmnist_dir, tmp_path
+):
+  # A fresh interpreter without the tests' device flags: setup() chooses
+  # the host devices as experiments.run does (one per core, at most K).
+  env = {
+    k: v
+    for k, v in os.environ.items()
+    if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')
+  }
+  code = (
+    'import jax; from fedjax_mr.training import experiment, distributed; '
+    'from tests import helpers; '
+    f'cfg = helpers.small_config({small_fmnist_dir!r}, clients_per_round=3); '
+    'e = experiment.setup(cfg); '
+    'print(len(jax.devices()), e.mesh.devices.size, '
+    'distributed.auto_host_devices(3))'
+  )
+  out = subprocess.run(
+    [sys.executable, '-c', code],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.split()
+  have, mesh, want = map(int, out)
+  assert have == mesh == want
