@@ -43,7 +43,7 @@ import time
 
 from absl import flags
 
-from experiments import cli
+from . import cli
 
 flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
 flags.DEFINE_string('data_dir', '', 'Dataset folder (see experiments.run).')
@@ -54,7 +54,12 @@ flags.DEFINE_integer('local_epochs', 5, 'Local epochs E.')
 flags.DEFINE_integer('batch_size', 50, 'Batch size B.')
 flags.DEFINE_enum('sizes', 'equal', ['equal', 'dirichlet'], 'Client sizes.')
 flags.DEFINE_float('alpha', 0.1, 'Dirichlet α for --sizes=dirichlet.')
-flags.DEFINE_string('devices', '1', "Devices: '1', 'all', or a number.")
+flags.DEFINE_integer(
+  'num_devices',
+  1,
+  'Devices the client axis is sharded over (0: every device; as '
+  'experiments.run).',
+)
 flags.DEFINE_integer('client_chunk', 0, '0: 1 on CPU, all on accelerators.')
 flags.DEFINE_integer('host_devices', 0, 'XLA host devices (0: auto).')
 flags.DEFINE_integer('rounds', 5, 'Timed rounds (after one warm-up).')
@@ -256,7 +261,7 @@ def _torch_loop(ds, parts, sizes, variables):
   import jax
 
   try:
-    from experiments import torch_reference
+    from . import torch_reference
   except ImportError:
     return None
   if FLAGS.model not in torch_reference.MODELS:
@@ -525,10 +530,8 @@ def _check_flags():
     )
   if not (FLAGS.alpha > 0 and math.isfinite(FLAGS.alpha)):
     cli.fail(f'--alpha must be finite and > 0, got {FLAGS.alpha}')
-  if FLAGS.devices != 'all' and not FLAGS.devices.isdigit():
-    cli.fail(f"--devices must be '1', 'all' or a number, got {FLAGS.devices!r}")
-  if FLAGS.devices.isdigit() and int(FLAGS.devices) < 1:
-    cli.fail(f'--devices must be ≥ 1, got {FLAGS.devices}')
+  if FLAGS.num_devices < 0:
+    cli.fail(f'--num_devices must be ≥ 0, got {FLAGS.num_devices}')
   from fedjax_mr.core import errors
   from fedjax_mr.training import config as config_lib
 
@@ -556,11 +559,13 @@ def main(argv):
       (sizes, dev) for sizes in ('equal', 'dirichlet') for dev in ('1', 'all')
     ]
   else:
-    runs = [(FLAGS.sizes, FLAGS.devices)]
+    runs = [(FLAGS.sizes, str(FLAGS.num_devices or 'all'))]
   for sizes, dev in runs:
     d = n_dev if dev == 'all' else int(dev)
     if d > min(n_dev, k):
-      cli.fail(f'--devices={dev}: need at most K={k} and at most {n_dev}')
+      cli.fail(
+        f'--num_devices={d}: need at most K={k} and at most the {n_dev} devices'
+      )
   try:
     ds, model, opt, variables, data, parts, algorithms = _setup(
       {s for s, _ in runs}
@@ -640,6 +645,11 @@ def main(argv):
     print(f'round/limit ratio: {first_ratio:.2f}')
 
 
-if __name__ == '__main__':
+def entry() -> None:
+  """The console script `fedjax-mr-benchmark`."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   cli.run(main)
+
+
+if __name__ == '__main__':
+  entry()

@@ -1,14 +1,18 @@
-"""What every program of `experiments/` does with bad input: one line.
+"""What every program of `experiments/` shares: flags and one-line errors.
 
 `run(main)` replaces `absl.app.run(main)`: a flag that does not parse (an
 unknown flag, `--rounds=abc`, a missing flagfile) and `fail(...)` both print
 `error: <message>` on stderr as a single line and exit with code 2 — no
-usage text, no traceback.
+usage text, no traceback. `--flagfile` also finds the bundled configs by
+name (`--flagfile=fmnist_table`), from any folder and from an installed
+package, where the programs are `fedjax_mr.experiments.<name>` and the
+console scripts `fedjax-mr-<name>`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from typing import Any
 from typing import Callable
@@ -27,8 +31,80 @@ def fail(message: str) -> NoReturn:
   sys.exit(EXIT_USAGE)
 
 
+# The flagfiles that come with the package (the papers' settings).
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configs')
+
+
+def bundled_configs() -> list[str]:
+  """The names of the flagfiles in `CONFIGS`."""
+  return sorted(n for n in os.listdir(CONFIGS) if n.endswith('.flags'))
+
+
+def _flagfile_path(name: str, including: str | None) -> str:
+  """Where `--flagfile=name` is: the path as given (from the working
+  folder), else beside the flagfile that names it, else a bundled config
+  (`name`, with or without `.flags`, or `experiments/configs/<name>`)."""
+  name = os.path.expanduser(name)
+  candidates = [name]
+  if including is not None and not os.path.isabs(name):
+    candidates.append(os.path.join(os.path.dirname(including), name))
+  folder, base = os.path.split(name)
+  if folder in ('', os.path.join('experiments', 'configs')):
+    candidates += [
+      os.path.join(CONFIGS, base),
+      os.path.join(CONFIGS, base + '.flags'),
+    ]
+  for path in candidates:
+    if os.path.isfile(path):
+      return path
+  where = f' (named in {including})' if including else ''
+  fail(
+    f'--flagfile={name}{where}: no such file; the bundled configs are '
+    f'{", ".join(n[: -len(".flags")] for n in bundled_configs())}'
+  )
+
+
+def expand_flagfiles(
+  argv: list[str], including: str | None = None, seen: tuple = ()
+) -> list[str]:
+  """`argv` with every `--flagfile=F` replaced by F's lines (recursively).
+
+  A flagfile holds one flag per line; blank lines and lines starting with
+  `#` or `//` are skipped. F is found by `_flagfile_path`, so the bundled
+  configs work from any folder and from an installed package, and a
+  flagfile names another by its path relative to itself.
+  """
+  out = []
+  args = iter(argv)
+  for arg in args:
+    name = None
+    for prefix in ('--flagfile=', '-flagfile='):
+      if arg.startswith(prefix):
+        name = arg[len(prefix) :]
+    if arg in ('--flagfile', '-flagfile'):
+      name = next(args, '')
+    if name is None:
+      out.append(arg)
+      continue
+    path = os.path.realpath(_flagfile_path(name, including))
+    if path in seen:
+      fail(f'--flagfile={name}: it includes itself ({path})')
+    try:
+      with open(path, encoding='utf-8') as f:
+        lines = [line.strip() for line in f]
+    except (OSError, UnicodeDecodeError) as e:
+      fail(f'--flagfile={name}: cannot read {path}: {e}')
+    lines = [
+      line for line in lines if line and not line.startswith(('#', '//'))
+    ]
+    out += expand_flagfiles(lines, path, (*seen, path))
+  return out
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with parse errors as one line."""
+  """absl's flag parsing, with flagfiles found as `expand_flagfiles`
+  finds them and parse errors as one line."""
+  argv = [argv[0], *expand_flagfiles(argv[1:])]
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

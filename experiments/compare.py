@@ -4,17 +4,18 @@ r"""Runs several algorithm variants × seeds on one setting; tabulates them.
   python -m experiments.compare \
       --flagfile=experiments/configs/fmnist_table.flags \
       --variants=fedavg,fedmr,indep,fedmr_p2,fedmr_2stage20,fedmut \
-      --seeds=0,1,2 --out=runs/table/dir0.1
+      --seeds=0,1,2 --workdir=runs/table/dir0.1
 
-Every flag of `experiments.run` sets the common config (`--workdir` is
-ignored: each run goes to `<out>/<variant>/s<seed>`). `--variants` names
+Every flag of `experiments.run` sets the common config, but `--workdir`
+is the folder of the whole comparison: each run goes to
+`<workdir>/<variant>/s<seed>`. `--variants` names
 entries of `fedjax_mr.training.compare.VARIANTS`; `--variant=name:field=
 value,...` (repeatable) defines another, e.g.
 `--variant=mr_module:algorithm=fedmr,fedmr_grouping=module`. Re-running
 resumes; `--summarize_only` just re-reads the metrics. Writes
-`<out>/results.md` (final accuracy = mean test accuracy of the last --last
-evaluations; mean ± std over seeds), `<out>/results.json` and
-`<out>/curves.png` (the seed-averaged curves of every variant in one
+`<workdir>/results.md` (final accuracy = mean test accuracy of the last --last
+evaluations; mean ± std over seeds), `<workdir>/results.json` and
+`<workdir>/curves.png` (the seed-averaged curves of every variant in one
 figure).
 """
 
@@ -25,9 +26,12 @@ import sys
 from absl import flags
 from absl import logging
 
-from experiments import cli
-from experiments import run as run_flags  # defines the experiment flags
 from fedjax_mr.core import errors
+
+from . import cli
+from . import run as run_flags  # defines the experiment flags
+
+flags.adopt_module_key_flags(run_flags)
 
 _VARIANTS = flags.DEFINE_list(
   'variants', ['fedavg', 'fedmr'], 'Named variants to run, comma-separated.'
@@ -38,7 +42,13 @@ _VARIANT = flags.DEFINE_multi_string(
   'A custom variant name:field=value,... (repeatable); runs after --variants.',
 )
 _SEEDS = flags.DEFINE_list('seeds', ['0'], 'Seeds, comma-separated.')
-_OUT = flags.DEFINE_string('out', 'runs/compare', 'Output folder.')
+DEFAULT_WORKDIR = 'runs/compare'
+flags.FLAGS['workdir'].help = (
+  'Folder of the comparison: each run in <workdir>/<variant>/s<seed>, the '
+  f'table and curves beside them. Default: {DEFAULT_WORKDIR}.'
+)
+# The flag's name before it was unified with the other programs'.
+flags.DEFINE_alias('out', 'workdir')
 _LAST = flags.DEFINE_integer(
   'last', 10, 'Final accuracy: mean over this many last evaluations.'
 )
@@ -69,13 +79,14 @@ def main(argv) -> None:
       )
     if _LAST.value < 1:
       raise errors.ConfigError(f'--last must be >= 1, got {_LAST.value}')
+    out = flags.FLAGS.workdir or DEFAULT_WORKDIR
     variants = [compare.parse_variant(v) for v in _VARIANTS.value]
     variants += [compare.parse_variant(v) for v in _VARIANT.value]
     if not variants or not seeds:
       raise errors.ConfigError('--variants and --seeds must not be empty')
-    workdir_lib.check_usable(_OUT.value, '--out')
+    workdir_lib.check_usable(out, '--workdir')
     base = run_flags.config_from_flags()
-    runs = compare.configs(base, variants, seeds, _OUT.value)
+    runs = compare.configs(base, variants, seeds, out)
     base = runs[0][2]
     title = (
       f'{base.dataset} {base.model} {base.partition}'
@@ -87,10 +98,10 @@ def main(argv) -> None:
       compare.run_matrix(runs, experiment.train_and_evaluate)
     names = [name for name, _ in variants]
     summary = compare.summarize(
-      _OUT.value, names, seeds, last=_LAST.value, title=title
+      out, names, seeds, last=_LAST.value, title=title
     )
     print(compare.table(summary, title=title))
-    print(f'curves: {_OUT.value}/{compare.CURVES_FILE}')
+    print(f'curves: {out}/{compare.CURVES_FILE}')
   except errors.UserError as e:
     cli.fail(str(e))
   except errors.NonFiniteError as e:
@@ -101,5 +112,10 @@ def main(argv) -> None:
     sys.exit(130)
 
 
-if __name__ == '__main__':
+def entry() -> None:
+  """The console script `fedjax-mr-compare`."""
   cli.run(main)
+
+
+if __name__ == '__main__':
+  entry()

@@ -1,6 +1,6 @@
 r"""Trains a heterogeneous pool of zoo models for FedStitch on public data.
 
-  python -m experiments.pretrain_zoo --out=runs/pool
+  python -m experiments.pretrain_zoo --workdir=runs/pool
 
 ImageNet weights cannot be downloaded here, so the pool is "pre-trained"
 centrally on a held-out public part of the dataset's training split
@@ -20,7 +20,7 @@ import time
 from absl import flags
 from absl import logging
 
-from experiments import cli
+from . import cli
 
 _DATASET = flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'Dataset folder.')
@@ -34,9 +34,14 @@ _PUBLIC_SIZE = flags.DEFINE_integer(
 )
 _EPOCHS = flags.DEFINE_integer('epochs', 2, 'Epochs over the public data.')
 _BATCH_SIZE = flags.DEFINE_integer('batch_size', 64, 'Batch size.')
-_LEARNING_RATE = flags.DEFINE_float('learning_rate', 1e-3, 'Adam step size.')
+_LEARNING_RATE = flags.DEFINE_float('lr', 1e-3, 'Adam step size.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Split, initialisation, shuffling.')
-_OUT = flags.DEFINE_string('out', 'runs/pool', 'Pool folder.')
+_OUT = flags.DEFINE_string(
+  'workdir', 'runs/pool', 'Pool folder (experiments.stitch --pool).'
+)
+# The flags' names before they were unified with experiments.run's.
+flags.DEFINE_alias('out', 'workdir')
+flags.DEFINE_alias('learning_rate', 'lr')
 
 
 _LOCKS = []
@@ -58,7 +63,7 @@ def main(argv) -> None:
         raise errors.ConfigError(f'--{flag.name} must be ≥ 1, got {flag.value}')
     if not (_LEARNING_RATE.value > 0 and math.isfinite(_LEARNING_RATE.value)):
       raise errors.ConfigError(
-        f'--learning_rate must be finite and > 0, got {_LEARNING_RATE.value}'
+        f'--lr must be finite and > 0, got {_LEARNING_RATE.value}'
       )
     if not 0 <= _SEED.value < 2**32:
       raise errors.ConfigError(
@@ -70,13 +75,13 @@ def main(argv) -> None:
         f'--models: unknown {", ".join(unknown)}; choose from '
         f'{", ".join(models.NAMES)}'
       )
-    workdir_lib.check_free(_OUT.value, '--out')
+    workdir_lib.check_free(_OUT.value, '--workdir')
     ds = datasets.load(_DATASET.value, _DATA_DIR.value)
     public, _ = pool.split_public(
       len(ds.y_train), _PUBLIC_SIZE.value, _SEED.value
     )
     # Held until the process ends: one writer per pool folder.
-    _LOCKS.append(workdir_lib.acquire(_OUT.value, '--out'))
+    _LOCKS.append(workdir_lib.acquire(_OUT.value, '--workdir'))
     split_path = os.path.join(_OUT.value, 'public.json')
     split = {
       'dataset': ds.name,
@@ -89,8 +94,9 @@ def main(argv) -> None:
         old = json.load(f)
       if old['indices'] != split['indices']:
         raise errors.ConfigError(
-          f'--out={_OUT.value} holds a pool trained on another public split '
-          '(--dataset, --public_size or --seed differ): use a new --out'
+          f'--workdir={_OUT.value} holds a pool trained on another public '
+          'split (--dataset, --public_size or --seed differ): use a new '
+          '--workdir'
         )
     files.write_atomic(split_path, lambda f: json.dump(split, f))
     x, y = ds.x_train[public], ds.y_train[public]
@@ -135,5 +141,10 @@ def main(argv) -> None:
     cli.fail(str(e))
 
 
-if __name__ == '__main__':
+def entry() -> None:
+  """The console script `fedjax-mr-pretrain-zoo`."""
   cli.run(main)
+
+
+if __name__ == '__main__':
+  entry()

@@ -17,9 +17,10 @@ import sys
 
 from absl import flags
 
-from experiments import cli
 from fedjax_mr import energy
 from fedjax_mr.energy import profiling
+
+from . import cli
 
 CONFIG_SETS = ('sweep', 'tx2_table2', 'tx2_nvpmodel')
 
@@ -183,5 +184,10 @@ def main(argv):
   return 0
 
 
-if __name__ == '__main__':
+def entry() -> None:
+  """The console script `fedjax-mr-profile-device`."""
   cli.run(main)
+
+
+if __name__ == '__main__':
+  entry()

@@ -14,10 +14,11 @@ import sys
 from absl import flags
 from absl import logging
 
-from experiments import cli
 from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.training import config as config_lib
+
+from . import cli
 
 
 def _define_flags() -> None:
@@ -28,8 +29,10 @@ def _define_flags() -> None:
       # Validated by config_lib.validate, for one clear error message.
       help_text += f' One of: {", ".join(allowed)}.'
     cli.define_flag(f.name, f, help_text)
+    flags.declare_key_flag(f.name)  # listed by --helpshort
   # The algorithms' hyper-parameters, from the registry.
-  cli.define_algorithm_flags()
+  for name in cli.define_algorithm_flags():
+    flags.declare_key_flag(name)
 
 
 _define_flags()
@@ -70,5 +73,10 @@ def main(argv) -> None:
     sys.exit(130)
 
 
-if __name__ == '__main__':
+def entry() -> None:
+  """The console script `fedjax-mr-run`."""
   cli.run(main)
+
+
+if __name__ == '__main__':
+  entry()

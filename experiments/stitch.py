@@ -1,8 +1,8 @@
 r"""FedStitch on a dataset with a pool of pre-trained models.
 
-  python -m experiments.pretrain_zoo --out=runs/pool
+  python -m experiments.pretrain_zoo --workdir=runs/pool
   python -m experiments.stitch --pool=runs/pool --partition=dirichlet \
-      --dirichlet_alpha=1.0 --workdir=runs/stitch/dir1.0
+      --alpha=1.0 --workdir=runs/stitch/dir1.0
 
 The clients (`--num_clients`, default 100) hold the dataset's training
 examples that are not in the pool's public split, partitioned IID or by
@@ -33,14 +33,26 @@ import os
 from absl import flags
 from absl import logging
 
-from experiments import cli
+from . import cli
 
 _POOL = flags.DEFINE_string('pool', 'runs/pool', 'Pool folder.')
 _POOL_MODELS = flags.DEFINE_list(
   'pool_models', [], 'Pool model ids to use (default: all in --pool).'
 )
-_CUTS = flags.DEFINE_string(
-  'cuts', 'default', 'Cut style: default, per_linear or every_unit.'
+# The library's choices (fedjax_mr.stitch: blocks.CUT_STYLES, cka.VIEWS,
+# projection.SPATIAL_POLICIES and SOLVERS, federated.AGGREGATIONS,
+# network.EVAL_MODES; a test checks they agree), here so that --help does
+# not import JAX.
+CHOICES = {
+  'cuts': ['default', 'per_linear', 'every_unit'],
+  'view': ['positions', 'flatten', 'gap'],
+  'spatial': ['match', 'fit_only'],
+  'stitch_solver': ['pinv', 'ridge'],
+  'aggregation': ['rl', 'uniform'],
+  'eval': ['head', 'knn', 'both'],
+}
+_CUTS = flags.DEFINE_enum(
+  'cuts', 'default', CHOICES['cuts'], 'Where models are cut into blocks.'
 )
 _DATASET = flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'Dataset folder.')
@@ -48,7 +60,11 @@ _NUM_CLIENTS = flags.DEFINE_integer('num_clients', 100, 'Clients N.')
 _PARTITION = flags.DEFINE_enum(
   'partition', 'dirichlet', ['iid', 'dirichlet'], 'Client partition.'
 )
-_ALPHA = flags.DEFINE_float('dirichlet_alpha', 1.0, 'Dirichlet α.')
+_ALPHA = flags.DEFINE_float(
+  'alpha', 1.0, 'Dirichlet concentration (partition=dirichlet).'
+)
+# The flag's name before it was unified with experiments.run's.
+flags.DEFINE_alias('dirichlet_alpha', 'alpha')
 _CLIENTS_PER_ROUND = flags.DEFINE_integer(
   'clients_per_round', 10, 'Participants per round.'
 )
@@ -61,8 +77,12 @@ _EPSILON_DECAY = flags.DEFINE_float(
 _REWARD = flags.DEFINE_float('reward', 0.2, 'Weight reward factor.')
 _PENALTY = flags.DEFINE_float('penalty', 0.2, 'Weight penalty factor.')
 _THRESHOLD = flags.DEFINE_float('threshold', 0.75, 'Rank threshold.')
-_AGGREGATION = flags.DEFINE_string(
-  'aggregation', 'rl', "'rl' (weighted) or 'uniform' (FedAvg-style)."
+_AGGREGATION = flags.DEFINE_enum(
+  'aggregation',
+  'rl',
+  CHOICES['aggregation'],
+  'Vote aggregation: rl (reinforcement-learned client weights) or uniform '
+  '(every client alike).',
 )
 _NUM_SELECTIONS = flags.DEFINE_integer(
   'num_selections', 3, 'Blocks chosen per network; networks kept.'
@@ -72,13 +92,19 @@ _ROUNDS_PER_SELECTION = flags.DEFINE_integer(
 )
 _MAX_DEPTH = flags.DEFINE_integer('max_depth', 8, 'Most blocks per network.')
 _PRUNE = flags.DEFINE_bool('prune', True, 'Search-space optimiser.')
-_VIEW = flags.DEFINE_string('view', 'positions', 'CKA view.')
+_VIEW = flags.DEFINE_enum('view', 'positions', CHOICES['view'], 'CKA view.')
 _DEBIASED = flags.DEFINE_bool('debiased', False, 'Debiased CKA.')
-_SPATIAL = flags.DEFINE_string('spatial', 'match', 'match or fit_only.')
+_SPATIAL = flags.DEFINE_enum(
+  'spatial', 'match', CHOICES['spatial'], 'Stitching across spatial sizes.'
+)
 _STITCH_BIAS = flags.DEFINE_bool('stitch_bias', False, 'Affine stitches.')
-_SOLVER = flags.DEFINE_string('stitch_solver', 'pinv', 'pinv or ridge.')
+_SOLVER = flags.DEFINE_enum(
+  'stitch_solver', 'pinv', CHOICES['stitch_solver'], 'Stitch fit.'
+)
 _SEED = flags.DEFINE_integer('seed', 0, 'Seed.')
-_EVAL = flags.DEFINE_string('eval', 'head', 'head, knn or both.')
+_EVAL = flags.DEFINE_enum(
+  'eval', 'head', CHOICES['eval'], 'How networks are evaluated.'
+)
 _KNN_REFERENCE = flags.DEFINE_integer(
   'knn_reference', 2000, 'Public examples the kNN probe is fitted on.'
 )
@@ -134,7 +160,7 @@ _IDENTITY_FLAGS = (
   'dataset',
   'num_clients',
   'partition',
-  'dirichlet_alpha',
+  'alpha',
   'clients_per_round',
   'batch_size',
   'top_k',
@@ -160,6 +186,8 @@ _IDENTITY_FLAGS = (
 def _identity(models) -> dict:
   """The flags that define the run, and the pool's models by id."""
   out = {name: flags.FLAGS[name].value for name in _IDENTITY_FLAGS}
+  # Stored under the flag's earlier name: workdirs keep resuming.
+  out['dirichlet_alpha'] = out.pop('alpha')
   out['pool_models'] = [m.id for m in models]
   return out
 
@@ -253,14 +281,14 @@ def _check_flags(stitch, errors, network) -> None:
     checks.append(
       (
         alpha > 0 and math.isfinite(alpha),
-        f'--dirichlet_alpha must be finite and > 0, got {alpha}',
+        f'--alpha must be finite and > 0, got {alpha}',
       )
     )
   else:
     checks.append(
       (
-        flags.FLAGS['dirichlet_alpha'].using_default_value,
-        f'--dirichlet_alpha applies to --partition=dirichlet only, not '
+        flags.FLAGS['alpha'].using_default_value,
+        f'--alpha applies to --partition=dirichlet only, not '
         f'--partition={_PARTITION.value}',
       )
     )
@@ -541,5 +569,10 @@ def _simulate_energy(federated, log) -> dict:
   return out
 
 
-if __name__ == '__main__':
+def entry() -> None:
+  """The console script `fedjax-mr-stitch`."""
   cli.run(main)
+
+
+if __name__ == '__main__':
+  entry()

@@ -27,7 +27,7 @@ import time
 
 from absl import flags
 
-from experiments import cli
+from . import cli
 
 # (model, input shape, classes): the papers' dataset for each model.
 MODELS = {
@@ -209,7 +209,7 @@ def main(argv) -> None:
         )
         continue
       proc = subprocess.run(
-        [sys.executable, '-m', 'experiments.zoo_report', f'--memory_of={name}'],
+        [sys.executable, '-m', __spec__.name, f'--memory_of={name}'],
         capture_output=True,
         text=True,
         env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
@@ -224,6 +224,11 @@ def main(argv) -> None:
       )
 
 
-if __name__ == '__main__':
+def entry() -> None:
+  """The console script `fedjax-mr-zoo-report`."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   cli.run(main)
+
+
+if __name__ == '__main__':
+  entry()

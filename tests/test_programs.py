@@ -40,10 +40,10 @@ def test_benchmark_prints_its_figures(small_fmnist_dir):
 
 def test_benchmark_rejects_bad_devices(small_fmnist_dir):
   proc = _run(
-    'experiments.benchmark', f'--data_dir={small_fmnist_dir}', '--devices=7'
+    'experiments.benchmark', f'--data_dir={small_fmnist_dir}', '--num_devices=7'
   )
   assert proc.returncode != 0
-  assert '--devices=7' in proc.stderr and 'Traceback' not in proc.stderr
+  assert '--num_devices=7' in proc.stderr and 'Traceback' not in proc.stderr
 
 
 def test_zoo_report_tables():
@@ -73,12 +73,12 @@ def test_compare_summarize_only_without_runs_says_so(tmp_path):
     'experiments.compare',
     '--variants=fedavg,fedmr',
     '--seeds=0,1',
-    f'--out={tmp_path}/nothing_here',
+    f'--workdir={tmp_path}/nothing_here',
     '--summarize_only',
   )
   assert proc.returncode == 2
   assert 'Traceback' not in proc.stderr
   assert (
-    f'--out={tmp_path}/nothing_here: no runs of variants fedavg, fedmr'
+    f'--workdir={tmp_path}/nothing_here: no runs of variants fedavg, fedmr'
     in (proc.stderr)
   )

@@ -2,7 +2,7 @@
 
 A *variant* is a name and the config fields it overrides, e.g. `fedmr_p2`
 = `{'algorithm': 'fedmr_p', 'fedmr_segments': 2}`. `run_matrix` runs every
-(variant, seed) in `<out>/<variant>/s<seed>` (each an ordinary, resumable
+(variant, seed) in `<workdir>/<variant>/s<seed>` (each an ordinary, resumable
 experiment workdir, so an interrupted matrix resumes where it stopped, and
 finished runs train nothing), then `summarize` reads the metrics back:
 final accuracy per run = mean test accuracy of its last `last` evaluations,
@@ -58,10 +58,10 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
       )
     return name, dict(VARIANTS[name])
   if not name or '/' in name or name.startswith('.'):
-    # The name is a folder under --out: it must stay inside it.
+    # The name is a folder under --workdir: it must stay inside it.
     raise errors.ConfigError(
-      f'--variants: bad variant name in {spec!r} (a folder name under --out, '
-      "without '/' and not starting with '.')"
+      f'--variants: bad variant name in {spec!r} (a folder name under '
+      "--workdir, without '/' and not starting with '.')"
     )
   fields = {f.name: f for f in config_lib.base_fields()}
   fields.update({flag: f for flag, (f, _) in registry.all_flags().items()})
@@ -186,7 +186,7 @@ def summarize(
       curves[name] = _mean_curve(histories)
   if not results:
     raise errors.ConfigError(
-      f'--out={out}: no runs of variants {", ".join(variants)} with seeds '
+      f'--workdir={out}: no runs of variants {", ".join(variants)} with seeds '
       f'{", ".join(map(str, seeds))} there; nothing to summarize'
     )
   summary = {'variants': results, 'last': last}
@@ -257,7 +257,7 @@ def run_matrix(
     `{(variant, seed): round}` of the runs that diverged.
   """
   for _, _, config in runs:  # refuse before running any of them
-    workdir_lib.check_free(config.workdir, '--out')
+    workdir_lib.check_free(config.workdir, '--workdir')
   diverged = {}
   for i, (name, seed, config) in enumerate(runs):
     log(f'[{i + 1}/{len(runs)}] {name} seed {seed} in {config.workdir}')

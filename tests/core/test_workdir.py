@@ -125,4 +125,4 @@ def test_compare_refuses_before_running_anything(small_fmnist_dir, tmp_path):
     with pytest.raises(errors.ConfigError) as e:
       compare.run_matrix(runs, trained.append, log=lambda s: None)
   assert trained == []  # not even seed 0 ran
-  assert str(e.value).startswith(f'--out={tmp_path}/fedavg/s1 is in use')
+  assert str(e.value).startswith(f'--workdir={tmp_path}/fedavg/s1 is in use')

@@ -325,7 +325,7 @@ def test_summarize_exact_values(tmp_path):
   assert written['variants']['a'] == summary['variants']['a']
   assert written['provenance']['packages']['fedjax_mr'] == fedjax_mr.__version__
   # Nothing to summarize: a clear error, and the table above stays.
-  with pytest.raises(errors.ConfigError, match=r'--out=.*no runs of .*c'):
+  with pytest.raises(errors.ConfigError, match=r'--workdir=.*no runs of .*c'):
     compare.summarize(str(tmp_path), ['c'], [0, 1])
   assert (tmp_path / compare.TABLE_FILE).read_text() == table
   with pytest.raises(errors.ConfigError, match='nothing to summarize'):

@@ -215,7 +215,7 @@ def test_paper_flagfiles_are_valid_and_named_by_their_setting():
     # The comment's compare command names the papers' variants, and they
     # validate against the file's setting.
     text = open(os.path.join(CONFIGS, name)).read()
-    command = re.search(r'experiments.compare (.*?) --out=', text, re.S)
+    command = re.search(r'experiments.compare (.*?) --workdir=', text, re.S)
     args = command.group(1).replace('#', ' ').replace('\\', ' ').split()
     assert args[0] == f'--flagfile=experiments/configs/{name}'
     variants = []

@@ -1,0 +1,71 @@
+"""How the programs find flagfiles (experiments/cli.py)."""
+
+import os
+
+import pytest
+
+from experiments import cli
+
+
+def test_a_flagfile_is_replaced_by_its_lines_and_nests_beside_itself(
+  tmp_path, monkeypatch
+):
+  (tmp_path / 'sub').mkdir()
+  (tmp_path / 'sub' / 'inner.flags').write_text(
+    '# a comment\n\n--rounds=3\n// another\n  --lr=0.5  \n'
+  )
+  (tmp_path / 'sub' / 'outer.flags').write_text(
+    '--seed=1\n--flagfile=inner.flags\n--rounds=4\n'
+  )
+  monkeypatch.chdir(tmp_path)
+  got = cli.expand_flagfiles(
+    ['--a=1', '--flagfile=sub/outer.flags', '--flagfile', 'sub/inner.flags']
+  )
+  assert got == [
+    '--a=1',
+    '--seed=1',
+    '--rounds=3',
+    '--lr=0.5',
+    '--rounds=4',
+    '--rounds=3',
+    '--lr=0.5',
+  ]
+
+
+def test_the_bundled_configs_are_found_by_name_from_anywhere(
+  tmp_path, monkeypatch
+):
+  monkeypatch.chdir(tmp_path)
+  default = cli.expand_flagfiles(['--flagfile=default.flags'])
+  assert '--algorithm=fedavg' in default and '--alpha=0.1' in default
+  assert cli.expand_flagfiles(['--flagfile=default']) == default
+  assert (
+    cli.expand_flagfiles(['--flagfile=experiments/configs/default.flags'])
+    == default
+  )
+  # fmnist_table names experiments/configs/default.flags first.
+  table = cli.expand_flagfiles(['--flagfile=fmnist_table'])
+  assert table[: len(default)] == default and '--rounds=100' in table
+  assert 'fmnist_table.flags' in cli.bundled_configs()
+
+
+def test_a_path_of_the_users_own_is_never_swapped_for_a_bundled_one(
+  tmp_path, monkeypatch, capsys
+):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit) as e:
+    cli.expand_flagfiles(['--flagfile=mine/default.flags'])
+  assert e.value.code == cli.EXIT_USAGE
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1
+  assert err.startswith('error: --flagfile=mine/default.flags: no such file')
+  assert 'fmnist_table' in err
+
+
+def test_a_flagfile_that_includes_itself_is_one_line(tmp_path, capsys):
+  loop = tmp_path / 'loop.flags'
+  loop.write_text(f'--flagfile={os.path.basename(loop)}\n')
+  with pytest.raises(SystemExit):
+    cli.expand_flagfiles([f'--flagfile={loop}'])
+  err = capsys.readouterr().err
+  assert err.startswith('error: --flagfile=loop.flags: it includes itself')

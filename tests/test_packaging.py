@@ -1,0 +1,150 @@
+"""The package as `pip install .` gives it: the library, the programs as
+`fedjax_mr.experiments` with their console scripts and flagfiles, and no
+top-level `experiments` package."""
+
+import configparser
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import tomllib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pyproject():
+  with open(os.path.join(ROOT, 'pyproject.toml'), 'rb') as f:
+    return tomllib.load(f)
+
+
+def test_every_package_of_the_tree_is_listed():
+  listed = set(_pyproject()['tool']['setuptools']['packages'])
+  found = {
+    os.path.relpath(root, ROOT).replace(os.sep, '.')
+    for root, _, names in os.walk(os.path.join(ROOT, 'fedjax_mr'))
+    if '__init__.py' in names
+  }
+  found |= {'fedjax_mr.experiments', 'fedjax_mr.experiments.configs'}
+  assert listed == found
+  assert not any(p.split('.')[0] == 'experiments' for p in listed)
+
+
+def test_every_program_has_its_console_script():
+  scripts = _pyproject()['project']['scripts']
+  programs = {
+    name[: -len('.py')]
+    for name in os.listdir(os.path.join(ROOT, 'experiments'))
+    if name.endswith('.py')
+    and 'def entry()' in open(os.path.join(ROOT, 'experiments', name)).read()
+  }
+  assert programs >= {'run', 'compare', 'stitch', 'benchmark'}
+  assert scripts == {
+    f'fedjax-mr-{p.replace("_", "-")}': f'fedjax_mr.experiments.{p}:entry'
+    for p in programs
+  }
+
+
+@pytest.fixture(scope='module')
+def installed(tmp_path_factory):
+  """The wheel built from a copy of the source tree, installed (without
+  its dependencies, which this environment has) into a folder of its own."""
+  tmp = tmp_path_factory.mktemp('wheel')
+  files = subprocess.run(
+    ['git', 'ls-files', '-co', '--exclude-standard'],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.split()
+  source = tmp / 'source'
+  for name in files:
+    if name.startswith(('runs/', 'tests/')) or not os.path.isfile(
+      os.path.join(ROOT, name)
+    ):
+      continue
+    os.makedirs(source / os.path.dirname(name), exist_ok=True)
+    shutil.copy(os.path.join(ROOT, name), source / name)
+  pip = [sys.executable, '-m', 'pip', '--disable-pip-version-check', '-q']
+  subprocess.run(
+    [*pip, 'wheel', '--no-deps', '--no-build-isolation', '-w', tmp, source],
+    check=True,
+    capture_output=True,
+  )
+  (wheel,) = tmp.glob('fedjax_mr-*.whl')
+  site = tmp / 'site'
+  subprocess.run(
+    [*pip, 'install', '--no-deps', '--target', site, wheel],
+    check=True,
+    capture_output=True,
+  )
+  return wheel, site
+
+
+def test_the_wheel_holds_the_library_programs_and_configs(installed):
+  wheel, _ = installed
+  names = zipfile.ZipFile(wheel).namelist()
+  tops = {n.split('/')[0] for n in names}
+  assert {t for t in tops if not t.endswith('.dist-info')} == {'fedjax_mr'}
+  configs = sorted(
+    n for n in names if n.startswith('fedjax_mr/experiments/configs/')
+  )
+  assert [os.path.basename(n) for n in configs] == sorted(
+    os.listdir(os.path.join(ROOT, 'experiments', 'configs'))
+  )
+  assert 'fedjax_mr/experiments/run.py' in names
+  (entry_points,) = [n for n in names if n.endswith('entry_points.txt')]
+  parser = configparser.ConfigParser()
+  parser.read_string(zipfile.ZipFile(wheel).read(entry_points).decode())
+  assert dict(parser['console_scripts']) == _pyproject()['project']['scripts']
+
+
+def test_the_installed_program_runs_a_bundled_config_from_elsewhere(
+  installed, small_fmnist_dir, tmp_path
+):
+  _, site = installed
+  env = {
+    **os.environ,
+    'PYTHONPATH': str(site),  # before the editable checkout
+    'TF_CPP_MIN_LOG_LEVEL': '2',
+  }
+  where = subprocess.run(
+    [
+      sys.executable,
+      '-c',
+      'import importlib.util as u, fedjax_mr; print(fedjax_mr.__file__); '
+      "print(u.find_spec('experiments'))",
+    ],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.split('\n')
+  assert where[0].startswith(str(site)) and where[1] == 'None'
+  work = tmp_path / 'run'
+  proc = subprocess.run(
+    [
+      site / 'bin' / 'fedjax-mr-run',
+      # A bundled config by name; it names default.flags in turn.
+      '--flagfile=fmnist_table',
+      f'--data_dir={small_fmnist_dir}',
+      '--num_clients=6',
+      '--clients_per_round=2',
+      '--local_epochs=1',
+      '--rounds=1',
+      '--num_devices=1',
+      '--host_devices=1',
+      f'--workdir={work}',
+    ],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
+  assert proc.returncode == 0, proc.stderr
+  assert 'round 1/1' in proc.stdout
+  config = open(work / 'config.json').read()
+  assert '"rounds": 1' in config and '"algorithm": "fedavg"' in config
