@@ -6,6 +6,7 @@ from fedjax_mr.data import datasets as datasets
 from fedjax_mr.data import idx as idx
 from fedjax_mr.data import leaf as leaf
 from fedjax_mr.data import partition as partition
+from fedjax_mr.data import prepare as prepare
 from fedjax_mr.data.client_data import ClientData as ClientData
 from fedjax_mr.data.client_data import EvalData as EvalData
 from fedjax_mr.data.client_data import eval_data as eval_data

@@ -148,6 +148,13 @@ def _dataset(name: str, spec: _Spec, train, test, **natural) -> Dataset:
   )
 
 
+def tfds_name(name: str) -> str:
+  """The tensorflow-datasets name `name` is read under ('' for the LEAF
+  and CINIC-10 datasets)."""
+  spec = _SPECS[name]
+  return spec.tfds_name if spec.source == 'tfds' else ''
+
+
 def input_kind(name: str) -> str:
   """'tokens' for `[T]` integer sequences (shakespeare), else 'images'."""
   return 'tokens' if name == 'shakespeare' else 'images'
@@ -335,11 +342,12 @@ def _missing_message(name: str, spec: _Spec, data_dir: str | None) -> str:
     )
   elif spec.has_idx:
     hint = 'pass --data_dir to a folder holding the four IDX files, or '
+  flag = f' --data_dir={data_dir}' if data_dir else ''
   return (
     f'dataset {name!r} not found in {where}: {hint}prepare it once with '
-    f'tensorflow-datasets (needs TensorFlow: `pip install -e ".[prepare]"` '
-    f'then `tfds build {spec.tfds_name} --data_dir {where} '
-    f'--file_format array_record`) and pass --data_dir'
+    f'`python -m experiments.prepare --datasets={name}{flag}` (needs '
+    f'TensorFlow: `pip install -e ".[prepare]"`; it runs tensorflow-datasets\' '
+    f'`tfds build {spec.tfds_name} --file_format array_record`)'
   )
 
 
@@ -383,10 +391,12 @@ def _load_leaf(
 ) -> Dataset:
   if not data_dir:
     raise errors.DataError(
-      f"dataset {name!r} is read from LEAF json files: run LEAF's "
-      f'`preprocess.sh` in leaf/data/{name} (e.g. `./preprocess.sh -s niid '
-      '--sf 1.0 -k 0 -t sample`) and pass --data_dir=leaf/data/'
-      f'{name}/data (the folder holding train/ and test/)'
+      f'dataset {name!r} is read from LEAF json files: prepare them with '
+      f'`python -m experiments.prepare --datasets={name}` and pass '
+      f"--data_dir=data/leaf/{name}/data, or run LEAF's `preprocess.sh` in "
+      f'leaf/data/{name} (e.g. `./preprocess.sh -s niid --sf 1.0 -k 0 -t '
+      f'sample`) and pass --data_dir=leaf/data/{name}/data (the folder '
+      'holding train/ and test/)'
     )
   reader = leaf.load_femnist if name == 'femnist' else leaf.load_shakespeare
   data = reader(data_dir, min_samples)
@@ -413,8 +423,10 @@ def _load_leaf(
 def _load_cinic(name: str, spec: _Spec, data_dir: str | None) -> Dataset:
   if not data_dir:
     raise errors.DataError(
-      'dataset cinic10 is read from its image folders: download and unpack '
-      'CINIC-10 (https://github.com/BayesWatch/cinic-10) and pass '
+      'dataset cinic10 is read from its image folders: prepare them with '
+      '`python -m experiments.prepare --datasets=cinic10` and pass '
+      '--data_dir=data/cinic10, or download and unpack CINIC-10 '
+      '(https://github.com/BayesWatch/cinic-10) and pass '
       '--data_dir=<folder holding train/, valid/, test/>'
     )
   return _dataset(

@@ -1,0 +1,132 @@
+r"""Downloads and prepares the papers' datasets, where the runs read them.
+
+  python -m experiments.prepare                       # all six, default places
+  python -m experiments.prepare --datasets=femnist,cinic10 --data_dir=/data
+  fedjax-mr-prepare --datasets=cifar10                # installed
+
+On a machine with internet access. Without --data_dir, each dataset goes
+where the loader and the bundled configs look by default: the tfds
+datasets (cifar10, cifar100, emnist) to tensorflow-datasets' data dir
+(~/tensorflow_datasets), FEMNIST and Shakespeare to data/leaf/<name>/data
+and CINIC-10 to data/cinic10 (in the working folder); with --data_dir=D,
+all under D (tfds's in D itself). A dataset already prepared is skipped;
+the end lists where each one is, its size and the --data_dir its runs
+take. Preparing a tfds dataset needs TensorFlow (`pip install
+'fedjax_mr[prepare]'`); the others need nothing more. FEMNIST and
+Shakespeare keep every user: the papers' filter (FEMNIST writers with more
+than 100 samples) is the runs' --leaf_min_samples=100, as in the bundled
+configs. Archives go to <data_dir>/downloads (data/downloads), where an
+archive put by hand is used as it is. What each dataset's preparation does
+is described in `fedjax_mr/data/prepare.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+from absl import flags
+from absl import logging
+
+from fedjax_mr.core import errors
+from fedjax_mr.data import prepare
+
+from . import cli
+
+_DATASETS = flags.DEFINE_list(
+  'datasets',
+  list(prepare.PAPERS),
+  f'Datasets to prepare, from: {", ".join(prepare.NAMES)}.',
+)
+_DATA_DIR = flags.DEFINE_string(
+  'data_dir',
+  '',
+  'Where the datasets go (tfds datasets in it, the others in '
+  '<data_dir>/leaf/<name>/data and <data_dir>/cinic10, downloads in '
+  "<data_dir>/downloads). Empty: tensorflow-datasets' default data dir "
+  'for the tfds datasets, data/ of the working folder for the others.',
+)
+_TRAIN_FRACTION = flags.DEFINE_float(
+  'leaf_train_fraction',
+  prepare.TRAIN_FRACTION,
+  "FEMNIST, Shakespeare: fraction of each user's samples in the training "
+  "split (LEAF's --tf; its default).",
+)
+_SEED = flags.DEFINE_integer(
+  'leaf_seed', 0, 'FEMNIST, Shakespeare: seed of the training/test split.'
+)
+_KEEP_DOWNLOADS = flags.DEFINE_bool(
+  'keep_downloads',
+  True,
+  'Keep the downloaded archives (in <data_dir>/downloads) once a dataset '
+  'is prepared.',
+)
+
+
+def _names() -> list[str]:
+  names = _DATASETS.value
+  if not names:
+    cli.fail(f'--datasets is empty; choose from {", ".join(prepare.NAMES)}')
+  for name in names:
+    if name not in prepare.NAMES:
+      cli.fail(
+        f'--datasets: unknown dataset {name!r}; choose from '
+        f'{", ".join(prepare.NAMES)}'
+      )
+    if names.count(name) > 1:
+      cli.fail(f'--datasets: {name} is named twice')
+  return names
+
+
+def main(argv) -> None:
+  cli.no_arguments(argv)
+  # tensorflow-datasets warns of every folder it looks into; our own lines
+  # say what happens.
+  logging.set_verbosity(logging.ERROR)
+  names = _names()
+  fraction = _TRAIN_FRACTION.value
+  if not (math.isfinite(fraction) and 0 < fraction < 1):
+    cli.fail(f'--leaf_train_fraction must lie in (0, 1), got {fraction}')
+  if _SEED.value < 0:
+    cli.fail(f'--leaf_seed must be ≥ 0, got {_SEED.value}')
+  data_dir = _DATA_DIR.value
+  prepare.check_data_dir(data_dir)
+  # Before anything is downloaded: a missing TensorFlow stops the run now,
+  # not after the other datasets.
+  prepare.check_requirements(names, data_dir)
+  results, failed = [], []
+  try:
+    for name in names:
+      try:
+        results.append(
+          prepare.prepare(
+            name,
+            data_dir,
+            train_fraction=fraction,
+            seed=_SEED.value,
+            keep_downloads=_KEEP_DOWNLOADS.value,
+          )
+        )
+      except errors.DataError as e:  # the others may still succeed
+        print(f'{name}: failed: {e}')
+        failed.append(f'{name}: {e}')
+  except KeyboardInterrupt:
+    print(
+      '\ninterrupted; run again to go on (downloads resume where they stopped)',
+      file=sys.stderr,
+    )
+    sys.exit(130)
+  if results:
+    print('\nDatasets:')
+    print(prepare.summary(results))
+  if failed:
+    cli.fail(f'not prepared: {"; ".join(failed)}')
+
+
+def entry() -> None:
+  """The console script `fedjax-mr-prepare`."""
+  cli.run(main)
+
+
+if __name__ == '__main__':
+  entry()
