@@ -1,13 +1,20 @@
 """Splitting a training set among simulated clients (host side, seeded).
 
+Every partition is a list of client index arrays into the training set:
+`iid`, `dirichlet` and `shards` draw one from a seed; `load_file` reads one
+(`--partition=file`), `save_file` writes one in that format.
+
 References:
   Dirichlet label skew as in NIID-Bench (Li et al., "Federated Learning on
   Non-IID Data Silos: An Experimental Study", ICDE 2022) and MOON, which the
-  FedMR and FedMut reference code use.
+  FedMR and FedMut reference code use. Shards: McMahan et al.,
+  "Communication-Efficient Learning of Deep Networks from Decentralized
+  Data", AISTATS 2017 (the pathological non-IID split).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Sequence
 
@@ -99,6 +106,215 @@ def dirichlet(
   )
 
 
+def shards(
+  labels: np.ndarray, num_clients: int, shards_per_client: int, seed: int
+) -> list[np.ndarray]:
+  """Label-sorted shards dealt at random (the FedAvg paper's pathological
+  non-IID split).
+
+  The M examples are sorted by label, stably (a class's examples keep their
+  dataset order), and cut into S = N·s shards of consecutive examples. When
+  S does not divide M the sizes differ by at most one: the first M mod S
+  shards in that order hold ⌈M/S⌉ examples, the others ⌊M/S⌋, so every
+  example is used once. A seeded permutation `perm` of the shards deals
+  them: client j gets shards `perm[j·s : (j+1)·s]`, so client sizes differ
+  by at most s.
+
+  Classes per client: a shard holds one class unless a class boundary falls
+  inside it. When S divides M and every class's size is a multiple of M/S
+  (Fashion-MNIST's 6,000 per class with N=100, s=2: shards of 300), no shard
+  straddles, and a client holds at most s classes: exactly s unless it
+  draws two shards of one class, as in the paper. Otherwise a straddling
+  shard holds two classes (more only if a class has fewer than ⌈M/S⌉
+  examples), so a client holds at most 2s. `summary` reports the outcome.
+
+  Args:
+    labels: `[M]` integer labels.
+    num_clients: N.
+    shards_per_client: s, ≥ 1.
+    seed: numpy seed (only the deal is random).
+
+  Returns:
+    `num_clients` sorted int64 index arrays, disjoint, covering `range(M)`.
+
+  References:
+    McMahan et al., "Communication-Efficient Learning of Deep Networks from
+    Decentralized Data", AISTATS 2017, Section 3 (N=100, s=2 on MNIST).
+  """
+  labels = np.asarray(labels)
+  if shards_per_client < 1:
+    raise errors.ConfigError(
+      f'--shards_per_client must be a positive integer, got {shards_per_client}'
+    )
+  _check_counts(len(labels), num_clients, 1)
+  total = num_clients * shards_per_client
+  if total > len(labels):
+    raise errors.ConfigError(
+      f'--num_clients={num_clients} × --shards_per_client={shards_per_client}'
+      f' = {total} shards of at least one example need {total} examples; '
+      f'the dataset has {len(labels)}'
+    )
+  pieces = np.array_split(np.argsort(labels, kind='stable'), total)
+  perm = np.random.default_rng(seed).permutation(total)
+  deals = perm.reshape(num_clients, shards_per_client)
+  return [
+    np.sort(np.concatenate([pieces[i] for i in deal])).astype(np.int64)
+    for deal in deals
+  ]
+
+
+# Client index rows are int32 on the device (`client_data`).
+_MAX_INDEX = 2**31 - 1
+
+
+def file_sha256(path: str) -> str:
+  """The sha256 (hex) of a file's bytes.
+
+  Raises:
+    OSError: the file cannot be read.
+  """
+  with open(path, 'rb') as f:
+    return hashlib.sha256(f.read()).hexdigest()
+
+
+def save_file(path: str, parts: Sequence[np.ndarray]) -> None:
+  """Writes client index lists as `load_file` reads them,
+  `{"clients": [[i, ...], ...]}`, atomically.
+
+  Raises:
+    OSError: the file cannot be written.
+  """
+  clients = [[int(i) for i in np.asarray(p)] for p in parts]
+  files.write_atomic(path, lambda f: json.dump({'clients': clients}, f))
+
+
+def load_file(
+  path: str,
+  num_clients: int,
+  num_examples: int | None = None,
+  sha256: str = '',
+) -> tuple[list[np.ndarray], str]:
+  """Reads a partition file (`--partition=file`) and checks it.
+
+  The file is JSON: a list with one list of training-example indices per
+  client, or an object whose "clients" key holds that list (what
+  `save_file` writes). It must hold exactly `num_clients` clients, each
+  with at least one index; an index is an integer in `[0, num_examples)`
+  and belongs to at most one client, once. Examples in no client are left
+  out of training. Each client keeps its indices in the file's order.
+
+  Args:
+    path: the file.
+    num_clients: N, `--num_clients`.
+    num_examples: M, the size of the training set; None checks everything
+      but the upper bound (before the dataset is loaded).
+    sha256: if set, the sha256 (hex) the file's bytes must have.
+
+  Returns:
+    The `num_clients` int64 index arrays and the sha256 (hex) of the file.
+
+  Raises:
+    ConfigError: one line naming `--partition_file` and what is wrong.
+  """
+  where = f'--partition_file={path}'
+  try:
+    with open(path, 'rb') as f:
+      data = f.read()
+  except OSError as e:
+    raise errors.ConfigError(
+      f'{where}: cannot read it ({e.strerror or e})'
+    ) from None
+  digest = hashlib.sha256(data).hexdigest()
+  if sha256 and digest != sha256:
+    raise errors.ConfigError(
+      f'{where}: its sha256 is {digest}, not --partition_sha256={sha256} '
+      '(the file changed; an empty --partition_sha256 takes it as it is)'
+    )
+  try:
+    content = json.loads(data)
+  except (ValueError, RecursionError) as e:
+    raise errors.ConfigError(f'{where}: not JSON ({e})') from None
+  clients = content
+  if isinstance(content, dict):
+    if 'clients' not in content:
+      raise errors.ConfigError(
+        f'{where}: a JSON object without a "clients" key; expected a list '
+        'of client index lists, or {"clients": [[...], ...]}'
+      )
+    clients = content['clients']
+  if not isinstance(clients, list) or not clients:
+    got = 'an empty list' if clients == [] else _json_type(clients)
+    raise errors.ConfigError(
+      f'{where}: expected a list of client index lists, or '
+      f'{{"clients": [[...], ...]}}; got {got}'
+    )
+  if len(clients) != num_clients:
+    raise errors.ConfigError(
+      f'{where}: {len(clients)} clients, but --num_clients={num_clients}; '
+      f'pass --num_clients={len(clients)}'
+    )
+  bound = _MAX_INDEX + 1 if num_examples is None else num_examples
+  parts = []
+  for k, client in enumerate(clients):
+    if not isinstance(client, list):
+      raise errors.ConfigError(
+        f'{where}: client {k} is {_json_type(client)}, not a list of '
+        'example indices'
+      )
+    if not client:
+      raise errors.ConfigError(
+        f'{where}: client {k} has no examples (each needs at least one)'
+      )
+    for value in client:
+      if type(value) is not int:  # bool is an int subclass
+        raise errors.ConfigError(
+          f'{where}: client {k} holds {json.dumps(value)[:40]}, not an '
+          'integer example index'
+        )
+    low, high = min(client), max(client)
+    if low < 0:
+      raise errors.ConfigError(
+        f'{where}: client {k} holds index {low}; indices start at 0'
+      )
+    if high >= bound:
+      size = (
+        f'the training set has {num_examples} examples'
+        if num_examples is not None
+        else 'indices are below 2**31'
+      )
+      raise errors.ConfigError(
+        f'{where}: client {k} holds index {high}, out of range ({size})'
+      )
+    parts.append(np.array(client, np.int64))
+  everything = np.concatenate(parts)
+  order = np.argsort(everything, kind='stable')
+  repeated = np.flatnonzero(np.diff(everything[order]) == 0)
+  if repeated.size:
+    first, second = order[repeated[0]], order[repeated[0] + 1]
+    owner = np.repeat(np.arange(num_clients), [len(p) for p in parts])
+    a, b = int(owner[first]), int(owner[second])
+    index = int(everything[first])
+    found = f'twice in client {a}' if a == b else f'in clients {a} and {b}'
+    raise errors.ConfigError(
+      f'{where}: index {index} is {found}; an example belongs to at most '
+      'one client, once'
+    )
+  return parts, digest
+
+
+def _json_type(value: object) -> str:
+  """The JSON name of a parsed value's type, with an article."""
+  if isinstance(value, bool) or value is None:
+    return json.dumps(value)
+  if isinstance(value, dict):
+    return 'an object'
+  if isinstance(value, list):
+    return 'a list'
+  if isinstance(value, str):
+    return 'a string'
+  return 'a number'
+
+
 def _check_counts(num_examples: int, num_clients: int, min_size: int) -> None:
   if num_clients < 1:
     raise errors.ConfigError(f'--num_clients must be ≥ 1, got {num_clients}')
@@ -113,7 +329,8 @@ def _check_counts(num_examples: int, num_clients: int, min_size: int) -> None:
 def summary(
   parts: Sequence[np.ndarray], labels: np.ndarray, num_classes: int
 ) -> dict:
-  """Client sizes and per-client label histograms (JSON-serialisable)."""
+  """Client sizes and per-client label histograms (JSON-serialisable);
+  'unassigned' counts the training examples in no client."""
   labels = np.asarray(labels)
   sizes = [int(len(p)) for p in parts]
   hist = [
@@ -124,6 +341,7 @@ def summary(
   return {
     'num_clients': len(parts),
     'sizes': sizes,
+    'unassigned': len(labels) - sum(sizes),
     'size_min': min(sizes),
     'size_max': max(sizes),
     'size_mean': float(np.mean(sizes)),

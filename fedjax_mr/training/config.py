@@ -24,8 +24,16 @@ from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 
 WEIGHTINGS = ('auto', 'examples', 'uniform')
-PARTITIONS = ('iid', 'dirichlet', 'natural')
+PARTITIONS = ('iid', 'dirichlet', 'shards', 'file', 'natural')
 CIFAR100_LABELS = ('fine', 'coarse')
+# The flags that one partition alone reads, and that partition.
+PARTITION_FLAGS = {
+  'alpha': 'dirichlet',
+  'min_client_size': 'dirichlet',
+  'shards_per_client': 'shards',
+  'partition_file': 'file',
+  'partition_sha256': 'file',
+}
 
 
 def _field(default: Any, help_text: str, *, choices=None, run_only=False):
@@ -98,13 +106,41 @@ class ExperimentConfig:
   clients_per_round: int = _field(10, 'Clients sampled per round K.')
   partition: str = _field(
     'dirichlet',
-    "How to split data among clients; natural: the dataset's own users "
-    '(femnist, shakespeare), num_clients of them chosen by the seed.',
+    'How to split data among clients: iid (equal random shares); '
+    "dirichlet (label skew, --alpha); shards (the FedAvg paper's "
+    'label-sorted shards, --shards_per_client); file (the index lists of '
+    "--partition_file); natural: the dataset's own users (femnist, "
+    'shakespeare), num_clients of them chosen by the seed.',
     choices=PARTITIONS,
   )
   alpha: float = _field(0.1, 'Dirichlet concentration (partition=dirichlet).')
   min_client_size: int = _field(
     10, 'Minimum examples per client (partition=dirichlet).'
+  )
+  shards_per_client: int = _field(
+    2,
+    'partition=shards: shards per client s. The training set, sorted by '
+    'label (stably), is cut into num_clients*s shards of consecutive '
+    'examples (sizes differ by at most one; every example used), dealt at '
+    'random. A shard holds one class unless a class boundary falls inside '
+    'it: a client holds at most s classes when every class size is a '
+    'multiple of the shard size, else at most 2s (when every class fills a '
+    'shard); fewer when it draws two shards of one class. The FedAvg paper: '
+    's=2.',
+  )
+  partition_file: str = _field(
+    '',
+    'partition=file: a JSON file of client index lists, [[i, ...], ...] '
+    'or {"clients": [[i, ...], ...]}: exactly num_clients non-empty lists '
+    "of indices into --dataset's training set (from 0), no index in two "
+    'lists or twice; examples in no list are not used.',
+    run_only=True,
+  )
+  partition_sha256: str = _field(
+    '',
+    'partition=file: the sha256 (hex) of --partition_file. Empty: computed '
+    'from the file; it is saved in config.json, so resuming with a changed '
+    'file is refused. Set: the file must have it.',
   )
   rounds: int = _field(20, 'Total number of rounds.', run_only=True)
   local_epochs: int = _field(5, 'Local epochs E per round.')
@@ -143,7 +179,8 @@ class ExperimentConfig:
   workdir: str = _field(
     '',
     'Output folder (metrics, checkpoints, plots); a run there resumes. '
-    'Default: runs/<algorithm>-<dataset>-<model>-<partition>-s<seed>.',
+    'Default: runs/<algorithm>-<dataset>-<model>-<partition>-s<seed> '
+    '(<partition>: e.g. dirichlet0.1, shards2, file-<sha256[:8]>).',
     run_only=True,
   )
   checkpoint_every: int = _field(
@@ -228,6 +265,12 @@ class ExperimentConfig:
     if unknown:
       raise TypeError(f'ExperimentConfig: unknown options {sorted(unknown)}')
     object.__setattr__(self, 'options', options)
+    if self.partition == 'file' and self.partition_file:
+      if not self.partition_sha256:
+        # What the file holds defines the run, not its path.
+        object.__setattr__(
+          self, 'partition_sha256', _sha256_or_empty(self.partition_file)
+        )
 
   def __getattr__(self, name: str) -> Any:
     # Only for names that are not fields: the algorithm flags.
@@ -243,6 +286,10 @@ class ExperimentConfig:
     part = self.partition
     if part == 'dirichlet':
       part += f'{self.alpha:g}'
+    elif part == 'shards':
+      part += f'{self.shards_per_client}'
+    elif part == 'file' and self.partition_sha256:
+      part += f'-{self.partition_sha256[:8]}'
     return (
       f'runs/{self.algorithm}-{self.dataset}-{self.model}-{part}-s{self.seed}'
     )
@@ -262,6 +309,16 @@ class ExperimentConfig:
     }
     out.update(self.options)
     return out
+
+
+def _sha256_or_empty(path: str) -> str:
+  """The file's sha256, or '' if it cannot be read (`validate` says why)."""
+  from fedjax_mr.data import partition
+
+  try:
+    return partition.file_sha256(path)
+  except OSError:
+    return ''
 
 
 def base_fields() -> tuple[dataclasses.Field, ...]:
@@ -306,6 +363,7 @@ def validate(config: ExperimentConfig) -> None:
     'rounds',
     'local_epochs',
     'batch_size',
+    'shards_per_client',
     'eval_batch_size',
     'keep_checkpoints',
     'num_processes',
@@ -371,14 +429,27 @@ def validate(config: ExperimentConfig) -> None:
       '--alpha must be finite and > 0 for --partition=dirichlet (IID is '
       f'--partition=iid), got {config.alpha}'
     )
-  if config.partition != 'dirichlet':
-    defaults = {f.name: f.default for f in base_fields()}
-    for name in ('alpha', 'min_client_size'):
-      if getattr(config, name) != defaults[name]:
-        raise errors.ConfigError(
-          f'--{name}={getattr(config, name)} applies to '
-          f'--partition=dirichlet only, not --partition={config.partition}'
-        )
+  defaults = {f.name: f.default for f in base_fields()}
+  for name, owner in PARTITION_FLAGS.items():
+    if config.partition != owner and getattr(config, name) != defaults[name]:
+      raise errors.ConfigError(
+        f'--{name}={getattr(config, name)} applies to --partition={owner} '
+        f'only, not --partition={config.partition}'
+      )
+  if config.partition == 'file':
+    if not config.partition_file:
+      raise errors.ConfigError(
+        '--partition=file needs --partition_file=<a JSON file of client '
+        'index lists>'
+      )
+    from fedjax_mr.data import partition  # host-only, no jax
+
+    # Everything but the index range (the dataset is not loaded yet).
+    partition.load_file(
+      config.partition_file,
+      config.num_clients,
+      sha256=config.partition_sha256,
+    )
   if config.num_processes > 1:
     host, sep, port = config.coordinator_address.rpartition(':')
     if not (sep and host and port.isdigit() and 0 < int(port) < 65536):

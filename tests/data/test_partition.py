@@ -1,3 +1,6 @@
+import hashlib
+import json
+
 import numpy as np
 import pytest
 
@@ -119,3 +122,194 @@ def test_dirichlet_equals_the_list_by_list_procedure(labels, alpha, seed):
   assert len(got) == len(want)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
+
+
+# Shards (the FedAvg paper's split). 20 examples of 4 classes, label i % 4:
+# sorted stably by label they read 0 4 8 12 16 | 1 5 9 13 17 | 2 6 10 14 18
+# | 3 7 11 15 19, cut into 5 x 2 = 10 shards of 2.
+_SHARDS_20 = [
+  [0, 4],
+  [8, 12],
+  [16, 1],
+  [5, 9],
+  [13, 17],
+  [2, 6],
+  [10, 14],
+  [18, 3],
+  [7, 11],
+  [15, 19],
+]
+# numpy's default_rng(0).permutation(10), the deal of seed 0.
+_DEAL_SEED_0 = [4, 6, 2, 7, 3, 5, 9, 0, 8, 1]
+
+
+def test_shards_hand_computed():
+  labels = np.arange(20) % 4
+  parts = partition.shards(labels, 5, 2, seed=0)
+  # Client j gets shards _DEAL_SEED_0[2j], _DEAL_SEED_0[2j + 1].
+  want = [
+    sorted(_SHARDS_20[4] + _SHARDS_20[6]),
+    sorted(_SHARDS_20[2] + _SHARDS_20[7]),
+    sorted(_SHARDS_20[3] + _SHARDS_20[5]),
+    sorted(_SHARDS_20[9] + _SHARDS_20[0]),
+    sorted(_SHARDS_20[8] + _SHARDS_20[1]),
+  ]
+  assert [p.tolist() for p in parts] == want
+  assert want[0] == [10, 13, 14, 17]
+  _check_disjoint_complete(parts, 20)
+  assert all(p.dtype == np.int64 for p in parts)
+  # Shards 2 and 7 straddle a class boundary: client 1 holds all 4 classes
+  # (2s), the others 2 classes of 2 examples.
+  s = partition.summary(parts, labels, 4)
+  assert s['label_histograms'] == [
+    [0, 2, 2, 0],
+    [1, 1, 1, 1],
+    [0, 2, 2, 0],
+    [2, 0, 0, 2],
+    [2, 0, 0, 2],
+  ]
+  assert s['unassigned'] == 0
+
+
+def test_shards_uneven_sizes_use_every_example():
+  # 23 examples in 10 shards: the first 3 (in label order) hold 3, the
+  # rest 2. Sorted: 0 4 8 12 16 20 | 1 5 9 13 17 21 | 2 6 10 14 18 22 |
+  # 3 7 11 15 19.
+  shards = [
+    [0, 4, 8],
+    [12, 16, 20],
+    [1, 5, 9],
+    [13, 17],
+    [21, 2],
+    [6, 10],
+    [14, 18],
+    [22, 3],
+    [7, 11],
+    [15, 19],
+  ]
+  parts = partition.shards(np.arange(23) % 4, 5, 2, seed=0)
+  d = _DEAL_SEED_0
+  want = [sorted(shards[d[2 * j]] + shards[d[2 * j + 1]]) for j in range(5)]
+  assert [p.tolist() for p in parts] == want
+  assert [len(p) for p in parts] == [4, 5, 4, 5, 5]
+  _check_disjoint_complete(parts, 23)
+
+
+def test_shards_of_one_class_give_at_most_s_classes():
+  # 4 classes of 8 in a shuffled order, 4 clients x 2 shards of 4: every
+  # shard holds one class, so a client holds 1 or 2 classes, 4 or 8 of each.
+  labels = np.random.default_rng(5).permutation(np.repeat(np.arange(4), 8))
+  counts = set()
+  for seed in range(20):
+    parts = partition.shards(labels, 4, 2, seed)
+    _check_disjoint_complete(parts, 32)
+    for h in partition.summary(parts, labels, 4)['label_histograms']:
+      assert sorted(h) in ([0, 0, 0, 8], [0, 0, 4, 4]), h
+      counts.add(np.count_nonzero(h))
+  assert counts == {1, 2}  # two shards of one class happen
+
+
+def test_shards_seeded(labels):
+  a = partition.shards(labels, 50, 2, seed=3)
+  b = partition.shards(labels, 50, 2, seed=3)
+  c = partition.shards(labels, 50, 2, seed=4)
+  assert all(np.array_equal(x, y) for x, y in zip(a, b))
+  assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+  _check_disjoint_complete(a, len(labels))
+  # 100 shards of 60 in classes of 600: no shard straddles.
+  s = partition.summary(a, labels, 10)
+  assert s['sizes'] == [120] * 50
+  assert all(np.count_nonzero(h) <= 2 for h in s['label_histograms'])
+
+
+def test_shards_bad_inputs(labels):
+  with pytest.raises(errors.ConfigError, match='^--shards_per_client must'):
+    partition.shards(labels, 10, 0, seed=0)
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^--num_clients=3001 × --shards_per_client=2 = 6002 shards',
+  ):
+    partition.shards(labels, 3001, 2, seed=0)
+
+
+def test_file_round_trip(tmp_path, labels):
+  parts = partition.dirichlet(labels, 20, 0.5, seed=1)  # shuffled lists
+  path = str(tmp_path / 'p.json')
+  partition.save_file(path, parts)
+  back, digest = partition.load_file(path, 20, num_examples=len(labels))
+  assert len(back) == 20
+  for got, want in zip(back, parts):
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, want)  # same order too
+  with open(path, 'rb') as f:
+    assert digest == hashlib.sha256(f.read()).hexdigest()
+  assert partition.file_sha256(path) == digest
+  assert list(json.load(open(path))) == ['clients']
+
+
+def test_file_plain_list_and_left_out_examples(tmp_path):
+  path = tmp_path / 'p.json'
+  path.write_text('[[3, 1], [0]]')
+  parts, _ = partition.load_file(str(path), 2, num_examples=5)
+  assert [p.tolist() for p in parts] == [[3, 1], [0]]
+  s = partition.summary(parts, np.array([0, 1, 0, 1, 0]), 2)
+  assert s['sizes'] == [2, 1] and s['unassigned'] == 2
+
+
+_GOOD = json.dumps([[0, 1], [2]])
+
+
+@pytest.mark.parametrize(
+  'content,fragment',
+  [
+    (None, 'cannot read it (No such file or directory)'),
+    ('dir', 'cannot read it (Is a directory)'),
+    ('[[0, 1], [2]', 'not JSON (Expecting'),
+    (b'\xff\xfe\x00', 'not JSON ('),
+    ('{"users": [[0]]}', 'without a "clients" key'),
+    ('7', 'expected a list of client index lists'),
+    ('{"clients": "0 1"}', 'got a string'),
+    ('[]', 'got an empty list'),
+    ('[[0], [1], [2]]', '3 clients, but --num_clients=2; pass --num_clients=3'),
+    ('[[0], {"a": 1}]', 'client 1 is an object, not a list'),
+    ('[[0], 5]', 'client 1 is a number, not a list'),
+    ('[[0], []]', 'client 1 has no examples'),
+    ('[[0, 1.0], [2]]', 'client 0 holds 1.0, not an integer'),
+    ('[[0], [true]]', 'client 1 holds true, not an integer'),
+    ('[[0], ["2"]]', 'client 1 holds "2", not an integer'),
+    ('[[0], [null]]', 'client 1 holds null, not an integer'),
+    ('[[0, -1], [2]]', 'client 0 holds index -1; indices start at 0'),
+    ('[[0], [2, 10]]', 'client 1 holds index 10, out of range (the training'),
+    ('[[0, 2], [1, 2]]', 'index 2 is in clients 0 and 1'),
+    ('[[0, 1, 0], [2]]', 'index 0 is twice in client 0'),
+    ('sha', 'its sha256 is'),
+  ],
+)
+def test_file_bad_contents_one_line_naming_it(tmp_path, content, fragment):
+  path = tmp_path / 'p.json'
+  sha256 = ''
+  if content == 'dir':
+    path.mkdir()
+  elif content == 'sha':
+    path.write_text(_GOOD)
+    sha256 = hashlib.sha256(b'something else').hexdigest()
+  elif isinstance(content, bytes):
+    path.write_bytes(content)
+  elif content is not None:
+    path.write_text(content)
+  with pytest.raises(errors.ConfigError) as e:
+    partition.load_file(str(path), 2, num_examples=10, sha256=sha256)
+  message = str(e.value)
+  assert message.startswith(f'--partition_file={path}: '), message
+  assert fragment in message
+  assert '\n' not in message
+
+
+def test_file_index_bound_before_the_dataset_is_known(tmp_path):
+  path = tmp_path / 'p.json'
+  path.write_text(json.dumps([[0], [2**31]]))
+  with pytest.raises(errors.ConfigError, match=r'index 2147483648, out of'):
+    partition.load_file(str(path), 2)
+  path.write_text(json.dumps([[0], [2**31 - 1]]))
+  parts, _ = partition.load_file(str(path), 2)
+  assert parts[1].tolist() == [2**31 - 1]

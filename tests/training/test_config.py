@@ -1,0 +1,152 @@
+"""The partition flags of `ExperimentConfig`: validation and run identity."""
+
+import dataclasses
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from fedjax_mr.core import errors
+from fedjax_mr.training import config as config_lib
+
+
+def _config(**changes):
+  values = dict(num_clients=3, clients_per_round=2, alpha=0.1)
+  values.update(changes)
+  return config_lib.ExperimentConfig(**values)
+
+
+@pytest.fixture
+def part_file(tmp_path):
+  path = tmp_path / 'split.json'
+  path.write_text(json.dumps({'clients': [[0, 1], [2], [5, 4]]}))
+  return path
+
+
+def test_shards_flags_and_workdir():
+  cfg = _config(partition='shards', shards_per_client=3)
+  config_lib.validate(cfg)
+  assert (
+    cfg.default_workdir() == 'runs/fedavg-fashion_mnist-cnn_mnist-shards3-s0'
+  )
+  assert cfg.identity()['shards_per_client'] == 3
+  with pytest.raises(errors.ConfigError, match=r'^--shards_per_client must'):
+    config_lib.validate(_config(partition='shards', shards_per_client=0))
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^--shards_per_client=3 applies to --partition=shards only, not '
+    r'--partition=iid$',
+  ):
+    config_lib.validate(_config(partition='iid', shards_per_client=3))
+
+
+def test_file_config_holds_the_content_hash(part_file, tmp_path):
+  sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
+  cfg = _config(partition='file', partition_file=str(part_file))
+  config_lib.validate(cfg)
+  assert cfg.partition_sha256 == sha
+  assert cfg.to_dict()['partition_sha256'] == sha
+  assert cfg.default_workdir().endswith(f'-file-{sha[:8]}-s0')
+  # The content defines the run; the path does not (run_only).
+  assert cfg.identity()['partition_sha256'] == sha
+  assert 'partition_file' not in cfg.identity()
+  moved = tmp_path / 'moved.json'
+  shutil.copy(part_file, moved)
+  same = _config(partition='file', partition_file=str(moved))
+  assert config_lib.config_diffs(same, cfg.to_dict()) == []
+  # A changed file is another run, from the flags as from a saved config.
+  part_file.write_text(json.dumps([[0], [2], [5, 4]]))
+  changed = _config(partition='file', partition_file=str(part_file))
+  new_sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
+  assert config_lib.config_diffs(changed, cfg.to_dict()) == [
+    f"--partition_sha256='{sha}' there, '{new_sha}' here"
+  ]
+  with pytest.raises(
+    errors.ConfigError,
+    match=rf'^--partition_file={part_file}: its sha256 is {new_sha}, not '
+    rf'--partition_sha256={sha} ',
+  ):
+    config_lib.validate(dataclasses.replace(cfg, rounds=3))
+
+
+@pytest.mark.parametrize(
+  'changes,message',
+  [
+    (
+      {'partition': 'file'},
+      '--partition=file needs --partition_file=<a JSON file of client index '
+      'lists>',
+    ),
+    (
+      {'partition_file': '{f}'},
+      '--partition_file={f} applies to --partition=file only, not '
+      '--partition=dirichlet',
+    ),
+    (
+      {'partition': 'iid', 'partition_sha256': 'ab'},
+      '--partition_sha256=ab applies to --partition=file only, not '
+      '--partition=iid',
+    ),
+    (
+      {'partition': 'file', 'partition_file': '{f}', 'num_clients': 4},
+      '--partition_file={f}: 3 clients, but --num_clients=4; pass '
+      '--num_clients=3',
+    ),
+    (
+      {'partition': 'file', 'partition_file': '{f}.missing'},
+      '--partition_file={f}.missing: cannot read it (No such file or '
+      'directory)',
+    ),
+  ],
+)
+def test_file_flag_errors(part_file, changes, message):
+  changes = {
+    k: v.replace('{f}', str(part_file)) if isinstance(v, str) else v
+    for k, v in changes.items()
+  }
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(_config(**changes))
+  assert str(e.value) == message.replace('{f}', str(part_file))
+
+
+def test_compare_variants_pass_the_new_partitions(part_file, tmp_path):
+  from fedjax_mr.training import compare
+
+  other = tmp_path / 'other.json'
+  other.write_text(json.dumps([[3], [2], [0, 1]]))
+  specs = [
+    'fedavg',
+    'sharded:partition=shards,shards_per_client=1',
+    f'split:partition=file,partition_file={part_file}',
+  ]
+  runs = compare.configs(
+    _config(), [compare.parse_variant(v) for v in specs], [0, 1], '/out'
+  )
+  got = {
+    (n, seed): (c.partition, c.shards_per_client, c.partition_sha256)
+    for n, seed, c in runs
+  }
+  sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
+  for seed in (0, 1):
+    assert got['fedavg', seed] == ('dirichlet', 2, '')
+    assert got['sharded', seed] == ('shards', 1, '')
+    assert got['split', seed] == ('file', 2, sha)
+  # On a base that reads a file, a variant reading another one gets that
+  # file's hash, not the base's; one that pins a hash is checked against it.
+  base = _config(partition='file', partition_file=str(part_file))
+  ((_, _, c),) = compare.configs(
+    base, [compare.parse_variant(f'b:partition_file={other}')], [0], '/o'
+  )
+  assert c.partition_sha256 == hashlib.sha256(other.read_bytes()).hexdigest()
+  with pytest.raises(errors.ConfigError, match=r'^variant b: .*sha256'):
+    compare.configs(
+      base,
+      [
+        compare.parse_variant(
+          f'b:partition_file={other},partition_sha256={sha}'
+        )
+      ],
+      [0],
+      '/o',
+    )
