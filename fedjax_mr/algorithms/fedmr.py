@@ -153,36 +153,6 @@ def recombine(
   )
 
 
-def pairwise_cosine(client_params: types.PyTree) -> jax.Array:
-  """Mean pairwise cosine similarity of K models.
-
-  Each model is flattened into one vector (all leaves, params and BatchNorm
-  statistics alike); the result is the mean of cos(w_i, w_j) over the
-  K(K-1) ordered pairs i != j. A zero model has cosine 0 with every other.
-
-  Args:
-    client_params: leaves `[K, ...]`.
-
-  Returns:
-    float32 scalar; 1 for K = 1.
-
-  References:
-    Hu et al., KDD 2024 version of FedMR, Fig. 6.
-  """
-  flat = jax.tree.leaves(client_params)
-  k = _num_models(client_params)
-  if k == 1:
-    return jnp.ones((), jnp.float32)
-  gram = jnp.zeros((k, k), jnp.float32)
-  for x in flat:
-    m = x.reshape(k, -1).astype(jnp.float32)
-    gram = gram + jnp.dot(m, m.T, precision=lax.Precision.HIGHEST)
-  norms = jnp.sqrt(jnp.diag(gram))
-  cos = gram / jnp.maximum(norms[:, None] * norms[None, :], 1e-30)
-  off = jnp.sum(cos) - jnp.trace(cos)
-  return (off / (k * (k - 1))).astype(jnp.float32)
-
-
 # ---------------------------------------------------------------------------
 # Secure recombination (paper 002, Appendix B, Algorithm 2).
 
@@ -627,9 +597,9 @@ def fedmr(
 
   Returns:
     An `Algorithm` whose server state is a `FedMRState`. Metrics:
-    'pairwise_cosine' (of the uploaded models) and 'bytes_communicated'
-    (K models down, K up, plus secure recombination's client-to-client
-    traffic), float32 scalars.
+    'pairwise_cosine' (`tree.pairwise_cosine` of the uploaded models) and
+    'bytes_communicated' (K models down, K up, plus secure recombination's
+    client-to-client traffic), float32 scalars.
 
   Raises:
     ValueError: inconsistent options.
@@ -715,7 +685,7 @@ def fedmr(
     else:
       client_models = lax.cond(round_index < bound, reset, mix)
     metrics = {
-      'pairwise_cosine': pairwise_cosine(uploaded),
+      'pairwise_cosine': tree.pairwise_cosine(uploaded),
       'bytes_communicated': jnp.float32(2 * k * model_bytes) + client_bytes,
     }
     return FedMRState(global_params, client_models), metrics

@@ -5,8 +5,9 @@ flag `--<prefix>_<field>`, or the field's `metadata['flag']`), its factory
 `factory(setting, hparams) -> Algorithm`, its default aggregation weights
 ('examples' or 'uniform', what `--weighting=auto` means for it), whether it
 keeps K different models (their accuracies are then evaluated too),
-named variants for `experiments.compare`, and optionally how it changes
-the network the clients train (MOON's projection head). The flags of
+named variants for `experiments.compare`, optionally how it changes
+the network the clients train (MOON's projection head), and its name in
+figures and tables (`display_name`). The flags of
 `experiments.run`, the list of `--algorithm` choices and compare's
 variants are generated from here; adding an algorithm is one module and
 one line below.
@@ -66,25 +67,27 @@ class Entry(NamedTuple):
   # model(zoo model, hparams) -> the network the algorithm trains; None:
   # the zoo model unchanged.
   model: Callable[[model_lib.Model, Any], model_lib.Model] | None = None
+  # The name in figures ('FedMR'); '' means the registry name.
+  label: str = ''
 
 
 # name: Entry(hparams, factory, weighting, multi_model, prefix, variants,
-#             model)
+#             model, label)
 # fmt: off
 REGISTRY: dict[str, Entry] = {
-  'fedavg': Entry(fedavg.Hparams, fedavg.build),
-  'fedprox': Entry(fedprox.Hparams, fedprox.build),
-  'fedexp': Entry(fedexp.Hparams, fedexp.build, 'uniform'),
-  'fedasam': Entry(fedasam.Hparams, fedasam.build),
-  'fedsam': Entry(fedasam.SamHparams, fedasam.build_sam),
-  'fedgen': Entry(fedgen.Hparams, fedgen.build),
-  'clusamp': Entry(clusamp.Hparams, clusamp.build, 'uniform', False, '', clusamp.VARIANTS),  # noqa: E501
-  'moon': Entry(moon.Hparams, moon.build, 'examples', False, '', {}, moon.wrap_model),  # noqa: E501
-  'scaffold': Entry(scaffold.Hparams, scaffold.build, 'uniform', False, '', scaffold.VARIANTS),  # noqa: E501
-  'fedmr': Entry(fedmr.Hparams, fedmr.build, 'uniform', True, '', fedmr.VARIANTS),  # noqa: E501
-  'fedmr_p': Entry(fedmr.PHparams, fedmr.build_p, 'uniform', True, 'fedmr', fedmr.P_VARIANTS),  # noqa: E501
-  'indep': Entry(fedmr.Hparams, fedmr.build_indep, 'uniform', True, 'fedmr'),
-  'fedmut': Entry(fedmut.Hparams, fedmut.build, 'uniform', True, '', fedmut.VARIANTS),  # noqa: E501
+  'fedavg': Entry(fedavg.Hparams, fedavg.build, label='FedAvg'),
+  'fedprox': Entry(fedprox.Hparams, fedprox.build, label='FedProx'),
+  'fedexp': Entry(fedexp.Hparams, fedexp.build, 'uniform', label='FedExP'),
+  'fedasam': Entry(fedasam.Hparams, fedasam.build, label='FedASAM'),
+  'fedsam': Entry(fedasam.SamHparams, fedasam.build_sam, label='FedSAM'),
+  'fedgen': Entry(fedgen.Hparams, fedgen.build, label='FedGen'),
+  'clusamp': Entry(clusamp.Hparams, clusamp.build, 'uniform', False, '', clusamp.VARIANTS, label='CluSamp'),  # noqa: E501
+  'moon': Entry(moon.Hparams, moon.build, 'examples', False, '', {}, moon.wrap_model, label='MOON'),  # noqa: E501
+  'scaffold': Entry(scaffold.Hparams, scaffold.build, 'uniform', False, '', scaffold.VARIANTS, label='SCAFFOLD'),  # noqa: E501
+  'fedmr': Entry(fedmr.Hparams, fedmr.build, 'uniform', True, '', fedmr.VARIANTS, label='FedMR'),  # noqa: E501
+  'fedmr_p': Entry(fedmr.PHparams, fedmr.build_p, 'uniform', True, 'fedmr', fedmr.P_VARIANTS, label='FedMR-p'),  # noqa: E501
+  'indep': Entry(fedmr.Hparams, fedmr.build_indep, 'uniform', True, 'fedmr', label='Indep'),  # noqa: E501
+  'fedmut': Entry(fedmut.Hparams, fedmut.build, 'uniform', True, '', fedmut.VARIANTS, label='FedMut'),  # noqa: E501
 }
 # fmt: on
 
@@ -149,6 +152,29 @@ def hparams(name: str, values: Mapping[str, Any]) -> Any:
   return get(name).hparams(
     **{f.name: values[flag] for flag, f in fields.items() if flag in values}
   )
+
+
+def display_name(variant: str) -> str:
+  """The name of an algorithm or of one of its named variants in figures.
+
+  An algorithm gives its label ('fedmr' -> 'FedMR'); a variant of an entry
+  gives the label and the flags it overrides without their prefix
+  ('fedmr_2stage20' -> 'FedMR (first_stage=20)'); any other name (a custom
+  variant of `experiments.compare`) is returned as it is.
+  """
+  if variant in REGISTRY:
+    return REGISTRY[variant].label or variant
+  for name, entry in REGISTRY.items():
+    if variant in entry.variants:
+      prefix = f'{entry.prefix or name}_'
+      changes = ', '.join(
+        f'{flag.removeprefix(prefix)}={value:g}'
+        if isinstance(value, float)
+        else f'{flag.removeprefix(prefix)}={value}'
+        for flag, value in entry.variants[variant].items()
+      )
+      return f'{entry.label or name} ({changes})'
+  return variant
 
 
 def variants() -> dict[str, dict[str, Any]]:

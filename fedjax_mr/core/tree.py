@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fedjax_mr.core import types
 
@@ -52,3 +53,46 @@ def nbytes(tree: types.PyTree) -> int:
     int(math.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
     for x in jax.tree.leaves(tree)
   )
+
+
+def pairwise_cosine(
+  client_tree: types.PyTree, reference: types.PyTree | None = None
+) -> jax.Array:
+  """Mean pairwise cosine similarity of K stacked models (or updates).
+
+  Row k of every leaf, flattened and concatenated over the leaves (params
+  and BatchNorm statistics alike), is one vector v_k; with `reference`,
+  v_k is row k minus `reference` (the updates w_k - w_0). The result is
+  the mean of cos(v_i, v_j) over the K(K-1)/2 pairs i < j (the cosine is
+  symmetric, so also over the ordered pairs i != j). A zero vector has
+  cosine 0 with every other.
+
+  Args:
+    client_tree: leaves `[K, ...]`.
+    reference: optional, leaves `[...]` (one model, subtracted from every
+      row) or `[K, ...]` (row by row).
+
+  Returns:
+    float32 scalar; 1 for K = 1.
+
+  References:
+    Hu et al., "Is Aggregation the Only Choice? Federated Learning via
+    Layer-wise Model Recombination", KDD 2024, Fig. 6 (the average cosine
+    similarity of the K local models over rounds).
+  """
+  flat = jax.tree.leaves(client_tree)
+  if not flat:
+    raise ValueError('client_tree has no leaves')
+  if reference is not None:
+    flat = [x - r for x, r in zip(flat, jax.tree.leaves(reference))]
+  k = int(flat[0].shape[0])
+  if k == 1:
+    return jnp.ones((), jnp.float32)
+  gram = jnp.zeros((k, k), jnp.float32)
+  for x in flat:
+    m = x.reshape(k, -1).astype(jnp.float32)
+    gram = gram + jnp.dot(m, m.T, precision=lax.Precision.HIGHEST)
+  norms = jnp.sqrt(jnp.diag(gram))
+  cos = gram / jnp.maximum(norms[:, None] * norms[None, :], 1e-30)
+  off = jnp.sum(cos) - jnp.trace(cos)
+  return (off / (k * (k - 1))).astype(jnp.float32)

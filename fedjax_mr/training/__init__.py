@@ -14,7 +14,9 @@ _MODULES = (
   'distributed',
   'engine',
   'experiment',
+  'landscape',
   'metrics_io',
+  'plots',
   'provenance',
   'tensorboard',
 )

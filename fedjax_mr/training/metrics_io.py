@@ -1,8 +1,9 @@
-"""Per-round metrics as JSON lines, and learning-curve plots."""
+"""Per-round metrics as JSON lines (figures of them: `plots`)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 from typing import Mapping
@@ -90,47 +91,9 @@ def truncate(path: str, max_round: int) -> tuple[list[dict[str, Any]], str]:
   return kept, '; '.join(notes)
 
 
-def plot_curves(
-  runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str, title: str = ''
-) -> None:
-  """Writes a PNG: test accuracy (left) and train loss (right) per round.
-
-  Args:
-    runs: label → metrics rows (as in metrics.jsonl).
-    path: output PNG path.
-    title: figure title.
-  """
-  import matplotlib
-
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-
-  fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4))
-  for label, rows in runs.items():
-    evals = [r for r in rows if 'test_accuracy' in r]
-    ax_acc.plot(
-      [r['round'] for r in evals],
-      [r['test_accuracy'] for r in evals],
-      marker='.' if len(evals) < 30 else None,
-      label=label,
-    )
-    ax_loss.plot(
-      [r['round'] for r in rows], [r['train_loss'] for r in rows], label=label
-    )
-  ax_acc.set_xlabel('round')
-  ax_acc.set_ylabel('test accuracy')
-  ax_acc.grid(alpha=0.3)
-  ax_loss.set_xlabel('round')
-  ax_loss.set_ylabel('train loss')
-  ax_loss.set_yscale('log')
-  ax_loss.grid(alpha=0.3)
-  ax_acc.legend()
-  if title:
-    fig.suptitle(title)
-  fig.tight_layout()
-  try:
-    files.write_atomic(
-      path, lambda f: fig.savefig(f, dpi=100, format='png'), binary=True
-    )
-  finally:
-    plt.close(fig)
+def diverged_at(rows: Sequence[Mapping[str, Any]]) -> int | None:
+  """The round whose train loss was non-finite (a run stops there and
+  writes that round's row last), or None."""
+  if rows and not math.isfinite(rows[-1]['train_loss']):
+    return int(rows[-1]['round'])
+  return None

@@ -239,28 +239,6 @@ def test_batch_stats_are_recombined_like_params():
 
 
 # --------------------------------------------------------------------------
-# pairwise_cosine
-
-
-def test_pairwise_cosine_hand_values():
-  two = {'a': jnp.array([[1.0, 0.0], [1.0, 1.0]])}
-  np.testing.assert_allclose(fedmr.pairwise_cosine(two), 1 / np.sqrt(2))
-  # Split across leaves: the models are [1,0 | 0], [0,1 | 0], [1,0 | 1].
-  three = {
-    'a': jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]),
-    'b': jnp.array([[0.0], [0.0], [1.0]]),
-  }
-  # Pairs: (0,1) 0, (0,2) 1/sqrt(2), (1,2) 0.
-  np.testing.assert_allclose(
-    fedmr.pairwise_cosine(three), (1 / np.sqrt(2)) / 3, rtol=1e-6
-  )
-  same = tree.broadcast({'a': jnp.array([3.0, -1.0])}, 5)
-  np.testing.assert_allclose(fedmr.pairwise_cosine(same), 1.0, rtol=1e-6)
-  assert fedmr.pairwise_cosine({'a': jnp.ones((1, 3))}) == 1.0
-  assert fedmr.pairwise_cosine(three).dtype == jnp.float32
-
-
-# --------------------------------------------------------------------------
 # secure recombination
 
 SECURE = dict(repeats=3, min_sent=1, max_sent=3)
@@ -436,7 +414,7 @@ def test_global_is_the_mean_and_recombination_keeps_uploaded_rows():
   assert metrics['bytes_communicated'] == 416.0
   assert metrics['bytes_communicated'].dtype == jnp.float32
   np.testing.assert_allclose(
-    metrics['pairwise_cosine'], fedmr.pairwise_cosine(stack())
+    metrics['pairwise_cosine'], tree.pairwise_cosine(stack())
   )
   weighted = fedmr.fedmr(contract.LOCAL, K, weighted_global=True)
   new_w, _ = weighted.aggregate(state, outputs, IDS, 0, jax.random.key(0))
@@ -474,7 +452,7 @@ def test_secure_transform_sees_only_the_mixed_stack_and_counts_bytes():
   mixed = fedmr.apply_secure_plan(stack(), plan)
   chex.assert_trees_all_equal(new.client_models, fedmr.recombine(k_mix, mixed))
   np.testing.assert_allclose(
-    metrics['pairwise_cosine'], fedmr.pairwise_cosine(mixed), rtol=1e-6
+    metrics['pairwise_cosine'], tree.pairwise_cosine(mixed), rtol=1e-6
   )
   expect = 416.0 + np.asarray(plan.layer_transfers) @ SECURE_SIZES
   assert float(metrics['bytes_communicated']) == expect

@@ -183,6 +183,24 @@ def test_flags_and_variants_come_from_the_registry():
   assert compare.VARIANTS == variants
 
 
+def test_display_names():
+  # Every entry has a label of its own, and no two are alike.
+  labels = [entry.label for entry in registry.REGISTRY.values()]
+  assert all(labels) and len(set(labels)) == len(labels)
+  assert [
+    registry.display_name(n)
+    for n in ('fedavg', 'scaffold', 'fedexp', 'fedasam', 'clusamp', 'moon')
+  ] == ['FedAvg', 'SCAFFOLD', 'FedExP', 'FedASAM', 'CluSamp', 'MOON']
+  # Variants: the label and the flags they set, without the prefix.
+  assert registry.display_name('fedmr_2stage20') == 'FedMR (first_stage=20)'
+  assert registry.display_name('fedmr_p2') == 'FedMR-p (segments=2)'
+  assert registry.display_name('fedmut_a0') == 'FedMut (alpha=0)'
+  assert (
+    registry.display_name('scaffold_taken') == 'SCAFFOLD (control_steps=taken)'
+  )
+  assert registry.display_name('my_variant') == 'my_variant'
+
+
 def test_config_accepts_flags_and_rejects_unknown_names():
   cfg = config_lib.ExperimentConfig(algorithm='scaffold', scaffold_global_lr=2)
   assert cfg.scaffold_global_lr == 2 and cfg.fedprox_mu == 0.01

@@ -1,0 +1,63 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_mr.core import tree
+
+
+def test_pairwise_cosine_hand_values():
+  two = {'a': jnp.array([[1.0, 0.0], [1.0, 1.0]])}
+  np.testing.assert_allclose(tree.pairwise_cosine(two), 1 / np.sqrt(2))
+  # Split across leaves: the models are [1,0 | 0], [0,1 | 0], [1,0 | 1].
+  three = {
+    'a': jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]),
+    'b': jnp.array([[0.0], [0.0], [1.0]]),
+  }
+  # Pairs: (0,1) 0, (0,2) 1/sqrt(2), (1,2) 0.
+  np.testing.assert_allclose(
+    tree.pairwise_cosine(three), (1 / np.sqrt(2)) / 3, rtol=1e-6
+  )
+  same = tree.broadcast({'a': jnp.array([3.0, -1.0])}, 5)
+  np.testing.assert_allclose(tree.pairwise_cosine(same), 1.0, rtol=1e-6)
+  assert tree.pairwise_cosine({'a': jnp.ones((1, 3))}) == 1.0
+  assert tree.pairwise_cosine(three).dtype == jnp.float32
+  # A zero model: cosine 0 with the others, (0,1) = -1 stays.
+  opposite = {'a': jnp.array([[1.0, 2.0], [-1.0, -2.0], [0.0, 0.0]])}
+  np.testing.assert_allclose(tree.pairwise_cosine(opposite), -1 / 3)
+
+
+def test_pairwise_cosine_of_updates_subtracts_the_reference():
+  # Models [2,1], [1,2], [2,2] around w0 = [1,1]: updates [1,0], [0,1],
+  # [1,1]; pairs 0, 1/sqrt(2), 1/sqrt(2).
+  models = {'w': jnp.array([[2.0, 1.0], [1.0, 2.0], [2.0, 2.0]])}
+  w0 = {'w': jnp.array([1.0, 1.0])}
+  expect = 2 / np.sqrt(2) / 3
+  np.testing.assert_allclose(
+    tree.pairwise_cosine(models, w0), expect, rtol=1e-6
+  )
+  # A reference per row ([K, ...]) is subtracted row by row.
+  np.testing.assert_allclose(
+    tree.pairwise_cosine(models, tree.broadcast(w0, 3)), expect, rtol=1e-6
+  )
+  # Against a plain numpy loop over pairs i < j on random stacks.
+  rng = np.random.default_rng(0)
+  stack = {'a': rng.normal(size=(4, 3, 2)), 'b': rng.normal(size=(4, 5))}
+  ref = {'a': rng.normal(size=(3, 2)), 'b': rng.normal(size=(5,))}
+  v = np.concatenate(
+    [(stack['a'] - ref['a']).reshape(4, -1), stack['b'] - ref['b']], axis=1
+  )
+  pairs = [
+    v[i] @ v[j] / np.linalg.norm(v[i]) / np.linalg.norm(v[j])
+    for i in range(4)
+    for j in range(i + 1, 4)
+  ]
+  got = jax.jit(tree.pairwise_cosine)(
+    jax.tree.map(jnp.float32, stack), jax.tree.map(jnp.float32, ref)
+  )
+  np.testing.assert_allclose(got, np.mean(pairs), rtol=1e-5)
+
+
+def test_pairwise_cosine_of_nothing_is_an_error():
+  with pytest.raises(ValueError, match='no leaves'):
+    tree.pairwise_cosine({})
