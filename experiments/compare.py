@@ -26,6 +26,7 @@ import sys
 from absl import flags
 from absl import logging
 
+from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 
 from . import cli
@@ -34,7 +35,19 @@ from . import run as run_flags  # defines the experiment flags
 flags.adopt_module_key_flags(run_flags)
 
 _VARIANTS = flags.DEFINE_list(
-  'variants', ['fedavg', 'fedmr'], 'Named variants to run, comma-separated.'
+  'variants',
+  ['fedavg', 'fedmr'],
+  'Named variants to run, comma-separated. Named variants: '
+  + '; '.join(
+    name
+    + (
+      ' (' + ', '.join(f'{k}={v}' for k, v in spec.items()) + ')'
+      if set(spec) != {'algorithm'}
+      else ''
+    )
+    for name, spec in registry.variants().items()
+  )
+  + '.',
 )
 _VARIANT = flags.DEFINE_multi_string(
   'variant',
@@ -54,6 +67,14 @@ _LAST = flags.DEFINE_integer(
 )
 _SUMMARIZE_ONLY = flags.DEFINE_bool(
   'summarize_only', False, 'Only re-read the finished runs and tabulate.'
+)
+_TABLE = flags.DEFINE_enum(
+  'table',
+  'all',
+  ['all', 'these'],
+  'What results.md, results.json and curves.png cover: all, every run in '
+  '--workdir (those of this command first), or these, the variants and '
+  'seeds of this command only.',
 )
 
 
@@ -87,19 +108,19 @@ def main(argv) -> None:
     workdir_lib.check_usable(out, '--workdir')
     base = run_flags.config_from_flags()
     runs = compare.configs(base, variants, seeds, out)
-    base = runs[0][2]
-    title = (
-      f'{base.dataset} {base.model} {base.partition}'
-      + (f'({base.alpha:g})' if base.partition == 'dirichlet' else '')
-      + f', {base.num_clients} clients, K={base.clients_per_round}'
-    )
+    title = compare.setting_title(base)
     if not _SUMMARIZE_ONLY.value:
-      distributed.initialize_for(base)
+      distributed.initialize_for(runs[0][2])
       compare.run_matrix(runs, experiment.train_and_evaluate)
     names = [name for name, _ in variants]
-    summary = compare.summarize(
-      out, names, seeds, last=_LAST.value, title=title
-    )
+    if _TABLE.value == 'these':
+      summary = compare.summarize(
+        out, names, seeds, last=_LAST.value, title=title
+      )
+    else:
+      summary = compare.summarize(
+        out, last=_LAST.value, title=title, first=names
+      )
     print(compare.table(summary, title=title))
     print(f'curves: {out}/{compare.CURVES_FILE}')
   except errors.UserError as e:

@@ -79,3 +79,38 @@ def small_fmnist_dir(tmp_path_factory, fashion_mnist):
     ds.x_test[:500, ..., 0],
     ds.y_test[:500],
   )
+
+
+# `pytest -m "not slow"`: the everyday subset. Slow are the tests that run
+# the programs or whole experiments (end to end, on real data, in other
+# processes, kill-and-resume, fault injection) and the contract and zoo
+# sweeps (by module, below), and the tests marked `@pytest.mark.slow` in
+# their files (each over 1.5 s: reductions through the engine, contract
+# runs, larger sweeps); what stays checks each piece's arithmetic on tiny
+# cases.
+SLOW_MODULES = {
+  'test_bad_invocations',
+  'test_packaging',
+  'test_programs',
+  'test_readme',
+  'test_stitch_programs',
+  'test_torch_reference',
+  'test_algorithms',
+  'test_distributed',
+  'test_experiment',
+  'test_faults',
+  'test_regression',
+  'test_zoo_runs',
+  'test_registry',
+  'test_zoo',
+  'test_workdir',
+}
+SLOW_FIXTURES = {'small_fmnist_dir', 'fashion_mnist'}
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    module = item.module.__name__.rsplit('.', 1)[-1]
+    if module in SLOW_MODULES or SLOW_FIXTURES & set(item.fixturenames):
+      item.add_marker(pytest.mark.slow)

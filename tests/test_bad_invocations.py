@@ -98,6 +98,34 @@ CASES = {
     (['--energy_mix=bogus'], '--energy_mix'),
     (['--partition=iid', '--alpha=0.5'], '--alpha'),
     (['--partition=iid', '--min_client_size=5'], '--min_client_size'),
+    (['--partition=iid', '--shards_per_client=3'], '--shards_per_client=3'),
+    (['--partition=shards', '--shards_per_client=0'], '--shards_per_client'),
+    (['--partition=file'], '--partition_file'),
+    (['--partition_file=README.md'], '--partition_file=README.md applies'),
+    (
+      ['--partition=file', '--partition_file=/nonexistent/p.json'],
+      '--partition_file=/nonexistent/p.json: cannot read it',
+    ),
+    (
+      ['--partition=file', '--partition_file=README.md'],
+      '--partition_file=README.md: not JSON',
+    ),
+    (
+      ['--partition=file', '--partition_file={bad:partition_3_clients}'],
+      '3 clients, but --num_clients=10',
+    ),
+    (
+      ['--partition=file', '--partition_file={bad:partition_duplicate}'],
+      'partition_duplicate.json: index 7 is in clients 0 and 8',
+    ),
+    (
+      [
+        '--partition=file',
+        '--partition_file={bad:partition_duplicate}',
+        '--partition_sha256=00',
+      ],
+      'partition_duplicate.json: its sha256 is',
+    ),
     (['--clients_per_round=1', '--num_devices=2'], '--clients_per_round=1'),
     (['--workdir=README.md'], 'README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
@@ -196,8 +224,38 @@ CASES = {
     (['--repeats=0'], '--repeats'),
     (['positional'], 'unexpected arguments'),
   ],
+  'experiments.landscape': [
+    (['--steps=4'], '--steps'),
+    (['--steps=1'], '--steps'),
+    (['--extent=0'], '--extent'),
+    (['--extent=nan'], '--extent'),
+    (['--num_examples=-1'], '--num_examples'),
+    (['--split=valid'], '--split'),
+    (['--seed=-1'], '--seed'),
+    (['--points_per_pass=0'], '--points_per_pass'),
+    (['--round=-1'], '--round'),
+    ([], '/nonexistent/run'),
+    (['--workdir='], '--workdir'),
+    (['--workdir=README.md'], 'README.md'),
+    (['--workdir=experiments'], 'experiments/config.json'),
+    (['--workdir=experiments', '--output=README.md'], '--output=README.md'),
+    (['positional'], 'unexpected arguments'),
+  ],
   'experiments.profile_device': [
     (['--sysfs_root=/nonexistent/sys'], '--sysfs_root'),
+    (['positional'], 'unexpected arguments'),
+  ],
+  'experiments.prepare': [
+    (['--datasets=bogus'], '--datasets'),
+    (['--datasets='], '--datasets'),
+    (['--datasets=femnist,femnist'], '--datasets'),
+    (['--leaf_train_fraction=1'], '--leaf_train_fraction'),
+    (['--leaf_train_fraction=0'], '--leaf_train_fraction'),
+    (['--leaf_train_fraction=nan'], '--leaf_train_fraction'),
+    (['--leaf_train_fraction=x'], '--leaf_train_fraction'),
+    (['--leaf_seed=-1'], '--leaf_seed'),
+    (['--keep_downloads=maybe'], '--keep_downloads'),
+    (['--data_dir=README.md'], '--data_dir=README.md'),
     (['positional'], 'unexpected arguments'),
   ],
 }
@@ -209,8 +267,12 @@ BASE = {
   'experiments.compare': ['--workdir={S}', '--seeds=0', *_SMALL.split()],
   'experiments.pretrain_zoo': ['--workdir={S}', '--epochs=1'],
   'experiments.stitch': ['--workdir={S}'],
+  'experiments.landscape': ['--workdir=/nonexistent/run', '--output={S}'],
   'experiments.profile_device': ['--output={S}/profile.json'],
   'experiments.benchmark': ['--rounds=1', '--local_epochs=1'],
+  # cinic10: a case wrongly accepted fails fast (no network, or a download
+  # into the scratch folder).
+  'experiments.prepare': ['--data_dir={S}', '--datasets=cinic10'],
 }
 _LOG_LINE = re.compile(r'^[IWEF]\d{4} ')  # absl log lines (not errors)
 
@@ -248,6 +310,14 @@ def bad_data(tmp_path_factory):
   path = os.path.join(out['huge_header'], 'train-images-idx3-ubyte.gz')
   with gzip.open(path, 'wb') as f:
     f.write(header + bytes(100))
+  # Partition files (--partition_file) for 10 clients, each wrong.
+  for name, clients in [
+    ('partition_3_clients', [[0], [1], [2]]),
+    ('partition_duplicate', [[7]] + [[i] for i in range(9)]),
+  ]:
+    out[name] = str(root / f'{name}.json')
+    with open(out[name], 'w') as f:
+      json.dump(clients, f)
   return out
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from fedjax_mr.core import files
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import metrics_io
+from fedjax_mr.training import plots
 from fedjax_mr.training import provenance
 
 # The named variants of the papers' comparisons: every algorithm by its
@@ -105,14 +107,46 @@ def configs(
   seeds: Sequence[int],
   out: str,
 ) -> list[tuple[str, int, config_lib.ExperimentConfig]]:
-  """Every (variant, seed, config), validated before anything runs."""
+  """Every (variant, seed, config), validated before anything runs.
+
+  A hyper-parameter flag of an algorithm set in `base` (e.g.
+  `--fedprox_mu`) applies to the variants of the algorithms that read it;
+  the others keep its default. One that no variant's algorithm reads is
+  refused.
+  """
   if len({name for name, _ in variants}) != len(variants):
     raise errors.ConfigError('--variants: a name appears twice')
+  algorithm_flags = registry.all_flags()
+  given = {
+    flag: users
+    for flag, (f, users) in algorithm_flags.items()
+    if base.options[flag] != f.default
+  }
+  algorithms = {o.get('algorithm', base.algorithm) for _, o in variants}
+  for flag, users in given.items():
+    if not algorithms & set(users):
+      raise errors.ConfigError(
+        f'--{flag} applies to --algorithm={"|".join(users)} only, and no '
+        f'variant runs one ({", ".join(sorted(algorithms))})'
+      )
   result = []
   for name, overrides in variants:
+    algorithm = overrides.get('algorithm', base.algorithm)
+    reset = {
+      flag: algorithm_flags[flag][0].default
+      for flag, users in given.items()
+      if algorithm not in users and flag not in overrides
+    }
+    if 'partition_file' in overrides and 'partition_sha256' not in overrides:
+      # The variant's own file: its hash is computed afresh.
+      reset['partition_sha256'] = ''
     for seed in seeds:
       config = dataclasses.replace(
-        base, **overrides, seed=int(seed), workdir=run_dir(out, name, seed)
+        base,
+        **reset,
+        **overrides,
+        seed=int(seed),
+        workdir=run_dir(out, name, seed),
       )
       try:
         config_lib.validate(config)
@@ -122,54 +156,88 @@ def configs(
   return result
 
 
-def diverged_at(rows: Sequence[Mapping[str, Any]]) -> int | None:
-  """The round whose train loss was non-finite (the run stopped there)."""
-  if rows and not math.isfinite(rows[-1]['train_loss']):
-    return int(rows[-1]['round'])
-  return None
-
-
 def final_accuracy(rows: Sequence[Mapping[str, Any]], last: int) -> float:
   """Mean test accuracy of the last `last` evaluated rounds (nan if none)."""
   accs = [r['test_accuracy'] for r in rows if 'test_accuracy' in r][-last:]
   return float(np.mean(accs)) if accs else math.nan
 
 
+def runs_in(out: str) -> dict[str, list[int]]:
+  """`{variant: [seeds]}` of every run folder under `out` that holds a
+  metrics.jsonl (`<out>/<variant>/s<seed>`), variants and seeds sorted."""
+  found: dict[str, list[int]] = {}
+  if not os.path.isdir(out):
+    return found
+  for name in sorted(os.listdir(out)):
+    folder = os.path.join(out, name)
+    if name.startswith('.') or not os.path.isdir(folder):
+      continue
+    seeds = sorted(
+      int(s[1:])
+      for s in os.listdir(folder)
+      if s[:1] == 's'
+      and s[1:].isdigit()
+      and os.path.exists(os.path.join(folder, s, 'metrics.jsonl'))
+    )
+    if seeds:
+      found[name] = seeds
+  return found
+
+
 def summarize(
   out: str,
-  variants: Sequence[str],
-  seeds: Sequence[int],
+  variants: Sequence[str] | None = None,
+  seeds: Sequence[int] | None = None,
   *,
   last: int = 10,
   title: str = '',
+  first: Sequence[str] = (),
 ) -> dict[str, Any]:
   """Reads the runs under `out`; writes results.json, results.md, curves.png.
 
+  Args:
+    out: the comparison's folder.
+    variants: the variants to tabulate; None: every variant with runs
+      under `out` (`runs_in`), those in `first` first, so the table and
+      figure of a folder never drop the runs of another command.
+    seeds: the seeds to read; None: every seed of each variant found.
+    last: final accuracy = mean of the last `last` evaluations.
+    title: the table's and figure's title.
+    first: see `variants`.
+
   Returns:
     `{'variants': {name: {'per_seed': {seed: acc}, 'mean', 'std', 'rounds',
-    'n', 'diverged': {seed: round}}}, 'last': last}`; runs without metrics
-    are left out. A run whose loss became non-finite counts in 'diverged',
-    not in the mean ('mean' and 'std' are nan when every seed diverged).
+    'n', 'evals': {seed: evaluations averaged}, 'diverged': {seed:
+    round}}}, 'last': last}`; runs without metrics are left out. A run
+    whose loss became non-finite counts in 'diverged', not in the mean
+    ('mean' and 'std' are nan when every seed diverged).
 
   Raises:
     ConfigError: no run of these variants and seeds under `out` (nothing
       is written then, so an earlier table is never overwritten by an
       empty one).
   """
+  found = runs_in(out)
+  if variants is None:
+    variants = [v for v in first if v in found]
+    variants += [v for v in found if v not in variants]
   results: dict[str, Any] = {}
   curves = {}
   for name in variants:
-    per_seed, diverged, histories = {}, {}, []
-    for seed in seeds:
+    per_seed, diverged, histories, evals = {}, {}, [], {}
+    plotted = {}  # seed -> rows, diverged runs too (drawn up to the end)
+    for seed in found.get(name, []) if seeds is None else seeds:
       path = os.path.join(run_dir(out, name, seed), 'metrics.jsonl')
       rows = metrics_io.read(path) if os.path.exists(path) else []
       if not rows:
         continue
-      stop = diverged_at(rows)
+      plotted[seed] = rows
+      stop = metrics_io.diverged_at(rows)
       if stop is not None:
         diverged[str(seed)] = stop
         continue
       per_seed[str(seed)] = final_accuracy(rows, last)
+      evals[str(seed)] = min(last, sum('test_accuracy' in r for r in rows))
       histories.append(rows)
     if not per_seed and not diverged:
       continue
@@ -180,14 +248,17 @@ def summarize(
       'std': float(np.std(values)),
       'n': len(per_seed),
       'rounds': min((h[-1]['round'] for h in histories), default=0),
+      'evals': evals,
       'diverged': diverged,
     }
-    if histories:
-      curves[name] = _mean_curve(histories)
+    label = registry.display_name(name)
+    curves[name if label in curves else label] = plotted
   if not results:
+    which = (f' of variants {", ".join(variants)}' if variants else '') + (
+      f' with seeds {", ".join(map(str, seeds))}' if seeds else ''
+    )
     raise errors.ConfigError(
-      f'--workdir={out}: no runs of variants {", ".join(variants)} with seeds '
-      f'{", ".join(map(str, seeds))} there; nothing to summarize'
+      f'--workdir={out}: no runs{which} there; nothing to summarize'
     )
   summary = {'variants': results, 'last': last}
   # Who wrote the table (each run's own config.json records the devices
@@ -198,31 +269,32 @@ def summarize(
   )
   text = table(summary, title=title)
   files.write_atomic(os.path.join(out, TABLE_FILE), lambda f: f.write(text))
-  if curves:
-    metrics_io.plot_curves(curves, os.path.join(out, CURVES_FILE), title=title)
+  plots.plot_curves(curves, os.path.join(out, CURVES_FILE), title=title)
   return summary
 
 
-def _mean_curve(histories: Sequence[Sequence[Mapping[str, Any]]]) -> list:
-  """Per-round mean over seeds (rounds all of them reached)."""
-  n = min(len(h) for h in histories)
-  rows = []
-  for i in range(n):
-    row = {'round': histories[0][i]['round']}
-    for key in ('train_loss', 'test_accuracy'):
-      vals = [h[i][key] for h in histories if key in h[i]]
-      if len(vals) == len(histories):
-        row[key] = float(np.mean(vals))
-    rows.append(row)
-  return rows
+def _evals(summary: Mapping[str, Any]) -> str:
+  """The numbers of evaluations the final accuracies average: '10', or
+  '4-10' when runs had fewer."""
+  counts = [
+    n for r in summary['variants'].values() for n in r.get('evals', {}).values()
+  ]
+  if not counts:
+    return str(summary['last'])
+  lo, hi = min(counts), max(counts)
+  return str(lo) if lo == hi else f'{lo}-{hi}'
 
 
 def table(summary: Mapping[str, Any], title: str = '') -> str:
-  """A markdown table: variant, final accuracy (mean ± std), seeds, rounds."""
+  """A markdown table: variant, final accuracy (mean ± std), seeds, rounds.
+
+  The header says how many evaluations each final accuracy averages (the
+  last `last`, fewer for a run that has fewer).
+  """
   lines = [f'### {title}', ''] if title else []
   lines += [
-    f'| variant | final accuracy (mean of last {summary["last"]} evals) '
-    '| seeds | rounds |',
+    f'| variant | final accuracy, % (mean of the last {_evals(summary)} '
+    'evaluations; ± std over seeds) | seeds | rounds |',
     '|---|---|---|---|',
   ]
   for name, r in summary['variants'].items():
@@ -252,23 +324,44 @@ def run_matrix(
 
   Each run's workdir is locked while it runs (`experiment.run`); a run
   that another process is running is refused before anything starts.
+  Each run's first line gives the rounds left in the whole matrix and,
+  once this process has trained some, their ETA at its pace so far.
 
   Returns:
     `{(variant, seed): round}` of the runs that diverged.
   """
   for _, _, config in runs:  # refuse before running any of them
     workdir_lib.check_free(config.workdir, '--workdir')
+
+  def done(config) -> int:
+    rows = metrics_io.read(os.path.join(config.workdir, 'metrics.jsonl'))
+    if not rows:
+      return 0
+    # A diverged run trains no more.
+    if metrics_io.diverged_at(rows) is not None:
+      return config.rounds
+    return int(rows[-1]['round'])
+
   diverged = {}
+  start, trained = time.monotonic(), 0
   for i, (name, seed, config) in enumerate(runs):
-    log(f'[{i + 1}/{len(runs)}] {name} seed {seed} in {config.workdir}')
+    left = sum(max(0, c.rounds - done(c)) for _, _, c in runs[i:])
+    line = f'[{i + 1}/{len(runs)}] {name} seed {seed} in {config.workdir}'
+    line += f'; {left} rounds left in the matrix'
+    if trained and left:
+      pace = (time.monotonic() - start) / trained
+      line += f', ETA {_duration(left * pace)} ({pace:.1f} s/round so far)'
+    log(line)
     path = os.path.join(config.workdir, 'metrics.jsonl')
-    stop = diverged_at(metrics_io.read(path))
+    before = done(config)
+    stop = metrics_io.diverged_at(metrics_io.read(path))
     if stop is None:
       try:
         train(config)
       except errors.NonFiniteError as e:
         log(f'{name} seed {seed}: {e}')
-        stop = diverged_at(metrics_io.read(path)) or 0  # 0: round unknown
+        rows = metrics_io.read(path)
+        stop = metrics_io.diverged_at(rows) or 0  # 0: round unknown
     else:
       log(
         f'{name} seed {seed} diverged at round {stop} before; skipped '
@@ -276,4 +369,68 @@ def run_matrix(
       )
     if stop is not None:
       diverged[(name, seed)] = stop
+    else:
+      trained += max(0, done(config) - before)
   return diverged
+
+
+def _duration(seconds: float) -> str:
+  """`1h02m`, `12m05s` or `40s`."""
+  s = int(round(seconds))
+  if s >= 3600:
+    return f'{s // 3600}h{s % 3600 // 60:02d}m'
+  if s >= 60:
+    return f'{s // 60}m{s % 60:02d}s'
+  return f'{s}s'
+
+
+# Shown by `setting_title` in its fixed part, or not a setting.
+_TITLE_FIELDS = {
+  'dataset',
+  'model',
+  'partition',
+  'alpha',
+  'shards_per_client',
+  'partition_file',
+  'partition_sha256',
+  'num_clients',
+  'clients_per_round',
+  'local_epochs',
+  'batch_size',
+  'lr',
+  'momentum',
+  'rounds',
+  'algorithm',
+  'seed',
+  'data_dir',
+  'eval_every',
+  'local_eval_every',
+  'eval_batch_size',
+}
+
+
+def setting_title(config: config_lib.ExperimentConfig) -> str:
+  """The setting a comparison ran: dataset, model, partition (α),
+  clients, E, B, lr, momentum, rounds, and every other field that defines
+  the run and differs from its default (an algorithm's own flags excepted:
+  they belong to the variants)."""
+  c = config
+  part = {
+    'dirichlet': f'dirichlet α={c.alpha:g}',
+    'shards': f'shards s={c.shards_per_client}',
+    'file': f'file {c.partition_sha256[:8]}',
+  }.get(c.partition, c.partition)
+  title = (
+    f'{c.dataset} {c.model}, {part}, K={c.clients_per_round} of '
+    f'{c.num_clients}, E={c.local_epochs}, B={c.batch_size}, lr={c.lr:g}, '
+    f'momentum={c.momentum:g}, {c.rounds} rounds'
+  )
+  defaults = config_lib.ExperimentConfig()
+  extra = [
+    f'{f.name}={getattr(c, f.name)}'
+    for f in config_lib.base_fields()
+    if not f.metadata['run_only']
+    and f.name not in _TITLE_FIELDS
+    and getattr(c, f.name) != getattr(defaults, f.name)
+  ]
+  return title + ''.join(f', {e}' for e in extra)

@@ -38,10 +38,12 @@ from fedjax_mr.data import partition as partition_lib
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.training import checkpoint
 from fedjax_mr.training import client
+from fedjax_mr.training import compare
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import distributed
 from fedjax_mr.training import engine
 from fedjax_mr.training import metrics_io
+from fedjax_mr.training import plots
 from fedjax_mr.training import provenance
 from fedjax_mr.training import tensorboard
 
@@ -129,6 +131,18 @@ def make_partition(
     return list(clients)
   if config.partition == 'iid':
     return partition_lib.iid(len(labels), config.num_clients, config.seed)
+  if config.partition == 'shards':
+    return partition_lib.shards(
+      labels, config.num_clients, config.shards_per_client, config.seed
+    )
+  if config.partition == 'file':
+    parts, _ = partition_lib.load_file(
+      config.partition_file,
+      config.num_clients,
+      num_examples=len(labels),
+      sha256=config.partition_sha256,
+    )
+    return parts
   return partition_lib.dirichlet(
     labels,
     config.num_clients,
@@ -453,6 +467,12 @@ def _run(experiment, workdir, log, on_round) -> Result:
     f'({config.partition}), {config.clients_per_round} per round, '
     f'{config.rounds} rounds'
   )
+  unassigned = (experiment.partition or {}).get('unassigned', 0)
+  if unassigned:
+    log(
+      f'note: {unassigned} of {int(data.x.shape[0])} training examples are '
+      f'in no client (--partition={config.partition})'
+    )
   log(
     f'{num_devices} {platform} device(s) in {jax.process_count()} '
     f'process(es); {per_device} clients per device, {chunk} at a time'
@@ -561,6 +581,8 @@ def _run(experiment, workdir, log, on_round) -> Result:
         write_clients_row(clients_row)
         metrics_io.append(metrics_path, row)
         write_events(row)
+        # The curve up to here, the divergence marked.
+        plot_curve(config, [*history, row], workdir)
       raise errors.NonFiniteError(
         f'non-finite train loss ({row["train_loss"]}) at round {r}; '
         f'stopped. Metrics up to it are in {metrics_path}; the last '
@@ -649,11 +671,7 @@ def _run(experiment, workdir, log, on_round) -> Result:
         events.close()
   ckpt.close()
   if history and primary:
-    metrics_io.plot_curves(
-      {config.algorithm: history},
-      os.path.join(workdir, CURVE_FILE),
-      title=f'{config.dataset} {config.model} {config.partition}',
-    )
+    plot_curve(config, history, workdir)
   log(timer.summary(history, workdir))
   if primary and config_lib.energy_mixes(config):
     energy = simulate_energy(config, history, experiment.client_sizes)
@@ -661,6 +679,20 @@ def _run(experiment, workdir, log, on_round) -> Result:
     for mix, e in energy.items():
       log(energy_line(mix, e))
   return Result(state=state, history=history, workdir=workdir)
+
+
+def plot_curve(
+  config: config_lib.ExperimentConfig,
+  history: Sequence[Mapping[str, Any]],
+  workdir: str,
+) -> None:
+  """Writes a run's learning curves (`plots.curves_figure`) as
+  `<workdir>/learning_curve.png`."""
+  plots.plot_curves(
+    {registry.display_name(config.algorithm): {config.seed: history}},
+    os.path.join(workdir, CURVE_FILE),
+    title=compare.setting_title(config),
+  )
 
 
 class FinishedRun(NamedTuple):

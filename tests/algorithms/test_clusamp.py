@@ -32,6 +32,7 @@ def test_size_distributions_by_hand():
   )
 
 
+@pytest.mark.slow
 def test_size_distributions_are_unbiased():
   rng = np.random.default_rng(0)
   for n, k in ((10, 3), (100, 10), (7, 7), (50, 1)):
@@ -97,6 +98,7 @@ def test_distances_by_hand():
   np.testing.assert_allclose(cos[2], 0.0)
 
 
+@pytest.mark.slow
 def test_similarity_distributions_by_hand():
   # K = 2, p = (0.25, 0.25, 0.1, 0.1, 0.3) → masses 0.5, 0.5, 0.2, 0.2,
   # 0.6. Clusters {0, 1} (1.0), {4} (0.6), {2}, {3} (0.2 each): rows are
@@ -119,6 +121,7 @@ def test_similarity_distributions_by_hand():
   np.testing.assert_allclose(r, [[1, 0, 0], [0.4, 0.2, 0.4]], atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('distance', ['cosine', 'l1', 'l2'])
 def test_similarity_distributions_are_unbiased(distance):
   rng = np.random.default_rng(2)
@@ -148,6 +151,7 @@ def test_draw_frequencies_follow_the_distributions():
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('method', ['size', 'similarity'])
 def test_one_client_per_cluster_samples_everyone(method):
   # N = K equal clients: each distribution is one client, so every client

@@ -53,6 +53,7 @@ def test_one_step_equals_hand_computation(adaptive):
   assert int(out.num_steps) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('adaptive', [False, True])
 def test_rho_zero_is_fedavg_exactly(adaptive):
   model = helpers.linear_bn_model()
@@ -73,6 +74,7 @@ def test_rho_zero_is_fedavg_exactly(adaptive):
   assert steps[:3] == steps[3:]
 
 
+@pytest.mark.slow
 def test_sharpness_aware_steps_differ_but_keep_step_counts():
   model = helpers.linear_bn_model()
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])

@@ -75,6 +75,7 @@ def test_step_size_is_one_when_clients_agree():
     assert float(fedexp.step_size(spread, jnp.full((3,), 1 / 3), eps)) >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('devices', [1, 2])
 def test_step_size_one_is_unweighted_fedavg_exactly(devices):
   # A huge eps forces eta_g = 1: the trajectory is FedAvg's, bit for bit.

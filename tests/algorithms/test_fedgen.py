@@ -104,6 +104,7 @@ def _run(algorithm, model, data, rounds=3, n=6):
     dict(generator_steps=0),
   ],
 )
+@pytest.mark.slow
 def test_without_regularisation_it_is_fedavg_exactly(changes):
   model = helpers.linear_bn_model()
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
@@ -115,6 +116,7 @@ def test_without_regularisation_it_is_fedavg_exactly(changes):
   helpers.tree_equal(gen_state.server.params, avg_state.server.params)
 
 
+@pytest.mark.slow
 def test_regulariser_acts_from_round_one():
   model = helpers.linear_bn_model()
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
@@ -137,6 +139,7 @@ def test_regulariser_acts_from_round_one():
   assert all(h['bytes_communicated'] == want for h in gen_hist)
 
 
+@pytest.mark.slow
 def test_generator_learns_to_satisfy_fixed_heads():
   # Two clients' heads on the linear model (representation: the flattened
   # 2x2 input, 4 numbers), each trusted for the labels it holds.

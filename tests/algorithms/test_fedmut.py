@@ -87,6 +87,7 @@ def test_two_models_by_hand():
   np.testing.assert_array_equal(np.sort(out['w'][:, 0]), [0.5, 2.0])
 
 
+@pytest.mark.slow
 def test_beta0_even_k_averages_to_global_at_distance_alpha_delta():
   out = mutate(jax.random.key(1))
   chex.assert_tree_shape_prefix(out, (K,))
@@ -128,6 +129,7 @@ def test_odd_k_contains_the_plain_global_once():
     np.testing.assert_array_equal(np.sort(v[:, 0]), [-1, -1, 0, 1, 1])
 
 
+@pytest.mark.slow
 def test_layers_draw_independently_and_module_grouping_shares():
   def both(k):
     return mutate(k), mutate(k, grouping='module')

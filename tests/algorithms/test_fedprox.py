@@ -35,6 +35,7 @@ def test_one_step_equals_hand_computation():
   np.testing.assert_allclose(out.loss, np.log(2), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('devices', [1, 2])
 def test_mu_zero_is_fedavg_exactly(devices):
   model = helpers.linear_bn_model()
@@ -55,6 +56,7 @@ def test_mu_zero_is_fedavg_exactly(devices):
   helpers.tree_equal(states[0], states[1])
 
 
+@pytest.mark.slow
 def test_mu_pulls_towards_the_global_model():
   model = helpers.linear_model()
   data, _ = helpers.toy_data([40, 40])
@@ -71,6 +73,7 @@ def test_mu_pulls_towards_the_global_model():
   assert dist[0] > dist[1] > dist[2] > 0
 
 
+@pytest.mark.slow
 def test_contract():
   history = contract.check_algorithm(
     lambda local, k, n: fedprox.fedprox(local, k, mu=0.1)

@@ -79,6 +79,7 @@ def _numpy_step(w, v, c, x, y, w_glob, w_prev, mu, tau):
   return x.T @ dz / n, z.T @ r / n, r.sum(0) / n
 
 
+@pytest.mark.slow
 def test_local_steps_equal_hand_computation():
   # Two full-batch steps of plain SGD (E = 2, B = n = 2): the first starts
   # at the global model (z = z_glob), the second does not.
@@ -126,6 +127,7 @@ def test_local_steps_equal_hand_computation():
   assert not np.allclose(plain.variables['params']['body']['kernel'], w)
 
 
+@pytest.mark.slow
 def test_mu_zero_is_fedavg_exactly():
   # On 2 devices, with previous models stored per client (the contract:
   # test_registry).
@@ -154,6 +156,7 @@ def test_mu_zero_is_fedavg_exactly():
   assert history[0]['bytes_communicated'] == 2 * 4 * (params + 2 * 6) * 4
 
 
+@pytest.mark.slow
 def test_projection_head_shapes_and_split():
   base = model_lib.get('cnn_mnist', 10, (28, 28, 1))
   model = projection.with_projection(base, 256)

@@ -159,6 +159,7 @@ def test_zero_controls_first_round_is_plain_local_sgd():
   helpers.tree_allclose(out.extra, expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
 def test_contract(dtype):
   history = contract.check_algorithm(
@@ -167,6 +168,7 @@ def test_contract(dtype):
   assert all(m['control_norm'] > 0 for m in history)
 
 
+@pytest.mark.slow
 def test_bfloat16_controls_halve_memory_and_keep_the_mean():
   model = helpers.linear_bn_model()
   local = contract.local_training(model)

@@ -25,6 +25,7 @@ def _stock(x, w, strides, padding):
     ((1, 7, 8, 2), (3, 2), (2, 1), ((1, 2), (0, 1))),
   ],
 )
+@pytest.mark.slow
 def test_conv2d_values_and_gradients_match_lax(shape, kernel, strides, padding):
   kx, kw, kd = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, shape)
@@ -45,6 +46,7 @@ def test_conv2d_values_and_gradients_match_lax(shape, kernel, strides, padding):
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_conv_module_matches_flax_conv():
   x = jax.random.normal(jax.random.key(1), (2, 10, 10, 3))
   ours = layers.Conv(7, (3, 3), strides=(2, 2), padding='SAME')
@@ -71,6 +73,7 @@ def test_conv2d_gradient_inside_scan_matches():
   np.testing.assert_allclose(run(layers.conv2d), run(_stock), rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('shape', [(2, 8, 8, 3), (1, 7, 9, 2)])
 def test_max_pool_matches_flax(shape):
   x = jax.random.normal(jax.random.key(5), shape)  # no ties

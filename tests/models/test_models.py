@@ -16,6 +16,7 @@ from fedjax_mr.models import model as model_lib
     ('cnn_fedavg', 10, (28, 28, 1), 1_663_370),
   ],
 )
+@pytest.mark.slow
 def test_parameter_counts_match_reference(name, classes, shape, count):
   m = model_lib.get(name, classes, shape)
   variables = m.init(jax.random.key(0))

@@ -16,6 +16,7 @@ from tests.stitch import common
 @pytest.mark.parametrize(
   'name,classes,shape', common.SMALL_ZOO, ids=[z[0] for z in common.SMALL_ZOO]
 )
+@pytest.mark.slow
 def test_blocks_in_turn_equal_the_model(name, classes, shape, style):
   v = common.variables(name, classes, shape)
   x = common.inputs(shape, n=3, num_classes=classes)

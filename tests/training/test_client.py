@@ -50,6 +50,7 @@ def _reference(model, opt, variables, data, parts, cid, key, epochs, b):
   return {'params': params, **state}, steps, loss_sum / (n * epochs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('batchnorm', [False, True])
 @pytest.mark.parametrize('cid', [0, 1, 2])
 def test_exact_steps_match_python_loop(cid, batchnorm):
@@ -136,6 +137,7 @@ def test_perturbations_by_hand():
   np.testing.assert_allclose(eps['bias'], [2 * 4 / norm], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_two_pass_step_keeps_steps_and_rho_zero_is_plain_sgd():
   model = helpers.linear_bn_model()
   data, _ = helpers.toy_data([7, 13, 3])

@@ -50,6 +50,7 @@ def test_same_seed_identical_different_seed_differs():
   assert int(s1.round) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('chunk', [2, 3, 4])
 def test_client_chunking_gives_same_result(chunk):
   ref_fn, state, data = _setup(chunk=1)
@@ -136,6 +137,7 @@ def test_balanced_order_balances_steps():
     assert sums.max() - sums.min() <= sizes.max()
 
 
+@pytest.mark.slow
 def test_sharded_round_equals_one_device():
   assert len(jax.devices()) >= 2, 'tests/conftest.py sets 2 host devices'
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
@@ -156,6 +158,7 @@ def test_sharded_round_equals_one_device():
     np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', ['shared', 'stacked', 'client_state'])
 def test_three_clients_on_two_devices_equal_one_device(kind):
   """K = 3 on 2 devices: the client axis is filled up with an empty client
@@ -199,6 +202,7 @@ def _stacked(algorithm, k):
   return algorithm._replace(dispatch=dispatch, client_update=client_update)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('devices,chunk', [(1, 1), (1, 2), (1, 4), (2, 1)])
 def test_shared_dispatch_equals_stacked_dispatch(devices, chunk):
   """FedAvg hands its one global model to every client without stacking it;
@@ -228,6 +232,7 @@ def test_shared_dispatch_equals_stacked_dispatch(devices, chunk):
     np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_shared_dispatch_holds_one_copy_of_the_model():
   """XLA's own memory analysis: K stacked inputs cost K model copies of
   temporary memory, the shared model none."""

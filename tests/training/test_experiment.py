@@ -2,6 +2,7 @@
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import os
 import signal
@@ -16,6 +17,8 @@ import pytest
 
 from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
+from fedjax_mr.data import datasets
+from fedjax_mr.data import partition as partition_lib
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import experiment
 from fedjax_mr.training import metrics_io
@@ -333,6 +336,8 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
     experiment.train_and_evaluate(cfg, str(tmp_path), log=_quiet)
   rows = metrics_io.read(str(tmp_path / 'metrics.jsonl'))
   assert len(rows) == 1 and not np.isfinite(rows[0]['train_loss'])
+  # The learning curve is drawn all the same (with the divergence marked).
+  assert (tmp_path / experiment.CURVE_FILE).read_bytes()[:4] == b'\x89PNG'
 
 
 @pytest.mark.parametrize(
@@ -341,7 +346,12 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
     ({'algorithm': 'fedsgd'}, '--algorithm'),
     ({'model': 'resnet1000'}, '--model'),
     ({'dataset': 'imagenet'}, '--dataset'),
-    ({'partition': 'shards'}, '--partition'),
+    ({'partition': 'pathological'}, '--partition'),
+    ({'partition': 'file', 'alpha': 0.1}, '--partition_file'),
+    (
+      {'partition': 'shards', 'alpha': 0.1, 'shards_per_client': 151},
+      '--num_clients=10 × --shards_per_client=151 = 1510 shards',
+    ),
     ({'alpha': 0.0}, '--alpha'),
     ({'alpha': -1.0}, '--alpha'),
     ({'clients_per_round': 11}, '--clients_per_round'),
@@ -400,6 +410,112 @@ def _flags(cfg, workdir):
   return [f'--{k}={v}' for k, v in cfg.to_dict().items() if k != 'workdir'] + [
     f'--workdir={workdir}'
   ]
+
+
+def _client_rows(exp):
+  """Each client's example indices, as the device data holds them."""
+  rows, sizes = np.asarray(exp.data.indices), np.asarray(exp.data.sizes)
+  return [rows[k, :n].tolist() for k, n in enumerate(sizes)]
+
+
+def test_shards_partition_runs(small_config, tmp_path):
+  # Clients of 150 and 3 epochs: the round of the IID test above, compiled
+  # once per session (the persistent compilation cache).
+  cfg = dataclasses.replace(
+    small_config,
+    partition='shards',
+    alpha=0.1,
+    rounds=1,
+    local_epochs=3,
+    eval_every=1,
+  )
+  exp = experiment.setup(cfg)
+  labels = datasets.load('fashion_mnist', cfg.data_dir).y_train
+  want = partition_lib.shards(labels, 10, 2, cfg.seed)
+  assert _client_rows(exp) == [p.tolist() for p in want]
+  res = experiment.run(exp, str(tmp_path), log=_quiet)
+  part = json.load(open(tmp_path / 'partition.json'))
+  # 20 shards of 75 of 1,500 examples: 150 each, each client few classes
+  # (at most 2 x 2 when its shards straddle class boundaries).
+  assert part['sizes'] == [150] * 10 and part['unassigned'] == 0
+  hists = part['label_histograms']
+  assert hists == partition_lib.summary(want, labels, 10)['label_histograms']
+  assert max(np.count_nonzero(h) for h in hists) <= 4
+  assert json.load(open(tmp_path / 'config.json'))['shards_per_client'] == 2
+  assert np.isfinite(res.history[-1]['test_accuracy'])
+
+
+def test_file_partition_runs_and_resumes_only_with_the_same_file(
+  small_config, tmp_path
+):
+  # 10 clients over the first 1,400 of the 1,500 examples, in a shuffled
+  # order, sizes 130..150; examples 1400-1499 are in no client.
+  order = np.random.default_rng(0).permutation(1400)
+  cuts = np.cumsum([150, 130, 140, 150, 130, 140, 150, 130, 140])
+  clients = [c.tolist() for c in np.split(order, cuts)]
+  path = tmp_path / 'split.json'
+  path.write_text(json.dumps(clients))
+  cfg = dataclasses.replace(
+    small_config,
+    partition='file',
+    partition_file=str(path),
+    alpha=0.1,
+    rounds=1,
+    local_epochs=3,
+    eval_every=1,
+  )
+  sha = hashlib.sha256(path.read_bytes()).hexdigest()
+  assert cfg.partition_sha256 == sha
+  exp = experiment.setup(cfg)
+  assert _client_rows(exp) == clients  # the file's lists, in its order
+  work = str(tmp_path / 'run')
+  lines = []
+  experiment.run(exp, work, log=lines.append)
+  assert (
+    'note: 100 of 1500 training examples are in no client (--partition=file)'
+    in lines
+  )
+  part = json.load(open(os.path.join(work, 'partition.json')))
+  assert part['sizes'] == [len(c) for c in clients]
+  assert part['unassigned'] == 100
+  saved = json.load(open(os.path.join(work, 'config.json')))
+  assert saved['partition_sha256'] == sha
+  (row,) = metrics_io.read(os.path.join(work, 'clients.jsonl'))
+  for c in row['clients']:
+    assert c['examples'] == len(clients[c['id']])
+  # The same content at another path resumes (nothing left to train) ...
+  moved = tmp_path / 'moved.json'
+  moved.write_bytes(path.read_bytes())
+  again = config_lib.ExperimentConfig(
+    **{**cfg.to_dict(), 'partition_file': str(moved), 'partition_sha256': ''}
+  )
+  lines = []
+  experiment.train_and_evaluate(again, work, log=lines.append)
+  assert any(line.startswith('resuming') for line in lines)
+  # ... another content, with the same flags, is refused.
+  path.write_text(json.dumps(clients[::-1]))
+  changed = config_lib.ExperimentConfig(
+    **{**cfg.to_dict(), 'partition_sha256': ''}
+  )
+  with pytest.raises(
+    errors.ConfigError, match=rf"--partition_sha256='{sha}' there"
+  ):
+    experiment.train_and_evaluate(changed, work, log=_quiet)
+
+
+def test_file_partition_index_past_the_dataset(small_config, tmp_path):
+  path = tmp_path / 'split.json'
+  path.write_text(json.dumps([[i] for i in range(9)] + [[9, 1500]]))
+  cfg = dataclasses.replace(
+    small_config, partition='file', partition_file=str(path), alpha=0.1
+  )
+  config_lib.validate(cfg)  # the range needs the dataset
+  with pytest.raises(errors.ConfigError) as e:
+    experiment.setup(cfg)
+  assert str(e.value) == (
+    f'--partition_file={path}: client 9 holds index 1500, out of range '
+    '(the training set has 1500 examples)'
+  )
 
 
 def test_binary_sigkill_then_resume_matches(small_config, tmp_path):

@@ -1,0 +1,111 @@
+"""experiments.compare's library side: variants' flags, the table of a
+folder, the matrix's ETA and the title of a setting."""
+
+import os
+
+import pytest
+
+from fedjax_mr.core import errors
+from fedjax_mr.training import compare
+from fedjax_mr.training import config as config_lib
+from fedjax_mr.training import metrics_io
+from tests import helpers
+
+
+def _config(**changes):
+  return helpers.small_config('/data', **changes)
+
+
+def test_an_algorithms_flag_applies_to_its_variants_only(tmp_path):
+  base = _config(fedprox_mu=0.1, fedmut_alpha=2.0)
+  variants = [compare.parse_variant(v) for v in ('fedavg', 'fedprox', 'fedmut')]
+  runs = compare.configs(base, variants, [0], str(tmp_path))
+  got = {n: (c.fedprox_mu, c.fedmut_alpha) for n, _, c in runs}
+  defaults = config_lib.ExperimentConfig()
+  assert got == {
+    'fedavg': (defaults.fedprox_mu, defaults.fedmut_alpha),
+    'fedprox': (0.1, defaults.fedmut_alpha),
+    'fedmut': (defaults.fedprox_mu, 2.0),
+  }
+  # A variant's own value wins; a flag no variant reads is refused.
+  runs = compare.configs(
+    _config(fedprox_mu=0.1),
+    [('p', {'algorithm': 'fedprox', 'fedprox_mu': 0.5})],
+    [0],
+    '/x',
+  )
+  assert runs[0][2].fedprox_mu == 0.5
+  with pytest.raises(
+    errors.ConfigError, match=r'^--fedmut_alpha applies to .*fedmut only'
+  ):
+    compare.configs(base, variants[:2], [0], str(tmp_path))
+
+
+def _write(out, variant, seed, accs, rounds=None):
+  folder = compare.run_dir(out, variant, seed)
+  os.makedirs(folder)
+  for i, a in enumerate(accs):
+    row = {'round': i + 1, 'train_loss': 0.5}
+    if a is not None:
+      row['test_accuracy'] = a
+    metrics_io.append(os.path.join(folder, 'metrics.jsonl'), row)
+
+
+def test_the_table_covers_every_run_of_the_folder(tmp_path):
+  out = str(tmp_path)
+  _write(out, 'b', 0, [0.1, 0.2, 0.4])
+  _write(out, 'b', 3, [0.1, 0.2, 0.6])
+  _write(out, 'a', 1, [0.5, None, 0.7])  # two evaluations only
+  os.makedirs(tmp_path / 'c' / 's0')  # no metrics: not a run
+  (tmp_path / 'results.md').write_text('')  # a file, not a variant
+  assert compare.runs_in(out) == {'a': [1], 'b': [0, 3]}
+  summary = compare.summarize(out, last=3, first=['b'])
+  assert list(summary['variants']) == ['b', 'a']
+  b, a = summary['variants']['b'], summary['variants']['a']
+  assert b['per_seed'] == {'0': pytest.approx(0.7 / 3), '3': pytest.approx(0.3)}
+  assert b['evals'] == {'0': 3, '3': 3} and a['evals'] == {'1': 2}
+  text = (tmp_path / compare.TABLE_FILE).read_text()
+  assert 'mean of the last 2-3 evaluations' in text
+  assert '| a | 60.00 | 1 | 3 |' in text
+  # Only the runs named, as before.
+  summary = compare.summarize(out, ['b'], [3], last=2)
+  assert list(summary['variants']) == ['b'] and summary['variants']['b'][
+    'per_seed'
+  ] == {'3': pytest.approx(0.4)}
+  assert 'mean of the last 2 evaluations' in compare.table(summary)
+
+
+def test_the_matrix_says_how_long_it_has_left(tmp_path):
+  base = _config(rounds=4)
+  runs = compare.configs(
+    base, [compare.parse_variant('fedavg')], [0, 1, 2], str(tmp_path)
+  )
+  _write(str(tmp_path), 'fedavg', 2, [None, 0.5])  # half done before
+
+  def train(config):
+    have = len(metrics_io.read(os.path.join(config.workdir, 'metrics.jsonl')))
+    for r in range(have + 1, config.rounds + 1):
+      os.makedirs(config.workdir, exist_ok=True)
+      metrics_io.append(
+        os.path.join(config.workdir, 'metrics.jsonl'),
+        {'round': r, 'train_loss': 0.5},
+      )
+
+  lines = []
+  compare.run_matrix(runs, train, log=lines.append)
+  assert lines[0].endswith('; 10 rounds left in the matrix')
+  assert '; 6 rounds left in the matrix, ETA ' in lines[1]
+  assert 's/round so far)' in lines[1]
+  assert '; 2 rounds left in the matrix, ETA ' in lines[2]
+
+
+def test_the_title_states_the_setting_and_what_differs(tmp_path):
+  c = _config(lr=0.05, momentum=0.5, rounds=100)
+  assert compare.setting_title(c) == (
+    'fashion_mnist cnn_mnist, dirichlet α=0.5, K=4 of 10, E=1, B=50, '
+    'lr=0.05, momentum=0.5, 100 rounds'
+  )
+  c = _config(partition='iid', weighting='uniform', min_client_size=3)
+  title = compare.setting_title(c)
+  assert title.startswith('fashion_mnist cnn_mnist, iid, K=4 of 10')
+  assert title.endswith(', min_client_size=3, weighting=uniform')
