@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from tests import helpers
 
 _run = helpers.run_module
@@ -68,17 +70,21 @@ def test_zoo_report_tables():
   assert bad.returncode != 0 and "--models: unknown 'alexnet'" in bad.stderr
 
 
-def test_compare_summarize_only_without_runs_says_so(tmp_path):
+@pytest.mark.parametrize(
+  'table, says', [('all', 'no runs there'), ('these', 'no runs of variants')]
+)
+def test_compare_summarize_only_without_runs_says_so(tmp_path, table, says):
   proc = _run(
     'experiments.compare',
     '--variants=fedavg,fedmr',
     '--seeds=0,1',
     f'--workdir={tmp_path}/nothing_here',
+    f'--table={table}',
     '--summarize_only',
   )
   assert proc.returncode == 2
   assert 'Traceback' not in proc.stderr
-  assert (
-    f'--workdir={tmp_path}/nothing_here: no runs of variants fedavg, fedmr'
-    in (proc.stderr)
+  assert proc.stderr.startswith(
+    f'error: --workdir={tmp_path}/nothing_here: {says}'
   )
+  assert proc.stderr.rstrip().endswith('nothing to summarize')
