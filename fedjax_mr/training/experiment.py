@@ -230,14 +230,7 @@ def setup(config: config_lib.ExperimentConfig) -> Experiment:
       '--num_devices (or --host_devices on CPU) to at most '
       f'{config.clients_per_round}'
     )
-  dataset = datasets.load(
-    config.dataset,
-    config.data_dir or None,
-    cifar100_labels=config.cifar100_labels,
-    leaf_min_samples=config.leaf_min_samples,
-  )
-  if config.partition == 'natural':
-    dataset = datasets.natural_clients(dataset, config.num_clients, config.seed)
+  dataset = load_dataset(config)
   model = model_lib.get(
     config.model,
     dataset.num_classes,
@@ -278,6 +271,20 @@ def setup(config: config_lib.ExperimentConfig) -> Experiment:
       parts, dataset.y_train, dataset.num_classes
     ),
   )
+
+
+def load_dataset(config: config_lib.ExperimentConfig) -> datasets.Dataset:
+  """The dataset of a run, as `setup` loads it (its folder, CIFAR-100
+  labels, LEAF filter, and the natural clients kept)."""
+  dataset = datasets.load(
+    config.dataset,
+    config.data_dir or None,
+    cifar100_labels=config.cifar100_labels,
+    leaf_min_samples=config.leaf_min_samples,
+  )
+  if config.partition == 'natural':
+    dataset = datasets.natural_clients(dataset, config.num_clients, config.seed)
+  return dataset
 
 
 def _note_devices(config: config_lib.ExperimentConfig) -> None:

@@ -239,16 +239,9 @@ def examples(
   folder, natural clients); 'train' is its training split. `num_examples`
   > 0 keeps a seeded subset (`subset`).
   """
-  from fedjax_mr.data import datasets
+  from fedjax_mr.training import experiment
 
-  dataset = datasets.load(
-    config.dataset,
-    config.data_dir or None,
-    cifar100_labels=config.cifar100_labels,
-    leaf_min_samples=config.leaf_min_samples,
-  )
-  if config.partition == 'natural':
-    dataset = datasets.natural_clients(dataset, config.num_clients, config.seed)
+  dataset = experiment.load_dataset(config)
   if split == 'train':
     x, y = dataset.x_train, dataset.y_train
   else:
