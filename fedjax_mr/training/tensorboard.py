@@ -12,6 +12,7 @@ from that round on: the rounds past the checkpoint appear once, as in
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -93,10 +94,11 @@ class EventWriter:
     self._flush()
 
   def close(self) -> None:
-    try:
+    """Closes the file. An error closing it loses nothing (every event
+    was flushed and fsynced when written), so it is not raised: `close`
+    runs on the way out of a run that may be failing for another reason."""
+    with contextlib.suppress(OSError):
       self._writer.close()
-    except OSError:
-      pass  # every event was flushed when it was written
 
 
 def read_scalars(folder: str) -> dict[str, list[tuple[int, float]]]:
