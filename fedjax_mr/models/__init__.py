@@ -1,6 +1,7 @@
 """Model zoo: `get(name, num_classes, input_shape)` returns a `Model`."""
 
 from fedjax_mr.models import cnn as cnn
+from fedjax_mr.models import imagenet as imagenet
 from fedjax_mr.models import layers as layers
 from fedjax_mr.models import lstm as lstm
 from fedjax_mr.models import resnet as resnet

@@ -16,6 +16,13 @@ the input of the classifier, which stays whole in the end block. 'per_linear'
 cuts additionally before every dense layer of the head (StitchNet's own
 fragmenter), 'every_unit' at every unit boundary.
 
+The ImageNet models of FedStitch's pool (`fedjax_mr.models.imagenet`, in
+torchvision's layout) are described from their modules' configuration;
+their default cut lists give the paper's 6 / 14 / 6 / 6 / 20 blocks (see
+`_IMAGENET_UNITS` for the two lists that are not StitchNet's rule). A start
+block of a model with input preprocessing begins with it, so the block
+takes the dataset's examples.
+
 References:
   Teerapittayanon et al., "StitchNet: Composing Neural Networks from
   Pre-Trained Fragments", 2023; "Heterogeneity-Aware Coordination for
@@ -35,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.models import imagenet
 from fedjax_mr.models import layers
 from fedjax_mr.models import lstm
 from fedjax_mr.models import resnet
@@ -153,6 +161,18 @@ _STEP_OPS = {
     x, False, None
   ),
   'basic': lambda x, name, a: resnet.BasicBlock(*a, name=name)(x, False, None),
+  # The ImageNet models (fedjax_mr.models.imagenet).
+  'preprocess': lambda x, _, p: imagenet.preprocess(x, p),
+  'maxpool': lambda x, _, a: imagenet.max_pool(x, *a),
+  'avgpool': lambda x, _, a: imagenet.avg_pool(x, *a),
+  'adaptive_avg': lambda x, _, size: imagenet.adaptive_avg_pool(x, size),
+  'hardswish': lambda x, *_: jax.nn.hard_swish(x),
+  'bottleneck': lambda x, name, a: imagenet.Bottleneck(*a, name=name)(x),
+  'dense_layer': lambda x, name, a: imagenet.DenseLayer(*a, name=name)(x),
+  'conv_bn_act': lambda x, name, a: imagenet.ConvBNAct(*a, name=name)(x),
+  'inverted_residual': lambda x, name, cfg: imagenet.InvertedResidual(
+    cfg, name=name
+  )(x),
 }
 
 
@@ -186,7 +206,12 @@ def _conv_step(params, name, padding, strides=(1, 1)) -> Step:
   )
 
 
-_FOLD_AFTER = {'flatten': 'flatten', 'gap': 'matrix', 'last': 'matrix'}
+_FOLD_AFTER = {
+  'flatten': 'flatten',
+  'adaptive_avg': 'flatten',  # then 'flatten': still channels last
+  'gap': 'matrix',
+  'last': 'matrix',
+}
 
 
 def _dense_head(params, names, pre: tuple[Step, ...], per_linear: bool):
@@ -355,11 +380,193 @@ _DEFAULT_CUTS = {
   'char_lstm': ('embed', 'lstm1', 'head'),
 }
 
-NAMES = tuple(sorted(_UNITS))
+# --- The ImageNet pool's units (torchvision's layout) -----------------------
+#
+# Read from the module's configuration (`fedjax_mr.models.imagenet`): strides
+# and activations are not in the variables. FedStitch's counts are 6
+# (AlexNet), 14 (VGG-16), 6 (ResNet-50), 6 (DenseNet-121) and 20 (MobileNet)
+# blocks. StitchNet's rule gives the first three. It gives DenseNet-121 five
+# (a cut before each transition's convolution: every other tensor feeds a
+# concatenation), so its default list also cuts between the stem and the
+# first dense block, as ResNet-50's does (our choice). It gives
+# MobileNetV3-Large 13 (a cut before the expansion and the projection of
+# each of the five blocks without a shortcut, before the last convolution
+# and before the classifier), so its default list is ours: one block per
+# top-level module of torchvision's network (the 17 modules of `features`,
+# the average pool and each linear layer of `classifier`), which is 20.
 
 
-def units(model_name: str, variables: dict, per_linear: bool = False):
-  """The ordered units of a zoo model, read from its variables' shapes."""
+def _conv_args(features, kernel, stride, pad, bias) -> tuple:
+  p = ((pad, pad), (pad, pad))
+  return (features, (kernel, kernel), (stride, stride), p, bias)
+
+
+def _conv_unit(name, args, *after: Step) -> Unit:
+  steps = (('conv', name, args), *after)
+  return Unit(name, steps, ('conv', ((name, 'kernel'),)))
+
+
+def _alexnet_units(params, m, per_linear):
+  convs = zip(m.widths, imagenet.ALEXNET_CONVS)
+  units = []
+  for i, (w, (k, s, p, pool)) in enumerate(convs):
+    after = [('relu', '', None)] + ([('maxpool', '', (3, 2, 0))] * pool)
+    units.append(_conv_unit(f'conv{i}', _conv_args(w, k, s, p, True), *after))
+  pre = (('adaptive_avg', '', (m.pool_size,) * 2), ('flatten', '', None))
+  return units + _dense_head(params, ('fc0', 'fc1', 'fc2'), pre, per_linear)
+
+
+def _imagenet_vgg16_units(params, m, per_linear):
+  units = []
+  for i, w in enumerate(m.widths):
+    after = [('relu', '', None)]
+    if i in imagenet.VGG16_POOL_AFTER:
+      after.append(('pool', '', None))
+    units.append(_conv_unit(f'conv{i}', _conv_args(w, 3, 1, 1, True), *after))
+  pre = (('adaptive_avg', '', (m.pool_size,) * 2), ('flatten', '', None))
+  return units + _dense_head(params, ('fc0', 'fc1', 'fc2'), pre, per_linear)
+
+
+def _resnet50_units(params, m, per_linear):
+  del params, per_linear  # one dense layer
+  stem = _conv_unit(
+    'conv1',
+    _conv_args(m.stem_width, 7, 2, 3, False),
+    ('bn', 'bn1', None),
+    ('relu', '', None),
+    ('maxpool', '', (3, 2, 1)),
+  )
+  units = [stem._replace(name='stem')]
+  channels = m.stem_width
+  for i, (planes, depth) in enumerate(zip(m.widths, m.depths)):
+    for j in range(depth):
+      name, stride = f'layer{i + 1}_{j}', 2 if i > 0 and j == 0 else 1
+      fold = None
+      if stride != 1 or channels != planes * m.expansion:
+        # The input feeds two convolutions and nothing else.
+        conv1 = (name, 'conv1', 'kernel')
+        fold = ('conv', (conv1, (name, 'downsample_conv', 'kernel')))
+      step = ('bottleneck', name, (planes, stride, m.expansion))
+      units.append(Unit(name, (step,), fold))
+      channels = planes * m.expansion
+  head = (('gap', '', None), ('dense', 'fc', m.num_classes))
+  return units + [Unit('head', head, ('matrix', (('fc', 'kernel'),)), True)]
+
+
+def _densenet121_units(params, m, per_linear):
+  del params, per_linear
+  stem = _conv_unit(
+    'conv0',
+    _conv_args(m.num_init_features, 7, 2, 3, False),
+    ('bn', 'norm0', None),
+    ('relu', '', None),
+    ('maxpool', '', (3, 2, 1)),
+  )
+  units = [stem._replace(name='stem')]
+  channels = m.num_init_features
+  for b, n_layers in enumerate(m.block_config):
+    for i in range(n_layers):
+      name = f'denseblock{b + 1}_layer{i + 1}'
+      args = (m.growth_rate, m.bn_size)
+      units.append(Unit(name, (('dense_layer', name, args),)))
+      channels += m.growth_rate
+    if b + 1 < len(m.block_config):
+      t = f'transition{b + 1}'
+      bn_relu = (('bn', f'{t}_norm', None), ('relu', '', None))
+      units.append(Unit(f'{t}_norm', bn_relu))
+      channels //= 2
+      conv = _conv_unit(
+        f'{t}_conv',
+        _conv_args(channels, 1, 1, 0, False),
+        ('avgpool', '', (2, 2)),
+      )
+      units.append(conv._replace(name=t))
+  units.append(Unit('norm5', (('bn', 'norm5', None), ('relu', '', None))))
+  head = (('gap', '', None), ('dense', 'classifier', m.num_classes))
+  fold = ('matrix', (('classifier', 'kernel'),))
+  return units + [Unit('head', head, fold, True)]
+
+
+def _mobilenet_v3_large_units(params, m, per_linear):
+  del params, per_linear  # the head is always cut per layer
+  settings = tuple(imagenet.BneckConfig(*s) for s in m.settings)
+  stem_args = (settings[0].input_channels, 3, 2, 1, 'HS', 1e-3)
+  stem_fold = ('conv', (('stem', 'conv', 'kernel'),))
+  units = [Unit('stem', (('conv_bn_act', 'stem', stem_args),), stem_fold)]
+  for i, cfg in enumerate(settings):
+    name, fold = f'block{i + 1}', None
+    if not cfg.residual and cfg.expanded_channels != cfg.input_channels:
+      fold = ('conv', ((name, 'expand', 'conv', 'kernel'),))
+    units.append(Unit(name, (('inverted_residual', name, cfg),), fold))
+  last_args = (6 * settings[-1].out_channels, 1, 1, 1, 'HS', 1e-3)
+  last_fold = ('conv', (('last_conv', 'conv', 'kernel'),))
+  units.append(
+    Unit('last_conv', (('conv_bn_act', 'last_conv', last_args),), last_fold)
+  )
+  fc0 = (('dense', 'fc0', m.last_channel), ('hardswish', '', None))
+  return units + [
+    Unit('pool', (('gap', '', None),), None, True),
+    Unit('fc0', fc0, ('matrix', (('fc0', 'kernel'),)), True),
+    Unit(
+      'fc1',
+      (('dense', 'fc1', m.num_classes),),
+      ('matrix', (('fc1', 'kernel'),)),
+      True,
+    ),
+  ]
+
+
+_IMAGENET_UNITS = {
+  'alexnet': _alexnet_units,
+  'vgg16': _imagenet_vgg16_units,
+  'resnet50': _resnet50_units,
+  'densenet121': _densenet121_units,
+  'mobilenet_v3_large': _mobilenet_v3_large_units,
+}
+
+
+def _imagenet_default_cuts(arch: str, chain: Sequence[Unit]) -> list[str]:
+  names = [u.name for u in chain]
+  if arch == 'resnet50':  # StitchNet's rule: stage inputs with a downsample
+    stages = [u.name for u in chain[1:-1] if u.fold]
+    return ['stem', *stages, 'head']
+  if arch == 'densenet121':  # StitchNet's rule + the first dense block
+    transitions = [n for n in names if n.startswith('transition')]
+    transitions = [n for n in transitions if not n.endswith('_norm')]
+    return ['stem', 'denseblock1_layer1', *transitions, 'head']
+  return names  # AlexNet, VGG-16 (StitchNet's rule), MobileNet (ours)
+
+
+def _imagenet_units(arch, params, module, per_linear) -> list[Unit]:
+  if module is None:
+    module = imagenet.module(arch)
+  chain = _IMAGENET_UNITS[arch](params, module, per_linear)
+  if module.preprocess is not None:
+    first = chain[0]
+    steps = (('preprocess', '', module.preprocess), *first.steps)
+    chain[0] = first._replace(steps=steps, fold=None)
+  return chain
+
+
+NAMES = tuple(sorted(_UNITS)) + tuple(
+  imagenet.PREFIX + a for a in sorted(_IMAGENET_UNITS)
+)
+
+
+def units(
+  model_name: str,
+  variables: dict,
+  per_linear: bool = False,
+  module: nn.Module | None = None,
+):
+  """The ordered units of a zoo model, read from its variables' shapes.
+
+  An ImageNet model (`imagenet_<arch>`) is read from its `module`'s
+  configuration instead (default: torchvision's ImageNet network).
+  """
+  arch = imagenet.arch_of(model_name)
+  if arch is not None:
+    return _imagenet_units(arch, variables['params'], module, per_linear)
   if model_name not in _UNITS:
     raise errors.ConfigError(
       f'--models: no block definition for model {model_name!r}; stitchable '
@@ -369,28 +576,39 @@ def units(model_name: str, variables: dict, per_linear: bool = False):
   return _UNITS[model_name](variables['params'], per_linear=per_linear)
 
 
-def cut_list(model_name: str, variables: dict, style: str = 'default'):
+def cut_list(
+  model_name: str,
+  variables: dict,
+  style: str = 'default',
+  module: nn.Module | None = None,
+):
   """The unit names at which blocks begin, for a cut style.
 
   Args:
     model_name: a zoo model.
     variables: its variables (the head's size decides 'per_linear').
-    style: 'default' (StitchNet's rule, whole classifier in the end block),
+    style: 'default' (StitchNet's rule, whole classifier in the end block;
+      for the ImageNet pool FedStitch's counts, see above),
       'per_linear' (also before every dense layer of the head) or
       'every_unit'.
+    module: an ImageNet model's module (see `units`).
   """
   if style not in CUT_STYLES:
     raise errors.ConfigError(
       f'--cuts: unknown cut style {style!r}; choose one of '
       f'{", ".join(CUT_STYLES)}'
     )
-  all_units = units(model_name, variables, per_linear=style == 'per_linear')
+  all_units = units(model_name, variables, style == 'per_linear', module)
   if style == 'every_unit':
     return tuple(u.name for u in all_units)
-  cuts = list(_DEFAULT_CUTS[model_name])
+  arch = imagenet.arch_of(model_name)
+  if arch is not None:
+    cuts = _imagenet_default_cuts(arch, all_units)
+  else:
+    cuts = list(_DEFAULT_CUTS[model_name])
   if style == 'per_linear':
     cuts = [c for c in cuts if c != 'head']
-    cuts += [u.name for u in all_units if u.head]
+    cuts += [u.name for u in all_units if u.head and u.name not in cuts]
   return tuple(cuts)
 
 
@@ -413,6 +631,7 @@ def split(
   variables: dict,
   input_shape: Sequence[int],
   cuts: Sequence[str] | str = 'default',
+  module: nn.Module | None = None,
 ) -> tuple[Block, ...]:
   """Cuts a pre-trained zoo model into typed blocks.
 
@@ -423,6 +642,8 @@ def split(
     input_shape: one input example's shape.
     cuts: a cut style (see `cut_list`) or explicit unit names at which
       blocks begin, in chain order; the first unit always begins a block.
+    module: an ImageNet model's Flax module (its configuration and input
+      preprocessing); ignored for other models.
 
   Returns:
     The blocks in chain order; running them in turn equals the model's
@@ -432,9 +653,9 @@ def split(
     ConfigError: unknown model, cut style or unit name, cuts out of order.
   """
   style = cuts if isinstance(cuts, str) else 'default'
-  chain = units(model_name, variables, per_linear=style == 'per_linear')
+  chain = units(model_name, variables, style == 'per_linear', module)
   if isinstance(cuts, str):
-    cuts = cut_list(model_name, variables, cuts)
+    cuts = cut_list(model_name, variables, cuts, module)
   names = [u.name for u in chain]
   unknown = [c for c in cuts if c not in names]
   if unknown:

@@ -233,6 +233,13 @@ def chains(
 ) -> list[tuple[blocks_lib.Block, ...]]:
   """Every pool model cut into blocks (see `blocks.split`)."""
   return [
-    blocks_lib.split(m.id, m.model.name, m.variables, m.model.input_shape, cuts)
+    blocks_lib.split(
+      m.id,
+      m.model.name,
+      m.variables,
+      m.model.input_shape,
+      cuts,
+      module=m.model.module,
+    )
     for m in models
   ]
