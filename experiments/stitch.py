@@ -12,9 +12,19 @@ writes, under `--workdir`:
 
 * `log.jsonl`: one line per round (participants, their selection times,
   pool sizes, ranks, weight summary, selections);
+* `energy.jsonl`: one line per round from the clients' local energy
+  coordinators (FedStitch §IV-D), which run in the loop: the server's
+  deadline and, per participant, the chosen DVFS configuration, predicted
+  and measured time, energy, whether the deadline was met, and the same
+  work at the highest frequency (`fedjax_mr.energy.fleet`). The devices are
+  simulated (`--energy_backend=simulated`, a `--energy_mix` of profiles and
+  speeds), or the Jetson the run is on, whose clocks are set through sysfs
+  (`sysfs`; restored at the end, also after an error) or only planned
+  (`dry_run`), with `--energy_profile`;
 * `results.json`: every stitched network (path, accuracy by its head and/or
   a kNN probe), every pool model's own accuracy, the "Local" baseline when
-  `--local_clients` > 0, timing, pool sizes and the peak host memory;
+  `--local_clients` > 0, timing, pool sizes, the energy totals (local
+  coordinators vs the highest frequency) and the peak host memory;
 * `networks.npz`: the stitched networks (block paths + stitch matrices;
   `fedjax_mr.stitch.federated.read_document` reads it);
 * `state.npz`: the run state after the last round and the flags that
@@ -23,6 +33,12 @@ writes, under `--workdir`:
 
 Pool models whose labels differ from the dataset's need `--label_map`, a
 JSON list with, per dataset class, the pool classes that count as it.
+
+`--imagenet_pool=<folder>` replaces `--pool` with FedStitch's own pool: the
+five ImageNet-1K networks, read from torchvision state dicts saved as
+`.safetensors` (`fedjax_mr.stitch.torchvision_import`); images are resized
+to `--imagenet_resolution` and ImageNet-normalised at the start of every
+model, and `--label_map` maps ImageNet classes to the dataset's.
 """
 
 from __future__ import annotations
@@ -38,6 +54,16 @@ from . import cli
 _POOL = flags.DEFINE_string('pool', 'runs/pool', 'Pool folder.')
 _POOL_MODELS = flags.DEFINE_list(
   'pool_models', [], 'Pool model ids to use (default: all in --pool).'
+)
+_IMAGENET_POOL = flags.DEFINE_string(
+  'imagenet_pool',
+  None,
+  "FedStitch's ImageNet pool instead of --pool: a folder of torchvision "
+  'state dicts as .safetensors (alexnet, resnet50, vgg16, densenet121, '
+  'mobilenet_v3_large); needs --label_map.',
+)
+_IMAGENET_RESOLUTION = flags.DEFINE_integer(
+  'imagenet_resolution', 224, 'Side images are resized to (--imagenet_pool).'
 )
 # The library's choices (fedjax_mr.stitch: blocks.CUT_STYLES, cka.VIEWS,
 # projection.SPATIAL_POLICIES and SOLVERS, federated.AGGREGATIONS,
@@ -115,15 +141,40 @@ _LABEL_MAP = flags.DEFINE_string('label_map', None, 'Label map JSON file.')
 _LOCAL_CLIENTS = flags.DEFINE_integer(
   'local_clients', 0, '"Local" baseline: this many clients stitch alone.'
 )
-_ENERGY_MIX = flags.DEFINE_multi_string(
+# fedjax_mr.energy.fleet.BACKENDS (a test checks they agree).
+ENERGY_BACKENDS = ['simulated', 'dry_run', 'sysfs']
+_ENERGY_BACKEND = flags.DEFINE_enum(
+  'energy_backend',
+  'simulated',
+  ENERGY_BACKENDS,
+  "Where the clients' local energy coordinators run: simulated devices "
+  '(--energy_mix), or this Jetson through sysfs (--energy_profile; clocks '
+  'are set per client, restored at the end), or a dry run of that (writes '
+  'planned and recorded, none made).',
+)
+_ENERGY_MIX = flags.DEFINE_string(
   'energy_mix',
-  [
-    'tx2_literal@1:0.3,tx2_literal@0.7:0.4,tx2_literal@0.4:0.3',
-    'tx2_chained@1:0.3,tx2_chained@0.7:0.4,tx2_chained@0.4:0.3',
-  ],
-  'Simulated device mixes profile[@speed]:weight,... (repeatable; empty: '
-  'none): each is simulated with the local energy coordinator vs the '
-  "highest frequency on the run's measured selection times.",
+  'tx2_chained@1:0.3,tx2_chained@0.7:0.4,tx2_chained@0.4:0.3',
+  'The simulated devices, profile[@speed]:weight,... (profiles: '
+  'tx2_literal, tx2_chained or a JSON file; --energy_backend=simulated).',
+)
+_ENERGY_PROFILE = flags.DEFINE_string(
+  'energy_profile',
+  None,
+  "This device's profile (tx2_literal, tx2_chained or a JSON file of "
+  'experiments.profile_device) for --energy_backend=sysfs or dry_run.',
+)
+_ENERGY_SYSFS_ROOT = flags.DEFINE_string(
+  'energy_sysfs_root',
+  '/',
+  'Root of the sysfs tree (--energy_backend=sysfs or dry_run).',
+)
+_ENERGY_MS_PER_SCORE = flags.DEFINE_float(
+  'energy_ms_per_score',
+  1.0,
+  "The coordinators' time model: ms to score one candidate block on one "
+  "example at the profile's first configuration (feedback corrects it; "
+  'on simulated devices it is the time).',
 )
 _WORKDIR = flags.DEFINE_string('workdir', 'runs/stitch', 'Output folder.')
 
@@ -180,6 +231,10 @@ _IDENTITY_FLAGS = (
   'stitch_bias',
   'stitch_solver',
   'seed',
+  'energy_backend',
+  'energy_mix',
+  'energy_profile',
+  'energy_ms_per_score',
 )
 
 
@@ -189,6 +244,8 @@ def _identity(models) -> dict:
   # Stored under the flag's earlier name: workdirs keep resuming.
   out['dirichlet_alpha'] = out.pop('alpha')
   out['pool_models'] = [m.id for m in models]
+  if _IMAGENET_POOL.value:
+    out['imagenet_resolution'] = _IMAGENET_RESOLUTION.value
   return out
 
 
@@ -211,6 +268,21 @@ def _print_round(state) -> None:
     f'{w["min"]:.2f}×',
     flush=True,
   )
+  en = e.get('energy')
+  if en is not None:
+    met = [c['met'] for c in en['clients']]
+    print(
+      f'    energy {en["energy_j"]:.1f} J (highest frequency '
+      f'{en["default_energy_j"]:.1f} J); '
+      + (
+        'no deadline yet'
+        if en['deadline_s'] is None
+        else f'deadline {en["deadline_s"]:.2f} s, met by {sum(met)}/{len(met)}'
+      )
+      + '; configs '
+      + ', '.join(c['config'] for c in en['clients']),
+      flush=True,
+    )
   for s in e.get('selected', []):
     if 'block' in s:
       print(
@@ -297,10 +369,96 @@ def _check_flags(stitch, errors, network) -> None:
     checks.append(
       (math.isfinite(value), f'--{name} must be finite, got {value}')
     )
+  ms = _ENERGY_MS_PER_SCORE.value
+  checks.append(
+    (
+      ms > 0 and math.isfinite(ms),
+      f'--energy_ms_per_score must be finite and > 0, got {ms}',
+    )
+  )
+  backend = _ENERGY_BACKEND.value
+  if backend == 'simulated':
+    checks.append(
+      (
+        _ENERGY_PROFILE.value is None,
+        '--energy_profile applies to --energy_backend=sysfs or dry_run, '
+        'not simulated (which takes --energy_mix)',
+      )
+    )
+  else:
+    checks += [
+      (
+        flags.FLAGS['energy_mix'].using_default_value,
+        f'--energy_mix applies to --energy_backend=simulated, not {backend} '
+        '(which takes --energy_profile)',
+      ),
+      (
+        _ENERGY_PROFILE.value is not None,
+        f'--energy_backend={backend} needs --energy_profile: tx2_literal, '
+        'tx2_chained or a JSON file of experiments.profile_device',
+      ),
+    ]
   for ok, message in checks:
     if not ok:
       raise errors.ConfigError(message)
   federated.check_config(_config(stitch, _SEED.value), n)
+
+
+def _fleet(errors):
+  """The clients' energy coordinators of --energy_backend; a bad setting
+  is refused in one line before the data loads, and nothing is written."""
+  from fedjax_mr import energy
+  from fedjax_mr.energy import fleet
+  from fedjax_mr.energy import simulation
+
+  seconds = _ENERGY_MS_PER_SCORE.value / 1000
+  if _ENERGY_BACKEND.value == 'simulated':
+    try:
+      devices = simulation.assign_profiles(
+        _ENERGY_MIX.value, _NUM_CLIENTS.value, _SEED.value
+      )
+    except (ValueError, OSError) as e:
+      raise errors.ConfigError(
+        f'--energy_mix={_ENERGY_MIX.value!r}: {e}'
+      ) from None
+    return fleet.Fleet(
+      fleet.SimulatedBackend(devices), seconds_per_unit=seconds
+    )
+  where = f'--energy_sysfs_root={_ENERGY_SYSFS_ROOT.value}'
+  root = energy.SysfsRoot(_ENERGY_SYSFS_ROOT.value)
+  if not root.is_dir('.'):
+    raise errors.ConfigError(f'{where}: no such directory')
+  try:
+    profile = energy.get_profile(_ENERGY_PROFILE.value)
+  except (ValueError, OSError, TypeError, KeyError) as e:
+    raise errors.ConfigError(
+      f'--energy_profile={_ENERGY_PROFILE.value}: {e}'
+    ) from None
+  try:
+    info = energy.discover(root)
+    meter = energy.SysfsPowerMeter(root, info.power_channels)
+    plan = energy.SysfsDvfs(root, info, dry_run=True)
+    for config in profile.configs:  # Each must fit this device.
+      plan.apply(config)
+  except energy.EnergyError as e:
+    raise errors.ConfigError(
+      f'{where} with --energy_profile={_ENERGY_PROFILE.value}: {e}'
+    ) from None
+  if _ENERGY_BACKEND.value == 'sysfs':
+    for rel, _ in plan.writes:
+      if not os.access(root.path(rel), os.W_OK):
+        raise errors.ConfigError(
+          f'--energy_backend=sysfs may not write {root.path(rel)}: '
+          'changing clocks needs root (run with sudo), or use '
+          '--energy_backend=dry_run'
+        )
+  dvfs = energy.SysfsDvfs(
+    root, info, dry_run=_ENERGY_BACKEND.value == 'dry_run'
+  )
+  return fleet.Fleet(
+    fleet.SysfsBackend(dvfs, profile, meter.total_w),
+    seconds_per_unit=seconds,
+  )
 
 
 def _read_label_map(errors) -> list | None:
@@ -336,14 +494,7 @@ def _main(stitch, errors) -> None:
 
   _check_flags(stitch, errors, network)
   _read_label_map(errors)  # a bad file is refused before the data loads
-  from fedjax_mr.energy import simulation
-
-  for mix in _ENERGY_MIX.value:
-    try:
-      if mix:
-        simulation.assign_profiles(mix, _NUM_CLIENTS.value, _SEED.value)
-    except ValueError as e:
-      raise errors.ConfigError(f'--energy_mix={mix!r}: {e}') from None
+  coordinators = _fleet(errors)
   workdir_lib.check_free(_WORKDIR.value)
   old_state = os.path.join(_WORKDIR.value, 'state.pkl')
   if os.path.exists(old_state):
@@ -353,7 +504,19 @@ def _main(stitch, errors) -> None:
       'another --workdir (or remove that file to start over)'
     )
   ds = datasets.load(_DATASET.value, _DATA_DIR.value)
-  models = pool_lib.load(_POOL.value, _POOL_MODELS.value or None)
+  if _IMAGENET_POOL.value:
+    from fedjax_mr.stitch import torchvision_import
+
+    models = torchvision_import.load_pool(
+      _IMAGENET_POOL.value,
+      input_shape=ds.input_shape,
+      scale=ds.scale,
+      shift=ds.shift,
+      resolution=_IMAGENET_RESOLUTION.value,
+      ids=_POOL_MODELS.value or None,
+    )
+  else:
+    models = pool_lib.load(_POOL.value, _POOL_MODELS.value or None)
   for m in models:
     if tuple(m.model.input_shape) != ds.input_shape:
       raise errors.ConfigError(
@@ -361,6 +524,10 @@ def _main(stitch, errors) -> None:
         f'{ds.name} has examples of shape {ds.input_shape}'
       )
   label_map = _read_label_map(errors)
+  if label_map is not None and _IMAGENET_POOL.value:
+    label_map = torchvision_import.check_label_map(
+      label_map, ds.num_classes, min(m.model.num_classes for m in models)
+    )
   if label_map is not None:
     if len(label_map) != ds.num_classes:
       raise errors.ConfigError(
@@ -372,7 +539,9 @@ def _main(stitch, errors) -> None:
       '--label_map is needed: pool models have other label spaces than '
       f'--dataset={ds.name}'
     )
-  split = pool_lib.public_indices(_POOL.value)
+  split = None
+  if not _IMAGENET_POOL.value:
+    split = pool_lib.public_indices(_POOL.value)
   if split is not None and split.get('dataset') == ds.name:
     public = np.asarray(split['indices'], int)
   else:
@@ -423,20 +592,35 @@ def _main(stitch, errors) -> None:
   # Held until the process ends: one writer per workdir.
   _LOCKS.append(workdir_lib.acquire(_WORKDIR.value))
   config = _config(stitch, _SEED.value)
-  state = stitch.run(
-    pool,
-    batch_fn,
-    _NUM_CLIENTS.value,
-    config,
-    state_path=os.path.join(_WORKDIR.value, STATE_FILE),
-    identity=_identity(models),
-    on_round=_print_round,
-  )
+  from fedjax_mr.energy import sysfs
+
+  try:
+    state = stitch.run(
+      pool,
+      batch_fn,
+      _NUM_CLIENTS.value,
+      config,
+      state_path=os.path.join(_WORKDIR.value, STATE_FILE),
+      identity=_identity(models),
+      on_round=_print_round,
+      energy=coordinators,
+    )
+  except sysfs.EnergyError as e:  # e.g. the kernel refused a clock
+    raise errors.UserError(f'--energy_backend={_ENERGY_BACKEND.value}: {e}')
   # Over every round of the run, also those before a resume.
   run_seconds = sum(e.get('round_time_s', 0.0) for e in state.log)
   files.write_atomic(
     os.path.join(_WORKDIR.value, 'log.jsonl'),
-    lambda f: f.writelines(json.dumps(e) + '\n' for e in state.log),
+    lambda f: f.writelines(
+      json.dumps({k: v for k, v in e.items() if k != 'energy'}) + '\n'
+      for e in state.log
+    ),
+  )
+  files.write_atomic(
+    os.path.join(_WORKDIR.value, 'energy.jsonl'),
+    lambda f: f.writelines(
+      json.dumps({'round': e['round'], **e['energy']}) + '\n' for e in state.log
+    ),
   )
 
   key = 'head' if _EVAL.value in ('head', 'both') else 'knn'
@@ -495,8 +679,18 @@ def _main(stitch, errors) -> None:
       )
     local['mean_best'] = float(np.nanmean(local['best']))
 
+  from fedjax_mr.energy import fleet
+
   rounds = state.log
-  energy = _simulate_energy(federated, state.log)
+  energy_summary = {
+    'backend': _ENERGY_BACKEND.value,
+    'devices': (
+      _ENERGY_MIX.value
+      if _ENERGY_BACKEND.value == 'simulated'
+      else _ENERGY_PROFILE.value
+    ),
+    **fleet.summarize([e['energy'] for e in rounds]),
+  }
   results = {
     'config': config._asdict(),
     'partition': _PARTITION.value,
@@ -514,7 +708,7 @@ def _main(stitch, errors) -> None:
       sum(sum(e['client_time_s']) for e in rounds)
     ),
     'final_weights': rounds[-1]['weights'] if rounds else None,
-    'energy': energy,
+    'energy': energy_summary,
     'peak_host_mib': _peak_mib(),
   }
   files.write_atomic(
@@ -534,12 +728,23 @@ def _main(stitch, errors) -> None:
       f"Local (mean of {len(local['clients'])} clients' best): "
       f'{100 * local["mean_best"]:.2f} %'
     )
-  for mix, e in energy.items():
-    print(
-      f'energy, {mix}: coordinator saves {100 * e["energy_saving"]:.1f} % '
-      f'vs highest frequency (time {100 * e["time_change"]:+.1f} %, '
-      f'{e["missed"]} missed deadlines)'
+  en = energy_summary
+  writes = sum(
+    len(c.get('writes', ())) for r in rounds for c in r['energy']['clients']
+  )
+  print(
+    f'energy ({en["backend"]}, {en["devices"]}): local coordinators '
+    f'{en["coordinated_energy_j"]:.1f} J vs {en["default_energy_j"]:.1f} J '
+    f'at the highest frequency, saving {100 * en["energy_saving"]:.1f} % '
+    f'(time {100 * en["time_change"]:+.1f} %, {en["missed"]} missed deadlines'
+    + (
+      ''
+      if en['backend'] == 'simulated'
+      else f'; {writes} sysfs writes'
+      + (', planned only' if en['backend'] == 'dry_run' else '')
     )
+    + '); per client and round in energy.jsonl'
+  )
   print(f'peak host memory {results["peak_host_mib"]:.0f} MiB')
 
 
@@ -550,23 +755,6 @@ def _plain(o):
   if isinstance(o, (np.generic, np.ndarray)):
     return o.tolist()
   raise TypeError(f'{type(o).__name__} is not JSON serializable')
-
-
-def _simulate_energy(federated, log) -> dict:
-  """Coordinator vs highest frequency for every --energy_mix."""
-  from fedjax_mr.energy import simulation
-
-  ids, work, factors = federated.energy_rounds(log)
-  out = {}
-  for mix in _ENERGY_MIX.value:
-    if not mix:
-      continue
-    clients = simulation.assign_profiles(mix, _NUM_CLIENTS.value, _SEED.value)
-    report = simulation.simulate(
-      work, clients, client_ids=ids, deadline_factors=factors
-    )
-    out[mix] = report.summary()
-  return out
 
 
 def entry() -> None:

@@ -214,6 +214,39 @@ CASES = {
     (['--workdir=README.md'], 'README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
     (['--energy_mix=bogus'], '--energy_mix'),
+    (['--energy_backend=bogus'], '--energy_backend'),
+    (['--energy_ms_per_score=0'], '--energy_ms_per_score'),
+    (['--energy_ms_per_score=nan'], '--energy_ms_per_score'),
+    (['--energy_profile=tx2_chained'], '--energy_profile'),
+    (['--energy_backend=sysfs'], '--energy_profile'),
+    (
+      [
+        '--energy_backend=dry_run',
+        '--energy_profile=tx2_chained',
+        '--energy_mix=tx2_literal:1',
+      ],
+      '--energy_mix',
+    ),
+    (
+      ['--energy_backend=dry_run', '--energy_profile=nosuch'],
+      '--energy_profile=nosuch',
+    ),
+    (
+      [
+        '--energy_backend=sysfs',
+        '--energy_profile=tx2_chained',
+        '--energy_sysfs_root=/nonexistent/sys',
+      ],
+      '--energy_sysfs_root=/nonexistent/sys',
+    ),
+    (
+      [
+        '--energy_backend=sysfs',
+        '--energy_profile=tx2_chained',
+        '--energy_sysfs_root=experiments',
+      ],
+      '--energy_sysfs_root=experiments with --energy_profile=tx2_chained: no',
+    ),
     (['--pool=/nonexistent/pool'], '/nonexistent/pool'),
     (['--dataset=bogus'], '--dataset'),
     (['--num_clients=x'], '--num_clients'),

@@ -6,8 +6,10 @@ import re
 
 import pytest
 
+from fedjax_mr.energy import fleet
 from fedjax_mr.stitch import federated
 from tests import helpers
+from tests.energy import fake_sysfs
 
 _run = helpers.run_module
 
@@ -59,7 +61,18 @@ def test_stitch_runs_evaluates_and_resumes(
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
   assert re.search(r'^round +0 +depth 1 +pool \d+,\d+ ', out, re.M)
-  assert re.search(r'energy, tx2_literal.*coordinator saves', out)
+  assert re.search(
+    r'^    energy [\d.]+ J \(highest frequency [\d.]+ J\); no deadline yet;'
+    r' configs table2_3_MAXN, ',
+    out,
+    re.M,
+  )
+  assert re.search(
+    r'^energy \(simulated, tx2_chained@1:0.3,.*\): local coordinators '
+    r'[\d.]+ J vs [\d.]+ J at the highest frequency, saving',
+    out,
+    re.M,
+  )
   results = json.load(open(tmp_path / 'results.json'))
   nets = results['networks']
   assert nets, 'no stitched network'
@@ -73,11 +86,27 @@ def test_stitch_runs_evaluates_and_resumes(
   assert results['peak_host_mib'] > 0
   rounds = [json.loads(line) for line in open(tmp_path / 'log.jsonl')]
   assert [r['round'] for r in rounds] == list(range(len(rounds)))
+  # The clients' energy coordinators ran in the loop: every round records
+  # every participant's configuration, time and energy.
+  energy = (tmp_path / 'energy.jsonl').read_text()
+  records = [json.loads(line) for line in energy.splitlines()]
+  assert [r['round'] for r in records] == list(range(len(rounds)))
+  for r, e in zip(rounds, records):
+    assert [c['client'] for c in e['clients']] == r['clients']
+    for c in e['clients']:
+      assert c['config'].startswith('table2_') and c['energy_j'] > 0
+      assert c['units'] == 32 * sum(r['pool_sizes'])
+  assert all(e['deadline_s'] > 0 for e in records[1:])
+  assert results['energy']['rounds'] == len(rounds)
+  assert results['energy']['coordinated_energy_j'] == pytest.approx(
+    sum(e['energy_j'] for e in records)
+  )
   # A re-run resumes from state.npz: same networks, no new rounds.
   again = _run(*args)
   assert again.returncode == 0, again.stderr
   assert 'round ' not in again.stdout.split('stitched networks')[0]
   assert json.load(open(tmp_path / 'results.json'))['networks'] == nets
+  assert (tmp_path / 'energy.jsonl').read_text() == energy
   # The networks are stored without a pickle, with the run's flags.
   finished, identity = federated.read_document(str(tmp_path / 'networks.npz'))
   assert sorted(f['round'] for f in finished) == sorted(
@@ -99,6 +128,51 @@ def test_stitch_runs_evaluates_and_resumes(
   (old / 'state.pkl').write_bytes(b'\x80\x04\x95 whatever')
   refused = _run(*args[:-1], f'--workdir={old}')
   assert refused.returncode == 2 and 'never unpickles' in refused.stderr
+
+
+@pytest.mark.parametrize('backend', ['sysfs', 'dry_run'])
+def test_stitch_sets_a_jetsons_clocks_per_client_and_restores_them(
+  small_pool, small_fmnist_dir, tmp_path, backend
+):
+  pool_dir, _ = small_pool
+  tree = fake_sysfs.build_tx2_tree(tmp_path / 'tx2')
+
+  def files():  # (A written value has no newline; that is no change.)
+    return {
+      str(p): p.read_bytes().strip()
+      for p in sorted(tree.rglob('*'))
+      if p.is_file() and not p.is_symlink()
+    }
+
+  before = files()
+  proc = _run(
+    'experiments.stitch',
+    f'--pool={pool_dir}',
+    f'--data_dir={small_fmnist_dir}',
+    '--num_clients=4',
+    '--clients_per_round=2',
+    '--rounds_per_selection=1',
+    '--max_depth=2',
+    '--batch_size=16',
+    '--eval_examples=50',
+    f'--energy_backend={backend}',
+    '--energy_profile=tx2_chained',
+    f'--energy_sysfs_root={tree}',
+    f'--workdir={tmp_path / "w"}',
+  )
+  assert proc.returncode == 0, proc.stderr
+  records = [json.loads(line) for line in open(tmp_path / 'w' / 'energy.jsonl')]
+  assert records and all(r['backend'] == backend for r in records)
+  # The first client of the run sets MAXN (its GPU minimum, among others).
+  first = records[0]['clients'][0]
+  gpu_min = 'sys/class/devfreq/17000000.gp10b/min_freq'
+  assert first['config'] == 'table2_3_MAXN'
+  assert [gpu_min, '1300500000'] in first['writes']
+  writes = sum(len(c['writes']) for r in records for c in r['clients'])
+  planned = ', planned only' if backend == 'dry_run' else ''
+  assert f'; {writes} sysfs writes{planned}); per client' in proc.stdout
+  # Written and put back, or (dry run) never written.
+  assert files() == before
 
 
 def test_stitch_without_a_pool_says_how_to_make_one(small_fmnist_dir, tmp_path):
@@ -131,6 +205,13 @@ def test_the_programs_choices_are_the_librarys():
     and getattr(n.targets[0], 'id', '') == 'CHOICES'
   ]
   choices = ast.literal_eval(node.value)
+  (backends,) = [
+    ast.literal_eval(n.value)
+    for n in tree.body
+    if isinstance(n, ast.Assign)
+    and getattr(n.targets[0], 'id', '') == 'ENERGY_BACKENDS'
+  ]
+  assert tuple(backends) == fleet.BACKENDS
   assert {k: tuple(v) for k, v in choices.items()} == {
     'cuts': blocks.CUT_STYLES,
     'view': cka.VIEWS,

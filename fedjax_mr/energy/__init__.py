@@ -6,14 +6,17 @@ through a `SysfsRoot`, which tests point at a fake tree.
 Modules: `sysfs` (file access), `discovery` (what the board has), `dvfs`
 (setting clocks, restoring them), `power` and `energy_meter` (measuring),
 `tegrastats` (log parser), `profiles` (device profiles, TX2 Table II),
-`coordinator` (FedStitch §IV-D), `simulation` (coordinator vs default governor)
-and `profiling` (measuring a profile on a device).
+`coordinator` (FedStitch §IV-D), `fleet` (the clients' coordinators in a
+run's round loop, on simulated devices or through sysfs), `simulation`
+(coordinator vs default governor) and `profiling` (measuring a profile on a
+device).
 """
 
 from fedjax_mr.energy import coordinator as coordinator
 from fedjax_mr.energy import discovery as discovery
 from fedjax_mr.energy import dvfs as dvfs
 from fedjax_mr.energy import energy_meter as energy_meter
+from fedjax_mr.energy import fleet as fleet
 from fedjax_mr.energy import power as power
 from fedjax_mr.energy import profiles as profiles
 from fedjax_mr.energy import profiling as profiling
@@ -43,6 +46,9 @@ from fedjax_mr.energy.dvfs import snap as snap
 from fedjax_mr.energy.energy_meter import EnergyMeter as EnergyMeter
 from fedjax_mr.energy.energy_meter import EnergyReading as EnergyReading
 from fedjax_mr.energy.energy_meter import trapezoid_energy as trapezoid_energy
+from fedjax_mr.energy.fleet import Fleet as Fleet
+from fedjax_mr.energy.fleet import SimulatedBackend as SimulatedBackend
+from fedjax_mr.energy.fleet import SysfsBackend as SysfsBackend
 from fedjax_mr.energy.power import SysfsPowerMeter as SysfsPowerMeter
 from fedjax_mr.energy.power import total_power_mw as total_power_mw
 from fedjax_mr.energy.profiles import BUILTIN_PROFILES as BUILTIN_PROFILES

@@ -11,8 +11,8 @@ slowest client is done. Plain numbers in, a plain report out:
     report.to_dict()  # JSON-ready
 
 Training runs give their workloads by `training_workloads` (examples ×
-local epochs × seconds per example); FedStitch runs by their measured
-selection times (`fedjax_mr.stitch.federated.energy_rounds`).
+local epochs × seconds per example). FedStitch runs do not replay: their
+clients' coordinators choose and measure inside the round loop (`fleet`).
 
 A mix spec is 'profile[@speed]:weight,...': `profile` is a built-in name
 ('tx2_literal', 'tx2_chained') or a JSON profile file, `speed` the device's

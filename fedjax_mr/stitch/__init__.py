@@ -4,8 +4,9 @@ Modules: `blocks` (cutting a pre-trained zoo model into typed blocks),
 `cka` (linear CKA, align-corners resizing), `projection` (the stitching
 layer: least-squares fit, spatial policy, folding), `network` (stitched
 networks, head / kNN evaluation), `federated` (client step, RL-weighted
-server step, search-space optimiser, the run loop) and `pool` (training,
-saving and loading a pool of pre-trained models).
+server step, search-space optimiser, the run loop), `pool` (training,
+saving and loading a pool of pre-trained models) and `torchvision_import`
+(FedStitch's ImageNet pool from torchvision weights in .safetensors).
 """
 
 from fedjax_mr.stitch import blocks as blocks
@@ -14,6 +15,7 @@ from fedjax_mr.stitch import federated as federated
 from fedjax_mr.stitch import network as network
 from fedjax_mr.stitch import pool as pool
 from fedjax_mr.stitch import projection as projection
+from fedjax_mr.stitch import torchvision_import as torchvision_import
 from fedjax_mr.stitch.blocks import Block as Block
 from fedjax_mr.stitch.blocks import cut_list as cut_list
 from fedjax_mr.stitch.blocks import split as split

@@ -47,6 +47,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -61,6 +62,7 @@ import numpy as np
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
+from fedjax_mr.energy import fleet as fleet_lib
 from fedjax_mr.stitch import blocks as blocks_lib
 from fedjax_mr.stitch import cka
 from fedjax_mr.stitch import network as network_lib
@@ -484,6 +486,7 @@ def run_round(
   config: Config,
   *,
   population: Sequence[int],
+  energy: fleet_lib.Fleet | None = None,
 ) -> State:
   """One round: sample clients, client step, server step; at the end of a
   selection, stitch and prune.
@@ -494,6 +497,10 @@ def run_round(
     batch_fn: `(client id, round) → [B, ...]` model-ready batch.
     config: hyper-parameters.
     population: the client ids that can be sampled.
+    energy: the clients' energy coordinators (open), or None. Each
+      client's scoring runs under its coordinator's configuration as
+      `batch size × candidates scored` work units; the round's record
+      (`fleet.RoundEnergy.record`) goes to the log entry's 'energy'.
   """
   t_start = time.perf_counter()
   r = state.round
@@ -512,18 +519,33 @@ def run_round(
   scores = [np.zeros((k, len(c))) for c in cands]
   choices = [[None] * k for _ in cands]
   client_time = []
+  num_scored = sum(len(c) for c in cands)
+  energy_round = None
+  if energy is not None:
+    energy_round = energy.start_round(
+      [e['energy'] for e in state.log if 'energy' in e],
+      depth=depth,
+      pool_size=num_scored,
+    )
   for p, c in enumerate(ids):
     crng = np.random.default_rng([config.seed, r, c, 1])
     x = batch_fn(c, r)
-    t0 = time.perf_counter()
-    inputs = pool_inputs(pool, needed, x)
-    for n, lv in enumerate(state.live):
-      if not cands[n]:
-        continue
-      out = np.asarray(network_lib.apply(lv.net, x))
-      scores[n][p] = score(out, inputs, cands[n], config.view, config.debiased)
-      choices[n][p] = select(scores[n][p], config.top_k, epsilon, crng)
-    client_time.append(time.perf_counter() - t0)
+    with (
+      energy_round.client(c, len(x) * num_scored)
+      if energy_round is not None
+      else contextlib.nullcontext()
+    ):
+      t0 = time.perf_counter()
+      inputs = pool_inputs(pool, needed, x)
+      for n, lv in enumerate(state.live):
+        if not cands[n]:
+          continue
+        out = np.asarray(network_lib.apply(lv.net, x))
+        scores[n][p] = score(
+          out, inputs, cands[n], config.view, config.debiased
+        )
+        choices[n][p] = select(scores[n][p], config.top_k, epsilon, crng)
+      client_time.append(time.perf_counter() - t0)
 
   # Server: cross-validated ranks → weights → votes.
   ranks = np.full(k, np.nan)
@@ -572,6 +594,8 @@ def run_round(
     'weights': _weight_summary(weights),
     'epsilon': epsilon,
   }
+  if energy_round is not None:
+    entry['energy'] = energy_round.record()
   state = state._replace(
     round=r + 1, weights=weights, live=tuple(live), fit_ids=tuple(ids)
   )
@@ -902,6 +926,7 @@ def run(
   identity: Any = None,
   on_round: Callable[[State], None] | None = None,
   max_rounds: int = 1000,
+  energy: fleet_lib.Fleet | None = None,
 ) -> State:
   """Runs FedStitch until no candidate network is left.
 
@@ -921,6 +946,10 @@ def run(
       (`StateFileError`) instead of being resumed.
     on_round: called with the state after every round (logging).
     max_rounds: a safety bound.
+    energy: the clients' local energy coordinators and devices (see
+      `run_round`); opened for the run, so a sysfs backend's clocks are
+      restored when `run` returns or raises. Their records are part of the
+      log, so a resumed run continues them exactly.
 
   Returns:
     The final state; `state.finished` holds the stitched networks.
@@ -933,43 +962,13 @@ def run(
     state = load_state(state_path, pool, identity)
   else:
     state = init_state(pool, num_clients, starts)
-  while state.live and state.round < max_rounds:
-    state = run_round(pool, state, batch_fn, config, population=population)
-    if state_path:
-      save_state(state_path, state, identity)
-    if on_round is not None:
-      on_round(state)
+  with energy if energy is not None else contextlib.nullcontext():
+    while state.live and state.round < max_rounds:
+      state = run_round(
+        pool, state, batch_fn, config, population=population, energy=energy
+      )
+      if state_path:
+        save_state(state_path, state, identity)
+      if on_round is not None:
+        on_round(state)
   return state
-
-
-def energy_rounds(
-  log: Sequence[dict],
-) -> tuple[list[list[int]], list[list[float]], list[float]]:
-  """A run's rounds as the energy simulator's input.
-
-  Args:
-    log: `State.log`.
-
-  Returns:
-    (client ids, workloads, deadline factors) per round: the participants,
-    their measured selection times (seconds, the work to scale by each
-    simulated device's speed) and the server's deadline factor for the
-    round, depth × pool size relative to the previous round (the deepest
-    candidate network; the candidates scored over all networks), 1 for the
-    first round.
-  """
-  from fedjax_mr.energy import coordinator  # host-only, no jax
-
-  ids, work, factors = [], [], []
-  prev = None
-  for e in log:
-    ids.append(list(e['clients']))
-    work.append([float(t) for t in e['client_time_s']])
-    cur = (int(e['depth']), max(int(sum(e['pool_sizes'])), 1))
-    if prev is None:
-      factors.append(1.0)
-    else:
-      d, p = coordinator.deadline_factors(prev[0], cur[0], prev[1], cur[1])
-      factors.append(d * p)
-    prev = cur
-  return ids, work, factors

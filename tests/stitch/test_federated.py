@@ -6,10 +6,17 @@ import numpy as np
 import pytest
 
 from fedjax_mr.core import errors
+from fedjax_mr.energy import discovery
+from fedjax_mr.energy import dvfs
+from fedjax_mr.energy import fleet
+from fedjax_mr.energy import power
+from fedjax_mr.energy import profiles
+from fedjax_mr.energy import simulation
 from fedjax_mr.stitch import blocks
 from fedjax_mr.stitch import cka
 from fedjax_mr.stitch import federated
 from fedjax_mr.stitch import network
+from tests.energy import fake_sysfs
 from tests.stitch import common
 
 # --- Server step by hand ----------------------------------------------------
@@ -343,7 +350,11 @@ def _summary(state):
     return (n.path, stitches)
 
   log = [
-    {k: v for k, v in e.items() if k not in ('client_time_s', 'round_time_s')}
+    {
+      k: v
+      for k, v in e.items()
+      if k not in ('client_time_s', 'round_time_s', 'energy')
+    }
     for e in state.log
   ]
   return {
@@ -472,6 +483,59 @@ def test_save_and_load_state_round_trip(baseline, tmp_path):
     np.testing.assert_array_equal(
       network.apply(a.net, x), network.apply(b.net, x)
     )
+
+
+def _simulated_energy():
+  devices = simulation.assign_profiles(
+    'tx2_chained@1:0.5,tx2_chained@0.5:0.5', NUM_CLIENTS
+  )
+  return fleet.Fleet(fleet.SimulatedBackend(devices), seconds_per_unit=0.001)
+
+
+def test_energy_coordinators_in_the_loop(baseline, tmp_path):
+  state = _run(energy=_simulated_energy())
+  # The coordinators change no result.
+  assert _summary(state) == _summary(baseline)
+  records = [e['energy'] for e in state.log]
+  assert records[0]['deadline_s'] is None
+  assert all(r['deadline_s'] > 0 for r in records[1:])
+  for e, rec in zip(state.log, records):
+    assert [c['client'] for c in rec['clients']] == e['clients']
+    assert rec['pool_size'] == sum(e['pool_sizes'])
+    for c in rec['clients']:
+      # The scoring work: 8 examples × every candidate of the round.
+      assert c['units'] == 8 * sum(e['pool_sizes'])
+      assert c['time_s'] > 0 and c['energy_j'] > 0
+  # Resumed mid-run, the records continue exactly.
+  path = str(tmp_path / 'state.npz')
+  _run(state_path=path, max_rounds=2, energy=_simulated_energy())
+  resumed = _run(state_path=path, energy=_simulated_energy())
+  assert [e['energy'] for e in resumed.log] == records
+
+
+def test_sysfs_clocks_restored_when_a_run_fails(tmp_path):
+  fake_sysfs.build_tx2_tree(tmp_path)
+  kernel = fake_sysfs.FakeKernel(
+    tmp_path, profiles.TX2_TABLE2_CHAINED, fake_sysfs.TX2_RAIL_SHARES
+  )
+  before = fake_sysfs.control_files(kernel)
+  info = discovery.discover(kernel)
+  meter = power.SysfsPowerMeter(kernel, info.power_channels)
+  backend = fleet.SysfsBackend(
+    dvfs.SysfsDvfs(kernel, info, settle_s=0),
+    profiles.TX2_TABLE2_CHAINED,
+    meter.total_w,
+    threaded=False,
+  )
+
+  def crash(state):
+    if state.round == 2:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    _run(energy=fleet.Fleet(backend, seconds_per_unit=0.001), on_round=crash)
+  assert kernel.log  # Clocks were set, then put back.
+  assert fake_sysfs.control_files(kernel) == before
 
 
 def test_uniform_aggregation_leaves_weights_uniform():
