@@ -8,6 +8,11 @@ centrally on a held-out public part of the dataset's training split
 `experiments.stitch` gives the clients only the rest. Each model is saved
 as `<out>/<model>/` (meta.json + an orbax checkpoint) and its test accuracy
 printed. Re-running skips models already saved.
+
+`--classes=0-4` trains the pool on those classes only (relabelled 0..n-1;
+the public examples of other classes are left out), for a transfer
+setting in which `experiments.stitch --classes=5-9 --eval=knn` stitches
+for a task the pool never learnt.
 """
 
 from __future__ import annotations
@@ -40,6 +45,13 @@ _OUT = flags.DEFINE_string(
   'workdir', 'runs/pool', 'Pool folder (experiments.stitch --pool).'
 )
 # The flags' names before they were unified with experiments.run's.
+_CLASSES = flags.DEFINE_string(
+  'classes',
+  '',
+  'Train the pool on these classes only, e.g. 0-4 (relabelled 0..n-1 in '
+  'this order; a transfer setting with experiments.stitch --classes); '
+  'empty: all.',
+)
 flags.DEFINE_alias('out', 'workdir')
 flags.DEFINE_alias('learning_rate', 'lr')
 
@@ -77,6 +89,10 @@ def main(argv) -> None:
       )
     workdir_lib.check_free(_OUT.value, '--workdir')
     ds = datasets.load(_DATASET.value, _DATA_DIR.value)
+    classes = None
+    if _CLASSES.value:
+      classes = datasets.parse_classes(_CLASSES.value, ds.num_classes)
+      ds = datasets.select_classes(ds, classes)
     public, _ = pool.split_public(
       len(ds.y_train), _PUBLIC_SIZE.value, _SEED.value
     )
@@ -88,17 +104,22 @@ def main(argv) -> None:
       'seed': _SEED.value,
       'public_size': _PUBLIC_SIZE.value,
       'indices': public.tolist(),
+      'classes': None if classes is None else list(classes),
     }
     if os.path.exists(split_path):
       with open(split_path) as f:
         old = json.load(f)
-      if old['indices'] != split['indices']:
+      if (
+        old['indices'] != split['indices']
+        or old.get('classes') != (split['classes'])
+      ):
         raise errors.ConfigError(
           f'--workdir={_OUT.value} holds a pool trained on another public '
-          'split (--dataset, --public_size or --seed differ): use a new '
-          '--workdir'
+          'split (--dataset, --public_size, --seed or --classes differ): '
+          'use a new --workdir'
         )
     files.write_atomic(split_path, lambda f: json.dump(split, f))
+    public = public[ds.y_train[public] >= 0]  # --classes
     x, y = ds.x_train[public], ds.y_train[public]
     for name in _MODELS.value:
       if os.path.exists(os.path.join(_OUT.value, name, 'meta.json')):
@@ -128,6 +149,7 @@ def main(argv) -> None:
         variables,
         dataset=ds.name,
         public_size=_PUBLIC_SIZE.value,
+        classes=split['classes'],
         epochs=_EPOCHS.value,
         train_loss=losses,
         test_accuracy=acc,

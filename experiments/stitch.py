@@ -34,6 +34,12 @@ writes, under `--workdir`:
 Pool models whose labels differ from the dataset's need `--label_map`, a
 JSON list with, per dataset class, the pool classes that count as it.
 
+A transfer setting: `--classes=5-9` gives the clients (and the test set)
+those classes only; with a pool trained on others (`experiments.pretrain_zoo
+--classes=0-4`) no head answers the task, and networks are evaluated by a
+kNN probe (`--eval=knn`) fitted on the public examples of the clients'
+classes, which the pool never saw.
+
 `--imagenet_pool=<folder>` replaces `--pool` with FedStitch's own pool: the
 five ImageNet-1K networks, read from torchvision state dicts saved as
 `.safetensors` (`fedjax_mr.stitch.torchvision_import`); images are resized
@@ -138,6 +144,13 @@ _EVAL_EXAMPLES = flags.DEFINE_integer(
   'eval_examples', 0, 'Test examples to evaluate on (0: all).'
 )
 _LABEL_MAP = flags.DEFINE_string('label_map', None, 'Label map JSON file.')
+_CLASSES = flags.DEFINE_string(
+  'classes',
+  '',
+  "The clients' task: these classes only, e.g. 5-9 (relabelled 0..n-1); "
+  'with a pool trained on other classes (pretrain_zoo --classes) a '
+  'transfer setting, evaluated by --eval=knn. Empty: all.',
+)
 _LOCAL_CLIENTS = flags.DEFINE_integer(
   'local_clients', 0, '"Local" baseline: this many clients stitch alone.'
 )
@@ -244,6 +257,8 @@ def _identity(models) -> dict:
   # Stored under the flag's earlier name: workdirs keep resuming.
   out['dirichlet_alpha'] = out.pop('alpha')
   out['pool_models'] = [m.id for m in models]
+  if _CLASSES.value:  # absent before --classes: old workdirs resume
+    out['classes'] = _CLASSES.value
   if _IMAGENET_POOL.value:
     out['imagenet_resolution'] = _IMAGENET_RESOLUTION.value
   return out
@@ -504,6 +519,10 @@ def _main(stitch, errors) -> None:
       'another --workdir (or remove that file to start over)'
     )
   ds = datasets.load(_DATASET.value, _DATA_DIR.value)
+  classes = None
+  if _CLASSES.value:
+    classes = datasets.parse_classes(_CLASSES.value, ds.num_classes)
+    ds = datasets.select_classes(ds, classes)
   if _IMAGENET_POOL.value:
     from fedjax_mr.stitch import torchvision_import
 
@@ -523,6 +542,18 @@ def _main(stitch, errors) -> None:
         f'--pool: model {m.id} takes {m.model.input_shape}, --dataset='
         f'{ds.name} has examples of shape {ds.input_shape}'
       )
+  if _EVAL.value != 'knn':
+    for m in models:
+      pool_classes = m.meta.get('classes')
+      if pool_classes is not None and list(pool_classes) != list(
+        classes or range(ds.num_classes)
+      ):
+        raise errors.ConfigError(
+          f'--eval={_EVAL.value}: pool model {m.id} was trained on classes '
+          f"{pool_classes}, the clients' task (--classes) is "
+          f'{list(classes or range(ds.num_classes))}: its head cannot '
+          'answer it; use --eval=knn'
+        )
   label_map = _read_label_map(errors)
   if label_map is not None and _IMAGENET_POOL.value:
     label_map = torchvision_import.check_label_map(
@@ -534,7 +565,9 @@ def _main(stitch, errors) -> None:
         f'--label_map: {len(label_map)} entries, --dataset has '
         f'{ds.num_classes} classes'
       )
-  elif any(m.model.num_classes != ds.num_classes for m in models):
+  elif _EVAL.value != 'knn' and any(
+    m.model.num_classes != ds.num_classes for m in models
+  ):
     raise errors.ConfigError(
       '--label_map is needed: pool models have other label spaces than '
       f'--dataset={ds.name}'
@@ -547,6 +580,8 @@ def _main(stitch, errors) -> None:
   else:
     public = np.zeros((0,), int)
   private = np.setdiff1d(np.arange(len(ds.y_train)), public)
+  private = private[ds.y_train[private] >= 0]  # --classes
+  public = public[ds.y_train[public] >= 0]
   if _PARTITION.value == 'iid':
     parts = partition.iid(len(private), _NUM_CLIENTS.value, _SEED.value)
   else:

@@ -130,6 +130,50 @@ def test_stitch_runs_evaluates_and_resumes(
   assert refused.returncode == 2 and 'never unpickles' in refused.stderr
 
 
+def test_transfer_setting_pool_on_five_classes_clients_on_the_others(
+  small_fmnist_dir, tmp_path
+):
+  pool_dir = tmp_path / 'pool'
+  made = _run(
+    'experiments.pretrain_zoo',
+    f'--data_dir={small_fmnist_dir}',
+    '--models=cnn_mnist',
+    '--public_size=500',
+    '--epochs=2',
+    '--classes=0-4',
+    f'--workdir={pool_dir}',
+  )
+  assert made.returncode == 0, made.stderr
+  meta = json.load(open(pool_dir / 'cnn_mnist' / 'meta.json'))
+  assert meta['classes'] == [0, 1, 2, 3, 4] and meta['num_classes'] == 5
+  # Its test accuracy is over the five classes it learnt (chance 20 %).
+  assert meta['test_accuracy'] > 0.5
+  args = (
+    'experiments.stitch',
+    f'--pool={pool_dir}',
+    f'--data_dir={small_fmnist_dir}',
+    '--classes=5-9',
+    '--num_clients=4',
+    '--clients_per_round=2',
+    '--rounds_per_selection=1',
+    '--num_selections=2',
+    '--batch_size=16',
+    '--knn_reference=200',
+  )
+  # The pool's head answers classes 0-4: evaluating by it is refused.
+  head = _run(*args, f'--workdir={tmp_path / "head"}')
+  assert head.returncode == 2 and head.stderr.count('\n') == 1
+  assert 'use --eval=knn' in head.stderr
+  assert not (tmp_path / 'head').exists()
+  proc = _run(*args, '--eval=knn', f'--workdir={tmp_path / "run"}')
+  assert proc.returncode == 0, proc.stderr
+  results = json.load(open(tmp_path / 'run' / 'results.json'))
+  # A kNN probe on features learnt from the other five classes still
+  # tells these five apart far above chance (20 %).
+  assert results['pool_models']['cnn_mnist']['knn'] > 0.4
+  assert results['networks']
+
+
 @pytest.mark.parametrize('backend', ['sysfs', 'dry_run'])
 def test_stitch_sets_a_jetsons_clocks_per_client_and_restores_them(
   small_pool, small_fmnist_dir, tmp_path, backend

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import os
 from typing import NamedTuple
+from typing import Sequence
 
 import numpy as np
 
@@ -282,6 +283,64 @@ def natural_clients(dataset: Dataset, num_clients: int, seed: int) -> Dataset:
     y_test=y_test,
     clients=clients,
     test_clients=test_clients,
+  )
+
+
+def parse_classes(
+  text: str | Sequence[str], num_classes: int, flag: str = '--classes'
+) -> tuple[int, ...]:
+  """Class ids from a flag value: `'0,1,2'`, `'5-9'` or a mix
+  (`'0-2,7'`), in the order given.
+
+  Raises:
+    ConfigError: an unparsable item, an id outside `[0, num_classes)`, a
+      repeated id, or fewer than 2 classes.
+  """
+  items = text.split(',') if isinstance(text, str) else list(text)
+  out: list[int] = []
+  for item in (i.strip() for i in items):
+    try:
+      if '-' in item[1:]:
+        a, b = item.split('-', 1)
+        out.extend(range(int(a), int(b) + 1))
+      else:
+        out.append(int(item))
+    except ValueError:
+      raise errors.ConfigError(
+        f'{flag}: {item!r} is not a class id or a range a-b'
+      ) from None
+  bad = [c for c in out if not 0 <= c < num_classes]
+  if bad:
+    raise errors.ConfigError(
+      f'{flag}: class {bad[0]} is not in [0, {num_classes})'
+    )
+  if len(set(out)) != len(out):
+    raise errors.ConfigError(f'{flag}: a class is named twice in {out}')
+  if len(out) < 2:
+    raise errors.ConfigError(f'{flag}: a task needs ≥ 2 classes, got {out}')
+  return tuple(out)
+
+
+def select_classes(dataset: Dataset, classes: Sequence[int]) -> Dataset:
+  """The task of `classes` only, relabelled `0..len(classes) − 1` in the
+  given order (a transfer setting: the pool learns one part of the
+  classes, the clients need another).
+
+  The training arrays keep every example, so indices into `x_train` (a
+  pool's public split) stay valid: examples of other classes get label −1
+  and the caller keeps `y_train >= 0`. The test set holds only the kept
+  classes.
+  """
+  remap = np.full(dataset.num_classes, -1, np.int32)
+  remap[np.asarray(classes, np.int64)] = np.arange(len(classes))
+  keep = remap[dataset.y_test] >= 0
+  return dataset._replace(
+    y_train=remap[dataset.y_train],
+    x_test=dataset.x_test[keep],
+    y_test=remap[dataset.y_test[keep]],
+    num_classes=len(classes),
+    clients=None,
+    test_clients=None,
   )
 
 

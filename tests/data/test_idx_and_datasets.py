@@ -193,3 +193,38 @@ def test_tfds_data_source_with_mock_data(tmp_path, name, shape, classes):
   assert ds.num_classes == classes
   assert 0 <= ds.y_train.min() and ds.y_train.max() < classes
   assert os.listdir(tmp_path) == []  # nothing downloaded or written
+
+
+def test_parse_classes_lists_ranges_and_errors():
+  assert datasets.parse_classes('5-9', 10) == (5, 6, 7, 8, 9)
+  assert datasets.parse_classes('3,0-1,9', 10) == (3, 0, 1, 9)
+  for text, match in [
+    ('0,x', "'x' is not a class id"),
+    ('8-10', 'class 10 is not in'),
+    ('1,2,1', 'named twice'),
+    ('4', '≥ 2 classes'),
+  ]:
+    with pytest.raises(errors.ConfigError, match=match):
+      datasets.parse_classes(text, 10)
+
+
+def test_select_classes_relabels_in_order_and_keeps_train_indices():
+  x = np.arange(6, dtype=np.uint8).reshape(6, 1, 1, 1)
+  ds = datasets.Dataset(
+    'toy',
+    x_train=x,
+    y_train=np.array([0, 1, 2, 3, 2, 1], np.int32),
+    x_test=x[:4],
+    y_test=np.array([3, 2, 1, 0], np.int32),
+    num_classes=4,
+    scale=1.0,
+    shift=0.0,
+  )
+  sub = datasets.select_classes(ds, (2, 1))
+  assert sub.num_classes == 2
+  # Training arrays keep every example; other classes are −1.
+  np.testing.assert_array_equal(sub.x_train, x)
+  np.testing.assert_array_equal(sub.y_train, [-1, 1, 0, -1, 0, 1])
+  # Test examples of classes 2, 1 only, relabelled 2 → 0, 1 → 1.
+  np.testing.assert_array_equal(sub.x_test.ravel(), [1, 2])
+  np.testing.assert_array_equal(sub.y_test, [0, 1])
