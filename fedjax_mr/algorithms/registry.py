@@ -22,6 +22,7 @@ from typing import Mapping
 from typing import NamedTuple
 
 from fedjax_mr.algorithms import clusamp
+from fedjax_mr.algorithms import depthfl
 from fedjax_mr.algorithms import fedasam
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.algorithms import fedexp
@@ -29,6 +30,7 @@ from fedjax_mr.algorithms import fedgen
 from fedjax_mr.algorithms import fedmr
 from fedjax_mr.algorithms import fedmut
 from fedjax_mr.algorithms import fedprox
+from fedjax_mr.algorithms import heterofl
 from fedjax_mr.algorithms import moon
 from fedjax_mr.algorithms import scaffold
 from fedjax_mr.core import types
@@ -88,6 +90,8 @@ REGISTRY: dict[str, Entry] = {
   'fedmr_p': Entry(fedmr.PHparams, fedmr.build_p, 'uniform', True, 'fedmr', fedmr.P_VARIANTS, label='FedMR-p'),  # noqa: E501
   'indep': Entry(fedmr.Hparams, fedmr.build_indep, 'uniform', True, 'fedmr', label='Indep'),  # noqa: E501
   'fedmut': Entry(fedmut.Hparams, fedmut.build, 'uniform', True, '', fedmut.VARIANTS, label='FedMut'),  # noqa: E501
+  'depthfl': Entry(depthfl.Hparams, depthfl.build, 'examples', False, '', depthfl.VARIANTS, depthfl.wrap_model, label='DepthFL'),  # noqa: E501
+  'heterofl': Entry(heterofl.Hparams, heterofl.build, 'uniform', label='HeteroFL'),  # noqa: E501
 }
 # fmt: on
 

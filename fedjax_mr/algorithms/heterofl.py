@@ -1,0 +1,685 @@
+"""HeteroFL: clients train width-scaled sub-models of one global model.
+
+A client with rate r trains the sub-model that keeps the first ceil(r C)
+channels of every hidden layer of width C (the network's input channels
+and its output classes stay whole). The server averages every parameter
+entry over the clients of the round that hold it; an entry nobody held
+keeps its value.
+
+Sub-models as masks. The engine maps one client update over clients of
+equal array shapes, so a client trains the full-shape parameters through
+per-channel masks: the forward pass uses `params * mask * s`, zero outside
+the client's width, so those channels output zero, BatchNorm normalises
+them to zero (zero scale and bias) and the next layer reads zero; their
+gradients are zero. This computes the narrow network exactly (tested
+against an actually narrow one). Channel axes are found from the layout
+of the parameters, in model order (`layout`): in every module with a
+`kernel` (Dense `[in, out]`, Conv `[h, w, in, out]`) the last axis is the
+output channels and the one before the input; 1-D leaves (biases,
+BatchNorm scales and biases) are output channels. The first kernel keeps
+its input whole and the last kernel (the head) its outputs; a kernel whose
+input is a flattened feature map (its input size a multiple of the
+previous kernel's outputs) keeps the features of the kept channels.
+
+Scaler. HeteroFL divides each hidden layer's output by r in training (the
+identity at evaluation). Dividing a layer's output by r is dividing its
+kernel and bias by r, so s = 1 / r on every hidden kernel module and 1
+elsewhere (BatchNorm, the head).
+
+Static BatchNorm (sBN). Clients train with batch statistics and keep no
+running statistics (the uploaded statistics are ignored). The global
+model's statistics are queried from data: each client of round t also
+runs its training data through the global model w_t it was sent (full
+width, training mode) and uploads the example-weighted average of the
+per-batch means and variances (the cumulative average PyTorch's BatchNorm
+keeps with momentum=None, as the authors' code queries); the server
+averages them over the round's clients by examples. The evaluated model
+(`Algorithm.evaluated`) is therefore w_t with its queried statistics, one
+round behind `state.params` (whose statistics are the last query's and
+not those of its own weights). `data_statistics` queries all clients,
+for a final pass after training (the experiment programs evaluate the
+per-round query). Models without BatchNorm query nothing and evaluate
+`state.params`.
+
+The evaluated model is the sub-model of the largest rate some client
+trains (the whole model when one has rate 1, as in the paper's
+experiments; with FedStitch's budgets no client fits ResNet-18 at rate 1,
+and the channels beyond the largest rate would stay at their initial
+values), without the scaler (the identity at evaluation); the sBN query
+runs that sub-model.
+
+Masked loss. With `masked_loss` (the authors' default for their non-IID
+splits) the logits of the classes absent from the client's training data
+are set to zero in its local loss (the authors' `masked_fill`).
+
+Rates from memory budgets. Each client's rate is the largest of `rates`
+whose narrow sub-model's measured training memory (one SGD step at a
+reference input and batch size, `fedjax_mr.training.budgets`) fits its
+budget (FedStitch's comparison: 1/2/4/8 GB at 30/30/30/10 % of clients);
+a client whose budget fits none trains the smallest rate (it would
+otherwise never take part). The server's mean is plain over the holders
+of an entry, as in the authors' code (`weighted` uses numbers of
+examples).
+
+References:
+  Diao, Ding and Tarokh, "HeteroFL: Computation and Communication
+  Efficient Federated Learning for Heterogeneous Clients", ICLR 2021.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+from typing import NamedTuple
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fedjax_mr.core import errors
+from fedjax_mr.core import tree
+from fedjax_mr.core import types
+from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.models import model as model_lib
+from fedjax_mr.training import budgets as budgets_lib
+from fedjax_mr.training import client
+
+PAPER_RATES = (1.0, 0.5, 0.25, 0.125, 0.0625)
+# Memory is measured on RGB images (the FedStitch pool's), whatever the
+# dataset's channels.
+REFERENCE_CHANNELS = budgets_lib.REFERENCE_INPUT_SHAPE[-1]
+# The variables collection that carries a client's width into training.
+_INFO = 'heterofl'
+
+
+def _floats(text: str) -> tuple[float, ...]:
+  return tuple(float(v) for v in str(text).split(',') if v.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class Hparams:
+  """HeteroFL's rates, the clients' memory budgets and the loss mask."""
+
+  rates: str = dataclasses.field(
+    default='1,0.5,0.25,0.125,0.0625',
+    metadata={
+      'help': 'Comma-separated width rates in (0, 1] (paper: 1, '
+      '1/2, 1/4, 1/8, 1/16).'
+    },
+  )
+  budgets_gb: str = dataclasses.field(
+    default='1,2,4,8',
+    metadata={
+      'help': 'Comma-separated client memory budgets in GB '
+      "(FedStitch's comparison: 1, 2, 4, 8)."
+    },
+  )
+  budget_fractions: str = dataclasses.field(
+    default='0.3,0.3,0.3,0.1',
+    metadata={
+      'help': 'Share of the clients with each budget (FedStitch: '
+      '0.3, 0.3, 0.3, 0.1).'
+    },
+  )
+  budget_seed: int = dataclasses.field(
+    default=0,
+    metadata={'help': 'Seed of which clients get which budget.'},
+  )
+  reference_size: int = dataclasses.field(
+    default=budgets_lib.REFERENCE_INPUT_SHAPE[0],
+    metadata={
+      'help': 'Image side at which training memory is measured '
+      "(224; 0: the model's own input shape)."
+    },
+  )
+  reference_batch: int = dataclasses.field(
+    default=budgets_lib.REFERENCE_BATCH_SIZE,
+    metadata={'help': 'Batch size at which training memory is measured.'},
+  )
+  masked_loss: bool = dataclasses.field(
+    default=True,
+    metadata={
+      'help': "Zero the logits of classes absent from a client's "
+      "data in its loss (the authors' default)."
+    },
+  )
+  scaler: bool = dataclasses.field(
+    default=True,
+    metadata={
+      'help': 'Divide hidden outputs by the rate in training (the paper). '
+      'Meant for networks with BatchNorm after each layer: without it the '
+      'scale compounds over layers.'
+    },
+  )
+
+  def validate(self, **setting) -> None:
+    """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
+    del setting
+    try:
+      rates = _floats(self.rates)
+      gbs = _floats(self.budgets_gb)
+      fractions = _floats(self.budget_fractions)
+    except ValueError as e:
+      raise errors.ArgumentError('rates', f'must be numbers: {e}') from None
+    if not rates or not all(0 < r <= 1 for r in rates):
+      raise errors.ArgumentError(
+        'rates', f'must be in (0, 1], got {self.rates!r}'
+      )
+    if not gbs or not all(b > 0 for b in gbs):
+      raise errors.ArgumentError(
+        'budgets_gb', f'must be > 0, got {self.budgets_gb!r}'
+      )
+    if len(fractions) != len(gbs) or abs(sum(fractions) - 1) > 1e-6:
+      raise errors.ArgumentError(
+        'budget_fractions',
+        f'must be one share per budget summing to 1, got '
+        f'{self.budget_fractions!r}',
+      )
+    if self.reference_size < 0 or self.reference_batch < 1:
+      raise errors.ArgumentError(
+        'reference_batch' if self.reference_batch < 1 else 'reference_size',
+        'must be positive',
+      )
+
+
+class HeteroFLState(NamedTuple):
+  """Attributes:
+  params: the global model w (all variables; its BatchNorm statistics are
+    the last query's, see the module docstring).
+  queried: the model the last round started from with the BatchNorm
+    statistics its clients queried; the evaluated model. `{}` for models
+    without BatchNorm statistics.
+  """
+
+  params: types.Variables
+  queried: types.Variables
+
+
+# ----------------------------------------------------------------------------
+# Channel layout and masks.
+
+
+class Axis(NamedTuple):
+  """How one axis of a leaf narrows: `kind` 'whole', 'width' (keep the
+  first ceil(r size)) or 'flat' (a flattened map of `channels` channels,
+  channel fastest: keep the features of the kept channels)."""
+
+  kind: str
+  size: int
+  channels: int = 0
+
+
+class LeafLayout(NamedTuple):
+  """The axes of one parameter leaf and its scaler (True: divide by r)."""
+
+  axes: tuple[Axis, ...]
+  scaled: bool
+
+
+def _key(entry) -> Any:
+  return getattr(entry, 'key', getattr(entry, 'name', entry))
+
+
+def layout(params: types.PyTree) -> types.PyTree:
+  """The channel layout of every parameter leaf (see the module docstring).
+
+  Args:
+    params: a model's `params`, keys in model order (as `init` gives).
+
+  Returns:
+    A tree like `params` whose leaves are `LeafLayout`s.
+  """
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
+  paths = [tuple(_key(k) for k in p) for p, _ in with_paths]
+  leaves = [leaf for _, leaf in with_paths]
+  kernels = [p[:-1] for p, leaf in zip(paths, leaves) if p[-1] == 'kernel']
+  out_of = {
+    p[:-1]: leaf.shape[-1]
+    for p, leaf in zip(paths, leaves)
+    if p[-1] == 'kernel'
+  }
+  first = kernels[0] if kernels else None
+  head = kernels[-1] if kernels else None
+  result = []
+  for path, leaf in zip(paths, leaves):
+    module, shape = path[:-1], tuple(leaf.shape)
+    axes = [Axis('whole', s) for s in shape]
+    is_layer = module in out_of
+    if path[-1] == 'kernel' and len(shape) >= 2:
+      if module != head:
+        axes[-1] = Axis('width', shape[-1])
+      if module != first:
+        previous = out_of[kernels[kernels.index(module) - 1]]
+        d = shape[-2]
+        if len(shape) == 2 and d > previous and d % previous == 0:
+          axes[-2] = Axis('flat', d, previous)
+        else:
+          axes[-2] = Axis('width', d)
+    elif len(shape) == 1 and module != head:
+      axes[0] = Axis('width', shape[0])
+    result.append(LeafLayout(tuple(axes), is_layer and module != head))
+  return jax.tree_util.tree_unflatten(treedef, result)
+
+
+def width(rate: float, size: int) -> int:
+  """ceil(rate · size), at least 1 (rounding `rate · size` to 1e-9 first,
+  so that 0.1 · 50 is 5)."""
+  return max(1, math.ceil(round(rate * size, 9)))
+
+
+def _axis_keep(axis: Axis, rates: Sequence[float], index: jax.Array):
+  """`[size]` bool: the kept entries of `axis` at rate `rates[index]`."""
+  if axis.kind == 'whole':
+    return jnp.ones((axis.size,), jnp.bool_)
+  channels = axis.size if axis.kind == 'width' else axis.channels
+  widths = jnp.asarray([width(r, channels) for r in rates], jnp.int32)
+  position = jnp.arange(axis.size) % channels
+  return position < widths[index]
+
+
+def masks(
+  lay: types.PyTree, rates: Sequence[float], index: jax.Array
+) -> types.PyTree:
+  """0/1 float32 masks shaped like the parameters for rate `rates[index]`
+  (`index` an int32 scalar, may be traced)."""
+
+  def leaf_mask(leaf: LeafLayout):
+    mask = jnp.ones((), jnp.bool_)
+    for i, axis in enumerate(leaf.axes):
+      keep = _axis_keep(axis, rates, index)
+      shape = [1] * len(leaf.axes)
+      shape[i] = axis.size
+      mask = mask & keep.reshape(shape)
+    return mask.astype(jnp.float32)
+
+  return jax.tree.map(
+    leaf_mask, lay, is_leaf=lambda x: isinstance(x, LeafLayout)
+  )
+
+
+def effective_params(
+  params: types.PyTree,
+  lay: types.PyTree,
+  rates: Sequence[float],
+  index: jax.Array,
+  scaler: bool = True,
+) -> types.PyTree:
+  """The parameters the sub-model of rate `rates[index]` computes with:
+  `params · mask`, divided by the rate on hidden layers (the scaler; not
+  when `scaler` is False)."""
+  scale = 1.0 / jnp.asarray(rates, jnp.float32)[index] if scaler else 1.0
+  mask = masks(lay, rates, index)
+  return jax.tree.map(
+    lambda p, m, leaf: (p * (m * scale if leaf.scaled else m)).astype(p.dtype),
+    params,
+    mask,
+    lay,
+    is_leaf=lambda x: isinstance(x, LeafLayout),
+  )
+
+
+def aggregate_masked(
+  global_params: types.PyTree,
+  client_params: types.PyTree,
+  client_masks: types.PyTree,
+  weights: jax.Array,
+) -> types.PyTree:
+  """Each entry's weighted mean over the clients that hold it.
+
+  Args:
+    global_params: the current global parameters.
+    client_params: leaves `[K, ...]`.
+    client_masks: leaves `[K, ...]`, 1 where a client holds the entry.
+    weights: `[K]` non-negative client weights.
+
+  Returns:
+    Parameters shaped like `global_params`; an entry no client holds keeps
+    its global value.
+  """
+  w = weights.astype(jnp.float32)
+
+  def mean(g, p, m):
+    wm = m * w.reshape((-1,) + (1,) * (m.ndim - 1))
+    den = jnp.sum(wm, axis=0)
+    share = wm / jnp.where(den > 0, den, 1.0)
+    new = jnp.sum(share * p.astype(jnp.float32), axis=0)
+    return jnp.where(den > 0, new, g.astype(jnp.float32)).astype(g.dtype)
+
+  return jax.tree.map(mean, global_params, client_params, client_masks)
+
+
+class WidthModel(NamedTuple):
+  """`model` trained as a sub-model: `apply_train` reads the client's rate
+  index and label mask from the variables' `'heterofl'` collection (see
+  `fedjax_mr.training.client.LocalTraining.model`)."""
+
+  model: model_lib.Model
+  lay: types.PyTree
+  rates: tuple[float, ...]
+  scaler: bool = True
+
+  def apply_train(self, variables, x, key, mask=None):
+    info = variables[_INFO]
+    params = effective_params(
+      variables['params'], self.lay, self.rates, info['rate_index'], self.scaler
+    )
+    others = {k: v for k, v in variables.items() if k not in ('params', _INFO)}
+    logits, state = self.model.apply_train(
+      {'params': params, **others}, x, key, mask
+    )
+    return jnp.where(info['labels'], logits, 0.0), state
+
+
+# ----------------------------------------------------------------------------
+# sBN: BatchNorm statistics queried from data.
+
+
+def query_statistics(
+  model: model_lib.Model,
+  variables: types.Variables,
+  data: client_data_lib.ClientData,
+  client_id: jax.Array,
+  batch_size: int,
+) -> types.PyTree:
+  """Client `client_id`'s BatchNorm statistics of `variables`.
+
+  Runs the client's examples in order, in batches of `batch_size`,
+  through the model in training mode and returns the example-weighted
+  mean of the per-batch statistics (`batch_stats`-shaped). Batch
+  statistics are read from the running update of a zero state; the update
+  factor (1 - momentum) is found from one more pass with a state of ones,
+  so any BatchNorm momentum works.
+  """
+  n_max = data.max_size
+  b = min(batch_size, n_max)
+  row = jnp.concatenate([data.indices[client_id], jnp.zeros((b,), jnp.int32)])
+  n = data.sizes[client_id]
+  key = jax.random.key(0)
+  stats = variables['batch_stats']
+  zeros = jax.tree.map(jnp.zeros_like, stats)
+
+  def batch(j):
+    idx = lax.dynamic_slice(row, (j * b,), (b,))
+    mask = (j * b + jnp.arange(b) < n).astype(jnp.float32)
+    x = client_data_lib.normalize(data.x[idx], data.scale, data.shift)
+    return x, mask
+
+  def updated(state, x, mask):
+    v = {**variables, 'batch_stats': state}
+    return model.apply_train(v, x, key, mask)[1]['batch_stats']
+
+  x0, m0 = batch(0)
+  ones = jax.tree.map(jnp.ones_like, stats)
+  factor = jax.tree.map(
+    lambda o, z: 1.0 - (o - z), updated(ones, x0, m0), updated(zeros, x0, m0)
+  )
+
+  def body(j, total):
+    x, mask = batch(j)
+    count = jnp.sum(mask)
+    new = updated(zeros, x, mask)
+    return jax.tree.map(lambda t, s: t + count * s, total, new)
+
+  total = lax.fori_loop(0, (n + b - 1) // b, body, zeros)
+  seen = n.astype(jnp.float32)
+  return jax.tree.map(lambda t, f: t / (seen * f), total, factor)
+
+
+def data_statistics(
+  model: model_lib.Model,
+  variables: types.Variables,
+  data: client_data_lib.ClientData,
+  batch_size: int,
+) -> types.Variables:
+  """`variables` with the BatchNorm statistics queried over every client's
+  training data (`query_statistics`, averaged by examples): sBN's final
+  pass over all clients, e.g. for the model after the last round."""
+  ids = jnp.arange(data.sizes.shape[0], dtype=jnp.int32)
+  per_client = lax.map(
+    lambda i: query_statistics(model, variables, data, i, batch_size), ids
+  )
+  stats = tree.weighted_mean(per_client, data.sizes)
+  return {**variables, 'batch_stats': stats}
+
+
+# ----------------------------------------------------------------------------
+# Rates from memory budgets.
+
+
+def narrow_model(model: model_lib.Model, rate: float) -> model_lib.Model:
+  """The actually narrow network of `model` at `rate`, for measuring its
+  memory: every Conv and Dense but the head gets ceil(rate · features)
+  outputs, and so does every block with a `planes` width (the zoo's
+  ResNets; its layers then take the narrowed planes as they are, and its
+  shortcut is decided on narrow widths, as in HeteroFL's own networks);
+  BatchNorm follows its input. Built by intercepting the modules' calls,
+  so the zoo's networks need no width argument."""
+  params = jax.eval_shape(model.init, jax.random.key(0))['params']
+  kernels = [
+    tuple(_key(k) for k in p)[:-1]
+    for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    if _key(p[-1]) == 'kernel'
+  ]
+  head = kernels[-1]
+
+  def narrow(next_fun, args, kwargs, context):
+    m = context.module
+    if context.method_name == '__call__' and tuple(m.path[1:]) != head:
+      if isinstance(getattr(m, 'planes', None), int):
+        object.__setattr__(m, 'planes', width(rate, m.planes))
+        object.__setattr__(m, '_heterofl_narrow', True)
+      elif isinstance(getattr(m, 'features', None), int) and not getattr(
+        m.parent, '_heterofl_narrow', False
+      ):
+        object.__setattr__(m, 'features', width(rate, m.features))
+    return next_fun(*args, **kwargs)
+
+  class Narrow(nn.Module):
+    inner: nn.Module
+
+    def __call__(self, x, train=False, mask=None, **kwargs):
+      with nn.intercept_methods(narrow):
+        return self.inner(x, train=train, mask=mask, **kwargs)
+
+  module = Narrow(inner=model.module.clone(parent=None))
+  return model._replace(name=f'{model.name}@{rate:g}', module=module)
+
+
+def rate_memory(
+  model: model_lib.Model,
+  rates: Sequence[float],
+  batch_size: int = budgets_lib.REFERENCE_BATCH_SIZE,
+  input_shape: Sequence[int] | None = budgets_lib.REFERENCE_INPUT_SHAPE,
+) -> list[int]:
+  """Measured training memory (bytes) of the narrow network of each rate
+  (`budgets.training_memory_bytes` of `narrow_model`)."""
+  return [
+    budgets_lib.training_memory_bytes(
+      narrow_model(model, r), batch_size, input_shape
+    )
+    for r in rates
+  ]
+
+
+def assign_rates(
+  budgets: np.ndarray, rates: Sequence[float], memory: Sequence[int]
+) -> np.ndarray:
+  """Each client's rate index: the largest rate whose `memory` fits its
+  budget (bytes), the smallest rate where none fits. `[N]` int32."""
+  fit = budgets_lib.largest_fitting(budgets, memory)
+  smallest = int(np.argmin(np.asarray(rates)))
+  return np.where(fit < 0, smallest, fit).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------
+# The algorithm.
+
+
+def heterofl(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  client_rates: Sequence[int],
+  rates: Sequence[float] = PAPER_RATES,
+  masked_loss: bool = True,
+  weighted: bool = False,
+  scaler: bool = True,
+) -> types.Algorithm:
+  """Builds HeteroFL.
+
+  Args:
+    local: how clients train (`local.model` the global network).
+    clients_per_round: K.
+    client_rates: `[N]` each client's index into `rates`.
+    rates: the width rates, each in (0, 1].
+    masked_loss: zero the logits of classes absent from a client's data in
+      its loss.
+    weighted: weight each holder of an entry by its number of examples
+      (else the plain mean over holders, as the authors' code).
+    scaler: HeteroFL's scaler in training (divide hidden outputs by r).
+
+  Returns:
+    An `Algorithm` with server state `HeteroFLState`; the dispatch's
+    shared part is `(global model, [N] rate indices)`. Uploads: the masked
+    sub-model and, for models with BatchNorm, the queried statistics
+    (`ClientOutput.extra`). Metrics: 'bytes_communicated' (each client's
+    sub-model down and up), 'mean_rate'.
+  """
+  k = int(clients_per_round)
+  if k < 1:
+    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  rates = tuple(float(r) for r in rates)
+  if not rates or not all(0 < r <= 1 for r in rates):
+    raise errors.ArgumentError('rates', f'must be in (0, 1], got {rates}')
+  client_rates = np.asarray(client_rates, np.int32)
+  if client_rates.min() < 0 or client_rates.max() >= len(rates):
+    raise ValueError('client_rates must index rates')
+  model = local.model
+  num_classes = model.num_classes
+  # The evaluated model: the largest sub-model any client trains.
+  top = int(max(set(client_rates.tolist()), key=lambda i: rates[i]))
+  cache: dict[str, Any] = {}
+
+  def lay_of(params):
+    if 'lay' not in cache:
+      cache['lay'] = layout(params)
+    return cache['lay']
+
+  def largest(variables):
+    # The sub-model of the largest assigned rate, without the scaler (the
+    # identity at evaluation); the whole model when a client has rate 1.
+    mask = masks(lay_of(variables['params']), rates, jnp.int32(top))
+    params = jax.tree.map(
+      lambda p, m: (p * m).astype(p.dtype), variables['params'], mask
+    )
+    return {**variables, 'params': params}
+
+  def init(variables):
+    variables = jax.tree.map(jnp.asarray, variables)
+    queried = {}
+    if 'batch_stats' in variables:
+      queried = jax.tree.map(jnp.copy, variables)
+    return HeteroFLState(params=variables, queried=queried)
+
+  def dispatch(state, client_ids, round_index, key):
+    del client_ids, round_index, key
+    return types.Dispatch(shared=(state.params, jnp.asarray(client_rates)))
+
+  def client_update(shared, per_client, client_state, data, client_id, key):
+    del per_client
+    variables, rate_table = shared
+    lay = lay_of(variables['params'])
+    index = rate_table[client_id]
+    if masked_loss:
+      row = data.indices[client_id]
+      real = jnp.arange(data.max_size) < data.sizes[client_id]
+      present = jnp.zeros((num_classes,), jnp.int32)
+      labels = present.at[data.y[row]].max(real.astype(jnp.int32)) > 0
+    else:
+      labels = jnp.ones((num_classes,), jnp.bool_)
+    update = client.make_local_update(
+      local._replace(model=WidthModel(model, lay, rates, scaler))
+    )
+    info = {'rate_index': index, 'labels': labels}
+    out = update({**variables, _INFO: info}, data, client_id, key)
+    mask = masks(lay, rates, index)
+    params = jax.tree.map(
+      lambda p, m: (p * m).astype(p.dtype), out.variables['params'], mask
+    )
+    extra = ()
+    if 'batch_stats' in variables:
+      extra = query_statistics(
+        model, largest(variables), data, client_id, local.batch_size
+      )
+    uploaded = {**variables, 'params': params}
+    return out._replace(variables=uploaded, extra=extra), client_state
+
+  def aggregate(state, outputs, client_ids, round_index, key):
+    del round_index, key
+    lay = lay_of(state.params['params'])
+    index = jnp.asarray(client_rates)[client_ids]
+    client_masks = jax.vmap(lambda i: masks(lay, rates, i))(index)
+    weights = (
+      outputs.num_examples if weighted else jnp.ones_like(outputs.num_examples)
+    )
+    params = aggregate_masked(
+      state.params['params'],
+      outputs.variables['params'],
+      client_masks,
+      weights,
+    )
+    new = {**state.params, 'params': params}
+    queried = state.queried
+    if 'batch_stats' in state.params:
+      stats = tree.weighted_mean(outputs.extra, outputs.num_examples)
+      queried = {**state.params, 'batch_stats': stats}
+      new = {**new, 'batch_stats': stats}
+    sent = sum(
+      jnp.sum(m, axis=tuple(range(1, m.ndim))) * p.dtype.itemsize
+      for m, p in zip(
+        jax.tree.leaves(client_masks), jax.tree.leaves(state.params['params'])
+      )
+    )
+    metrics = {
+      'bytes_communicated': (2.0 * jnp.sum(sent)).astype(jnp.float32),
+      'mean_rate': jnp.mean(jnp.asarray(rates, jnp.float32)[index]),
+    }
+    return HeteroFLState(params=new, queried=queried), metrics
+
+  def evaluated(state):
+    return largest(state.queried if state.queried else state.params)
+
+  return types.Algorithm(
+    init, dispatch, client_update, aggregate, evaluated=evaluated
+  )
+
+
+def build(setting: Any, hp: Hparams) -> types.Algorithm:
+  """The registry's factory: measures each rate's narrow network at the
+  reference setting and gives each client the largest that fits its
+  budget (see the module docstring)."""
+  hp.validate()
+  rates = _floats(hp.rates)
+  model = setting.local.model
+  shape = None  # the model's own input shape
+  if hp.reference_size and len(model.input_shape) == 3:
+    shape = (hp.reference_size, hp.reference_size, REFERENCE_CHANNELS)
+  memory = rate_memory(model, rates, hp.reference_batch, shape)
+  budgets = budgets_lib.client_budgets(
+    setting.num_clients,
+    hp.budget_seed,
+    _floats(hp.budgets_gb),
+    _floats(hp.budget_fractions),
+  )
+  return heterofl(
+    setting.local,
+    setting.clients_per_round,
+    assign_rates(budgets, rates, memory),
+    rates,
+    hp.masked_loss,
+    setting.weighted,
+    hp.scaler,
+  )
