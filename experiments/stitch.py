@@ -25,6 +25,9 @@ writes, under `--workdir`:
   a kNN probe), every pool model's own accuracy, the "Local" baseline when
   `--local_clients` > 0, timing, pool sizes, the energy totals (local
   coordinators vs the highest frequency) and the peak host memory;
+* `client_indices.json`: each client's training-example indices, for
+  `experiments.run --partition=file --partition_file=...` (with the same
+  `--classes`): the training baselines learn from exactly these clients;
 * `networks.npz`: the stitched networks (block paths + stitch matrices;
   `fedjax_mr.stitch.federated.read_document` reads it);
 * `state.npz`: the run state after the last round and the flags that
@@ -217,6 +220,7 @@ def _config(stitch, seed):
 
 
 STATE_FILE = 'state.npz'
+CLIENTS_FILE = 'client_indices.json'
 # The flags that define a run's state (the others only change what is
 # evaluated or reported); saved with the state, checked on resume.
 _IDENTITY_FLAGS = (
@@ -626,6 +630,9 @@ def _main(stitch, errors) -> None:
 
   # Held until the process ends: one writer per workdir.
   _LOCKS.append(workdir_lib.acquire(_WORKDIR.value))
+  # The clients' training examples, for `experiments.run
+  # --partition=file`: the training baselines learn from the same clients.
+  partition.save_file(os.path.join(_WORKDIR.value, CLIENTS_FILE), parts)
   config = _config(stitch, _SEED.value)
   from fedjax_mr.energy import sysfs
 

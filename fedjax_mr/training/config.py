@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any
 from typing import Mapping
 
@@ -101,7 +102,23 @@ class ExperimentConfig:
     "than this many samples (train + test); 0 keeps all. The FedMR paper's "
     'FEMNIST setting: 100.',
   )
+  classes: str = _field(
+    '',
+    'Learn these classes only, e.g. 5-9 or 0,2,4 (relabelled 0..n-1 in '
+    'this order): the clients hold, and the test set has, examples of '
+    'these classes alone (a transfer setting beside experiments.stitch '
+    '--classes). Empty: every class.',
+  )
   model: str = _field('cnn_mnist', 'Model name.', choices='models')
+  init_from: str = _field(
+    '',
+    'Start from a pre-trained model: <pool folder>/<model id> as '
+    'experiments.pretrain_zoo writes it (meta.json + variables), of this '
+    '--model, input shape and number of classes. A model trained on other '
+    "classes (its meta's classes differ from --classes) keeps all but its "
+    'classifier, the last module, which starts from the fresh init. Empty: '
+    'the fresh init.',
+  )
   num_clients: int = _field(100, 'Number of clients N.')
   clients_per_round: int = _field(10, 'Clients sampled per round K.')
   partition: str = _field(
@@ -436,6 +453,13 @@ def validate(config: ExperimentConfig) -> None:
         f'--{name}={getattr(config, name)} applies to --partition={owner} '
         f'only, not --partition={config.partition}'
       )
+  if config.init_from and not os.path.isfile(
+    os.path.join(config.init_from, 'meta.json')
+  ):
+    raise errors.ConfigError(
+      f'--init_from={config.init_from}: no meta.json there (want a model '
+      'folder as experiments.pretrain_zoo writes it: <pool>/<model id>)'
+    )
   if config.partition == 'file':
     if not config.partition_file:
       raise errors.ConfigError(

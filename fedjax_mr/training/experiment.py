@@ -25,6 +25,7 @@ from typing import NamedTuple
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -121,7 +122,40 @@ def make_partition(
   labels: np.ndarray,
   clients: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
-  """Client index lists; `clients`: the dataset's own (partition=natural)."""
+  """Client index lists; `clients`: the dataset's own (partition=natural).
+
+  Examples labelled −1 (not among `--classes`) are in no client.
+  """
+  if config.classes and config.partition in ('iid', 'dirichlet', 'shards'):
+    # Partition the examples of the kept classes only.
+    keep = np.flatnonzero(labels >= 0)
+    return [keep[p] for p in _partition(config, labels[keep], clients)]
+  parts = _partition(config, labels, clients)
+  if not config.classes:
+    return parts
+  kept = [p[labels[p] >= 0] for p in parts]
+  if config.partition == 'file':
+    for k, (p, q) in enumerate(zip(parts, kept)):
+      if len(q) < len(p):
+        bad = int(p[labels[p] < 0][0])
+        raise errors.ConfigError(
+          f'--partition_file={config.partition_file}: client {k} holds '
+          f'example {bad}, of a class outside --classes={config.classes}'
+        )
+  empty = [k for k, q in enumerate(kept) if not len(q)]
+  if empty:
+    raise errors.ConfigError(
+      f'--classes={config.classes}: client {empty[0]} has no examples of '
+      'these classes'
+    )
+  return kept
+
+
+def _partition(
+  config: config_lib.ExperimentConfig,
+  labels: np.ndarray,
+  clients: Sequence[np.ndarray] | None,
+) -> list[np.ndarray]:
   if config.partition == 'natural':
     if clients is None:
       raise errors.ConfigError(
@@ -254,6 +288,8 @@ def setup(config: config_lib.ExperimentConfig) -> Experiment:
   )
   key = jax.random.key(config.seed)
   variables = model.init(jax.random.fold_in(key, _INIT))
+  if config.init_from:
+    variables = pretrained_variables(config, model, variables)
   algorithm = build_algorithm(config, model, variables)
   state = engine.init_state(algorithm, variables, len(parts))
   data, test, state = distributed.replicate((data, test, state), mesh)
@@ -284,7 +320,90 @@ def load_dataset(config: config_lib.ExperimentConfig) -> datasets.Dataset:
   )
   if config.partition == 'natural':
     dataset = datasets.natural_clients(dataset, config.num_clients, config.seed)
+  if config.classes:
+    classes = datasets.parse_classes(config.classes, dataset.num_classes)
+    # Training indices stay valid (other classes get label −1), so a
+    # natural partition is kept and filtered by `make_partition`.
+    dataset = datasets.select_classes(dataset, classes)._replace(
+      clients=dataset.clients
+    )
   return dataset
+
+
+def pretrained_variables(
+  config: config_lib.ExperimentConfig,
+  model: model_lib.Model,
+  fresh: types.Variables,
+) -> types.Variables:
+  """The variables of `--init_from` (a pool model folder) in place of the
+  fresh init `fresh`; a model trained on other classes than `--classes`
+  keeps the fresh classifier (the last module of `params`, and its
+  statistics if any).
+
+  Raises:
+    ConfigError: the folder cannot be read, or holds another model, input
+      shape, dataset or number of classes (one line naming --init_from).
+  """
+  from fedjax_mr.stitch import pool as pool_lib  # orbax, on demand
+
+  where = f'--init_from={config.init_from}'
+  folder, model_id = os.path.split(os.path.normpath(config.init_from))
+  try:
+    pretrained = pool_lib.load_model(folder, model_id)
+  except errors.UserError as e:
+    raise errors.ConfigError(f'{where}: {e}') from None
+  except Exception as e:  # an unreadable or mismatched orbax checkpoint
+    raise errors.ConfigError(
+      f'{where}: cannot restore its variables ({type(e).__name__}: '
+      f'{str(e).splitlines()[0] if str(e) else ""})'
+    ) from None
+  meta = pretrained.meta
+  if meta.get('model') != config.model:
+    raise errors.ConfigError(
+      f'{where}: a {meta.get("model")} model, not --model={config.model}'
+    )
+  if meta.get('dataset', config.dataset) != config.dataset:
+    raise errors.ConfigError(
+      f'{where}: trained on {meta.get("dataset")}, not --dataset='
+      f'{config.dataset}'
+    )
+  if tuple(pretrained.model.input_shape) != tuple(model.input_shape) or (
+    pretrained.model.num_classes != model.num_classes
+  ):
+    raise errors.ConfigError(
+      f'{where}: takes {tuple(pretrained.model.input_shape)} and answers '
+      f'{pretrained.model.num_classes} classes; this run needs '
+      f'{tuple(model.input_shape)} and {model.num_classes}'
+    )
+  loaded = pretrained.variables
+  same = jax.tree.structure(loaded) == jax.tree.structure(fresh) and all(
+    a.shape == b.shape
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(fresh))
+  )
+  if not same:
+    raise errors.ConfigError(
+      f'{where}: its variables do not have the shapes of --model='
+      f'{config.model} under --algorithm={config.algorithm}'
+    )
+  loaded = jax.tree.map(
+    lambda a, b: jnp.asarray(a, b.dtype), dict(loaded), dict(fresh)
+  )
+  pool_classes = meta.get('classes')
+  # (`load_dataset` checked the ids against the dataset's classes.)
+  run_classes = (
+    list(datasets.parse_classes(config.classes, 2**31))
+    if config.classes
+    else None
+  )
+  if pool_classes != run_classes:
+    head = list(fresh['params'])[-1]
+    for collection in loaded:
+      if head in loaded[collection]:
+        loaded[collection] = {
+          **loaded[collection],
+          head: fresh[collection][head],
+        }
+  return loaded
 
 
 def _note_devices(config: config_lib.ExperimentConfig) -> None:
