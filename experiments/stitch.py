@@ -25,6 +25,8 @@ writes, under `--workdir`:
   a kNN probe), every pool model's own accuracy, the "Local" baseline when
   `--local_clients` > 0, timing, pool sizes, the energy totals (local
   coordinators vs the highest frequency) and the peak host memory;
+* `partition.json`: each client's size and examples per class (as
+  `experiments.run` writes it);
 * `client_indices.json`: each client's training-example indices, for
   `experiments.run --partition=file --partition_file=...` (with the same
   `--classes`): the training baselines learn from exactly these clients;
@@ -93,7 +95,15 @@ _DATASET = flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'Dataset folder.')
 _NUM_CLIENTS = flags.DEFINE_integer('num_clients', 100, 'Clients N.')
 _PARTITION = flags.DEFINE_enum(
-  'partition', 'dirichlet', ['iid', 'dirichlet'], 'Client partition.'
+  'partition',
+  'dirichlet',
+  ['iid', 'dirichlet', 'shards'],
+  'Client partition: iid, dirichlet (--alpha) or shards (the label-sorted '
+  'shards of experiments.run, --shards_per_client: a client holds few '
+  "classes; FedStitch's Fig. 2).",
+)
+_SHARDS_PER_CLIENT = flags.DEFINE_integer(
+  'shards_per_client', 2, 'partition=shards: shards per client.'
 )
 _ALPHA = flags.DEFINE_float(
   'alpha', 1.0, 'Dirichlet concentration (partition=dirichlet).'
@@ -261,6 +271,8 @@ def _identity(models) -> dict:
   # Stored under the flag's earlier name: workdirs keep resuming.
   out['dirichlet_alpha'] = out.pop('alpha')
   out['pool_models'] = [m.id for m in models]
+  if _PARTITION.value == 'shards':  # absent before: old workdirs resume
+    out['shards_per_client'] = _SHARDS_PER_CLIENT.value
   if _CLASSES.value:  # absent before --classes: old workdirs resume
     out['classes'] = _CLASSES.value
   if _IMAGENET_POOL.value:
@@ -380,6 +392,21 @@ def _check_flags(stitch, errors, network) -> None:
       (
         flags.FLAGS['alpha'].using_default_value,
         f'--alpha applies to --partition=dirichlet only, not '
+        f'--partition={_PARTITION.value}',
+      )
+    )
+  if _PARTITION.value == 'shards':
+    checks.append(
+      (
+        _SHARDS_PER_CLIENT.value >= 1,
+        f'--shards_per_client must be >= 1, got {_SHARDS_PER_CLIENT.value}',
+      )
+    )
+  else:
+    checks.append(
+      (
+        flags.FLAGS['shards_per_client'].using_default_value,
+        '--shards_per_client applies to --partition=shards only, not '
         f'--partition={_PARTITION.value}',
       )
     )
@@ -588,6 +615,13 @@ def _main(stitch, errors) -> None:
   public = public[ds.y_train[public] >= 0]
   if _PARTITION.value == 'iid':
     parts = partition.iid(len(private), _NUM_CLIENTS.value, _SEED.value)
+  elif _PARTITION.value == 'shards':
+    parts = partition.shards(
+      ds.y_train[private],
+      _NUM_CLIENTS.value,
+      _SHARDS_PER_CLIENT.value,
+      _SEED.value,
+    )
   else:
     parts = partition.dirichlet(
       ds.y_train[private], _NUM_CLIENTS.value, _ALPHA.value, _SEED.value
@@ -633,6 +667,11 @@ def _main(stitch, errors) -> None:
   # The clients' training examples, for `experiments.run
   # --partition=file`: the training baselines learn from the same clients.
   partition.save_file(os.path.join(_WORKDIR.value, CLIENTS_FILE), parts)
+  # Per client: size and examples per class (experiments.run's summary).
+  partition.save_summary(
+    os.path.join(_WORKDIR.value, 'partition.json'),
+    partition.summary(parts, ds.y_train, ds.num_classes),
+  )
   config = _config(stitch, _SEED.value)
   from fedjax_mr.energy import sysfs
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from typing import NamedTuple
 
@@ -144,6 +145,9 @@ _ZOO = {
   'cnn_fedavg': _Entry(cnn.CNNFedAvg, 'images', 16),
   'resnet20': _Entry(resnet.ResNet20, 'images', 8),
   'resnet18': _Entry(resnet.ResNet18, 'images', 8),
+  'resnet18_w16': _Entry(
+    functools.partial(resnet.ResNet18, width=16), 'images', 8
+  ),
   'vgg16': _Entry(vgg.VGG16, 'images', 8),
   'char_lstm': _Entry(lstm.CharLSTM, 'tokens'),
 }

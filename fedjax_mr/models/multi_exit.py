@@ -39,6 +39,8 @@ from fedjax_mr.models import model as model_lib
 from fedjax_mr.models import resnet
 
 INFERENCE = ('ensemble', 'last')
+# Zoo ResNet-18s and their first stage's channels (`from_zoo`).
+RESNET18_WIDTHS = {'resnet18': 64, 'resnet18_w16': 16}
 _DEPTH_NAME = re.compile(r'^(?:layer|exit)(\d+)(?:_|$)')
 
 
@@ -162,8 +164,14 @@ def resnet18(
 def from_zoo(model: model_lib.Model, inference: str = 'ensemble'):
   """The multi-exit network for zoo model `model`: ResNet-18 gets its four
   exits; any other model is one stage (`OneStage`)."""
-  if model.name == 'resnet18':
-    return resnet18(model.num_classes, model.input_shape, inference)
+  if model.name in RESNET18_WIDTHS:
+    width = RESNET18_WIDTHS[model.name]
+    return resnet18(
+      model.num_classes,
+      model.input_shape,
+      inference,
+      widths=tuple(width * m for m in (1, 2, 4, 8)),
+    )
   module = OneStage(model.module.clone(parent=None, name='inner'))
   return model._replace(name=f'{model.name}+one_stage', module=module)
 

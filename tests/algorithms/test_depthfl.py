@@ -142,6 +142,21 @@ def test_leaf_depths_of_the_multi_exit_resnet18():
   assert n == 11_173_962 + 3 * 10 + (64 + 128 + 256) * 10
 
 
+def test_the_quarter_width_zoo_resnet18_gets_four_exits():
+  zoo = model_lib.get('resnet18_w16', 10, (28, 28, 1))
+  model = multi_exit.from_zoo(zoo)
+  plain = jax.eval_shape(zoo.init, jax.random.key(0))['params']
+  exits = jax.eval_shape(model.init, jax.random.key(0))['params']
+  # The body is the zoo network's, the head its four exits.
+  body = {k: v for k, v in plain.items() if k != 'linear'}
+  chex.assert_trees_all_equal_shapes(
+    body, {k: v for k, v in exits.items() if k in body}
+  )
+  assert set(exits) - set(body) == {'exit1', 'exit2', 'exit3', 'exit4'}
+  assert exits['exit4']['kernel'].shape == plain['linear']['kernel'].shape
+  assert exits['exit1']['kernel'].shape == (16, 10)
+
+
 def test_budgets_give_the_deepest_fitting_depth():
   gb = budgets.GB
   needs = [int(0.9 * gb), int(1.5 * gb), int(3 * gb), int(7 * gb)]
