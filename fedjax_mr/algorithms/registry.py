@@ -30,6 +30,7 @@ from fedjax_mr.algorithms import fedgen
 from fedjax_mr.algorithms import fedmr
 from fedjax_mr.algorithms import fedmut
 from fedjax_mr.algorithms import fedprox
+from fedjax_mr.algorithms import finetune
 from fedjax_mr.algorithms import heterofl
 from fedjax_mr.algorithms import moon
 from fedjax_mr.algorithms import scaffold
@@ -92,6 +93,8 @@ REGISTRY: dict[str, Entry] = {
   'fedmut': Entry(fedmut.Hparams, fedmut.build, 'uniform', True, '', fedmut.VARIANTS, label='FedMut'),  # noqa: E501
   'depthfl': Entry(depthfl.Hparams, depthfl.build, 'examples', False, '', depthfl.VARIANTS, depthfl.wrap_model, label='DepthFL'),  # noqa: E501
   'heterofl': Entry(heterofl.Hparams, heterofl.build, 'uniform', label='HeteroFL'),  # noqa: E501
+  'ft_full': Entry(finetune.Hparams, finetune.build_full, label='FT-Full'),
+  'ft_part': Entry(finetune.PartHparams, finetune.build_part, label='FT-Part'),
 }
 # fmt: on
 
