@@ -1,0 +1,898 @@
+"""The FedStitch paper's tables and figures, from finished workdirs.
+
+References: "Heterogeneity-Aware Coordination for Federated Learning via
+Stitching Pre-trained blocks", Shichen Zhan, Yebo Wu, Chunlin Tian, Yan
+Zhao, Li Li (2024): Table III (accuracy of every method, IID and non-IID),
+Fig. 4 (accuracy against time), Fig. 5 (client memory in one round), Fig. 7
+(the search-space optimiser), Table IV (RL-weighted against plain voting)
+and Fig. 2 (a client's number of classes against the quality of its block
+choices).
+
+Three kinds of folder are read, never written:
+
+* a FedStitch workdir (`experiments.stitch`): `log.jsonl` (one row per
+  round: participants `clients`, their cross-validated `ranks`, `depth`,
+  `pool_sizes`, `client_time_s`, `round_time_s`), `results.json` (written
+  once the run has finished: every stitched network with its accuracy and
+  the round it was finished in, the "Local" baseline), `state.npz` (the
+  clients' learned weights and the run's flags) and, where the run wrote
+  one, `partition.json` (per-client label histograms, as experiments.run
+  writes it);
+* a training workdir (`experiments.run`): `metrics.jsonl` and
+  `config.json`;
+* a pool model folder (`experiments.pretrain_zoo`): `meta.json`.
+
+Every function here is host-only Python and numpy; matplotlib is imported
+on first use through `fedjax_mr.training.plots` (never pyplot), and JAX
+only by the memory measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+from typing import Mapping
+from typing import Sequence
+
+import numpy as np
+
+from fedjax_mr.core import errors
+from fedjax_mr.core import files
+from fedjax_mr.training import metrics_io
+from fedjax_mr.training import plots
+
+# label -> {column (a setting, e.g. iid / noniid): workdir}
+RunSpec = dict[str, dict[str, str]]
+# The column of a `label:path` entry that names no setting.
+SINGLE = 'run'
+# A cell of a folder that is not there, and of a run not finished yet.
+MISSING = '–'
+RUNNING = 'running'
+TIME_UNITS = {'hours': 3600.0, 'minutes': 60.0, 'seconds': 1.0}
+
+
+# --- Which runs -------------------------------------------------------------
+
+
+def parse_runs(spec: str, flag: str = '--runs') -> RunSpec:
+  """The methods and their workdirs from `spec`.
+
+  `spec` is either the path of a JSON file holding `{label: {column: path}}`
+  (or `{label: path}`), or `label:column=path,column=path;label:path;...`:
+  entries separated by ';', a label before the first ':', then
+  `column=path` pairs separated by ',' or one bare path (column 'run').
+
+  Raises:
+    ConfigError: an empty spec, an entry without a label or path, a label
+      given twice, or an unreadable JSON file (the message names `flag`).
+  """
+  spec = spec.strip()
+  if not spec:
+    raise errors.ConfigError(f'{flag} is empty: give label:column=path,...')
+  if spec.endswith('.json') or os.path.isfile(spec):
+    try:
+      with open(spec) as f:
+        raw = json.load(f)
+    except (OSError, ValueError) as e:
+      raise errors.ConfigError(f'{flag}={spec}: cannot read it ({e})') from None
+    if not isinstance(raw, dict) or not raw:
+      raise errors.ConfigError(
+        f'{flag}={spec}: want a JSON object {{label: {{column: path}}}}'
+      )
+    out: RunSpec = {}
+    for label, value in raw.items():
+      if isinstance(value, str):
+        value = {SINGLE: value}
+      if not isinstance(value, dict) or not all(
+        isinstance(v, str) for v in value.values()
+      ):
+        raise errors.ConfigError(
+          f'{flag}={spec}: {label!r} must map to a path or to {{column: path}}'
+        )
+      out[str(label)] = dict(value)
+    return out
+  out = {}
+  for entry in filter(None, (e.strip() for e in spec.split(';'))):
+    label, sep, rest = entry.partition(':')
+    label, rest = label.strip(), rest.strip()
+    if not sep or not label or not rest:
+      raise errors.ConfigError(
+        f'{flag}: {entry!r} is not label:column=path,... or label:path'
+      )
+    if label in out:
+      raise errors.ConfigError(f'{flag}: label {label!r} given twice')
+    if '=' not in rest:
+      out[label] = {SINGLE: rest}
+      continue
+    columns = {}
+    for item in filter(None, (s.strip() for s in rest.split(','))):
+      column, eq, path = item.partition('=')
+      if not eq or not column.strip() or not path.strip():
+        raise errors.ConfigError(
+          f'{flag}: {item!r} in {entry!r} is not column=path'
+        )
+      columns[column.strip()] = path.strip()
+    out[label] = columns
+  if not out:
+    raise errors.ConfigError(f'{flag} names no run')
+  return out
+
+
+def columns_of(runs: RunSpec) -> list[str]:
+  """Every column of `runs`, in the order they first appear."""
+  seen: dict[str, None] = {}
+  for cols in runs.values():
+    seen.update(dict.fromkeys(cols))
+  return list(seen)
+
+
+# --- Reading workdirs -------------------------------------------------------
+
+
+def kind_of(path: str) -> str | None:
+  """'pool_model', 'run', 'stitch', or None (no such folder, or none of
+  their files in it)."""
+  if not os.path.isdir(path):
+    return None
+  has = lambda name: os.path.exists(os.path.join(path, name))  # noqa: E731
+  if has('meta.json'):
+    return 'pool_model'
+  if has('metrics.jsonl') or has('config.json'):
+    return 'run'
+  if has('state.npz') or has('log.jsonl') or has('results.json'):
+    return 'stitch'
+  return None
+
+
+def _json(path: str) -> Any:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def read_log(path: str) -> list[dict[str, Any]]:
+  """A stitch workdir's log.jsonl rows, by round (empty without one)."""
+  return sorted(
+    metrics_io.read(os.path.join(path, 'log.jsonl')), key=lambda r: r['round']
+  )
+
+
+def stitch_results(path: str) -> dict[str, Any] | None:
+  """A stitch workdir's results.json (None until the run has finished)."""
+  res = _json(os.path.join(path, 'results.json'))
+  return res if isinstance(res, dict) else None
+
+
+def eval_key(results: Mapping[str, Any]) -> str:
+  """The accuracy experiments.stitch ranks networks by: the head's where
+  it evaluated heads (--eval=head or both), else the kNN probe's."""
+  nets = results.get('networks') or []
+  return 'head' if nets and 'head' in nets[0] else 'knn'
+
+
+def stitch_state(path: str) -> tuple[dict, dict] | None:
+  """`(payload, identity)` of a stitch workdir's state.npz, or None."""
+  from fedjax_mr.stitch import federated
+
+  file = os.path.join(path, 'state.npz')
+  if not os.path.exists(file):
+    return None
+  payload, identity = federated.read_document(file)
+  return payload, identity or {}
+
+
+def stitch_setting(path: str, name: str) -> Any:
+  """The value of flag `name` a stitch run was made with (results.json's
+  config, else state.npz's flags), or None."""
+  res = stitch_results(path)
+  if res and name in (res.get('config') or {}):
+    return res['config'][name]
+  state = stitch_state(path)
+  return None if state is None else state[1].get(name)
+
+
+def cell(path: str, last: int = 10) -> dict[str, Any]:
+  """The accuracy of one workdir, whatever its kind.
+
+  Returns:
+    {'path', 'kind', 'status' ('done', 'running' or 'missing'),
+    'accuracy' (a fraction or None), ...}: a stitch run's best network as
+    experiments.stitch reports it (`results.json` 'best'), with its Local
+    baseline ('local', the mean of the clients' best) when it made one; a
+    training run's mean test accuracy over its last `last` evaluations,
+    and its 'best'; a pool model's test accuracy from meta.json.
+  """
+  kind = kind_of(path)
+  out: dict[str, Any] = {'path': path, 'kind': kind, 'accuracy': None}
+  if kind is None:
+    return {**out, 'status': 'missing'}
+  if kind == 'pool_model':
+    meta = _json(os.path.join(path, 'meta.json')) or {}
+    acc = meta.get('test_accuracy')
+    return {
+      **out,
+      'status': 'done' if acc is not None else 'running',
+      'accuracy': acc,
+    }
+  if kind == 'run':
+    rows = metrics_io.read(os.path.join(path, 'metrics.jsonl'))
+    config = _json(os.path.join(path, 'config.json')) or {}
+    accs = [r['test_accuracy'] for r in rows if 'test_accuracy' in r]
+    rounds = max((r['round'] for r in rows), default=0)
+    total = config.get('rounds')
+    done = bool(accs) and (total is None or rounds >= total)
+    return {
+      **out,
+      'status': 'done' if done else 'running',
+      'accuracy': float(np.mean(accs[-last:])) if accs else None,
+      'best': float(max(accs)) if accs else None,
+      'evaluations': len(accs[-last:]),
+      'round': rounds,
+      'rounds': total,
+    }
+  res = stitch_results(path)
+  if res is None:
+    return {**out, 'status': 'running', 'round': len(read_log(path))}
+  key = eval_key(res)
+  best = res.get('best') or {}
+  local = res.get('local') or None
+  return {
+    **out,
+    'status': 'done',
+    'accuracy': best.get(key),
+    'eval': key,
+    'network': best.get('path'),
+    'networks': len(res.get('networks') or []),
+    'local': None if local is None else local.get('mean_best'),
+    'round': res.get('rounds'),
+  }
+
+
+def _pct(value: float | None) -> str:
+  return MISSING if value is None else f'{100 * value:.2f}'
+
+
+def cell_text(c: Mapping[str, Any]) -> str:
+  """A table cell: '84.52', '81.20 (best 83.10)' for a training run,
+  'running' or '–' without a result."""
+  if c['status'] == 'missing':
+    return MISSING
+  if c['accuracy'] is None:  # a finished run without any network: 'none'
+    return RUNNING if c['status'] == 'running' else 'none'
+  text = _pct(c['accuracy'])
+  if c['kind'] == 'run':
+    text += f' (best {_pct(c["best"])})'
+  if c['status'] == 'running':
+    text += f' ({RUNNING}, round {c["round"]}/{c.get("rounds") or "?"})'
+  return text
+
+
+def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  lines += ['| ' + ' | '.join(map(str, r)) + ' |' for r in rows]
+  return '\n'.join(lines) + '\n'
+
+
+def accuracy_table(runs: RunSpec, last: int = 10) -> tuple[dict[str, Any], str]:
+  """Table III: one row per method, one column per setting.
+
+  A stitch run that made a Local baseline adds a row 'Local (<label>)'.
+  Returns (JSON-able data, markdown). Percentages with two decimals.
+  """
+  cols = columns_of(runs)
+  rows, text_rows = [], []
+  for label, by_col in runs.items():
+    cells = {c: cell(p, last) for c, p in by_col.items()}
+    rows.append({'method': label, 'cells': cells})
+    text_rows.append(
+      [label] + [cell_text(cells[c]) if c in cells else '' for c in cols]
+    )
+    if any(c.get('local') is not None for c in cells.values()):
+      local = {
+        c: {
+          'path': v['path'],
+          'kind': 'stitch_local',
+          'status': v['status'],
+          'accuracy': v.get('local'),
+        }
+        for c, v in cells.items()
+      }
+      rows.append({'method': f'Local ({label})', 'cells': local})
+      text_rows.append(
+        [f'Local ({label})']
+        + [
+          cell_text(local[c]) if c in local and local[c]['accuracy'] else ''
+          for c in cols
+        ]
+      )
+  data = {'columns': cols, 'last': last, 'rows': rows}
+  note = (
+    f'\nAccuracy in %. Training runs: mean test accuracy of the last {last} '
+    'evaluations (best in brackets); FedStitch: its best stitched network; '
+    f'{RUNNING}: not finished; {MISSING}: no such workdir.\n'
+  )
+  return data, markdown(['method', *cols], text_rows) + note
+
+
+def voting_table(runs: RunSpec) -> tuple[dict[str, Any], str]:
+  """Table IV: FedStitch with RL-weighted against uniform voting.
+
+  Rows are the labels of `runs` (each a stitch workdir per setting), with
+  the `--aggregation` each run was made with; with two rows, a last row
+  holds their difference (first − second) in points.
+  """
+  cols = columns_of(runs)
+  rows, text_rows = [], []
+  for label, by_col in runs.items():
+    cells = {c: cell(p) for c, p in by_col.items()}
+    for c, p in by_col.items():
+      if cells[c]['kind'] == 'stitch':
+        cells[c]['aggregation'] = stitch_setting(p, 'aggregation')
+    aggs = sorted(
+      {str(v['aggregation']) for v in cells.values() if v.get('aggregation')}
+    )
+    rows.append({'method': label, 'aggregation': aggs, 'cells': cells})
+    text_rows.append(
+      [label, '/'.join(aggs) or MISSING]
+      + [cell_text(cells[c]) if c in cells else '' for c in cols]
+    )
+  data = {'columns': cols, 'rows': rows}
+  if len(rows) == 2:
+    diff = {}
+    for c in cols:
+      a, b = (r['cells'].get(c, {}).get('accuracy') for r in rows)
+      diff[c] = None if a is None or b is None else 100 * (a - b)
+    data['difference_points'] = diff
+    text_rows.append(
+      [f'{rows[0]["method"]} − {rows[1]["method"]}', '']
+      + [MISSING if diff[c] is None else f'{diff[c]:+.2f}' for c in cols]
+    )
+  note = '\nAccuracy of the best stitched network in %.\n'
+  return data, markdown(['voting', 'aggregation', *cols], text_rows) + note
+
+
+# --- Accuracy against time (Fig. 4) ----------------------------------------
+
+
+def run_curve(
+  path: str, include_eval: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(seconds, accuracy)` of a training run: the cumulative sum of its
+  rounds' `round_time_s` (evaluation excluded unless `include_eval`) at
+  every evaluated round."""
+  rows = sorted(
+    metrics_io.read(os.path.join(path, 'metrics.jsonl')),
+    key=lambda r: r['round'],
+  )
+  t, ts, accs = 0.0, [], []
+  for r in rows:
+    t += r.get('round_time_s', 0.0)
+    if include_eval:
+      t += r.get('eval_time_s', 0.0)
+    if 'test_accuracy' in r:
+      ts.append(t)
+      accs.append(r['test_accuracy'])
+  return np.array(ts), np.array(accs)
+
+
+def round_seconds(row: Mapping[str, Any]) -> float:
+  """A stitch round's wall time (selection, stitch fits, aggregation);
+  rows of runs older than `round_time_s`: the clients' selection time."""
+  if 'round_time_s' in row:
+    return float(row['round_time_s'])
+  return float(sum(row.get('client_time_s', ())))
+
+
+def stitch_curve(path: str) -> tuple[np.ndarray, np.ndarray]:
+  """`(seconds, accuracy)` of a finished stitch run: at the end of each
+  round where networks were finished, the cumulative round time and the
+  best accuracy of the networks finished so far (results.json). Empty
+  until results.json exists."""
+  res = stitch_results(path)
+  if res is None:
+    return np.zeros(0), np.zeros(0)
+  key = eval_key(res)
+  log = read_log(path)
+  ts, accs, best = [], [], -math.inf
+  for done in sorted({int(n['round']) for n in res.get('networks') or []}):
+    # A network finished with `round` = rounds done: after rows < round.
+    best = max(
+      [best] + [n[key] for n in res['networks'] if int(n['round']) == done]
+    )
+    ts.append(sum(round_seconds(r) for r in log if r['round'] < done))
+    accs.append(best)
+  return np.array(ts), np.array(accs)
+
+
+def time_curves(
+  runs: RunSpec, include_eval: bool = False
+) -> dict[str, dict[str, dict[str, Any]]]:
+  """{column: {label: {'kind', 'seconds', 'accuracy', 'path'}}} of every
+  workdir with points (others are left out)."""
+  out: dict[str, dict[str, dict[str, Any]]] = {}
+  for label, by_col in runs.items():
+    for col, path in by_col.items():
+      kind = kind_of(path)
+      if kind == 'run':
+        t, a = run_curve(path, include_eval)
+      elif kind == 'stitch':
+        t, a = stitch_curve(path)
+      else:
+        continue
+      if len(t):
+        out.setdefault(col, {})[label] = {
+          'kind': kind,
+          'path': path,
+          'seconds': t.tolist(),
+          'accuracy': a.tolist(),
+        }
+  return out
+
+
+def time_figure(
+  curves: Mapping[str, Mapping[str, Mapping[str, Any]]],
+  unit: str = 'minutes',
+  include_eval: bool = False,
+) -> Any:
+  """Fig. 4: one panel per column, test accuracy (%) against cumulative
+  wall time; FedStitch's curve steps up where networks were finished."""
+  figure, canvas = plots._matplotlib()
+  cols = list(curves)
+  fig = figure(figsize=(5.2 * len(cols) + 2.5, 4.0), layout='constrained')
+  canvas(fig)
+  axes = fig.subplots(1, len(cols), squeeze=False)[0]
+  labels = list(dict.fromkeys(lb for c in cols for lb in curves[c]))
+  colors = dict(zip(labels, plots._colors(len(labels))))
+  for ax, col in zip(axes, cols):
+    for label, c in curves[col].items():
+      t = np.asarray(c['seconds']) / TIME_UNITS[unit]
+      a = 100 * np.asarray(c['accuracy'])
+      stitch = c['kind'] == 'stitch'
+      ax.plot(
+        t,
+        a,
+        color=colors[label],
+        lw=1.3,
+        marker='o' if stitch or len(t) <= 30 else None,
+        ms=4,
+        drawstyle='steps-post' if stitch else 'default',
+        label=label,
+      )
+    ax.set_title(col)
+    ax.set_xlabel(f'wall time ({unit})')
+    ax.set_ylabel('test accuracy (%)')
+    ax.grid(alpha=0.3)
+  handles, names = [], []
+  for ax in axes:
+    for h, n in zip(*ax.get_legend_handles_labels()):
+      if n not in names:
+        handles.append(h)
+        names.append(n)
+  fig.legend(handles, names, loc='outside right upper', fontsize='small')
+  fig.suptitle(
+    'accuracy against time; round times summed, evaluation '
+    + ('included' if include_eval else 'excluded')
+  )
+  return fig
+
+
+# --- Search-space optimiser (Fig. 7) ----------------------------------------
+
+
+def search_space(runs: RunSpec) -> dict[str, dict[str, Any]]:
+  """Per stitch run: candidate blocks scored per round (the live networks'
+  pool sizes summed), round time, --prune, final accuracy."""
+  out = {}
+  for label, by_col in runs.items():
+    for col, path in by_col.items():
+      if kind_of(path) != 'stitch':
+        continue
+      log = read_log(path)
+      if not log:
+        continue
+      name = label if len(by_col) == 1 else f'{label} ({col})'
+      c = cell(path)
+      seconds = [round_seconds(r) for r in log]
+      out[name] = {
+        'path': path,
+        'prune': stitch_setting(path, 'prune'),
+        'rounds': [r['round'] for r in log],
+        'depth': [r.get('depth') for r in log],
+        'candidates': [int(sum(r.get('pool_sizes', ()))) for r in log],
+        'seconds': seconds,
+        'selection_seconds': [
+          float(sum(r.get('client_time_s', ()))) for r in log
+        ],
+        'total_seconds': float(sum(seconds)),
+        'accuracy': c['accuracy'],
+        'status': c['status'],
+      }
+  return out
+
+
+def search_space_table(data: Mapping[str, Mapping[str, Any]]) -> str:
+  """The runs of `search_space` side by side; with one run without the
+  optimiser, every other run's speed-up over it (its total time over
+  theirs)."""
+  without = [d for d in data.values() if d['prune'] is False]
+  rows = []
+  for name, d in data.items():
+    speedup = ''
+    if len(without) == 1 and d['prune'] is not False and d['total_seconds']:
+      speedup = f'{without[0]["total_seconds"] / d["total_seconds"]:.2f}×'
+    rows.append(
+      [
+        name,
+        {True: 'on', False: 'off'}.get(d['prune'], '?'),
+        len(d['rounds']),
+        f'{np.mean(d["candidates"]):.1f}',
+        f'{d["candidates"][0]} → {d["candidates"][-1]}',
+        f'{d["total_seconds"]:.1f}',
+        speedup,
+        cell_text({**d, 'kind': 'stitch', 'round': len(d['rounds'])}),
+      ]
+    )
+  header = [
+    'run',
+    'optimiser',
+    'rounds',
+    'candidates / round',
+    'first → last',
+    'time (s)',
+    'speed-up',
+    'accuracy (%)',
+  ]
+  return markdown(header, rows)
+
+
+def search_space_figure(data: Mapping[str, Mapping[str, Any]]) -> Any:
+  """Fig. 7: candidate blocks per round and round time, per run."""
+  figure, canvas = plots._matplotlib()
+  fig = figure(figsize=(11.5, 4.0), layout='constrained')
+  canvas(fig)
+  ax_n, ax_t = fig.subplots(1, 2)
+  for (name, d), color in zip(data.items(), plots._colors(len(data))):
+    acc = '' if d['accuracy'] is None else f', {_pct(d["accuracy"])} %'
+    label = f'{name} ({d["total_seconds"]:.0f} s{acc})'
+    ax_n.plot(
+      d['rounds'], d['candidates'], color=color, marker='.', label=label
+    )
+    ax_t.plot(d['rounds'], d['seconds'], color=color, marker='.', label=label)
+  ax_n.set_ylabel('candidate blocks scored per client')
+  ax_t.set_ylabel('round time (s)')
+  for ax in (ax_n, ax_t):
+    ax.set_xlabel('round')
+    ax.grid(alpha=0.3)
+    ax.set_ylim(bottom=0)
+  ax_t.legend(fontsize='small')
+  fig.suptitle('search-space optimiser: candidates and time per round')
+  return fig
+
+
+# --- A client's classes against its rank (Fig. 2) --------------------------
+
+
+def classes_per_client(summary: Mapping[str, Any]) -> list[int]:
+  """Per client, how many classes it holds (at least one example of
+  each), from a partition summary (`fedjax_mr.data.partition.summary`:
+  'label_histograms')."""
+  return [int(np.count_nonzero(h)) for h in summary['label_histograms']]
+
+
+def rank_data(
+  log: Sequence[Mapping[str, Any]],
+  classes: Sequence[int],
+  weights: Sequence[float] | None = None,
+  local: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+  """What Fig. 2 plots, per number of classes.
+
+  Args:
+    log: a stitch run's log rows ('clients', 'ranks' aligned with them,
+      'depth').
+    classes: `[N]` classes per client.
+    weights: `[N]` the clients' learned weights after the last round, or
+      None.
+    local: results.json's 'local' ('clients', 'best'), or None.
+
+  Returns:
+    'points': every (client, round, depth, classes, rank) with a rank;
+    'by_classes': {k: {'clients', 'ranks' (points), 'mean_rank',
+    'mean_rank_by_depth', 'mean_weight' (× N: 1 is the initial weight),
+    'local_accuracy'}} for every k some client holds.
+  """
+  n = len(classes)
+  points = []
+  for row in log:
+    for c, r in zip(row.get('clients', ()), row.get('ranks', ())):
+      if r is not None and 0 <= c < n:
+        points.append(
+          {
+            'client': int(c),
+            'round': int(row['round']),
+            'depth': row.get('depth'),
+            'classes': int(classes[c]),
+            'rank': float(r),
+          }
+        )
+  local_acc = {}
+  if local:
+    for c, a in zip(local.get('clients', ()), local.get('best', ())):
+      if 0 <= c < n and a is not None and math.isfinite(a):
+        local_acc.setdefault(int(classes[c]), []).append(float(a))
+  by = {}
+  for k in sorted(set(int(x) for x in classes)):
+    ps = [p for p in points if p['classes'] == k]
+    depths = sorted({p['depth'] for p in ps if p['depth'] is not None})
+    who = [c for c in range(n) if classes[c] == k]
+    entry = {
+      'clients': len(who),
+      'ranks': len(ps),
+      'mean_rank': float(np.mean([p['rank'] for p in ps])) if ps else None,
+      'mean_rank_by_depth': {
+        str(d): float(np.mean([p['rank'] for p in ps if p['depth'] == d]))
+        for d in depths
+      },
+    }
+    if weights is not None:
+      entry['mean_weight'] = float(np.mean([weights[c] * n for c in who]))
+    if k in local_acc:
+      entry['local_accuracy'] = float(np.mean(local_acc[k]))
+    by[str(k)] = entry
+  return {'points': points, 'by_classes': by}
+
+
+def rank_table(data: Mapping[str, Any]) -> str:
+  rows = []
+  for k, e in data['by_classes'].items():
+    rows.append(
+      [
+        k,
+        e['clients'],
+        e['ranks'],
+        MISSING if e['mean_rank'] is None else f'{e["mean_rank"]:.3f}',
+        f'{e["mean_weight"]:.3f}' if 'mean_weight' in e else MISSING,
+        _pct(e.get('local_accuracy')),
+      ]
+    )
+  header = [
+    'classes',
+    'clients',
+    'ranks',
+    'mean rank',
+    'mean weight × N',
+    'Local accuracy (%)',
+  ]
+  return markdown(header, rows)
+
+
+def rank_figure(data: Mapping[str, Any], title: str = '') -> Any:
+  """Fig. 2: (a) a lone client's stitched accuracy (the Local baseline),
+  when there is one, (b) the cross-validated rank of its block choices by
+  depth, (c) its learned weight, against its number of classes."""
+  figure, canvas = plots._matplotlib()
+  by = data['by_classes']
+  ks = np.array([int(k) for k in by])
+  has_local = any('local_accuracy' in e for e in by.values())
+  has_weight = any('mean_weight' in e for e in by.values())
+  n = 1 + has_local + has_weight
+  fig = figure(figsize=(4.6 * n + 0.5, 3.9), layout='constrained')
+  canvas(fig)
+  axes = list(fig.subplots(1, n, squeeze=False)[0])
+  if has_local:
+    ax = axes.pop(0)
+    sel = [k for k in by if 'local_accuracy' in by[k]]
+    ax.plot(
+      [int(k) for k in sel],
+      [100 * by[k]['local_accuracy'] for k in sel],
+      marker='o',
+    )
+    ax.set_ylabel('Local stitched accuracy (%)')
+    ax.set_title('(a) one client alone')
+  ax = axes.pop(0)
+  pts = data['points']
+  depths = sorted({p['depth'] for p in pts if p['depth'] is not None})
+  jitter = np.random.default_rng(0)
+  for d, color in zip(depths, plots._colors(len(depths))):
+    ps = [p for p in pts if p['depth'] == d]
+    x = np.array([p['classes'] for p in ps], float)
+    ax.scatter(
+      x + jitter.uniform(-0.15, 0.15, len(x)),
+      [p['rank'] for p in ps],
+      s=8,
+      alpha=0.35,
+      color=color,
+    )
+    mk = [k for k in by if str(d) in by[k]['mean_rank_by_depth']]
+    ax.plot(
+      [int(k) for k in mk],
+      [by[k]['mean_rank_by_depth'][str(d)] for k in mk],
+      color=color,
+      marker='o',
+      label=f'depth {d}',
+    )
+  ax.set_ylabel("rank of its blocks in the others' CKA (1: best)")
+  ax.set_title('(b) cross-validated rank')
+  if depths:
+    ax.legend(fontsize='small')
+  if has_weight:
+    ax = axes.pop(0)
+    sel = [k for k in by if 'mean_weight' in by[k]]
+    ax.bar([int(k) for k in sel], [by[k]['mean_weight'] for k in sel])
+    ax.axhline(1.0, color='k', lw=0.8, ls='--')
+    ax.set_ylabel('learned weight × N (1: initial)')
+    ax.set_title('(c) weight after the last round')
+  for ax in fig.axes:
+    ax.set_xlabel("classes in the client's data")
+    ax.set_xticks(ks)
+    ax.grid(alpha=0.3)
+  if title:
+    fig.suptitle(title)
+  return fig
+
+
+# --- Client memory in one round (Fig. 5) -----------------------------------
+
+
+def _nbytes(tree: Any) -> int:
+  import jax
+
+  return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree)))
+
+
+def block_memory(block: Any, batch_size: int) -> dict[str, Any]:
+  """Measured memory of one block's inference forward pass at
+  `batch_size` (`budgets.step_memory_bytes`): its variables, the input
+  batch, its output and temporaries."""
+  import jax
+  import jax.numpy as jnp
+
+  from fedjax_mr.stitch import blocks as blocks_lib
+  from fedjax_mr.training import budgets
+
+  x = jax.ShapeDtypeStruct((batch_size, *block.in_spec), jnp.float32)
+  variables = jax.tree.map(
+    lambda v: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype),
+    block.variables,
+  )
+  forward = budgets.step_memory_bytes(
+    lambda v, x: blocks_lib.run_steps(block.steps, v, x), variables, x
+  )
+  params = _nbytes(block.variables)
+  return {
+    'block': block.describe(),
+    'model': block.model,
+    'forward_bytes': forward,
+    'parameter_bytes': params,
+    'working_bytes': max(forward - params, 0),
+  }
+
+
+def memory_data(
+  chains: Sequence[Sequence[Any]],
+  pool_models: Sequence[Any],
+  baselines: Sequence[tuple[str, Any]],
+  batch_size: int,
+  train_batch_size: int,
+  ft_layers: int = 2,
+) -> dict[str, Any]:
+  """Fig. 5's bars, in bytes.
+
+  FedStitch: a client holds the pool's blocks and scores candidates one
+  forward pass at a time, so its memory in a round is every block's
+  parameters plus the largest working memory (input, output and
+  temporaries) of one block's forward pass at `batch_size`; 'FedStitch
+  (one block)': the largest forward pass alone (parameters, input, output
+  and temporaries of one block), as if blocks were loaded one at a time.
+  FT-Full and FT-Part of each pool model, and every baseline trained from
+  scratch:
+  one SGD step at `train_batch_size` (`budgets.training_memory_bytes`),
+  at the model's own input shape.
+
+  Args:
+    chains: the pool models cut into blocks (`pool.chains`).
+    pool_models: the `PoolModel`s of `chains` (for FT-Full / FT-Part).
+    baselines: (label, zoo `Model`) trained from scratch.
+    batch_size: FedStitch's scoring batch.
+    train_batch_size: the baselines' local batch.
+    ft_layers: FT-Part trains the last this many parameterised modules
+      (`fedjax_mr.algorithms.finetune.final_modules`, as experiments.run
+      --algorithm=ft_part --ft_layers does).
+  """
+  from fedjax_mr.algorithms import finetune
+
+  blocks = [block_memory(b, batch_size) for chain in chains for b in chain]
+  bars = {}
+  if blocks:
+    held = sum(b['parameter_bytes'] for b in blocks)
+    bars['FedStitch'] = held + max(b['working_bytes'] for b in blocks)
+    # Without the pool held: the largest single forward pass.
+    bars['FedStitch (one block)'] = max(b['forward_bytes'] for b in blocks)
+  for m in pool_models:
+    bars[f'FT-Full {m.id}'] = finetune.training_memory(
+      m.model, None, train_batch_size, None
+    )
+    bars[f'FT-Part {m.id}'] = finetune.training_memory(
+      m.model,
+      finetune.final_modules(m.model, ft_layers),
+      train_batch_size,
+      None,
+    )
+  for label, model in baselines:
+    bars[label] = finetune.training_memory(model, None, train_batch_size, None)
+  return {
+    'batch_size': batch_size,
+    'train_batch_size': train_batch_size,
+    'bars_bytes': bars,
+    'blocks': blocks,
+  }
+
+
+def memory_table(data: Mapping[str, Any]) -> str:
+  bars = data['bars_bytes']
+  ref = bars.get('FedStitch')
+  rows = [
+    [
+      name,
+      f'{b / 2**20:.2f}',
+      ''
+      if ref is None or name.startswith('FedStitch')
+      else f'{100 * (1 - ref / b):.1f}',
+    ]
+    for name, b in bars.items()
+  ]
+  return markdown(
+    ['method', 'client memory (MiB)', 'FedStitch saves (%)'], rows
+  )
+
+
+def memory_figure(data: Mapping[str, Any]) -> Any:
+  """Fig. 5: one bar per method, client memory in one round (MiB)."""
+  figure, canvas = plots._matplotlib()
+  bars = data['bars_bytes']
+  fig = figure(
+    figsize=(min(0.8 * len(bars) + 3, 14), 4.4), layout='constrained'
+  )
+  canvas(fig)
+  ax = fig.subplots()
+  names = list(bars)
+  colors = plots._colors(len(names))
+  drawn = ax.bar(
+    range(len(names)), [bars[n] / 2**20 for n in names], color=colors
+  )
+  ax.bar_label(drawn, fmt='%.1f', fontsize='x-small')
+  ax.set_xticks(range(len(names)), names, rotation=30, ha='right')
+  ax.set_ylabel('client memory in one round (MiB)')
+  ax.grid(alpha=0.3, axis='y')
+  fig.suptitle(
+    f'FedStitch: forward passes at batch {data["batch_size"]}; baselines: '
+    f'one SGD step at batch {data["train_batch_size"]}',
+    fontsize='medium',
+  )
+  return fig
+
+
+# --- Writing ----------------------------------------------------------------
+
+
+def write(out: str, name: str, data: Any, text: str | None = None, fig=None):
+  """Writes `<out>/<name>.json` (data), `.md` (text) and `.png` (fig),
+  each atomically; returns the paths written."""
+  os.makedirs(out, exist_ok=True)
+  paths = []
+  path = os.path.join(out, f'{name}.json')
+  metrics_io.write_json(path, data, indent=1)
+  paths.append(path)
+  if text is not None:
+    path = os.path.join(out, f'{name}.md')
+    files.write_atomic(path, lambda f: f.write(text))
+    paths.append(path)
+  if fig is not None:
+    path = os.path.join(out, f'{name}.png')
+    plots.save(fig, path)
+    paths.append(path)
+  return paths

@@ -1,0 +1,433 @@
+"""experiments.stitch_figures on hand-written workdirs with known numbers.
+
+Every invocation runs in one subprocess (`tests.bad_invocations`, flags
+reset between cases); the expected table cells are computed by hand from
+the rows written here.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fedjax_mr.stitch import federated
+from fedjax_mr.stitch import figures
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LOG_LINE = re.compile(r'^[IWEF]\d{4} ')  # absl log lines (not errors)
+
+
+def _jsonl(path, rows):
+  with open(path, 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in rows)
+
+
+def _json(path, obj):
+  with open(path, 'w') as f:
+    json.dump(obj, f)
+
+
+def _stitch_dir(
+  path, *, times, pool_sizes, networks, config, local=None, log_extra=()
+):
+  """A FedStitch workdir: log.jsonl, results.json, state.npz."""
+  os.makedirs(path)
+  log = []
+  for r, (t, sizes) in enumerate(zip(times, pool_sizes)):
+    row = {
+      'round': r,
+      'clients': [],
+      'ranks': [],
+      'client_time_s': [t / 2],
+      'depth': 1,
+      'pool_sizes': sizes,
+      'round_time_s': t,
+    }
+    row.update(log_extra[r] if r < len(log_extra) else {})
+    log.append(row)
+  _jsonl(os.path.join(path, 'log.jsonl'), log)
+  best = max(networks, key=lambda n: n['head'])
+  _json(
+    os.path.join(path, 'results.json'),
+    {
+      'config': config,
+      'networks': sorted(networks, key=lambda n: -n['head']),
+      'best': best,
+      'local': local,
+      'rounds': len(times),
+    },
+  )
+  federated.write_document(
+    os.path.join(path, 'state.npz'),
+    {'round': len(times), 'weights': np.array([0.3, 0.1, 0.4, 0.2])},
+    {'aggregation': config['aggregation'], 'prune': config['prune']},
+  )
+
+
+def _run_dir(path, accs, rounds, time_s=60.0, eval_s=6.0):
+  """An experiments.run workdir: one evaluated row per round."""
+  os.makedirs(path)
+  _jsonl(
+    os.path.join(path, 'metrics.jsonl'),
+    [
+      {
+        'round': i + 1,
+        'train_loss': 0.5,
+        'test_accuracy': a,
+        'round_time_s': time_s,
+        'eval_time_s': eval_s,
+      }
+      for i, a in enumerate(accs)
+    ],
+  )
+  _json(os.path.join(path, 'config.json'), {'rounds': rounds})
+
+
+@pytest.fixture(scope='module')
+def dirs(tmp_path_factory):
+  root = tmp_path_factory.mktemp('figs')
+  d = {k: str(root / k) for k in ('a', 'b', 'c', 'r', 'r2', 'pool', 'm')}
+  # A: 4 clients; rounds of 10, 20 and 30 s; networks finished after
+  # rounds 2 (50 %) and 3 (70 %, 60 %).
+  _stitch_dir(
+    d['a'],
+    times=[10.0, 20.0, 30.0],
+    pool_sizes=[[5, 5], [5], [3]],
+    networks=[
+      {'path': 'n1', 'round': 2, 'head': 0.5},
+      {'path': 'n2', 'round': 3, 'head': 0.7},
+      {'path': 'n3', 'round': 3, 'head': 0.6},
+    ],
+    config={'prune': True, 'aggregation': 'rl'},
+    local={'clients': [0, 1], 'best': [0.4, 0.2], 'mean_best': 0.3},
+    log_extra=[
+      {'clients': [0, 1, 2], 'ranks': [0.8, 0.4, 0.9]},
+      {'clients': [1, 3], 'ranks': [0.6, None]},
+      {'clients': [0, 3], 'ranks': [0.5, 0.7], 'depth': 2},
+    ],
+  )
+  # Classes per client: 2, 1, 3, 2.
+  _json(
+    os.path.join(d['a'], 'partition.json'),
+    {'label_histograms': [[5, 5, 0], [10, 0, 0], [3, 3, 3], [0, 4, 4]]},
+  )
+  # B: without the optimiser, uniform voting, 55 %.
+  _stitch_dir(
+    d['b'],
+    times=[40.0, 50.0, 60.0],
+    pool_sizes=[[10, 10], [10], [10]],
+    networks=[{'path': 'm1', 'round': 3, 'head': 0.55}],
+    config={'prune': False, 'aggregation': 'uniform'},
+  )
+  # C: a FedStitch run still going (no results.json).
+  os.makedirs(d['c'])
+  _jsonl(os.path.join(d['c'], 'log.jsonl'), [{'round': 0, 'clients': []}])
+  # R: 12 evaluated rounds of 1 %, 2 %, ..., 12 %: last 10 mean 7.5 %.
+  _run_dir(d['r'], [i / 100 for i in range(1, 13)], rounds=12)
+  # R2: 2 of 20 rounds.
+  _run_dir(d['r2'], [0.1, 0.3], rounds=20)
+  os.makedirs(os.path.join(d['pool'], 'cnn'))
+  _json(
+    os.path.join(d['pool'], 'cnn', 'meta.json'),
+    {'model': 'cnn_mnist', 'test_accuracy': 0.809},
+  )
+  d['pool_model'] = os.path.join(d['pool'], 'cnn')
+  # A pool of one untrained cnn_mnist, for the memory figure.
+  import jax
+
+  from fedjax_mr.models import model as model_lib
+  from fedjax_mr.stitch import pool as pool_lib
+
+  model = model_lib.get('cnn_mnist', 10, (28, 28, 1))
+  variables = model.init(jax.random.key(0))
+  pool_lib.save_model(d['m'], 'cnn', model, variables)
+  d['param_bytes'] = sum(
+    np.asarray(x).nbytes for x in jax.tree.leaves(variables)
+  )
+  return d
+
+
+def _outs(root):
+  return {k: str(root / k) for k in FIGURE_CASES}
+
+
+FIGURE_CASES = [
+  'table3',
+  'acc_vs_time',
+  'acc_eval',
+  'search_space',
+  'voting',
+  'rank',
+  'memory',
+]
+
+
+@pytest.fixture(scope='module')
+def results(dirs, tmp_path_factory):
+  """{case: (exit code, stderr, wrote)} of one subprocess running every
+  good and bad invocation, and the output folders."""
+  root = tmp_path_factory.mktemp('out')
+  out = _outs(root)
+  scratch = str(root / 'scratch')
+  d = dirs
+  good = {
+    'table3': [
+      '--figure=table3',
+      '--runs=FedStitch:iid={a},noniid={b};'
+      'FedAvg:iid={r},noniid={r2};'
+      'Pool cnn:iid={pool_model},noniid=/nonexistent/x;'
+      'Going:iid={c}'.format(**d),
+    ],
+    'acc_vs_time': [
+      '--figure=acc_vs_time',
+      f'--runs=FedStitch:iid={d["a"]};FedAvg:iid={d["r"]};Gone:iid=/no/x',
+    ],
+    'acc_eval': [
+      '--figure=acc_vs_time',
+      '--include_eval',
+      '--time_unit=hours',
+      f'--runs=FedAvg:noniid={d["r"]}',
+    ],
+    'search_space': [
+      '--figure=search_space',
+      f'--runs=with:{d["a"]};without:{d["b"]}',
+    ],
+    'voting': [
+      '--figure=voting',
+      f'--runs=RL:noniid={d["a"]};Uniform:noniid={d["b"]}',
+    ],
+    'rank': ['--figure=rank_vs_classes', f'--runs=A:{d["a"]}'],
+    'memory': [
+      '--figure=memory',
+      f'--pool={d["m"]}',
+      '--models=cnn_mnist',
+      '--batch_size=2',
+      '--train_batch_size=2',
+    ],
+  }
+  S = f'--out={scratch}'
+  bad = {
+    'no_figure': ([S], '--figure'),
+    'bad_figure': (['--figure=bogus', S], '--figure'),
+    'no_out': (['--figure=table3', f'--runs=x:{d["a"]}'], '--out'),
+    'no_runs': (['--figure=table3', S], '--runs'),
+    'bad_runs': (['--figure=voting', '--runs=nolabel', S], '--runs'),
+    'twice': (['--figure=table3', '--runs=x:/a;x:/b', S], '--runs'),
+    'bad_json': (['--figure=table3', '--runs=/nonexistent.json', S], '--runs'),
+    'no_points': (['--figure=acc_vs_time', '--runs=x:/no/such', S], '--runs'),
+    'no_log': (['--figure=search_space', f'--runs=x:{d["r"]}', S], '--runs'),
+    'last': (
+      ['--figure=table3', f'--runs=x:{d["r"]}', '--last=0', S],
+      '--last',
+    ),
+    'two_runs': (
+      ['--figure=rank_vs_classes', f'--runs=x:{d["a"]};y:{d["b"]}', S],
+      '--runs',
+    ),
+    'no_partition': (
+      ['--figure=rank_vs_classes', f'--runs=x:{d["b"]}', S],
+      '--partition_summary',
+    ),
+    'bad_partition': (
+      [
+        '--figure=rank_vs_classes',
+        f'--runs=x:{d["a"]}',
+        '--partition_summary=/nonexistent/p.json',
+        S,
+      ],
+      '--partition_summary=/nonexistent/p.json',
+    ),
+    'memory_nothing': (['--figure=memory', S], '--pool'),
+    'memory_batch': (
+      ['--figure=memory', f'--pool={d["m"]}', '--batch_size=0', S],
+      '--batch_size',
+    ),
+    'ft_layers': (
+      ['--figure=memory', f'--pool={d["m"]}', '--ft_layers=9', S],
+      '--ft_layers: must be in 1..4',
+    ),
+    'memory_model': (
+      ['--figure=memory', '--models=bogus', '--input_shape=28,28,1', S],
+      'bogus',
+    ),
+    'positional': (['--figure=table3', 'extra'], 'unexpected arguments'),
+  }
+  names = list(good) + list(bad)
+  argvs = [[*good[k], f'--out={out[k]}'] for k in good] + [
+    bad[k][0] for k in bad
+  ]
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'tests.bad_invocations',
+      'experiments.stitch_figures',
+      json.dumps(argvs),
+      scratch,
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
+  )
+  assert proc.returncode == 0, proc.stderr
+  got = dict(zip(names, json.loads(proc.stdout)))
+  return got, out, {k: v[1] for k, v in bad.items()}
+
+
+def _read(out, name):
+  with open(os.path.join(out, name)) as f:
+    return f.read()
+
+
+def _load(out, name):
+  with open(os.path.join(out, name)) as f:
+    return json.load(f)
+
+
+@pytest.mark.parametrize('case', FIGURE_CASES)
+def test_every_figure_runs(results, case):
+  got, _, _ = results
+  assert got[case]['code'] == 0, got[case]['stderr']
+
+
+def test_table3_cells(results):
+  _, out, _ = results
+  text = _read(out['table3'], 'table3.md')
+  lines = text.splitlines()
+  assert lines[0] == '| method | iid | noniid |'
+  assert '| FedStitch | 70.00 | 55.00 |' in lines
+  assert '| Local (FedStitch) | 30.00 |  |' in lines
+  assert (
+    '| FedAvg | 7.50 (best 12.00) | 20.00 (best 30.00) (running, round 2/20) |'
+    in lines
+  )
+  assert '| Pool cnn | 80.90 | – |' in lines
+  assert '| Going | running |  |' in lines
+  data = _load(out['table3'], 'table3.json')
+  fedavg = data['rows'][2]['cells']
+  assert fedavg['iid']['accuracy'] == pytest.approx(0.075)
+  assert fedavg['iid']['best'] == pytest.approx(0.12)
+  assert fedavg['noniid']['status'] == 'running'
+  assert data['rows'][3]['cells']['noniid']['status'] == 'missing'
+
+
+def test_acc_vs_time_points(results):
+  _, out, _ = results
+  data = _load(out['acc_vs_time'], 'acc_vs_time.json')
+  curves = data['curves']['iid']
+  assert set(curves) == {'FedStitch', 'FedAvg'}  # 'Gone' has no points
+  # Networks finished after rounds 0-1 (10 + 20 s) and 0-2 (+ 30 s).
+  assert curves['FedStitch']['seconds'] == [30.0, 60.0]
+  assert curves['FedStitch']['accuracy'] == [0.5, 0.7]
+  assert curves['FedAvg']['seconds'] == [60.0 * k for k in range(1, 13)]
+  assert not data['evaluation_included']
+  assert os.path.getsize(os.path.join(out['acc_vs_time'], 'acc_vs_time.png'))
+  with_eval = _load(out['acc_eval'], 'acc_vs_time.json')
+  assert with_eval['evaluation_included']
+  seconds = with_eval['curves']['noniid']['FedAvg']['seconds']
+  assert seconds == [66.0 * k for k in range(1, 13)]
+
+
+def test_search_space_table(results):
+  _, out, _ = results
+  lines = _read(out['search_space'], 'search_space.md').splitlines()
+  assert '| with | on | 3 | 6.0 | 10 → 3 | 60.0 | 2.50× | 70.00 |' in lines
+  assert '| without | off | 3 | 13.3 | 20 → 10 | 150.0 |  | 55.00 |' in lines
+  data = _load(out['search_space'], 'search_space.json')
+  assert data['with']['candidates'] == [10, 5, 3]
+  assert data['without']['seconds'] == [40.0, 50.0, 60.0]
+  assert os.path.exists(os.path.join(out['search_space'], 'search_space.png'))
+
+
+def test_voting_table(results):
+  _, out, _ = results
+  lines = _read(out['voting'], 'voting.md').splitlines()
+  assert '| RL | rl | 70.00 |' in lines
+  assert '| Uniform | uniform | 55.00 |' in lines
+  assert '| RL − Uniform |  | +15.00 |' in lines
+  data = _load(out['voting'], 'voting.json')
+  assert data['difference_points']['noniid'] == pytest.approx(15.0)
+
+
+def test_rank_vs_classes(results):
+  _, out, _ = results
+  lines = _read(out['rank'], 'rank_vs_classes.md').splitlines()
+  # 1 class: client 1 (ranks 0.4, 0.6; weight 0.1 × 4; alone 20 %);
+  # 2: clients 0 and 3 (0.8, 0.5, 0.7; (0.3 + 0.2) × 4 / 2; 40 %); 3: client 2.
+  assert '| 1 | 1 | 2 | 0.500 | 0.400 | 20.00 |' in lines
+  assert '| 2 | 2 | 3 | 0.667 | 1.000 | 40.00 |' in lines
+  assert '| 3 | 1 | 1 | 0.900 | 1.600 | – |' in lines
+  data = _load(out['rank'], 'rank_vs_classes.json')
+  assert data['by_classes']['2']['mean_rank_by_depth'] == {
+    '1': pytest.approx(0.8),
+    '2': pytest.approx(0.6),
+  }
+  assert len(data['points']) == 6  # the None rank is left out
+  assert os.path.exists(os.path.join(out['rank'], 'rank_vs_classes.png'))
+
+
+def test_memory_bars(results, dirs):
+  _, out, _ = results
+  data = _load(out['memory'], 'memory.json')
+  bars = data['bars_bytes']
+  assert list(bars) == [
+    'FedStitch',
+    'FedStitch (one block)',
+    'FT-Full cnn',
+    'FT-Part cnn',
+    'cnn_mnist (scratch)',
+  ]
+  # The pool's blocks hold exactly the model's variables.
+  blocks = data['blocks']
+  assert sum(b['parameter_bytes'] for b in blocks) == dirs['param_bytes']
+  assert bars['FedStitch'] == dirs['param_bytes'] + max(
+    b['working_bytes'] for b in blocks
+  )
+  assert bars['FedStitch (one block)'] == max(
+    b['forward_bytes'] for b in blocks
+  )
+  # The same model trained from scratch or fine-tuned in full: one step.
+  assert bars['FT-Full cnn'] == bars['cnn_mnist (scratch)']
+  assert 0 < bars['FT-Part cnn'] < bars['FT-Full cnn']
+  assert os.path.exists(os.path.join(out['memory'], 'memory.png'))
+  assert 'FedStitch saves (%)' in _read(out['memory'], 'memory.md')
+
+
+def test_missing_inputs_are_one_line_errors(results):
+  got, _, fragments = results
+  for name, fragment in fragments.items():
+    r = got[name]
+    lines = [
+      line
+      for line in r['stderr'].splitlines()
+      if line.strip() and not _LOG_LINE.match(line)
+    ]
+    assert r['code'] == 2, (name, r)
+    assert len(lines) == 1 and lines[0].startswith('error: '), (name, r)
+    assert fragment in lines[0], (name, lines)
+    assert not r['wrote'], name
+
+
+def test_parse_runs_forms(tmp_path):
+  spec = 'A:iid=x/1, noniid=x/2; B:y'
+  assert figures.parse_runs(spec) == {
+    'A': {'iid': 'x/1', 'noniid': 'x/2'},
+    'B': {'run': 'y'},
+  }
+  path = tmp_path / 'runs.json'
+  path.write_text(json.dumps({'A': {'iid': 'x/1'}, 'B': 'y'}))
+  assert figures.parse_runs(str(path)) == {
+    'A': {'iid': 'x/1'},
+    'B': {'run': 'y'},
+  }
+  assert figures.columns_of(figures.parse_runs(spec)) == [
+    'iid',
+    'noniid',
+    'run',
+  ]
