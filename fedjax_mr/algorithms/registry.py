@@ -25,6 +25,7 @@ from fedjax_mr.algorithms import clusamp
 from fedjax_mr.algorithms import depthfl
 from fedjax_mr.algorithms import fedasam
 from fedjax_mr.algorithms import fedavg
+from fedjax_mr.algorithms import fedepth
 from fedjax_mr.algorithms import fedexp
 from fedjax_mr.algorithms import fedgen
 from fedjax_mr.algorithms import fedmr
@@ -93,6 +94,7 @@ REGISTRY: dict[str, Entry] = {
   'fedmut': Entry(fedmut.Hparams, fedmut.build, 'uniform', True, '', fedmut.VARIANTS, label='FedMut'),  # noqa: E501
   'depthfl': Entry(depthfl.Hparams, depthfl.build, 'examples', False, '', depthfl.VARIANTS, depthfl.wrap_model, label='DepthFL'),  # noqa: E501
   'heterofl': Entry(heterofl.Hparams, heterofl.build, 'uniform', label='HeteroFL'),  # noqa: E501
+  'fedepth': Entry(fedepth.Hparams, fedepth.build, label='FeDepth'),
   'ft_full': Entry(finetune.Hparams, finetune.build_full, label='FT-Full'),
   'ft_part': Entry(finetune.PartHparams, finetune.build_part, label='FT-Part'),
 }
