@@ -97,16 +97,21 @@ _NUM_CLIENTS = flags.DEFINE_integer('num_clients', 100, 'Clients N.')
 _PARTITION = flags.DEFINE_enum(
   'partition',
   'dirichlet',
-  ['iid', 'dirichlet', 'shards'],
-  'Client partition: iid, dirichlet (--alpha) or shards (the label-sorted '
-  'shards of experiments.run, --shards_per_client: a client holds few '
-  "classes; FedStitch's Fig. 2).",
+  ['iid', 'dirichlet', 'dirichlet_equal', 'shards'],
+  'Client partition: iid; dirichlet (each class split over the clients by '
+  'Dir(--alpha), as experiments.run); dirichlet_equal (equal-size clients, '
+  "each with class proportions from Dir(--alpha): FedStitch's non-IID "
+  'setting, and the one that stays non-empty with few classes); shards '
+  '(the label-sorted shards of experiments.run, --shards_per_client: a '
+  "client holds few classes; FedStitch's Fig. 2).",
 )
 _SHARDS_PER_CLIENT = flags.DEFINE_integer(
   'shards_per_client', 2, 'partition=shards: shards per client.'
 )
 _ALPHA = flags.DEFINE_float(
-  'alpha', 1.0, 'Dirichlet concentration (partition=dirichlet).'
+  'alpha',
+  1.0,
+  'Dirichlet concentration (partition=dirichlet or dirichlet_equal).',
 )
 # The flag's name before it was unified with experiments.run's.
 flags.DEFINE_alias('dirichlet_alpha', 'alpha')
@@ -380,7 +385,7 @@ def _check_flags(stitch, errors, network) -> None:
     ),
   ]
   alpha = _ALPHA.value
-  if _PARTITION.value == 'dirichlet':
+  if _PARTITION.value in ('dirichlet', 'dirichlet_equal'):
     checks.append(
       (
         alpha > 0 and math.isfinite(alpha),
@@ -391,7 +396,7 @@ def _check_flags(stitch, errors, network) -> None:
     checks.append(
       (
         flags.FLAGS['alpha'].using_default_value,
-        f'--alpha applies to --partition=dirichlet only, not '
+        f'--alpha applies to --partition=dirichlet|dirichlet_equal only, not '
         f'--partition={_PARTITION.value}',
       )
     )
@@ -622,6 +627,10 @@ def _main(stitch, errors) -> None:
       _SHARDS_PER_CLIENT.value,
       _SEED.value,
     )
+  elif _PARTITION.value == 'dirichlet_equal':
+    parts = partition.dirichlet_equal(
+      ds.y_train[private], _NUM_CLIENTS.value, _ALPHA.value, _SEED.value
+    )
   else:
     parts = partition.dirichlet(
       ds.y_train[private], _NUM_CLIENTS.value, _ALPHA.value, _SEED.value
@@ -633,7 +642,7 @@ def _main(stitch, errors) -> None:
     f'pool: {len(pool.blocks)} blocks from {len(models)} models '
     f'({", ".join(f"{m.id}: {len(c)}" for m, c in zip(models, chains))}); '
     f'{_NUM_CLIENTS.value} clients, {_PARTITION.value}'
-    + (f' α={_ALPHA.value}' if _PARTITION.value == 'dirichlet' else ''),
+    + (f' α={_ALPHA.value}' if 'dirichlet' in _PARTITION.value else ''),
     flush=True,
   )
   b = _BATCH_SIZE.value

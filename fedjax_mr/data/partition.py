@@ -1,8 +1,9 @@
 """Splitting a training set among simulated clients (host side, seeded).
 
 Every partition is a list of client index arrays into the training set:
-`iid`, `dirichlet` and `shards` draw one from a seed; `load_file` reads one
-(`--partition=file`), `save_file` writes one in that format.
+`iid`, `dirichlet`, `dirichlet_equal` and `shards` draw one from a seed;
+`load_file` reads one (`--partition=file`), `save_file` writes one in that
+format.
 
 References:
   Dirichlet label skew as in NIID-Bench (Li et al., "Federated Learning on
@@ -104,6 +105,61 @@ def dirichlet(
     f'after {max_tries} tries (alpha={alpha}, {num_clients} clients); use '
     'fewer clients or a larger --alpha'
   )
+
+
+def dirichlet_equal(
+  labels: np.ndarray, num_clients: int, alpha: float, seed: int
+) -> list[np.ndarray]:
+  """Equal-size clients whose class proportions are drawn from Dir(α).
+
+  FedStitch's non-IID setting (§III: devices "with the same amount of
+  training data", each client's number of examples per class from a
+  Dirichlet distribution), the per-client scheme of Hsu, Qi and Brown
+  ("Measuring the Effects of Non-Identical Data Distribution for Federated
+  Visual Classification", 2019); `dirichlet` instead splits each class
+  over the clients, which leaves clients nearly empty when there are few
+  classes and α is small (5 classes, 100 clients, α = 0.1).
+
+  Client k (in order) gets ⌊M/N⌋ or ⌈M/N⌉ examples (the first M mod N get
+  one more): it draws q_k ~ Dir(α·1_C) and takes a multinomial draw of
+  its size over the classes by q_k, capped at what each class has left,
+  redrawing the shortfall over the classes that still have examples (by
+  q_k, or evenly when q_k's classes are used up), so every example is
+  used once; the last clients therefore hold what the others left, as in
+  any exact-size version of this scheme. Within a class, examples are
+  taken in a seeded random order.
+
+  Returns:
+    `num_clients` sorted int64 index arrays, disjoint, covering `range(M)`.
+  """
+  labels = np.asarray(labels)
+  if not alpha > 0:
+    raise errors.ConfigError(f'--alpha must be > 0, got {alpha}')
+  _check_counts(len(labels), num_clients, 1)
+  rng = np.random.default_rng(seed)
+  classes = np.unique(labels)
+  pools = [rng.permutation(np.flatnonzero(labels == c)) for c in classes]
+  left = np.array([len(p) for p in pools], np.int64)
+  used = np.zeros(len(classes), np.int64)
+  base, extra = divmod(len(labels), num_clients)
+  out = []
+  for k in range(num_clients):
+    need = base + (k < extra)
+    q = rng.dirichlet(np.full(len(classes), alpha))
+    take = np.zeros(len(classes), np.int64)
+    while need > 0:
+      avail = left - take
+      w = np.where(avail > 0, q, 0.0)
+      if w.sum() <= 0:
+        w = (avail > 0).astype(np.float64)
+      draw = np.minimum(rng.multinomial(need, w / w.sum()), avail)
+      take += draw
+      need -= int(draw.sum())
+    rows = [p[u : u + t] for p, u, t in zip(pools, used, take)]
+    out.append(np.sort(np.concatenate(rows)).astype(np.int64))
+    used += take
+    left -= take
+  return out
 
 
 def shards(
