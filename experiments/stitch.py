@@ -158,6 +158,15 @@ _EVAL = flags.DEFINE_enum(
 _KNN_REFERENCE = flags.DEFINE_integer(
   'knn_reference', 2000, 'Public examples the kNN probe is fitted on.'
 )
+_KNN_AT = flags.DEFINE_enum(
+  'knn_at',
+  'output',
+  ['output', 'trunk'],
+  "What the kNN probe reads: the network's output (a finished network: "
+  'its logits), or for a finished network the input of its end block '
+  "(trunk): the features, when the pool's heads learnt other classes "
+  '(--classes); its last block is still chosen by the search.',
+)
 _EVAL_EXAMPLES = flags.DEFINE_integer(
   'eval_examples', 0, 'Test examples to evaluate on (0: all).'
 )
@@ -660,16 +669,31 @@ def _main(stitch, errors) -> None:
   x_ref, y_ref = ds.x_train[ref], ds.y_train[ref]
 
   def evaluate(net):
-    return network.accuracies(
+    knn = _EVAL.value != 'head'
+    trunk = knn and _KNN_AT.value == 'trunk' and net.finished
+    acc = network.accuracies(
       net,
       x_test,
       y_test,
       scale=ds.scale,
       shift=ds.shift,
       head=_EVAL.value in ('head', 'both'),
-      knn_reference=(x_ref, y_ref) if _EVAL.value != 'head' else None,
+      knn_reference=(x_ref, y_ref) if knn and not trunk else None,
       label_map=label_map,
     )
+    if trunk:  # the features its end block starts from
+      acc.update(
+        network.accuracies(
+          network.Network(net.blocks[:-1], net.stitches[:-1]),
+          x_test,
+          y_test,
+          scale=ds.scale,
+          shift=ds.shift,
+          head=False,
+          knn_reference=(x_ref, y_ref),
+        )
+      )
+    return acc
 
   # Held until the process ends: one writer per workdir.
   _LOCKS.append(workdir_lib.acquire(_WORKDIR.value))
@@ -785,6 +809,8 @@ def _main(stitch, errors) -> None:
     'config': config._asdict(),
     'partition': _PARTITION.value,
     'dirichlet_alpha': _ALPHA.value,
+    'eval': _EVAL.value,
+    'knn_at': _KNN_AT.value,
     'pool_blocks': len(pool.blocks),
     'pool_models': pool_acc,
     'networks': nets,

@@ -167,9 +167,13 @@ def test_transfer_setting_pool_on_five_classes_clients_on_the_others(
   assert not (tmp_path / 'head').exists()
   run = tmp_path / 'run'
   shards = ('--partition=shards', '--shards_per_client=1')
-  proc = _run(*args, *shards, '--eval=knn', f'--workdir={run}')
+  probe = ('--eval=knn', '--knn_at=trunk')
+  proc = _run(*args, *shards, *probe, f'--workdir={run}')
   assert proc.returncode == 0, proc.stderr
   results = json.load(open(run / 'results.json'))
+  # The probe read each finished network's features, not its five logits
+  # of the pool's classes.
+  assert results['knn_at'] == 'trunk'
   # A kNN probe on features learnt from the other five classes still
   # tells these five apart far above chance (20 %).
   assert results['pool_models']['cnn_mnist']['knn'] > 0.4
