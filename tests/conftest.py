@@ -16,13 +16,18 @@ os.environ['XLA_FLAGS'] = (
 ).strip()
 
 # One persistent compilation cache for the whole session, shared with the
-# programs the tests start as subprocesses: the same round function is
-# compiled by many tests (a reference run, a killed run, its resume), and
-# reading it back is bit-identical to compiling it again. A fresh folder per
-# session, so nothing carries over between sessions.
-os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(
-  prefix='fedjax_mr_test_jax_cache_'
-)
+# programs the tests start as subprocesses and, under pytest-xdist (`-n 2`,
+# as .ci/run runs), with the other workers, which inherit the controller's
+# environment: the same round function is compiled by many tests (a
+# reference run, a killed run, its resume), and reading it back is
+# bit-identical to compiling it again. A fresh folder per session, so
+# nothing carries over between sessions; the process that made it removes
+# it.
+os.environ['FEDJAX_MR_TEST_JAX_CACHE'] = (
+  os.environ.get('PYTEST_XDIST_WORKER')
+  and os.environ.get('FEDJAX_MR_TEST_JAX_CACHE')
+) or tempfile.mkdtemp(prefix='fedjax_mr_test_jax_cache_')
+os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ['FEDJAX_MR_TEST_JAX_CACHE']
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
@@ -31,9 +36,10 @@ import pytest
 
 from fedjax_mr.data import datasets
 
-atexit.register(
-  shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True
-)
+if not os.environ.get('PYTEST_XDIST_WORKER'):  # the controller, or alone
+  atexit.register(
+    shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'], ignore_errors=True
+  )
 
 FMNIST_DIR = datasets.DEFAULT_FASHION_MNIST_DIR
 
