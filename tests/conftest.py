@@ -100,6 +100,7 @@ SLOW_MODULES = {
   'test_programs',
   'test_readme',
   'test_stitch_programs',
+  'test_stitch_figures',
   'test_torch_reference',
   'test_algorithms',
   'test_distributed',

@@ -153,6 +153,7 @@ def test_one_block_step_by_hand():
   assert int(out.num_steps) == 1 and int(out.num_examples) == 5
 
 
+@pytest.mark.slow
 def test_frozen_layers_and_statistics_stay_put():
   # BatchNorm model. Client 0's only block is [1, 1]: the stem and layers
   # 0 and 2 (parameters and running statistics) stay as received, though

@@ -61,6 +61,7 @@ def test_modules_in_forward_order():
     finetune.final_modules(cnn, 5)
 
 
+@pytest.mark.slow
 def test_one_part_round_by_hand():
   # FT-Part with only the head (Dense_1) trainable: Dense_0 and BatchNorm_0
   # are frozen, BatchNorm in evaluation mode (its running statistics).
@@ -178,6 +179,7 @@ class _TrunkHead(nn.Module):
     return nn.Dense(3, name='head')(h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('as_argument', [False, True])
 def test_frozen_modules_run_in_evaluation_mode(as_argument):
   # With the trunk frozen, a training pass is the evaluation pass: running
@@ -202,6 +204,7 @@ def test_frozen_modules_run_in_evaluation_mode(as_argument):
   )
 
 
+@pytest.mark.slow
 def test_full_with_everyone_eligible_is_fedavg():
   model = helpers.linear_bn_model()
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
@@ -238,6 +241,7 @@ def _budgets_between(m_part, m_full):
   return ','.join(repr(b / budgets.GB) for b in gbs), '0.3,0.4,0.3'
 
 
+@pytest.mark.slow
 def test_eligibility_and_sampling_from_measured_memory():
   model = helpers.linear_bn_model(shape=(8, 8, 3))
   local = contract.local_training(model)
