@@ -126,12 +126,8 @@ _INFO = 'fedepth'
 REFERENCE_CHANNELS = budgets_lib.REFERENCE_INPUT_SHAPE[-1]
 
 
-def _floats(text: str) -> tuple[float, ...]:
-  return tuple(float(v) for v in str(text).split(',') if v.strip())
-
-
 @dataclasses.dataclass(frozen=True)
-class Hparams:
+class Hparams(budgets_lib.BudgetHparams):
   """FeDepth's decomposition: memory budgets or fixed blocks."""
 
   layers_per_block: int = dataclasses.field(
@@ -141,35 +137,6 @@ class Hparams:
       "client's blocks from its memory budget (FedStitch budgets)."
     },
   )
-  budgets_gb: str = dataclasses.field(
-    default='1,2,4,8',
-    metadata={
-      'help': 'Comma-separated client memory budgets in GB '
-      "(FedStitch's comparison: 1, 2, 4, 8)."
-    },
-  )
-  budget_fractions: str = dataclasses.field(
-    default='0.3,0.3,0.3,0.1',
-    metadata={
-      'help': 'Share of the clients with each budget (FedStitch: '
-      '0.3, 0.3, 0.3, 0.1).'
-    },
-  )
-  budget_seed: int = dataclasses.field(
-    default=0,
-    metadata={'help': 'Seed of which clients get which budget.'},
-  )
-  reference_size: int = dataclasses.field(
-    default=budgets_lib.REFERENCE_INPUT_SHAPE[0],
-    metadata={
-      'help': 'Image side at which training memory is measured '
-      "(224; 0: the model's own input shape)."
-    },
-  )
-  reference_batch: int = dataclasses.field(
-    default=budgets_lib.REFERENCE_BATCH_SIZE,
-    metadata={'help': 'Batch size at which training memory is measured.'},
-  )
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
@@ -178,36 +145,7 @@ class Hparams:
       raise errors.ArgumentError(
         'layers_per_block', f'must be >= 0, got {self.layers_per_block}'
       )
-    try:
-      gbs = _floats(self.budgets_gb)
-    except ValueError:
-      gbs = ()
-    if not gbs or not all(b > 0 for b in gbs):
-      raise errors.ArgumentError(
-        'budgets_gb', f'must be numbers > 0, got {self.budgets_gb!r}'
-      )
-    try:
-      fractions = _floats(self.budget_fractions)
-    except ValueError:
-      fractions = ()
-    if (
-      len(fractions) != len(gbs)
-      or any(f < 0 for f in fractions)
-      or abs(sum(fractions) - 1) > 1e-6
-    ):
-      raise errors.ArgumentError(
-        'budget_fractions',
-        'must be one share >= 0 per budget, summing to 1, got '
-        f'{self.budget_fractions!r}',
-      )
-    if self.reference_size < 0:
-      raise errors.ArgumentError(
-        'reference_size', f'must be >= 0, got {self.reference_size}'
-      )
-    if self.reference_batch < 1:
-      raise errors.ArgumentError(
-        'reference_batch', f'must be >= 1, got {self.reference_batch}'
-      )
+    self.validate_budgets()
 
 
 class FeDepthState(NamedTuple):
@@ -725,8 +663,7 @@ def blocks_for(
   client_budgets = budgets_lib.client_budgets(
     num_clients,
     hp.budget_seed,
-    _floats(hp.budgets_gb),
-    _floats(hp.budget_fractions),
+    *hp.budgets(),
   )
   return client_blocks(client_budgets, u, need)
 

@@ -103,92 +103,15 @@ _EVAL_MODE = (
 )
 
 
-def _numbers(text: str, name: str) -> tuple[float, ...]:
-  try:
-    return tuple(float(v) for v in str(text).split(',') if v.strip())
-  except ValueError:
-    raise errors.ArgumentError(
-      name, f'must be comma-separated numbers, got {text!r}'
-    ) from None
-
-
 @dataclasses.dataclass(frozen=True)
-class Hparams:
+class Hparams(budgets_lib.BudgetHparams):
   """The clients' memory budgets and where training memory is measured
   (FT-Full's; FT-Part adds `layers`)."""
-
-  budgets_gb: str = dataclasses.field(
-    default='1,2,4,8',
-    metadata={
-      'flag': 'ft_budgets_gb',
-      'help': 'Comma-separated client memory budgets in GB '
-      "(FedStitch's comparison: 1, 2, 4, 8).",
-    },
-  )
-  budget_fractions: str = dataclasses.field(
-    default='0.3,0.3,0.3,0.1',
-    metadata={
-      'flag': 'ft_budget_fractions',
-      'help': 'Share of the clients with each budget (FedStitch: '
-      '0.3, 0.3, 0.3, 0.1).',
-    },
-  )
-  budget_seed: int = dataclasses.field(
-    default=0,
-    metadata={
-      'flag': 'ft_budget_seed',
-      'help': 'Seed of which clients get which budget.',
-    },
-  )
-  reference_size: int = dataclasses.field(
-    default=budgets_lib.REFERENCE_INPUT_SHAPE[0],
-    metadata={
-      'flag': 'ft_reference_size',
-      'help': 'Image side at which training memory is measured '
-      "(224; 0: the model's own input shape).",
-    },
-  )
-  reference_batch: int = dataclasses.field(
-    default=budgets_lib.REFERENCE_BATCH_SIZE,
-    metadata={
-      'flag': 'ft_reference_batch',
-      'help': 'Batch size at which training memory is measured.',
-    },
-  )
-
-  def budgets(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(budgets in GB, their shares of the clients)."""
-    return (
-      _numbers(self.budgets_gb, 'budgets_gb'),
-      _numbers(self.budget_fractions, 'budget_fractions'),
-    )
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
     del setting
-    gbs, fractions = self.budgets()
-    if not gbs or not all(b > 0 for b in gbs):
-      raise errors.ArgumentError(
-        'budgets_gb', f'must be > 0, got {self.budgets_gb!r}'
-      )
-    if (
-      len(fractions) != len(gbs)
-      or any(f < 0 for f in fractions)
-      or abs(sum(fractions) - 1) > 1e-6
-    ):
-      raise errors.ArgumentError(
-        'budget_fractions',
-        'must be one share ≥ 0 per budget, summing to 1, got '
-        f'{self.budget_fractions!r}',
-      )
-    if self.reference_size < 0:
-      raise errors.ArgumentError(
-        'reference_size', f'must be ≥ 0, got {self.reference_size}'
-      )
-    if self.reference_batch < 1:
-      raise errors.ArgumentError(
-        'reference_batch', f'must be ≥ 1, got {self.reference_batch}'
-      )
+    self.validate_budgets()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +121,6 @@ class PartHparams(Hparams):
   layers: int = dataclasses.field(
     default=2,
     metadata={
-      'flag': 'ft_layers',
       'help': 'FT-Part: how many final parameterised modules (top-level '
       'entries of the params, e.g. the head and the last residual block) '
       'train; the others stay frozen.',

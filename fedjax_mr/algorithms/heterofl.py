@@ -101,7 +101,7 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Hparams:
+class Hparams(budgets_lib.BudgetHparams):
   """HeteroFL's rates, the clients' memory budgets and the loss mask."""
 
   rates: str = dataclasses.field(
@@ -110,35 +110,6 @@ class Hparams:
       'help': 'Comma-separated width rates in (0, 1] (paper: 1, '
       '1/2, 1/4, 1/8, 1/16).'
     },
-  )
-  budgets_gb: str = dataclasses.field(
-    default='1,2,4,8',
-    metadata={
-      'help': 'Comma-separated client memory budgets in GB '
-      "(FedStitch's comparison: 1, 2, 4, 8)."
-    },
-  )
-  budget_fractions: str = dataclasses.field(
-    default='0.3,0.3,0.3,0.1',
-    metadata={
-      'help': 'Share of the clients with each budget (FedStitch: '
-      '0.3, 0.3, 0.3, 0.1).'
-    },
-  )
-  budget_seed: int = dataclasses.field(
-    default=0,
-    metadata={'help': 'Seed of which clients get which budget.'},
-  )
-  reference_size: int = dataclasses.field(
-    default=budgets_lib.REFERENCE_INPUT_SHAPE[0],
-    metadata={
-      'help': 'Image side at which training memory is measured '
-      "(224; 0: the model's own input shape)."
-    },
-  )
-  reference_batch: int = dataclasses.field(
-    default=budgets_lib.REFERENCE_BATCH_SIZE,
-    metadata={'help': 'Batch size at which training memory is measured.'},
   )
   masked_loss: bool = dataclasses.field(
     default=True,
@@ -161,29 +132,13 @@ class Hparams:
     del setting
     try:
       rates = _floats(self.rates)
-      gbs = _floats(self.budgets_gb)
-      fractions = _floats(self.budget_fractions)
     except ValueError as e:
       raise errors.ArgumentError('rates', f'must be numbers: {e}') from None
     if not rates or not all(0 < r <= 1 for r in rates):
       raise errors.ArgumentError(
         'rates', f'must be in (0, 1], got {self.rates!r}'
       )
-    if not gbs or not all(b > 0 for b in gbs):
-      raise errors.ArgumentError(
-        'budgets_gb', f'must be > 0, got {self.budgets_gb!r}'
-      )
-    if len(fractions) != len(gbs) or abs(sum(fractions) - 1) > 1e-6:
-      raise errors.ArgumentError(
-        'budget_fractions',
-        f'must be one share per budget summing to 1, got '
-        f'{self.budget_fractions!r}',
-      )
-    if self.reference_size < 0 or self.reference_batch < 1:
-      raise errors.ArgumentError(
-        'reference_batch' if self.reference_batch < 1 else 'reference_size',
-        'must be positive',
-      )
+    self.validate_budgets()
 
 
 class HeteroFLState(NamedTuple):
@@ -671,8 +626,7 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
   budgets = budgets_lib.client_budgets(
     setting.num_clients,
     hp.budget_seed,
-    _floats(hp.budgets_gb),
-    _floats(hp.budget_fractions),
+    *hp.budgets(),
   )
   return heterofl(
     setting.local,

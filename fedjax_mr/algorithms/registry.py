@@ -95,8 +95,8 @@ REGISTRY: dict[str, Entry] = {
   'depthfl': Entry(depthfl.Hparams, depthfl.build, 'examples', False, '', depthfl.VARIANTS, depthfl.wrap_model, label='DepthFL'),  # noqa: E501
   'heterofl': Entry(heterofl.Hparams, heterofl.build, 'uniform', label='HeteroFL'),  # noqa: E501
   'fedepth': Entry(fedepth.Hparams, fedepth.build, label='FeDepth'),
-  'ft_full': Entry(finetune.Hparams, finetune.build_full, label='FT-Full'),
-  'ft_part': Entry(finetune.PartHparams, finetune.build_part, label='FT-Part'),
+  'ft_full': Entry(finetune.Hparams, finetune.build_full, prefix='ft', label='FT-Full'),  # noqa: E501
+  'ft_part': Entry(finetune.PartHparams, finetune.build_part, prefix='ft', label='FT-Part'),  # noqa: E501
 }
 # fmt: on
 

@@ -21,6 +21,7 @@ the experiment itself may train on small images.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 from typing import Sequence
 
@@ -40,6 +41,86 @@ PAPER_FRACTIONS = (0.3, 0.3, 0.3, 0.1)
 # resolution; FedStitch does not state its batch size, 32 is ours.
 REFERENCE_INPUT_SHAPE = (224, 224, 3)
 REFERENCE_BATCH_SIZE = 32
+
+
+def _numbers(text: str, name: str) -> tuple[float, ...]:
+  try:
+    return tuple(float(v) for v in str(text).split(',') if v.strip())
+  except ValueError:
+    raise errors.ArgumentError(
+      name, f'must be comma-separated numbers, got {text!r}'
+    ) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetHparams:
+  """The clients' memory budgets and the setting their training memory is
+  measured at: the hyper-parameters every memory-constrained baseline
+  (HeteroFL, FeDepth, FT-Full, FT-Part) inherits, as the flags
+  `--<algorithm>_budgets_gb` and so on."""
+
+  budgets_gb: str = dataclasses.field(
+    default=','.join(f'{b:g}' for b in PAPER_BUDGETS_GB),
+    metadata={
+      'help': 'Comma-separated client memory budgets in GB '
+      "(FedStitch's comparison: 1, 2, 4, 8)."
+    },
+  )
+  budget_fractions: str = dataclasses.field(
+    default=','.join(f'{f:g}' for f in PAPER_FRACTIONS),
+    metadata={
+      'help': 'Share of the clients with each budget (FedStitch: '
+      '0.3, 0.3, 0.3, 0.1).'
+    },
+  )
+  budget_seed: int = dataclasses.field(
+    default=0,
+    metadata={'help': 'Seed of which clients get which budget.'},
+  )
+  reference_size: int = dataclasses.field(
+    default=REFERENCE_INPUT_SHAPE[0],
+    metadata={
+      'help': 'Image side at which training memory is measured '
+      "(224; 0: the model's own input shape)."
+    },
+  )
+  reference_batch: int = dataclasses.field(
+    default=REFERENCE_BATCH_SIZE,
+    metadata={'help': 'Batch size at which training memory is measured.'},
+  )
+
+  def budgets(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(budgets in GB, their shares of the clients)."""
+    return (
+      _numbers(self.budgets_gb, 'budgets_gb'),
+      _numbers(self.budget_fractions, 'budget_fractions'),
+    )
+
+  def validate_budgets(self) -> None:
+    """Raises `ArgumentError` naming a bad budget field."""
+    gbs, fractions = self.budgets()
+    if not gbs or not all(b > 0 for b in gbs):
+      raise errors.ArgumentError(
+        'budgets_gb', f'must be numbers > 0, got {self.budgets_gb!r}'
+      )
+    if (
+      len(fractions) != len(gbs)
+      or any(f < 0 for f in fractions)
+      or abs(sum(fractions) - 1) > 1e-6
+    ):
+      raise errors.ArgumentError(
+        'budget_fractions',
+        'must be one share ≥ 0 per budget, summing to 1, got '
+        f'{self.budget_fractions!r}',
+      )
+    if self.reference_size < 0:
+      raise errors.ArgumentError(
+        'reference_size', f'must be ≥ 0, got {self.reference_size}'
+      )
+    if self.reference_batch < 1:
+      raise errors.ArgumentError(
+        'reference_batch', f'must be ≥ 1, got {self.reference_batch}'
+      )
 
 
 def group_sizes(num_clients: int, fractions: Sequence[float]) -> np.ndarray:
