@@ -49,7 +49,9 @@ classes, which the pool never saw.
 five ImageNet-1K networks, read from torchvision state dicts saved as
 `.safetensors` (`fedjax_mr.stitch.torchvision_import`); images are resized
 to `--imagenet_resolution` and ImageNet-normalised at the start of every
-model, and `--label_map` maps ImageNet classes to the dataset's.
+model, and `--label_map` maps ImageNet classes to the dataset's (for
+CIFAR-10 and CINIC-10 the bundled map `fedjax_mr.stitch.label_maps.CIFAR10`
+is the default, so the paper's pool runs with that one flag).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ _IMAGENET_POOL = flags.DEFINE_string(
   None,
   "FedStitch's ImageNet pool instead of --pool: a folder of torchvision "
   'state dicts as .safetensors (alexnet, resnet50, vgg16, densenet121, '
-  'mobilenet_v3_large); needs --label_map.',
+  'mobilenet_v3_large); --label_map defaults to the bundled map of '
+  '--dataset where there is one (cifar10, cinic10).',
 )
 _IMAGENET_RESOLUTION = flags.DEFINE_integer(
   'imagenet_resolution', 224, 'Side images are resized to (--imagenet_pool).'
@@ -170,7 +173,13 @@ _KNN_AT = flags.DEFINE_enum(
 _EVAL_EXAMPLES = flags.DEFINE_integer(
   'eval_examples', 0, 'Test examples to evaluate on (0: all).'
 )
-_LABEL_MAP = flags.DEFINE_string('label_map', None, 'Label map JSON file.')
+_LABEL_MAP = flags.DEFINE_string(
+  'label_map',
+  None,
+  'Per dataset class, the pool classes that count as it: a JSON file (a '
+  'list of lists of class ids) or a bundled map by name (cifar10, cinic10: '
+  'ImageNet-1K to the CIFAR-10 classes; fedjax_mr.stitch.label_maps).',
+)
 _CLASSES = flags.DEFINE_string(
   'classes',
   '',
@@ -521,8 +530,20 @@ def _fleet(errors):
   )
 
 
-def _read_label_map(errors) -> list | None:
-  """The JSON list of --label_map, or None without one."""
+def _read_label_map(errors, classes=None) -> list | None:
+  """The map of --label_map (a bundled map's name or a JSON file), the
+  dataset's bundled map under --imagenet_pool without one, else None. A
+  bundled map covers all the dataset's classes: with --classes, the
+  entries of those classes."""
+  from fedjax_mr.stitch import label_maps
+
+  named = None
+  if _LABEL_MAP.value:
+    named = label_maps.bundled(_LABEL_MAP.value)
+  elif _IMAGENET_POOL.value:
+    named = label_maps.bundled(_DATASET.value)
+  if named is not None:
+    return named if classes is None else [named[c] for c in classes]
   if not _LABEL_MAP.value:
     return None
   try:
@@ -531,7 +552,8 @@ def _read_label_map(errors) -> list | None:
   except (OSError, ValueError) as e:
     reason = e.strerror if isinstance(e, OSError) else f'not JSON ({e})'
     raise errors.ConfigError(
-      f'--label_map={_LABEL_MAP.value}: cannot read it: {reason}'
+      f'--label_map={_LABEL_MAP.value}: cannot read it: {reason} (bundled '
+      f'maps: {", ".join(sorted(label_maps.BUNDLED))})'
     ) from None
   if not isinstance(label_map, list):
     raise errors.ConfigError(
@@ -599,7 +621,7 @@ def _main(stitch, errors) -> None:
           f'{list(classes or range(ds.num_classes))}: its head cannot '
           'answer it; use --eval=knn'
         )
-  label_map = _read_label_map(errors)
+  label_map = _read_label_map(errors, classes)
   if label_map is not None and _IMAGENET_POOL.value:
     label_map = torchvision_import.check_label_map(
       label_map, ds.num_classes, min(m.model.num_classes for m in models)
@@ -613,9 +635,12 @@ def _main(stitch, errors) -> None:
   elif _EVAL.value != 'knn' and any(
     m.model.num_classes != ds.num_classes for m in models
   ):
+    from fedjax_mr.stitch import label_maps
+
     raise errors.ConfigError(
       '--label_map is needed: pool models have other label spaces than '
-      f'--dataset={ds.name}'
+      f'--dataset={ds.name} (bundled maps: '
+      f'{", ".join(sorted(label_maps.BUNDLED))})'
     )
   split = None
   if not _IMAGENET_POOL.value:

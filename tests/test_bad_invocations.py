@@ -211,6 +211,20 @@ CASES = {
     (['--stitch_solver=lu'], '--stitch_solver'),
     (['--label_map=/nonexistent/map.json'], '/nonexistent/map.json'),
     (['--label_map=README.md'], '--label_map=README.md'),
+    # The bundled CIFAR-10 map by name: its ImageNet ids exceed the test
+    # pool's 10-class heads; with --classes, the entries of those classes.
+    (
+      ['--imagenet_pool=tests/stitch/data/torchvision', '--label_map=cifar10'],
+      'got [404, 895, 908]',
+    ),
+    (
+      [
+        '--imagenet_pool=tests/stitch/data/torchvision',
+        '--label_map=cifar10',
+        '--classes=6-7',
+      ],
+      'got [30, 31, 32]',
+    ),
     (['--workdir=README.md'], 'README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
     (['--energy_mix=bogus'], '--energy_mix'),
