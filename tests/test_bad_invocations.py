@@ -29,6 +29,8 @@ CASES = {
     (['--alpha=inf'], '--alpha'),
     (['--alpha=0'], '--alpha'),
     (['--alpha=nan'], '--alpha'),
+    (['--partition=dirichlet_equal', '--alpha=0'], '--alpha'),
+    (['--partition=dirichlet_equal', '--min_client_size=5'], '--min_client'),
     (['--energy_ms_per_sample=nan'], '--energy_ms_per_sample'),
     (['--energy_ms_per_sample=0'], '--energy_ms_per_sample'),
     (

@@ -417,6 +417,7 @@ def setting_title(config: config_lib.ExperimentConfig) -> str:
   c = config
   part = {
     'dirichlet': f'dirichlet α={c.alpha:g}',
+    'dirichlet_equal': f'dirichlet_equal α={c.alpha:g}',
     'shards': f'shards s={c.shards_per_client}',
     'file': f'file {c.partition_sha256[:8]}',
   }.get(c.partition, c.partition)

@@ -25,15 +25,22 @@ from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 
 WEIGHTINGS = ('auto', 'examples', 'uniform')
-PARTITIONS = ('iid', 'dirichlet', 'shards', 'file', 'natural')
+PARTITIONS = (
+  'iid',
+  'dirichlet',
+  'dirichlet_equal',
+  'shards',
+  'file',
+  'natural',
+)
 CIFAR100_LABELS = ('fine', 'coarse')
-# The flags that one partition alone reads, and that partition.
+# The flags that some partitions alone read, and those partitions.
 PARTITION_FLAGS = {
-  'alpha': 'dirichlet',
-  'min_client_size': 'dirichlet',
-  'shards_per_client': 'shards',
-  'partition_file': 'file',
-  'partition_sha256': 'file',
+  'alpha': ('dirichlet', 'dirichlet_equal'),
+  'min_client_size': ('dirichlet',),
+  'shards_per_client': ('shards',),
+  'partition_file': ('file',),
+  'partition_sha256': ('file',),
 }
 
 
@@ -124,13 +131,18 @@ class ExperimentConfig:
   partition: str = _field(
     'dirichlet',
     'How to split data among clients: iid (equal random shares); '
-    "dirichlet (label skew, --alpha); shards (the FedAvg paper's "
+    'dirichlet (label skew, --alpha: each class split over the clients by '
+    'Dir(alpha), so client sizes vary); dirichlet_equal (equal-size '
+    "clients, each client's class mix drawn from Dir(alpha), FedStitch's "
+    "non-IID setting); shards (the FedAvg paper's "
     'label-sorted shards, --shards_per_client); file (the index lists of '
     "--partition_file); natural: the dataset's own users (femnist, "
     'shakespeare), num_clients of them chosen by the seed.',
     choices=PARTITIONS,
   )
-  alpha: float = _field(0.1, 'Dirichlet concentration (partition=dirichlet).')
+  alpha: float = _field(
+    0.1, 'Dirichlet concentration (partition=dirichlet, dirichlet_equal).'
+  )
   min_client_size: int = _field(
     10, 'Minimum examples per client (partition=dirichlet).'
   )
@@ -301,7 +313,7 @@ class ExperimentConfig:
 
   def default_workdir(self) -> str:
     part = self.partition
-    if part == 'dirichlet':
+    if part in ('dirichlet', 'dirichlet_equal'):
       part += f'{self.alpha:g}'
     elif part == 'shards':
       part += f'{self.shards_per_client}'
@@ -439,19 +451,21 @@ def validate(config: ExperimentConfig) -> None:
     raise errors.ConfigError(
       f'--momentum must be in [0, 1), got {config.momentum}'
     )
-  if config.partition == 'dirichlet' and not (
+  if config.partition in PARTITION_FLAGS['alpha'] and not (
     config.alpha > 0 and math.isfinite(config.alpha)
   ):
     raise errors.ConfigError(
-      '--alpha must be finite and > 0 for --partition=dirichlet (IID is '
-      f'--partition=iid), got {config.alpha}'
+      f'--alpha must be finite and > 0 for --partition={config.partition} '
+      f'(IID is --partition=iid), got {config.alpha}'
     )
   defaults = {f.name: f.default for f in base_fields()}
-  for name, owner in PARTITION_FLAGS.items():
-    if config.partition != owner and getattr(config, name) != defaults[name]:
+  for name, owners in PARTITION_FLAGS.items():
+    if config.partition not in owners and (
+      getattr(config, name) != defaults[name]
+    ):
       raise errors.ConfigError(
-        f'--{name}={getattr(config, name)} applies to --partition={owner} '
-        f'only, not --partition={config.partition}'
+        f'--{name}={getattr(config, name)} applies to --partition='
+        f'{" or ".join(owners)} only, not --partition={config.partition}'
       )
   if config.init_from and not os.path.isfile(
     os.path.join(config.init_from, 'meta.json')

@@ -126,7 +126,12 @@ def make_partition(
 
   Examples labelled −1 (not among `--classes`) are in no client.
   """
-  if config.classes and config.partition in ('iid', 'dirichlet', 'shards'):
+  if config.classes and config.partition in (
+    'iid',
+    'dirichlet',
+    'dirichlet_equal',
+    'shards',
+  ):
     # Partition the examples of the kept classes only.
     keep = np.flatnonzero(labels >= 0)
     return [keep[p] for p in _partition(config, labels[keep], clients)]
@@ -177,6 +182,10 @@ def _partition(
       sha256=config.partition_sha256,
     )
     return parts
+  if config.partition == 'dirichlet_equal':
+    return partition_lib.dirichlet_equal(
+      labels, config.num_clients, config.alpha, config.seed
+    )
   return partition_lib.dirichlet(
     labels,
     config.num_clients,

@@ -41,6 +41,32 @@ def test_shards_flags_and_workdir():
     config_lib.validate(_config(partition='iid', shards_per_client=3))
 
 
+def test_dirichlet_equal_flags_and_workdir():
+  cfg = _config(partition='dirichlet_equal', alpha=0.5)
+  config_lib.validate(cfg)
+  assert cfg.default_workdir() == (
+    'runs/fedavg-fashion_mnist-cnn_mnist-dirichlet_equal0.5-s0'
+  )
+  assert cfg.identity()['alpha'] == 0.5
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^--alpha must be finite and > 0 for --partition=dirichlet_equal',
+  ):
+    config_lib.validate(_config(partition='dirichlet_equal', alpha=0.0))
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^--min_client_size=5 applies to --partition=dirichlet only, not '
+    r'--partition=dirichlet_equal$',
+  ):
+    config_lib.validate(_config(partition='dirichlet_equal', min_client_size=5))
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^--alpha=0.5 applies to --partition=dirichlet or dirichlet_equal '
+    r'only, not --partition=iid$',
+  ):
+    config_lib.validate(_config(partition='iid', alpha=0.5))
+
+
 def test_file_config_holds_the_content_hash(part_file, tmp_path):
   sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
   cfg = _config(partition='file', partition_file=str(part_file))

@@ -445,6 +445,17 @@ def test_shards_partition_runs(small_config, tmp_path):
   assert np.isfinite(res.history[-1]['test_accuracy'])
 
 
+def test_dirichlet_equal_partition_gives_the_libraries_clients(small_config):
+  cfg = dataclasses.replace(
+    small_config, partition='dirichlet_equal', alpha=0.3
+  )
+  exp = experiment.setup(cfg)
+  labels = datasets.load('fashion_mnist', cfg.data_dir).y_train
+  want = partition_lib.dirichlet_equal(labels, 10, 0.3, cfg.seed)
+  assert _client_rows(exp) == [p.tolist() for p in want]
+  assert {len(p) for p in want} == {150}  # 1,500 examples, equal clients
+
+
 def test_file_partition_runs_and_resumes_only_with_the_same_file(
   small_config, tmp_path
 ):

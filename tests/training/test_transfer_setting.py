@@ -24,16 +24,22 @@ def config(**kw):
   )
 
 
-@pytest.mark.parametrize('partition', ['iid', 'dirichlet', 'shards'])
+@pytest.mark.parametrize(
+  'partition', ['iid', 'dirichlet', 'dirichlet_equal', 'shards']
+)
 def test_partition_covers_the_kept_classes_only(partition):
   kw = {'partition': partition}
   if partition == 'dirichlet':
     kw.update(alpha=1.0, min_client_size=1)
+  if partition == 'dirichlet_equal':
+    kw.update(alpha=1.0)
   if partition == 'shards':
     kw.update(shards_per_client=1)
   parts = experiment.make_partition(config(**kw), LABELS)
   got = np.sort(np.concatenate(parts))
   np.testing.assert_array_equal(got, np.flatnonzero(LABELS >= 0))
+  if partition in ('iid', 'dirichlet_equal'):  # 9 kept examples, 3 clients
+    assert [len(p) for p in parts] == [3, 3, 3]
 
 
 def test_iid_partition_is_the_plain_one_of_the_kept_examples():
