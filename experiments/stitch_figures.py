@@ -1,6 +1,6 @@
 r"""The FedStitch paper's tables and figures from finished workdirs.
 
-  python -m experiments.stitch_figures --figure=table3 --out=runs/figs \
+  python -m experiments.stitch_figures --figure=table3 --output=runs/figs \
       --runs='FedStitch:iid=runs/stitch/iid,noniid=runs/stitch/dir0.1;
               HeteroFL:iid=runs/heterofl_iid,noniid=runs/heterofl_dir0.1'
 
@@ -9,7 +9,7 @@ and '=' is ignored.)
 
 The paper: "Heterogeneity-Aware Coordination for Federated Learning via
 Stitching Pre-trained blocks", Shichen Zhan, Yebo Wu, Chunlin Tian, Yan
-Zhao, Li Li (2024). One `--figure` per run; each writes into `--out`
+Zhao, Li Li (2024). One `--figure` per run; each writes into `--output`
 `<figure>.json` (the numbers shown) and `<figure>.md` (a table) and/or
 `<figure>.png`. Nothing is trained or run here: the inputs are workdirs of
 the other programs, and only `memory` compiles (never runs) models.
@@ -118,8 +118,8 @@ FIGURES = [
 _FIGURE = flags.DEFINE_enum(
   'figure', None, FIGURES, 'Which table or figure of the paper to make.'
 )
-_OUT = flags.DEFINE_string(
-  'out', None, 'Output folder (<figure>.json, .md and/or .png).'
+_OUTPUT = flags.DEFINE_string(
+  'output', None, 'Output folder (<figure>.json, .md and/or .png).'
 )
 _RUNS = flags.DEFINE_string(
   'runs',
@@ -199,8 +199,8 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore
   if _FIGURE.value is None:
     cli.fail(f'--figure is needed: one of {", ".join(FIGURES)}')
-  if not _OUT.value:
-    cli.fail('--out is needed: the folder to write the figure into')
+  if not _OUTPUT.value:
+    cli.fail('--output is needed: the folder to write the figure into')
   from fedjax_mr.core import errors
   from fedjax_mr.stitch import figures
 
@@ -211,7 +211,7 @@ def main(argv) -> None:
 
 
 def _main(figures, errors) -> None:
-  name, out = _FIGURE.value, _OUT.value
+  name, out = _FIGURE.value, _OUTPUT.value
   if name == 'memory':
     _memory(figures, errors, out)
     return

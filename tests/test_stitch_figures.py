@@ -209,11 +209,11 @@ def results(dirs, tmp_path_factory):
       '--train_batch_size=2',
     ],
   }
-  S = f'--out={scratch}'
+  S = f'--output={scratch}'
   bad = {
     'no_figure': ([S], '--figure'),
     'bad_figure': (['--figure=bogus', S], '--figure'),
-    'no_out': (['--figure=table3', f'--runs=x:{d["a"]}'], '--out'),
+    'no_output': (['--figure=table3', f'--runs=x:{d["a"]}'], '--output'),
     'no_runs': (['--figure=table3', S], '--runs'),
     'bad_runs': (['--figure=voting', '--runs=nolabel', S], '--runs'),
     'twice': (['--figure=table3', '--runs=x:/a;x:/b', S], '--runs'),
@@ -257,7 +257,7 @@ def results(dirs, tmp_path_factory):
     'positional': (['--figure=table3', 'extra'], 'unexpected arguments'),
   }
   names = list(good) + list(bad)
-  argvs = [[*good[k], f'--out={out[k]}'] for k in good] + [
+  argvs = [[*good[k], f'--output={out[k]}'] for k in good] + [
     bad[k][0] for k in bad
   ]
   proc = subprocess.run(

@@ -197,8 +197,8 @@ class Checkpointer:
       ) from None
 
   def metadata(self, round_index: int) -> dict[str, Any]:
-    """The metadata saved with checkpoint `round_index` ({} for none, as
-    in checkpoints made before it was kept)."""
+    """The metadata saved with checkpoint `round_index` ({} for a
+    checkpoint saved without metadata, as older versions saved them)."""
     try:
       found = self._manager.metadata(int(round_index)).custom_metadata
     except Exception:  # noqa: BLE001 (no step metadata file)

@@ -1,5 +1,5 @@
-"""Bit-identity of the ported algorithms with the recordings made before the
-port (`regression/*.json`).
+"""Bit-identity of the algorithms with their recorded runs
+(`regression/*.json`): any change of numerics shows here.
 
 Each recording is a 3-round run on the 1,500-example Fashion-MNIST subset,
 seed 0, one device: its metrics rows (times left out) and the SHA-256 of
