@@ -5,13 +5,36 @@ XLA:CPU lowers the weight gradient of a convolution inside a loop
 and the backward pass of ``nn.max_pool`` is a slow select-and-scatter.
 Local training runs every step inside such a loop, so the models of this
 package use the layers below: the forward values are those of
-``lax.conv_general_dilated`` and ``nn.max_pool``; only the way the backward
-pass is written differs (ordinary convolutions; reshape-and-max pooling).
+``lax.conv_general_dilated`` and ``nn.max_pool``; only the way the
+gradient is computed differs.
+
+`conv2d`'s gradient has two implementations, chosen when a function is
+traced (`conv_implementation`):
+
+* 'im2col' (the default on CPU): under differentiation the forward pass
+  gathers the input's windows into a patch matrix `[N·H'·W', kh·kw·C_in]`
+  and multiplies it by the kernel; the backward pass is two matrix
+  products (patchesᵀ · dy for the kernel, dy · kernelᵀ for the patches)
+  and a sum of the patch gradients back onto their input positions. On
+  XLA:CPU matrix products run much faster than the small convolutions of
+  these models (cnn_mnist's training step ~1.5×, resnet20's ~2× faster on
+  2 cores; BUILD.md, "Benchmark"), at the cost of keeping the patch matrix
+  (kh·kw times the input) until the backward pass.
+* 'conv' (the default elsewhere; GPUs have fast convolution kernels):
+  the backward pass as ordinary convolutions in the layout XLA:CPU keeps
+  fast inside loops.
+
+Both give the values of `lax.conv_general_dilated` and its gradient up to
+float32 rounding (summation order); a function not differentiated always
+runs `lax.conv_general_dilated`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from typing import Iterator
 from typing import Sequence
 
 import flax.linen as nn
@@ -34,7 +57,35 @@ def _pad_pairs(
   return tuple((int(lo), int(hi)) for lo, hi in padding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+CONV_IMPLEMENTATIONS = ('auto', 'im2col', 'conv')
+_setting = threading.local()
+
+
+@contextlib.contextmanager
+def conv_implementation(name: str) -> Iterator[None]:
+  """Within the block, functions traced use `name` for `conv2d`'s gradient:
+  'im2col', 'conv' or 'auto' (im2col on CPU, conv elsewhere; the default).
+  It applies when a function is traced, so a `jax.jit` function already
+  compiled keeps the implementation it was traced with."""
+  if name not in CONV_IMPLEMENTATIONS:
+    raise ValueError(
+      f'conv implementation {name!r}: not one of {CONV_IMPLEMENTATIONS}'
+    )
+  before = getattr(_setting, 'name', 'auto')
+  _setting.name = name
+  try:
+    yield
+  finally:
+    _setting.name = before
+
+
+def _im2col_now() -> bool:
+  name = getattr(_setting, 'name', 'auto')
+  if name == 'auto':
+    return jax.default_backend() == 'cpu'
+  return name == 'im2col'
+
+
 def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):
   """2-D convolution, NHWC input, HWIO kernel, explicit padding pairs.
 
@@ -45,15 +96,86 @@ def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):
     padding: `((lo_h, hi_h), (lo_w, hi_w))`.
 
   Returns:
-    `[N, H', W', C_out]`, equal to `lax.conv_general_dilated`.
+    `[N, H', W', C_out]`, equal to `lax.conv_general_dilated` (its gradient
+    by the implementation `conv_implementation` selects).
   """
+  strides = tuple(int(s) for s in strides)
+  padding = tuple((int(lo), int(hi)) for lo, hi in padding)
+  if _im2col_now():
+    return _conv2d_im2col(x, w, strides, padding)
+  return _conv2d_conv(x, w, strides, padding)
+
+
+def _stock_conv(x, w, strides, padding):
   return lax.conv_general_dilated(
     x, w, strides, padding, dimension_numbers=_DIMS
   )
 
 
+# --- The 'im2col' gradient -------------------------------------------------
+
+
+def _window_slices(kh, kw, ho, wo, strides):
+  """For each kernel position (i, j), row-major, the strided slices of the
+  padded input that it meets in the `ho × wo` output windows."""
+  sh, sw = strides
+  for i in range(kh):
+    for j in range(kw):
+      yield (
+        slice(None),
+        slice(i, i + (ho - 1) * sh + 1, sh),
+        slice(j, j + (wo - 1) * sw + 1, sw),
+        slice(None),
+      )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _conv2d_im2col(x, w, strides, padding):
+  return _stock_conv(x, w, strides, padding)
+
+
+def _im2col_fwd(x, w, strides, padding):
+  kh, kw, c_in, c_out = w.shape
+  xp = jnp.pad(x, ((0, 0), padding[0], padding[1], (0, 0)))
+  ho = (xp.shape[1] - kh) // strides[0] + 1
+  wo = (xp.shape[2] - kw) // strides[1] + 1
+  # [N, H', W', kh·kw·C_in], features in the kernel's (i, j, c) order.
+  patches = jnp.concatenate(
+    [xp[s] for s in _window_slices(kh, kw, ho, wo, strides)], axis=-1
+  )
+  cols = patches.reshape(-1, kh * kw * c_in)
+  y = (cols @ w.reshape(-1, c_out)).reshape(x.shape[0], ho, wo, c_out)
+  return y.astype(x.dtype), (cols, w, xp.shape, x.shape)
+
+
+def _im2col_bwd(strides, padding, res, dy):
+  cols, w, padded_shape, x_shape = res
+  kh, kw, c_in, c_out = w.shape
+  n, ho, wo, _ = dy.shape
+  dy2 = dy.reshape(-1, c_out)
+  dw = (cols.T @ dy2).reshape(w.shape).astype(w.dtype)
+  dcols = (dy2 @ w.reshape(-1, c_out).T).reshape(n, ho, wo, kh * kw, c_in)
+  dxp = jnp.zeros(padded_shape, dy.dtype)
+  for k, s in enumerate(_window_slices(kh, kw, ho, wo, strides)):
+    dxp = dxp.at[s].add(dcols[:, :, :, k, :])
+  (lo_h, _), (lo_w, _) = padding
+  dx = dxp[:, lo_h : lo_h + x_shape[1], lo_w : lo_w + x_shape[2], :]
+  return dx.astype(cols.dtype), dw
+
+
+_conv2d_im2col.defvjp(_im2col_fwd, _im2col_bwd)
+
+
+# --- The 'conv' gradient ---------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _conv2d_conv(x, w, strides, padding):
+  return _stock_conv(x, w, strides, padding)
+
+
 def _conv2d_fwd(x, w, strides, padding):
-  return conv2d(x, w, strides, padding), (x, w)
+  return _stock_conv(x, w, strides, padding), (x, w)
 
 
 def _conv2d_bwd(strides, padding, res, dy):
@@ -94,7 +216,7 @@ def _conv2d_bwd(strides, padding, res, dy):
   return dx, jnp.transpose(dw, (1, 2, 0, 3)).astype(w.dtype)
 
 
-conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
+_conv2d_conv.defvjp(_conv2d_fwd, _conv2d_bwd)
 
 
 class Conv(nn.Module):

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 
 from fedjax_mr.core import errors
+from fedjax_mr.models import layers
 from fedjax_mr.models import model as model_lib
 
 GB = 1 << 30
@@ -244,7 +245,11 @@ def training_memory_bytes(
     new = jax.tree_util.tree_map(lambda p, g: p - 0.01 * g, trained, grads)
     return new, state
 
-  return step_memory_bytes(step, trained, frozen, others, x, y)
+  # Measured with the convolution gradient a device's framework runs
+  # (convolutions), not the CPU's im2col one, whose patch matrices would
+  # make the figure a property of this machine.
+  with layers.conv_implementation('conv'):
+    return step_memory_bytes(step, trained, frozen, others, x, y)
 
 
 def largest_fitting(budgets: np.ndarray, needs: Sequence[int]) -> np.ndarray:

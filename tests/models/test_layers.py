@@ -25,8 +25,11 @@ def _stock(x, w, strides, padding):
     ((1, 7, 8, 2), (3, 2), (2, 1), ((1, 2), (0, 1))),
   ],
 )
+@pytest.mark.parametrize('impl', ['im2col', 'conv'])
 @pytest.mark.slow
-def test_conv2d_values_and_gradients_match_lax(shape, kernel, strides, padding):
+def test_conv2d_values_and_gradients_match_lax(
+  shape, kernel, strides, padding, impl
+):
   kx, kw, kd = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, shape)
   w = jax.random.normal(kw, (*kernel, shape[-1], 5))
@@ -35,15 +38,52 @@ def test_conv2d_values_and_gradients_match_lax(shape, kernel, strides, padding):
   y_ref = _stock(x, w, strides, pads)
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
   dy = jax.random.normal(kd, y.shape)
-  grads = jax.grad(
-    lambda x, w: jnp.sum(layers.conv2d(x, w, strides, pads) * dy), (0, 1)
-  )(x, w)
+
+  def ours(x, w):
+    return jnp.sum(layers.conv2d(x, w, strides, pads) * dy)
+
+  with layers.conv_implementation(impl):
+    # Under jit too: the training loops compile it.
+    grads = jax.grad(ours, (0, 1))(x, w)
+    jitted = jax.jit(jax.grad(ours, (0, 1)))(x, w)
   grads_ref = jax.grad(
     lambda x, w: jnp.sum(_stock(x, w, strides, pads) * dy), (0, 1)
   )(x, w)
-  for g, g_ref in zip(grads, grads_ref):
+  for g, g_jit, g_ref in zip(grads, jitted, grads_ref):
     assert g.shape == g_ref.shape
     np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(g_jit, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_the_conv_implementation_is_chosen_at_trace_time():
+  x = jax.random.normal(jax.random.key(5), (2, 6, 6, 3))
+  w = jax.random.normal(jax.random.key(6), (3, 3, 3, 4))
+  pads = ((1, 1), (1, 1))
+
+  def jaxpr(impl):
+    with layers.conv_implementation(impl):
+      return str(
+        jax.make_jaxpr(
+          jax.grad(lambda w: jnp.sum(layers.conv2d(x, w, (1, 1), pads)))
+        )(w)
+      )
+
+  # im2col: the kernel's gradient is a matrix product, no convolution in
+  # the backward pass; conv: convolutions only.
+  assert jaxpr('im2col').count('conv_general_dilated') == 0
+  assert 'dot_general' in jaxpr('im2col')
+  assert 'dot_general' not in jaxpr('conv')
+  auto = 'im2col' if jax.default_backend() == 'cpu' else 'conv'
+  assert jaxpr('auto') == jaxpr(auto)
+  # Not differentiated: the stock convolution, whatever the setting.
+  with layers.conv_implementation('im2col'):
+    plain = str(
+      jax.make_jaxpr(lambda x, w: layers.conv2d(x, w, (1, 1), pads))(x, w)
+    )
+  assert 'conv_general_dilated' in plain
+  with pytest.raises(ValueError, match='not one of'):
+    with layers.conv_implementation('winograd'):
+      pass
 
 
 @pytest.mark.slow
@@ -70,7 +110,10 @@ def test_conv2d_gradient_inside_scan_matches():
 
     return jax.jit(lambda w: lax.scan(step, w, None, length=3)[0])(w0)
 
-  np.testing.assert_allclose(run(layers.conv2d), run(_stock), rtol=1e-4)
+  for impl in ('im2col', 'conv'):
+    with layers.conv_implementation(impl):
+      got = run(layers.conv2d)
+    np.testing.assert_allclose(got, run(_stock), rtol=1e-4)
 
 
 @pytest.mark.slow
