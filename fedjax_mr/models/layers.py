@@ -26,7 +26,10 @@ traced (`conv_implementation`):
 
 Both give the values of `lax.conv_general_dilated` and its gradient up to
 float32 rounding (summation order); a function not differentiated always
-runs `lax.conv_general_dilated`.
+runs `lax.conv_general_dilated`. On XLA:CPU with several host devices the
+'conv' gradient is not bit-reproducible (its backward convolutions change
+their results in the last digits when another device's execution runs
+beside them; BUILD.md, "Reproducibility"); the 'im2col' one is.
 """
 
 from __future__ import annotations
@@ -79,11 +82,16 @@ def conv_implementation(name: str) -> Iterator[None]:
     _setting.name = before
 
 
-def _im2col_now() -> bool:
+def conv_gradient() -> str:
+  """The gradient `conv2d` gets if traced now: 'im2col' or 'conv'."""
   name = getattr(_setting, 'name', 'auto')
   if name == 'auto':
-    return jax.default_backend() == 'cpu'
-  return name == 'im2col'
+    return 'im2col' if jax.default_backend() == 'cpu' else 'conv'
+  return name
+
+
+def _im2col_now() -> bool:
+  return conv_gradient() == 'im2col'
 
 
 def conv2d(x, w, strides=(1, 1), padding=((0, 0), (0, 0))):

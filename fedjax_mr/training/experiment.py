@@ -36,6 +36,7 @@ from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
+from fedjax_mr.models import layers
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.training import checkpoint
 from fedjax_mr.training import client
@@ -195,15 +196,25 @@ def _partition(
   )
 
 
-# Measured with jaxlib 0.10.2 (BUILD.md, "Reproducibility"): several XLA
-# host devices running at once on several cores give results that differ
-# from run to run in the last digits; one device, or one core, does not.
+# Measured with jaxlib 0.10.2 (BUILD.md, "Reproducibility"): with the
+# convolution gradient, several XLA host devices running at once on several
+# cores give results that differ from run to run in the last digits (one
+# device, one core, or the default im2col gradient do not).
 CPU_DEVICES_NOTE = (
-  'note: XLA:CPU does not give bit-identical results from run to run with '
-  'several host devices on several cores (differences start in the last '
-  'digits and grow with the rounds); --host_devices=1 --num_devices=1 is '
-  'bit-reproducible, and slower'
+  'note: with the convolution gradient (layers.conv_implementation'
+  "('conv')) XLA:CPU does not give bit-identical results from run to run "
+  'with several host devices on several cores (differences start in the '
+  'last digits and grow with the rounds); the default im2col gradient, or '
+  '--host_devices=1 --num_devices=1, is bit-reproducible'
 )
+
+
+def reproducibility_note(platform: str, num_devices: int) -> str | None:
+  """`CPU_DEVICES_NOTE` where it applies to a run traced now, else None."""
+  if platform == 'cpu' and num_devices > 1:
+    if layers.conv_gradient() == 'conv':
+      return CPU_DEVICES_NOTE
+  return None
 
 
 def _describe(mapping: Mapping[str, Any]) -> str:
@@ -612,8 +623,9 @@ def _run(experiment, workdir, log, on_round) -> Result:
     f'{num_devices} {platform} device(s) in {jax.process_count()} '
     f'process(es); {per_device} clients per device, {chunk} at a time'
   )
-  if platform == 'cpu' and num_devices > 1:
-    log(CPU_DEVICES_NOTE)
+  note = reproducibility_note(platform, num_devices)
+  if note:
+    log(note)
 
   round_fn = jax.jit(
     engine.make_round_fn(

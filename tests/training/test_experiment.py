@@ -116,8 +116,9 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
   )
   if head.returncode == 0:  # the suite runs from a git checkout
     assert record['source']['commit'] == head.stdout.strip()
-  # Two host devices: the run says it is not bit-reproducible (issue 25.15).
-  assert experiment.CPU_DEVICES_NOTE in lines
+  # Two host devices with the default (im2col) gradient: bit-reproducible,
+  # so no note (tests/training/test_determinism.py).
+  assert experiment.CPU_DEVICES_NOTE not in lines
   part = json.load(open(tmp_path / 'partition.json'))
   assert sum(part['sizes']) == 1500 and len(part['sizes']) == 10
   assert any(
