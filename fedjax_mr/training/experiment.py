@@ -209,11 +209,25 @@ CPU_DEVICES_NOTE = (
 )
 
 
+# XLA's GPU backend may sum with atomics (scatter-adds, some reductions)
+# and pick convolution algorithms that do, unless told not to.
+GPU_NOTE = (
+  'note: XLA on GPU is bit-reproducible only with '
+  'XLA_FLAGS=--xla_gpu_deterministic_ops=true (slower); without it results '
+  'may differ from run to run in the last digits'
+)
+
+
 def reproducibility_note(platform: str, num_devices: int) -> str | None:
-  """`CPU_DEVICES_NOTE` where it applies to a run traced now, else None."""
+  """The one-line note for a run traced now whose backend cannot promise
+  bit-identical results from run to run, else None."""
   if platform == 'cpu' and num_devices > 1:
     if layers.conv_gradient() == 'conv':
       return CPU_DEVICES_NOTE
+  if platform == 'gpu':
+    flags = os.environ.get('XLA_FLAGS', '').split()
+    if '--xla_gpu_deterministic_ops=true' not in flags:
+      return GPU_NOTE
   return None
 
 
