@@ -260,24 +260,11 @@ def masked_mean(
   Returns:
     The new global variables, in each leaf's dtype.
   """
-  k = client_depths.shape[0]
-  w = jnp.ones((k,), jnp.float32) if weights is None else weights
-  w = w.astype(jnp.float32)
-
-  def one(x, g, need):
-    share = w * (client_depths >= need)
-    total = jnp.sum(share)
-    mean = jnp.tensordot(
-      share / jnp.maximum(total, 1e-30), x.astype(jnp.float32), axes=1
-    )
-    return jnp.where(total > 0, mean, g).astype(g.dtype)
-
-  return jax.tree.map(
-    one,
-    client_variables,
-    global_variables,
+  masks = jax.tree.map(
+    lambda need: client_depths >= need,
     multi_exit.leaf_depths(global_variables),
   )
+  return tree.masked_mean(client_variables, global_variables, masks, weights)
 
 
 def depth_memory(

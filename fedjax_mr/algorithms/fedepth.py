@@ -519,19 +519,8 @@ def masked_mean(
   Returns:
     The new global variables, in each leaf's dtype.
   """
-  k = client_trained.shape[0]
-  w = jnp.ones((k,), jnp.float32) if weights is None else weights
-  w = w.astype(jnp.float32)
-
-  def one(x, g, layer):
-    share = w * client_trained[:, layer]
-    total = jnp.sum(share)
-    mean = jnp.tensordot(
-      share / jnp.maximum(total, 1e-30), x.astype(jnp.float32), axes=1
-    )
-    return jnp.where(total > 0, mean, g).astype(g.dtype)
-
-  return jax.tree.map(one, client_variables, global_variables, leaves)
+  masks = jax.tree.map(lambda layer: client_trained[:, layer], leaves)
+  return tree.masked_mean(client_variables, global_variables, masks, weights)
 
 
 def _block_key(key: jax.Array, j: jax.Array) -> jax.Array:

@@ -42,6 +42,38 @@ def weighted_mean(
   return jax.tree.map(mean, client_tree)
 
 
+def masked_mean(
+  client_tree: types.PyTree,
+  fallback: types.PyTree,
+  masks: types.PyTree,
+  weights: jax.Array | None = None,
+) -> types.PyTree:
+  """Each leaf's (weighted) mean over the clients its mask selects.
+
+  Args:
+    client_tree: leaves `[K, ...]`.
+    fallback: leaves `[...]`, kept where a leaf's mask selects no client.
+    masks: per leaf of `fallback`, a `[K]` bool: the clients that count.
+    weights: `[K]` non-negative weights, or None (equal).
+
+  Returns:
+    A tree with leaves `[...]`, in each `fallback` leaf's dtype.
+  """
+  k = jax.tree.leaves(masks)[0].shape[0]
+  w = jnp.ones((k,), jnp.float32) if weights is None else weights
+  w = w.astype(jnp.float32)
+
+  def one(x, g, mask):
+    share = w * mask
+    total = jnp.sum(share)
+    mean = jnp.tensordot(
+      share / jnp.maximum(total, 1e-30), x.astype(jnp.float32), axes=1
+    )
+    return jnp.where(total > 0, mean, g).astype(g.dtype)
+
+  return jax.tree.map(one, client_tree, fallback, masks)
+
+
 def num_parameters(tree: types.PyTree) -> int:
   """Total number of scalars in a tree."""
   return sum(int(x.size) for x in jax.tree.leaves(tree))

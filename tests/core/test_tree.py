@@ -61,3 +61,22 @@ def test_pairwise_cosine_of_updates_subtracts_the_reference():
 def test_pairwise_cosine_of_nothing_is_an_error():
   with pytest.raises(ValueError, match='no leaves'):
     tree.pairwise_cosine({})
+
+
+def test_masked_mean_hand_values():
+  clients = {
+    'a': jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]),
+    'b': jnp.array([1.0, 2.0, 3.0], jnp.bfloat16),
+  }
+  fallback = {'a': jnp.array([9.0, 9.0]), 'b': jnp.array(7.0, jnp.bfloat16)}
+  masks = {
+    'a': jnp.array([True, False, True]),
+    'b': jnp.array([False, False, False]),
+  }
+  got = tree.masked_mean(clients, fallback, masks, jnp.array([1, 5, 3]))
+  # a: clients 0 and 2 with weights 1 and 3: (1·[1, 2] + 3·[5, 6]) / 4.
+  np.testing.assert_allclose(got['a'], [4.0, 5.0])
+  # b: no client selected → the fallback, in its dtype.
+  assert got['b'] == 7.0 and got['b'].dtype == jnp.bfloat16
+  equal = tree.masked_mean(clients, fallback, masks)
+  np.testing.assert_allclose(equal['a'], [3.0, 4.0])
