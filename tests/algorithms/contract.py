@@ -98,6 +98,19 @@ def fake_outputs(
   )
 
 
+def server_params_after(algorithms, model, data, rounds=2, k=4):
+  """Each algorithm's server params after `rounds` engine rounds of `k`
+  clients from the same init and keys (for reductions to FedAvg)."""
+  out = []
+  for algorithm in algorithms:
+    fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=k))
+    state = engine.init_state(algorithm, model.init(jax.random.key(0)))
+    for _ in range(rounds):
+      state, _ = fn(state, data, jax.random.key(4))
+    out.append(jax.device_get(state.server.params))
+  return out
+
+
 def _same_layout(got, reference, prefix=()):
   chex.assert_trees_all_equal_structs(got, reference)
   jax.tree.map(

@@ -11,7 +11,6 @@ from fedjax_mr.core import errors
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.models import multi_exit
 from fedjax_mr.training import budgets
-from fedjax_mr.training import engine
 from tests import helpers
 from tests.algorithms import contract
 
@@ -224,13 +223,7 @@ def test_full_depth_last_exit_without_distillation_is_fedavg():
     ),
     fedavg.fedavg(local, 4),
   )
-  states = []
-  for algorithm in algorithms:
-    fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=4))
-    state = engine.init_state(algorithm, model.init(jax.random.key(0)))
-    for _ in range(2):
-      state, _ = fn(state, data, jax.random.key(4))
-    states.append(jax.device_get(state.server.params))
+  states = contract.server_params_after(algorithms, model, data)
   helpers.tree_allclose(states[0], states[1], rtol=1e-5, atol=1e-6)
 
 

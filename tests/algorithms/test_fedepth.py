@@ -14,7 +14,6 @@ from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.training import client
 from fedjax_mr.training import config as config_lib
-from fedjax_mr.training import engine
 from tests import helpers
 from tests.algorithms import contract
 
@@ -299,13 +298,7 @@ def test_whole_model_blocks_are_fedavg():
     fedepth.fedepth(local, 4, [fedepth.fixed_blocks(3, 3)] * 6),
     fedavg.fedavg(local, 4),
   )
-  states = []
-  for algorithm in algorithms:
-    fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=4))
-    state = engine.init_state(algorithm, model.init(jax.random.key(0)))
-    for _ in range(2):
-      state, _ = fn(state, data, jax.random.key(4))
-    states.append(jax.device_get(state.server.params))
+  states = contract.server_params_after(algorithms, model, data)
   chex.assert_trees_all_equal(states[0], states[1])
 
 
