@@ -28,8 +28,11 @@ the transfer setting):
 
 * `table3` (Table III): accuracy of every method, a column per setting.
   FedStitch: its best stitched network as results.json reports it (head
-  accuracy, or kNN with --eval=knn), and a row 'Local (label)' when the
-  run made the Local baseline (--local_clients); a training run: mean
+  accuracy, or kNN with --eval=knn), a row 'Local (label)' when the
+  run made the Local baseline (--local_clients) and a row '<model> alone
+  (label)' per pool model, evaluated as the run evaluated its networks
+  (in a transfer setting, the pool's meta.json accuracy is on the pool's
+  own classes); a training run: mean
   test accuracy of its last `--last` evaluations (best in brackets); a
   pool model: meta.json's test accuracy (FT-Part/FT-Full from the pool
   are training runs). A workdir without results shows 'running', a

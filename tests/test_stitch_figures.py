@@ -32,7 +32,15 @@ def _json(path, obj):
 
 
 def _stitch_dir(
-  path, *, times, pool_sizes, networks, config, local=None, log_extra=()
+  path,
+  *,
+  times,
+  pool_sizes,
+  networks,
+  config,
+  local=None,
+  log_extra=(),
+  pool_models=None,
 ):
   """A FedStitch workdir: log.jsonl, results.json, state.npz."""
   os.makedirs(path)
@@ -59,6 +67,7 @@ def _stitch_dir(
       'best': best,
       'local': local,
       'rounds': len(times),
+      **({} if pool_models is None else {'pool_models': pool_models}),
     },
   )
   federated.write_document(
@@ -104,6 +113,8 @@ def dirs(tmp_path_factory):
     ],
     config={'prune': True, 'aggregation': 'rl'},
     local={'clients': [0, 1], 'best': [0.4, 0.2], 'mean_best': 0.3},
+    # Each pool model alone, as the run evaluated it.
+    pool_models={'zeta': {'head': 0.25}, 'alpha': {'head': 0.65}},
     log_extra=[
       {'clients': [0, 1, 2], 'ranks': [0.8, 0.4, 0.9]},
       {'clients': [1, 3], 'ranks': [0.6, None]},
@@ -122,6 +133,7 @@ def dirs(tmp_path_factory):
     pool_sizes=[[10, 10], [10], [10]],
     networks=[{'path': 'm1', 'round': 3, 'head': 0.55}],
     config={'prune': False, 'aggregation': 'uniform'},
+    pool_models={'alpha': {'head': 0.45}},
   )
   # C: a FedStitch run still going (no results.json).
   os.makedirs(d['c'])
@@ -303,6 +315,10 @@ def test_table3_cells(results):
   assert lines[0] == '| method | iid | noniid |'
   assert '| FedStitch | 70.00 | 55.00 |' in lines
   assert '| Local (FedStitch) | 30.00 |  |' in lines
+  # Pool models alone, in name order, under the run that evaluated them.
+  i = lines.index('| Local (FedStitch) | 30.00 |  |')
+  assert lines[i + 1] == '| alpha alone (FedStitch) | 65.00 | 45.00 |'
+  assert lines[i + 2] == '| zeta alone (FedStitch) | 25.00 |  |'
   assert (
     '| FedAvg | 7.50 (best 12.00) | 20.00 (best 30.00) (running, round 2/20) |'
     in lines
@@ -310,11 +326,17 @@ def test_table3_cells(results):
   assert '| Pool cnn | 80.90 | – |' in lines
   assert '| Going | running |  |' in lines
   data = _load(out['table3'], 'table3.json')
-  fedavg = data['rows'][2]['cells']
+  assert [r['method'] for r in data['rows']][:4] == [
+    'FedStitch',
+    'Local (FedStitch)',
+    'alpha alone (FedStitch)',
+    'zeta alone (FedStitch)',
+  ]
+  fedavg = data['rows'][4]['cells']
   assert fedavg['iid']['accuracy'] == pytest.approx(0.075)
   assert fedavg['iid']['best'] == pytest.approx(0.12)
   assert fedavg['noniid']['status'] == 'running'
-  assert data['rows'][3]['cells']['noniid']['status'] == 'missing'
+  assert data['rows'][5]['cells']['noniid']['status'] == 'missing'
 
 
 def test_acc_vs_time_points(results):

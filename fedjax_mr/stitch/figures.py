@@ -240,6 +240,11 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
   key = eval_key(res)
   best = res.get('best') or {}
   local = res.get('local') or None
+  pool = {
+    model: accs.get(key)
+    for model, accs in sorted((res.get('pool_models') or {}).items())
+    if isinstance(accs, dict)
+  }
   return {
     **out,
     'status': 'done',
@@ -248,6 +253,7 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
     'network': best.get('path'),
     'networks': len(res.get('networks') or []),
     'local': None if local is None else local.get('mean_best'),
+    'pool': pool,
     'round': res.get('rounds'),
   }
 
@@ -277,10 +283,44 @@ def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
   return '\n'.join(lines) + '\n'
 
 
+def _derived_rows(cells, label):
+  """The rows a stitch run's cells add: 'Local (label)' (its clients
+  stitching alone) and '<model> alone (label)' per pool model."""
+  derived = []
+  if any(c.get('local') is not None for c in cells.values()):
+    derived.append(
+      (f'Local ({label})', {c: v.get('local') for c, v in cells.items()})
+    )
+  models = sorted({m for v in cells.values() for m in v.get('pool') or {}})
+  for m in models:
+    derived.append(
+      (
+        f'{m} alone ({label})',
+        {c: (v.get('pool') or {}).get(m) for c, v in cells.items()},
+      )
+    )
+  return [
+    (
+      name,
+      {
+        c: {
+          'path': cells[c]['path'],
+          'kind': 'stitch_derived',
+          'status': cells[c]['status'],
+          'accuracy': acc,
+        }
+        for c, acc in accs.items()
+      },
+    )
+    for name, accs in derived
+  ]
+
+
 def accuracy_table(runs: RunSpec, last: int = 10) -> tuple[dict[str, Any], str]:
   """Table III: one row per method, one column per setting.
 
-  A stitch run that made a Local baseline adds a row 'Local (<label>)'.
+  A stitch run adds a row 'Local (<label>)' when it made a Local baseline,
+  and a row '<model> alone (<label>)' per pool model it evaluated.
   Returns (JSON-able data, markdown). Percentages with two decimals.
   """
   cols = columns_of(runs)
@@ -291,21 +331,14 @@ def accuracy_table(runs: RunSpec, last: int = 10) -> tuple[dict[str, Any], str]:
     text_rows.append(
       [label] + [cell_text(cells[c]) if c in cells else '' for c in cols]
     )
-    if any(c.get('local') is not None for c in cells.values()):
-      local = {
-        c: {
-          'path': v['path'],
-          'kind': 'stitch_local',
-          'status': v['status'],
-          'accuracy': v.get('local'),
-        }
-        for c, v in cells.items()
-      }
-      rows.append({'method': f'Local ({label})', 'cells': local})
+    for name, derived in _derived_rows(cells, label):
+      rows.append({'method': name, 'cells': derived})
       text_rows.append(
-        [f'Local ({label})']
+        [name]
         + [
-          cell_text(local[c]) if c in local and local[c]['accuracy'] else ''
+          cell_text(derived[c])
+          if c in derived and derived[c]['accuracy'] is not None
+          else ''
           for c in cols
         ]
       )
