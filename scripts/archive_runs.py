@@ -1,0 +1,82 @@
+"""Copies the records of finished runs into a folder that git keeps.
+
+  .venv/bin/python scripts/archive_runs.py runs/table docs/results/fmnist_table
+
+Every finished run below SOURCE is copied to the same relative path below
+DEST, records only (no checkpoints, networks or weights):
+
+* a training run (experiments.run / compare: config.json + metrics.jsonl)
+  when its last recorded round is config.json's `rounds`: metrics.jsonl,
+  config.json;
+* a FedStitch run (experiments.stitch) once it wrote results.json:
+  results.json, log.jsonl, energy.jsonl, partition.json;
+* a pool model (experiments.pretrain_zoo): meta.json.
+
+`experiments.compare --summarize_only --workdir=<DEST column>` and
+`experiments.stitch_figures` read the copies as they read the runs.
+Unfinished runs are listed and left out; files already in DEST are
+replaced.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+TRAINING = ('metrics.jsonl', 'config.json')
+STITCH = ('results.json', 'log.jsonl', 'energy.jsonl', 'partition.json')
+
+
+def _last_round(path):
+  last = 0
+  with open(path) as f:
+    for line in f:
+      if line.strip():
+        last = json.loads(line).get('round', last)
+  return last
+
+
+def kind(folder):
+  """('training' | 'stitch' | 'pool_model', finished) or None."""
+  has = set(os.listdir(folder))
+  if {'config.json', 'metrics.jsonl'} <= has:
+    with open(os.path.join(folder, 'config.json')) as f:
+      rounds = json.load(f).get('rounds')
+    last = _last_round(os.path.join(folder, 'metrics.jsonl'))
+    return 'training', rounds is not None and last >= rounds
+  if 'log.jsonl' in has and ('state.npz' in has or 'results.json' in has):
+    return 'stitch', 'results.json' in has
+  if 'meta.json' in has:
+    return 'pool_model', True
+  return None
+
+
+def main(source, dest):
+  copied = skipped = 0
+  for folder, dirs, _ in os.walk(source):
+    dirs[:] = sorted(
+      d for d in dirs if d not in ('checkpoints', 'tensorboard', 'variables')
+    )
+    found = kind(folder)
+    if found is None:
+      continue
+    what, finished = found
+    rel = os.path.relpath(folder, source)
+    if not finished:
+      print(f'unfinished, left out: {rel}')
+      skipped += 1
+      continue
+    names = {'training': TRAINING, 'stitch': STITCH}.get(what, ('meta.json',))
+    target = os.path.join(dest, rel)
+    os.makedirs(target, exist_ok=True)
+    for name in names:
+      if os.path.exists(os.path.join(folder, name)):
+        shutil.copyfile(os.path.join(folder, name), os.path.join(target, name))
+    copied += 1
+  print(f'{copied} finished runs copied to {dest}; {skipped} left out')
+
+
+if __name__ == '__main__':
+  if len(sys.argv) != 3:
+    sys.exit('usage: archive_runs.py SOURCE DEST')
+  main(*sys.argv[1:])
