@@ -10,7 +10,11 @@ For one setting it prints: compile time; steady-state seconds per round
 centralised training of the same model on the same number of sample-steps
 and batch size, as one jitted loop in this process with the same fast
 layers; the ratio round/limit; samples/s; achieved GFLOP/s; the server-side
-share of a round; peak memory; and, with PyTorch installed (the `bench`
+share of a round; the evaluation share (the model a run evaluates, and
+for FedMR-type algorithms the K models it dispatches next, on the whole
+test set as `experiments.run` evaluates them, once per --eval_every
+rounds, as a fraction of those rounds' time); peak memory; and, with
+PyTorch installed (the `bench`
 extra), the round time of a plain PyTorch FedAvg loop on the same clients
 (`experiments.torch_reference`: same model, batches, epochs and step
 counts, --threads threads). Every timed round is followed by the limit at
@@ -20,8 +24,8 @@ settings the rounds of each setting alternate, so ratios and speed-ups
 compare runs made seconds apart. Then the float32 and bfloat16 matmul peak
 of device 0 (large jitted products, measured in the same process) and the
 first setting's fraction of the float32 peak. The last lines are
-`round/pytorch ratio: X.XX` (with PyTorch) and `round/limit ratio: X.XX`
-for the first setting.
+`evaluation share: X.X%`, `round/pytorch ratio: X.XX` (with PyTorch) and
+`round/limit ratio: X.XX` for the first setting.
 
 `--algorithm` times another algorithm of the registry (its hyper-parameter
 flags as in `experiments.run`) on the same clients, and FedAvg beside it on
@@ -84,6 +88,16 @@ flags.DEFINE_integer(
 flags.DEFINE_string(
   'algorithm', 'fedavg', 'Algorithm to time (a name of the registry).'
 )
+flags.DEFINE_integer(
+  'eval_every',
+  10,
+  'Evaluation share: one evaluation (as experiments.run with '
+  '--eval_every and, for FedMR-type algorithms, --local_eval_every) per '
+  'this many rounds.',
+)
+flags.DEFINE_integer(
+  'eval_batch_size', 500, 'Test batch size (as experiments.run).'
+)
 ALGORITHM_FLAGS = cli.define_algorithm_flags()
 FLAGS = flags.FLAGS
 
@@ -144,7 +158,8 @@ def _algorithm(name, base, options):
   config_lib.validate(config)
   model = registry.model_for(name, base, config_lib.hparams(config))
   variables = model.init(jax.random.key(0))
-  return experiment.build_algorithm(config, model, variables), variables
+  algorithm = experiment.build_algorithm(config, model, variables)
+  return algorithm, variables, model, config_lib.multi_model(config)
 
 
 def _config(name, options):
@@ -291,12 +306,17 @@ def _torch_loop(ds, parts, sizes, variables):
   return loop
 
 
-def _prepare(setting, devices, data, name, algorithm, variables):
-  """Compiles one setting's round and times its server-side work alone."""
+def _prepare(
+  setting, devices, data, test_set, name, algorithm, variables, model, multi
+):
+  """Compiles one setting's round and evaluation; times its server-side
+  work alone."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
+  from fedjax_mr.core import types
+  from fedjax_mr.data import client_data
   from fedjax_mr.training import engine
 
   k = FLAGS.clients_per_round
@@ -351,6 +371,28 @@ def _prepare(setting, devices, data, name, algorithm, variables):
   for _ in range(10):
     _block(srv(state, outputs))
   server_s = (time.perf_counter() - t) / 10
+
+  # What experiments.run evaluates: the algorithm's model and, for
+  # multi-model algorithms, the K models the next round dispatches, with
+  # the test batches split over the same devices.
+  x_test, y_test, scale, shift = test_set
+  test = client_data.eval_data(
+    x_test, y_test, FLAGS.eval_batch_size, scale, shift, num_shards=d
+  )
+  eval_mesh = mesh if d > 1 else None
+  evaluate_model = engine.make_evaluate(model, eval_mesh)
+  evaluate_many = engine.make_evaluate_many(model, eval_mesh)
+
+  def evaluate(st):
+    out = {
+      'model': evaluate_model(types.evaluated_model(algorithm, st.server), test)
+    }
+    if multi:
+      sent = engine.next_dispatch(algorithm, st, data, key, k)
+      out['models'] = evaluate_many(sent.per_client, test)
+    return out
+
+  evaluate = jax.jit(evaluate).lower(state).compile()
   return {
     'name': name,
     'setting': setting,
@@ -359,6 +401,9 @@ def _prepare(setting, devices, data, name, algorithm, variables):
     'compile_s': compile_s,
     'server_s': server_s,
     'step': lambda s: compiled(s, data, key),
+    'evaluate': evaluate,
+    'evaluated': 1 + k * multi,
+    'test_examples': len(y_test),
     'state': state,
     'times': [],
     'steps': [],
@@ -368,7 +413,9 @@ def _prepare(setting, devices, data, name, algorithm, variables):
   }
 
 
-def _bench_sizes(sizes, devs, model, opt, variables, data, algorithms, loop):
+def _bench_sizes(
+  sizes, devs, model, opt, variables, data, test_set, algorithms, loop
+):
   """Times the settings of one client-size kind, interleaved.
 
   After one warm-up round each, every timed round runs once per device
@@ -381,11 +428,16 @@ def _bench_sizes(sizes, devs, model, opt, variables, data, algorithms, loop):
   """
   torch_loop = loop
   name = FLAGS.algorithm
-  runs = [_prepare(sizes, dev, data, name, *algorithms[name]) for dev in devs]
+  runs = [
+    _prepare(sizes, dev, data, test_set, name, *algorithms[name])
+    for dev in devs
+  ]
   # FedAvg beside another algorithm, on the first device setting.
   baseline = None
   if name != 'fedavg':
-    baseline = _prepare(sizes, devs[0], data, 'fedavg', *algorithms['fedavg'])
+    baseline = _prepare(
+      sizes, devs[0], data, test_set, 'fedavg', *algorithms['fedavg']
+    )
   b = min(FLAGS.batch_size, int(data.max_size))
   limit, flops = _limit_fn(model, opt, variables, data, b)
   for r in ([baseline] if baseline else []) + runs:  # warm-up
@@ -427,6 +479,15 @@ def _bench_sizes(sizes, devs, model, opt, variables, data, algorithms, loop):
           f'PyTorch took {pt_steps} steps, fedjax_mr {runs[-1]["steps"][-1]}'
         )
       torch_times.append(pt_s)
+  # Evaluation, timed after the rounds (one warm-up, then the median of 3).
+  for r in runs:
+    _block(r['evaluate'](r['state']))
+    evals = []
+    for _ in range(3):
+      t = time.perf_counter()
+      _block(r['evaluate'](r['state']))
+      evals.append(time.perf_counter() - t)
+    r['eval_s'] = statistics.median(evals)
   out = []
   for r in runs:
     times, steps = r['times'], r['steps']
@@ -451,6 +512,10 @@ def _bench_sizes(sizes, devs, model, opt, variables, data, algorithms, loop):
           [flops * st / t / 1e9 for st, t in zip(steps, times)]
         ),
         'server_pct': 100 * r['server_s'] / round_s,
+        'eval_s': r['eval_s'],
+        'evaluated': r['evaluated'],
+        'test_examples': r['test_examples'],
+        'eval_pct': 100 * r['eval_s'] / (FLAGS.eval_every * round_s),
         'balance': statistics.median(r['balance']),
         'pytorch_s': statistics.median(torch_times) if torch_times else None,
         'pytorch_ratio': statistics.median(
@@ -520,6 +585,9 @@ def _check_flags():
   ):
     if FLAGS[name].value < 1:
       cli.fail(f'--{name} must be ≥ 1, got {FLAGS[name].value}')
+  for name in ('eval_every', 'eval_batch_size'):
+    if FLAGS[name].value < 1:
+      cli.fail(f'--{name} must be ≥ 1, got {FLAGS[name].value}')
   for name in ('client_chunk', 'host_devices', 'threads'):
     if FLAGS[name].value < 0:
       cli.fail(f'--{name} must be ≥ 0, got {FLAGS[name].value}')
@@ -586,8 +654,17 @@ def main(argv):
     loop = _torch_loop(ds, parts, sizes, variables) if FLAGS.pytorch else None
     if FLAGS.pytorch and loop is None and sizes == runs[0][0]:
       print('PyTorch reference: not installed (pip install -e .[bench])')
+    test_set = (ds.x_test, ds.y_test, ds.scale, ds.shift)
     for r in _bench_sizes(
-      sizes, devs, model, opt, variables, data[sizes], algorithms, loop
+      sizes,
+      devs,
+      model,
+      opt,
+      variables,
+      data[sizes],
+      test_set,
+      algorithms,
+      loop,
     ):
       results.append(r)
       print(
@@ -601,7 +678,9 @@ def main(argv):
         )
         + f'{r["samples_per_s"]:.0f} samples/s '
         f'| {r["gflops"]:.1f} GFLOP/s | server {r["server_pct"]:.3f}% of '
-        'round'
+        f'round | evaluation {r["eval_s"]:.3f}s ({r["evaluated"]} '
+        f'model(s), {r["test_examples"]} test examples), '
+        f'{r["eval_pct"]:.1f}% of {FLAGS.eval_every} rounds'
         + (
           f' | pytorch {r["pytorch_s"]:.3f}s, round/pytorch '
           f'{r["pytorch_ratio"]:.3f}'
@@ -636,6 +715,10 @@ def main(argv):
     f'matmul peak: float32 {peak32:.1f} GFLOP/s, bfloat16 {peak16:.1f} '
     f'GFLOP/s (default precision, device 0); the first setting reaches '
     f'{100 * results[0]["gflops"] / peak32:.1f}% of the float32 peak'
+  )
+  print(
+    f'evaluation share: {results[0]["eval_pct"]:.1f}% (once per '
+    f'{FLAGS.eval_every} rounds)'
   )
   if results[0]['fedavg_ratio'] is not None:
     print(f'round/fedavg ratio: {results[0]["fedavg_ratio"]:.2f}')

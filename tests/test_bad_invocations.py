@@ -172,6 +172,8 @@ CASES = {
     (['--num_devices=x'], '--num_devices'),
     (['--num_devices=7'], '--num_devices=7'),
     (['--threads=-1'], '--threads'),
+    (['--eval_every=0'], '--eval_every'),
+    (['--eval_batch_size=0'], '--eval_batch_size'),
     (['--rounds=abc'], '--rounds'),
     (['--algorithm=nope'], '--algorithm'),
     (['--fedprox_mu=0.5'], '--fedprox_mu'),

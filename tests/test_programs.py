@@ -27,6 +27,15 @@ def test_benchmark_prints_its_figures(small_fmnist_dir):
   out = proc.stdout
   assert re.search(r'round/limit [\d.]+ \| \d+ samples/s', out)
   assert re.search(r'server [\d.]+% of round', out)
+  # MOON evaluates its one model: 1 model, once per 10 rounds by default.
+  assert re.search(
+    r'evaluation [\d.]+s \(1 model\(s\), \d+ test examples\), '
+    r'[\d.]+% of 10 rounds',
+    out,
+  )
+  assert re.search(
+    r'^evaluation share: \d+\.\d% \(once per 10 rounds\)$', out, re.M
+  )
   assert 'peak host memory' in out
   assert re.search(r'reaches \d+\.\d% of the float32 peak', out)
   try:
@@ -38,6 +47,34 @@ def test_benchmark_prints_its_figures(small_fmnist_dir):
   assert re.search(r'^round/limit ratio: \d+\.\d\d$', out, re.M)
   assert re.search(r'fedavg [\d.]+s, per-step ratio [\d.]+', out)
   assert re.search(r'^round/fedavg ratio: \d+\.\d\d$', out, re.M)
+
+
+def test_benchmark_evaluation_share_of_fedmr(small_fmnist_dir):
+  # FedMR evaluates the global model and the K = 2 models it dispatches.
+  proc = _run(
+    'experiments.benchmark',
+    '--algorithm=fedmr',
+    f'--data_dir={small_fmnist_dir}',
+    '--num_clients=8',
+    '--clients_per_round=2',
+    '--local_epochs=1',
+    '--rounds=1',
+    '--eval_every=4',
+    '--nopytorch',
+    '--nolimit',
+  )
+  assert proc.returncode == 0, proc.stderr
+  line = re.search(
+    r'round ([\d.]+)s .* evaluation ([\d.]+)s \(3 model\(s\), \d+ test '
+    r'examples\), ([\d.]+)% of 4 rounds',
+    proc.stdout,
+  )
+  assert line, proc.stdout
+  round_s, eval_s, pct = map(float, line.groups())
+  assert pct == pytest.approx(100 * eval_s / (4 * round_s), rel=0.02, abs=0.1)
+  assert re.search(
+    r'^evaluation share: [\d.]+% \(once per 4 rounds\)$', proc.stdout, re.M
+  )
 
 
 def test_benchmark_rejects_bad_devices(small_fmnist_dir):
