@@ -62,6 +62,34 @@ def _ignore_closed_loop_callbacks() -> None:
   sys.unraisablehook = hook
 
 
+class _AbortedWritesQuiet(logging.Filter):
+  """Drops asyncio's "exception was never retrieved" reports of the writes
+  of an aborted save under `folder`: orbax gathers a save's writes in
+  futures, and when one write fails the others' futures end with their own
+  copy of the error, which asyncio logs whenever the futures are collected
+  (at exit, after the one-line report). Other asyncio errors pass on."""
+
+  def __init__(self, folder: str):
+    super().__init__()
+    self._folder = folder
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (
+      'exception was never retrieved' in message and self._folder in message
+    )
+
+
+def _quiet_aborted_writes(folder: str) -> None:
+  """Installs `_AbortedWritesQuiet(folder)` on the asyncio logger, once."""
+  logger = logging.getLogger('asyncio')
+  if not any(
+    isinstance(f, _AbortedWritesQuiet) and f._folder == folder  # noqa: SLF001
+    for f in logger.filters
+  ):
+    logger.addFilter(_AbortedWritesQuiet(folder))
+
+
 class CheckpointError(errors.UserError):
   """No checkpoint of a workdir restores."""
 
@@ -174,6 +202,7 @@ class Checkpointer:
     # When one write of a save fails, the save's other writes still end,
     # one by one, and each reports to an event loop that orbax has closed.
     _ignore_closed_loop_callbacks()
+    _quiet_aborted_writes(self._folder)
     try:
       with _OrbaxErrorsQuiet():
         self._manager.save(
@@ -183,18 +212,21 @@ class Checkpointer:
           custom_metadata=metadata,
         )
         self._manager.wait_until_finished()
+      return
     except Exception as e:
       reason = errors.os_reason(e)
       if reason is None:
         raise
-      with contextlib.suppress(Exception), _OrbaxErrorsQuiet():
-        self._manager.close()
-      for partial in glob.glob(f'{self._step_path(round_index)}.orbax-*'):
-        shutil.rmtree(partial, ignore_errors=True)
-      raise errors.StorageError(
-        f'cannot write the checkpoint after round {round_index} in '
-        f'{self._folder}: {reason}'
-      ) from None
+    # Out of the except block, so the raised error does not hold orbax's
+    # exception (its context) and with it the failed writes' futures.
+    with contextlib.suppress(Exception), _OrbaxErrorsQuiet():
+      self._manager.close()
+    for partial in glob.glob(f'{self._step_path(round_index)}.orbax-*'):
+      shutil.rmtree(partial, ignore_errors=True)
+    raise errors.StorageError(
+      f'cannot write the checkpoint after round {round_index} in '
+      f'{self._folder}: {reason}'
+    )
 
   def metadata(self, round_index: int) -> dict[str, Any]:
     """The metadata saved with checkpoint `round_index` ({} for a
