@@ -71,12 +71,12 @@ class _AbortedWritesQuiet(logging.Filter):
 
   def __init__(self, folder: str):
     super().__init__()
-    self._folder = folder
+    self.folder = folder
 
   def filter(self, record: logging.LogRecord) -> bool:
     message = record.getMessage()
     return not (
-      'exception was never retrieved' in message and self._folder in message
+      'exception was never retrieved' in message and self.folder in message
     )
 
 
@@ -84,7 +84,7 @@ def _quiet_aborted_writes(folder: str) -> None:
   """Installs `_AbortedWritesQuiet(folder)` on the asyncio logger, once."""
   logger = logging.getLogger('asyncio')
   if not any(
-    isinstance(f, _AbortedWritesQuiet) and f._folder == folder  # noqa: SLF001
+    isinstance(f, _AbortedWritesQuiet) and f.folder == folder
     for f in logger.filters
   ):
     logger.addFilter(_AbortedWritesQuiet(folder))
