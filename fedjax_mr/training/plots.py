@@ -291,7 +291,7 @@ def curves_figure(runs: Runs, title: str = '') -> Any:
     )
     labels.append(legend_label(name, seeds))
   if len(handles) <= MAX_SIDE_LEGEND:
-    fig.legend(handles, labels, loc='outside right upper', fontsize='small')
+    fig.legend(handles, labels, loc='outside right center', fontsize='small')
   else:
     fig.legend(
       handles,

@@ -116,6 +116,19 @@ def test_curves_figure_draws_percent_bands_and_diverged_marks():
   assert 'diverged' in title
 
 
+def test_a_long_title_does_not_run_into_the_side_legend():
+  # A compare setting's title spans most of the figure's width; the side
+  # legend used to sit at the top right, under its last words.
+  long = ', '.join(['fashion_mnist cnn_mnist, dirichlet α=0.1'] * 3)
+  fig = plots.curves_figure({'FedAvg': SEEDS, 'FedMR': {0: SEEDS[0]}}, long)
+  fig.canvas.draw()
+  (legend,) = fig.legends
+  box = legend.get_window_extent()
+  title = fig._suptitle.get_window_extent()
+  assert title.x1 > box.x0  # the title does reach over the legend's column
+  assert box.y1 <= title.y0
+
+
 def test_a_loss_that_explodes_is_cut_off_at_a_ceiling():
   # Seed 2's train loss reaches 40 before it diverges: more than a decade
   # above the finished curves' first value (2), so the axis stops at 20
