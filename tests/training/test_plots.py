@@ -220,3 +220,17 @@ print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.split() == ['svg', 'False']
   assert (tmp_path / 'a.png').exists() and (tmp_path / 'b.png').exists()
+
+
+def test_more_than_ten_methods_get_distinct_colours_dark_shades_first():
+  import matplotlib
+
+  tab20 = matplotlib.colormaps['tab20']
+  colors = plots._colors(15)
+  assert len(set(colors)) == 15
+  # Ten dark shades, then the light partners of the first five.
+  assert colors[:10] == [tab20(i) for i in range(0, 20, 2)]
+  assert colors[10:] == [tab20(i) for i in range(1, 10, 2)]
+  assert plots._colors(3) == [
+    matplotlib.colormaps['tab10'](i) for i in range(3)
+  ]
