@@ -6,8 +6,9 @@ Every finished run below SOURCE is copied to the same relative path below
 DEST, records only (no checkpoints, networks or weights):
 
 * a training run (experiments.run / compare: config.json + metrics.jsonl)
-  when its last recorded round is config.json's `rounds`: metrics.jsonl,
-  config.json;
+  when its last recorded round is config.json's `rounds`, or when that
+  round's train loss is non-finite (the run diverged and stopped for
+  good): metrics.jsonl, config.json;
 * a FedStitch run (experiments.stitch) once it wrote results.json:
   results.json, log.jsonl, energy.jsonl, partition.json;
 * a pool model (experiments.pretrain_zoo): meta.json.
@@ -19,6 +20,7 @@ replaced.
 """
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -27,12 +29,12 @@ TRAINING = ('metrics.jsonl', 'config.json')
 STITCH = ('results.json', 'log.jsonl', 'energy.jsonl', 'partition.json')
 
 
-def _last_round(path):
-  last = 0
+def _last_row(path):
+  last = {}
   with open(path) as f:
     for line in f:
       if line.strip():
-        last = json.loads(line).get('round', last)
+        last = json.loads(line)
   return last
 
 
@@ -42,8 +44,10 @@ def kind(folder):
   if {'config.json', 'metrics.jsonl'} <= has:
     with open(os.path.join(folder, 'config.json')) as f:
       rounds = json.load(f).get('rounds')
-    last = _last_round(os.path.join(folder, 'metrics.jsonl'))
-    return 'training', rounds is not None and last >= rounds
+    last = _last_row(os.path.join(folder, 'metrics.jsonl'))
+    diverged = not math.isfinite(last.get('train_loss', 0.0))
+    done = rounds is not None and last.get('round', 0) >= rounds
+    return 'training', done or diverged
   if 'log.jsonl' in has and ('state.npz' in has or 'results.json' in has):
     return 'stitch', 'results.json' in has
   if 'meta.json' in has:

@@ -1,0 +1,56 @@
+"""scripts/archive_runs.py: which runs it copies, and what of them."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+_PATH = os.path.join(
+  os.path.dirname(__file__), os.pardir, 'scripts', 'archive_runs.py'
+)
+
+
+@pytest.fixture(name='archive')
+def _archive():
+  spec = importlib.util.spec_from_file_location('archive_runs', _PATH)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _run(folder, rounds, losses):
+  os.makedirs(os.path.join(folder, 'checkpoints'))
+  with open(os.path.join(folder, 'config.json'), 'w') as f:
+    json.dump({'rounds': rounds}, f)
+  with open(os.path.join(folder, 'metrics.jsonl'), 'w') as f:
+    for i, loss in enumerate(losses, 1):
+      f.write(json.dumps({'round': i, 'train_loss': loss}) + '\n')
+
+
+def test_finished_and_diverged_runs_are_copied_unfinished_ones_not(
+  archive, tmp_path, capsys
+):
+  src, dest = tmp_path / 'runs', tmp_path / 'kept'
+  _run(src / 'fedavg' / 's0', 3, [1.0, 0.5, 0.4])
+  _run(src / 'fedmut' / 's0', 3, [1.0, float('nan')])  # diverged: final
+  _run(src / 'fedmr' / 's0', 3, [1.0, 0.5])  # still to resume
+  # Only the last row's loss counts as divergence.
+  _run(src / 'moon' / 's0', 3, [1.0, float('inf'), 0.3])
+  archive.main(str(src), str(dest))
+  assert 'unfinished, left out: fedmr/s0' in capsys.readouterr().out
+  kept = sorted(
+    os.path.relpath(os.path.join(d, f), dest)
+    for d, _, files in os.walk(dest)
+    for f in files
+  )
+  assert kept == [
+    'fedavg/s0/config.json',
+    'fedavg/s0/metrics.jsonl',
+    'fedmut/s0/config.json',
+    'fedmut/s0/metrics.jsonl',
+    'moon/s0/config.json',
+    'moon/s0/metrics.jsonl',
+  ]
+  rows = (dest / 'fedmut' / 's0' / 'metrics.jsonl').read_text().splitlines()
+  assert len(rows) == 2
