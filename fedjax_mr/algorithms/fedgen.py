@@ -492,3 +492,10 @@ def fedgen(
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
   return fedgen(setting.local, setting.clients_per_round, hp, setting.weighted)
+
+
+# Named variants of `experiments.compare` (config overrides): the README's
+# table runs the authors' client weights α = β = 10 and a tenth of them.
+VARIANTS = {
+  'fedgen_a1': {'fedgen_generative_alpha': 1.0, 'fedgen_generative_beta': 1.0}
+}

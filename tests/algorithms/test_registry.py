@@ -180,6 +180,11 @@ def test_flags_and_variants_come_from_the_registry():
     assert variants[name] == {'algorithm': name}
   assert variants['fedmr_p2'] == {'algorithm': 'fedmr_p', 'fedmr_segments': 2}
   assert variants['fedmut_a2'] == {'algorithm': 'fedmut', 'fedmut_alpha': 2.0}
+  assert variants['fedgen_a1'] == {
+    'algorithm': 'fedgen',
+    'fedgen_generative_alpha': 1.0,
+    'fedgen_generative_beta': 1.0,
+  }
   assert compare.VARIANTS == variants
 
 
@@ -197,6 +202,9 @@ def test_display_names():
   assert registry.display_name('fedmut_a0') == 'FedMut (alpha=0)'
   assert (
     registry.display_name('scaffold_taken') == 'SCAFFOLD (control_steps=taken)'
+  )
+  assert registry.display_name('fedgen_a1') == (
+    'FedGen (generative_alpha=1, generative_beta=1)'
   )
   assert registry.display_name('my_variant') == 'my_variant'
 
