@@ -182,16 +182,13 @@ def _matplotlib():
 
 
 def _colors(n: int) -> list:
-  """n colours: tab10's; beyond ten, tab20's ten dark shades first, then
-  their light partners (tab20 in its own order puts each dark shade next
-  to its light one, so neighbouring methods looked alike)."""
+  """n colours: tab20's ten dark shades (tab10's colours) first, then their
+  light partners (tab20 in its own order puts each dark shade next to its
+  light one, so neighbouring methods looked alike)."""
   import matplotlib
 
-  if n <= 10:
-    cmap = matplotlib.colormaps['tab10']
-    return [cmap(i) for i in range(n)]
   cmap = matplotlib.colormaps['tab20']
-  order = list(range(0, 20, 2)) + list(range(1, 20, 2))
+  order = [*range(0, 20, 2), *range(1, 20, 2)]
   return [cmap(order[i % 20]) for i in range(n)]
 
 
