@@ -53,15 +53,60 @@ def toy_data(sizes, shape=(2, 2, 1), num_classes=3, seed=0):
   return client_data.from_partition(x, y, parts, scale=1 / 255), (x, y, parts)
 
 
-def tree_allclose(a, b, **kw):
-  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **kw), a, b)
+# How many units in the last place of the compared dtype a tolerance may
+# never go below: two computations whose summation order differs (1 vs 2
+# devices, vmapped vs sequential, jitted vs host, im2col vs convolution)
+# round differently, by a few ULPs on every CPU's kernels.
+ULPS = 4
+
+
+def _float_dtype(*arrays) -> np.dtype | None:
+  """The coarsest floating dtype among `arrays` (None if none is a float)."""
+  kinds = [
+    np.dtype(a.dtype)
+    for a in arrays
+    if jnp.issubdtype(np.dtype(a.dtype), jnp.floating)
+  ]
+  if not kinds:
+    return None
+  return max(kinds, key=lambda d: float(jnp.finfo(d).eps))
+
+
+def dtype_rtol(rtol: float, *arrays) -> float:
+  """`rtol`, or `ULPS` ULPs of the arrays' coarsest float dtype if coarser."""
+  dtype = _float_dtype(*arrays)
+  if dtype is None:
+    return rtol
+  return max(rtol, ULPS * float(jnp.finfo(dtype).eps))
+
+
+def assert_close(actual, desired, rtol=1e-7, atol=0.0, err_msg=''):
+  """`np.testing.assert_allclose` over two trees (or two arrays/scalars),
+  with a tolerance that follows the compared leaves' dtype.
+
+  `rtol` is what the caller asks for; a leaf in a coarser dtype (bfloat16,
+  float16) gets at least `ULPS` of its own epsilon, so no comparison is
+  finer than its dtype can represent. Both sides are compared in float64,
+  so the subtraction itself does not round in the coarse dtype. Every
+  tolerance in the suite goes through here (tests/test_tolerances.py).
+  """
+
+  def one(u, v):
+    u, v = np.asarray(u), np.asarray(v)
+    tol = dtype_rtol(rtol, u, v)
+    if _float_dtype(u, v) is not None:
+      u, v = u.astype(np.float64), v.astype(np.float64)
+    np.testing.assert_allclose(u, v, rtol=tol, atol=atol, err_msg=err_msg)
+
+  # Lists are values ([1.0, 2.0]), not trees of leaves.
+  jax.tree.map(one, actual, desired, is_leaf=lambda x: isinstance(x, list))
 
 
 def tree_equal(a, b):
   jax.tree.map(lambda u, v: np.testing.assert_array_equal(u, v), a, b)
 
 
-__all__ = ['Linear', 'linear_model', 'toy_data', 'tree_allclose', 'jnp']
+__all__ = ['Linear', 'linear_model', 'toy_data', 'assert_close', 'jnp']
 
 
 class LinearBN(nn.Module):

@@ -53,4 +53,4 @@ def test_one_fedavg_round_matches_fedjax_mr():
     got = loop.state[name].numpy()
     moved = np.abs(want.numpy() - before[name].numpy()).max()
     assert moved > 1e-4, name  # the round trained this tensor
-    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=2e-6)
+    helpers.assert_close(got, want.numpy(), rtol=1e-4, atol=2e-6)

@@ -277,10 +277,10 @@ def check_algorithm(
   # algorithm whose server runs Adam, FedGen, can move a parameter whose
   # gradient is at rounding level by up to one learning rate per step:
   # `two_device_atol`).
-  helpers.tree_allclose(one, two, rtol=1e-4, atol=two_device_atol)
+  helpers.assert_close(one, two, rtol=1e-4, atol=two_device_atol)
   for (i1, m1), (i3, m3) in zip(h1, h3):
     np.testing.assert_array_equal(i1, i3)
-    np.testing.assert_allclose(m1['train_loss'], m3['train_loss'], rtol=1e-5)
+    helpers.assert_close(m1['train_loss'], m3['train_loss'], rtol=1e-5)
   return [m for _, m in h1]
 
 

@@ -17,8 +17,8 @@ from tests.algorithms import contract
 def _check_unbiased(r, p, k):
   r = np.asarray(r)
   assert r.shape == (k, len(p)) and (r >= 0).all()
-  np.testing.assert_allclose(r.sum(1), 1.0, atol=1e-5)
-  np.testing.assert_allclose(r.sum(0), k * np.asarray(p), atol=1e-5)
+  helpers.assert_close(r.sum(1), 1.0, atol=1e-5)
+  helpers.assert_close(r.sum(0), k * np.asarray(p), atol=1e-5)
 
 
 def test_size_distributions_by_hand():
@@ -27,7 +27,7 @@ def test_size_distributions_by_hand():
   # client 0 (0.4), client 3 (0.4) and client 1 (0.2).
   p = jnp.array([0.3, 0.1, 0.4, 0.2])
   r = np.asarray(clusamp.size_distributions(p, 2))
-  np.testing.assert_allclose(
+  helpers.assert_close(
     r, [[0.2, 0.0, 0.8, 0.0], [0.4, 0.2, 0.0, 0.4]], atol=1e-6
   )
 
@@ -90,12 +90,12 @@ def test_ward_merges_and_cut_match_scipy(distance):
 def test_distances_by_hand():
   g = jnp.array([[3.0, 4.0], [0.0, 2.0], [0.0, 0.0]])
   d = np.asarray(clusamp.distances(g, 'l2'))
-  np.testing.assert_allclose(d[0], [0, np.hypot(3, 2), 5], rtol=1e-6)
-  np.testing.assert_allclose(clusamp.distances(g, 'l1')[0], [0, 5, 7])
+  helpers.assert_close(d[0], [0, np.hypot(3, 2), 5], rtol=1e-6)
+  helpers.assert_close(clusamp.distances(g, 'l1')[0], [0, 5, 7])
   cos = np.asarray(clusamp.distances(g, 'cosine'))
-  np.testing.assert_allclose(cos[0, 1], np.arccos(0.8), rtol=1e-5)
+  helpers.assert_close(cos[0, 1], np.arccos(0.8), rtol=1e-5)
   # No update yet: distance 0 to everyone (the authors' convention).
-  np.testing.assert_allclose(cos[2], 0.0)
+  helpers.assert_close(cos[2], 0.0)
 
 
 @pytest.mark.slow
@@ -108,7 +108,7 @@ def test_similarity_distributions_by_hand():
   r = np.asarray(
     clusamp.similarity_distributions(p, 2, labels, jax.random.key(0))
   )
-  np.testing.assert_allclose(
+  helpers.assert_close(
     r, [[0.5, 0.5, 0, 0, 0], [0, 0, 0.2, 0.2, 0.6]], atol=1e-6
   )
   # A client with more than 1/K of the data fills a row and shares out the
@@ -118,7 +118,7 @@ def test_similarity_distributions_by_hand():
       jnp.array([0.7, 0.1, 0.2]), 2, jnp.array([0, 1, 1]), jax.random.key(0)
     )
   )
-  np.testing.assert_allclose(r, [[1, 0, 0], [0.4, 0.2, 0.4]], atol=1e-6)
+  helpers.assert_close(r, [[1, 0, 0], [0.4, 0.2, 0.4]], atol=1e-6)
 
 
 @pytest.mark.slow
@@ -143,10 +143,10 @@ def test_draw_frequencies_follow_the_distributions():
   keys = jax.random.split(jax.random.key(0), 20_000)
   ids = np.asarray(jax.vmap(lambda key: clusamp.draw(key, r))(keys))
   # Client 0 spans both rows (0.2 + 0.4); the others sit in one row.
-  np.testing.assert_allclose(
+  helpers.assert_close(
     np.bincount(ids[:, 0], minlength=4) / 20_000, r[0], atol=0.01
   )
-  np.testing.assert_allclose(
+  helpers.assert_close(
     np.bincount(ids.ravel(), minlength=4) / 20_000, 2 * p, atol=0.015
   )
 
@@ -196,12 +196,12 @@ def test_server_keeps_each_clients_last_update():
     state, out, ids, jnp.int32(0), jax.random.key(0)
   )
   upd = np.asarray(new.updates['Dense_0']['kernel'])
-  np.testing.assert_allclose(upd[4], 3.0)  # the later draw wins
-  np.testing.assert_allclose(upd[1], 2.0)
-  np.testing.assert_allclose(upd[[0, 2, 3]], 0.0)
+  helpers.assert_close(upd[4], 3.0)  # the later draw wins
+  helpers.assert_close(upd[1], 2.0)
+  helpers.assert_close(upd[[0, 2, 3]], 0.0)
   assert int(metrics['distinct_clients']) == 2
   # The global model is the plain mean of the three uploads.
-  np.testing.assert_allclose(
+  helpers.assert_close(
     new.params['params']['Dense_0']['bias'],
     variables['params']['Dense_0']['bias'] + 2,
     rtol=1e-6,

@@ -69,17 +69,17 @@ def test_self_distillation_by_hand():
   on = jnp.array([1.0, 1.0, 0.0])
   got = _distil(jnp.asarray(z), on, on, t)
   want = t * t * (_kl(q[1], q[0]) + _kl(q[0], q[1])) / 1
-  np.testing.assert_allclose(got, [want], rtol=1e-5)
+  helpers.assert_close(got, [want], rtol=1e-5)
   # All three exits: each learns from the two others, divided by 2.
   on3 = jnp.ones(3)
   got = _distil(jnp.asarray(z), on3, on3, t)
   want = sum(_kl(q[j], q[i]) for i in range(3) for j in range(3) if i != j)
-  np.testing.assert_allclose(got, [t * t * want / 2], rtol=1e-5)
+  helpers.assert_close(got, [t * t * want / 2], rtol=1e-5)
   # Only the deepest exit learns (extended=False): KL towards the others.
   students, teachers = depthfl.exit_masks(jnp.int32(3), 3, extended=False)
   got = _distil(jnp.asarray(z), students, teachers, t)
   want = t * t * (_kl(q[0], q[2]) + _kl(q[1], q[2])) / 2
-  np.testing.assert_allclose(got, [want], rtol=1e-5)
+  helpers.assert_close(got, [want], rtol=1e-5)
   # One exit: nothing to distil.
   one = jnp.array([1.0, 0.0, 0.0])
   assert float(_distil(jnp.asarray(z), one, one)[0]) == 0
@@ -110,14 +110,14 @@ def test_masked_aggregation_by_hand():
   depths = jnp.array([1, 2, 1])
   got = depthfl.masked_mean(clients, glob, depths, weights)
   # Depth 1: all three, (1*1 + 3*2 + 4*4) / 8; depth 2: client 1 alone.
-  np.testing.assert_allclose(got['params']['conv1'], [23 / 8])
-  np.testing.assert_allclose(got['params']['exit1'], [23 / 8])
-  np.testing.assert_allclose(got['params']['layer2_0']['conv1'], [11.0])
-  np.testing.assert_allclose(got['params']['exit2'], [11.0])
+  helpers.assert_close(got['params']['conv1'], [23 / 8])
+  helpers.assert_close(got['params']['exit1'], [23 / 8])
+  helpers.assert_close(got['params']['layer2_0']['conv1'], [11.0])
+  helpers.assert_close(got['params']['exit2'], [11.0])
   # Nobody holds depth 2: those leaves keep their global values.
   got = depthfl.masked_mean(clients, glob, jnp.array([1, 1, 1]))
-  np.testing.assert_allclose(got['params']['conv1'], [7 / 3])
-  np.testing.assert_allclose(got['params']['exit2'], [9.0])
+  helpers.assert_close(got['params']['conv1'], [7 / 3])
+  helpers.assert_close(got['params']['exit2'], [9.0])
 
 
 def test_leaf_depths_of_the_multi_exit_resnet18():
@@ -181,7 +181,7 @@ def test_measured_depth_memory_grows_with_depth():
 
 def test_kd_weight_ramps_up_as_the_authors_code():
   w = [float(depthfl.kd_weight_at(jnp.int32(r), 2.0, 300)) for r in (0, 150)]
-  np.testing.assert_allclose(w, [2 * np.exp(-5), 2 * np.exp(-1.25)], 1e-6)
+  helpers.assert_close(w, [2 * np.exp(-5), 2 * np.exp(-1.25)], 1e-6)
   assert float(depthfl.kd_weight_at(jnp.int32(500), 2.0, 300)) == 2.0
   assert float(depthfl.kd_weight_at(jnp.int32(0), 2.0, 0)) == 2.0
 
@@ -224,7 +224,7 @@ def test_full_depth_last_exit_without_distillation_is_fedavg():
     fedavg.fedavg(local, 4),
   )
   states = contract.server_params_after(algorithms, model, data)
-  helpers.tree_allclose(states[0], states[1], rtol=1e-5, atol=1e-6)
+  helpers.assert_close(states[0], states[1], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -45,11 +45,11 @@ def test_one_step_equals_hand_computation(adaptive):
   ew, eb = rho * tw**2 * gw / norm, rho * tb**2 * gb / norm
   gw1, gb1 = _grads(feats, onehot, ew, eb)
   got = out.variables['params']['Dense_0']
-  np.testing.assert_allclose(got['kernel'], -lr * gw1, rtol=1e-5)
-  np.testing.assert_allclose(got['bias'], -lr * gb1, rtol=1e-5)
+  helpers.assert_close(got['kernel'], -lr * gw1, rtol=1e-5)
+  helpers.assert_close(got['bias'], -lr * gb1, rtol=1e-5)
   assert not np.allclose(gw1, gw)  # the perturbation mattered
   # The loss reported is the first pass's: log 2 at w = 0.
-  np.testing.assert_allclose(out.loss, np.log(2), rtol=1e-6)
+  helpers.assert_close(out.loss, np.log(2), rtol=1e-6)
   assert int(out.num_steps) == 1
 
 

@@ -35,18 +35,18 @@ def test_one_round_equals_hand_computation(weighted):
   w = np.array([1.0, 3.0]) if weighted else np.array([1.0, 1.0])
   w = w / w.sum()
   params = state.server.params['params']['Dense_0']
-  np.testing.assert_allclose(
+  helpers.assert_close(
     params['kernel'],
     w[0] * kernels[0] + w[1] * kernels[1],
     rtol=1e-5,
     atol=1e-7,
   )
-  np.testing.assert_allclose(
+  helpers.assert_close(
     params['bias'], w[0] * biases[0] + w[1] * biases[1], rtol=1e-5, atol=1e-7
   )
   assert int(metrics['num_examples']) == 4 and int(metrics['num_steps']) == 2
   assert sorted(np.asarray(metrics['client_ids']).tolist()) == [0, 1]
-  np.testing.assert_allclose(metrics['train_loss'], np.log(2), rtol=1e-6)
+  helpers.assert_close(metrics['train_loss'], np.log(2), rtol=1e-6)
 
 
 def test_dispatch_shares_one_model_and_state_exposes_params():
@@ -68,6 +68,6 @@ def test_dispatch_shares_one_model_and_state_exposes_params():
   new, metrics = server.aggregate(
     state, out, ids, jnp.int32(0), jax.random.key(0)
   )
-  np.testing.assert_allclose(new.params['params']['w'], [26 / 8] * 3)
+  helpers.assert_close(new.params['params']['w'], [26 / 8] * 3)
   # 4 models of 3 float32 down and up.
   assert metrics == {'bytes_communicated': 2 * 4 * 3 * 4}

@@ -91,7 +91,7 @@ def test_adaptor_pools_and_zero_pads():
   out = jnp.arange(2 * 2 * 2 * 3, dtype=jnp.float32).reshape(2, 2, 2, 3)
   got = fedepth.adapt(out, 5)
   want = np.concatenate([out.mean(axis=(1, 2)), np.zeros((2, 2))], axis=1)
-  np.testing.assert_allclose(got, want)
+  helpers.assert_close(got, want)
 
 
 def test_one_block_step_by_hand():
@@ -142,13 +142,13 @@ def test_one_block_step_by_hand():
     q['head']['bias'],
   ]
   for g, w in zip(got, want):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(g, w, rtol=1e-5, atol=1e-6)
   # The padded channel's head row sees zero input: untouched.
   np.testing.assert_array_equal(q['head']['kernel'][3], p['head']['kernel'][3])
   # Frozen and unused layers exactly as received.
   for name in ('stem', 'layer1_0', 'layer3_0'):
     chex.assert_trees_all_equal(q[name], p[name])
-  np.testing.assert_allclose(out.loss, loss(*args), rtol=1e-5)
+  helpers.assert_close(out.loss, loss(*args), rtol=1e-5)
   assert int(out.num_steps) == 1 and int(out.num_examples) == 5
 
 
@@ -211,13 +211,13 @@ def test_blocks_run_in_sequence():
   end, _ = jax.jit(second.client_update)(
     mid.variables, (), (), data, jnp.int32(0), jax.random.fold_in(key, 1)
   )
-  helpers.tree_allclose(out.variables, end.variables, rtol=1e-6, atol=1e-7)
+  helpers.assert_close(out.variables, end.variables, rtol=1e-6, atol=1e-7)
   for col in ('params', 'batch_stats'):
     chex.assert_trees_all_equal(
       out.variables[col]['layer1_0'], mid.variables[col]['layer1_0']
     )
   assert int(out.num_steps) == int(mid.num_steps) + int(end.num_steps)
-  np.testing.assert_allclose(out.loss, (mid.loss + end.loss) / 2, rtol=1e-6)
+  helpers.assert_close(out.loss, (mid.loss + end.loss) / 2, rtol=1e-6)
 
 
 def test_masked_aggregation_by_hand():
@@ -240,16 +240,16 @@ def test_masked_aggregation_by_hand():
     [[True, True, True], [False, True, True], [False, False, True]]
   )
   got = fedepth.masked_mean(clients, glob, leaves, trained, weights)
-  np.testing.assert_allclose(got['params']['a'], [1.0])  # client 0 alone
-  np.testing.assert_allclose(got['params']['b'], [9 + (1 + 6) / 4])
-  np.testing.assert_allclose(got['params']['h'], [5 + (1 + 6 + 16) / 8])
+  helpers.assert_close(got['params']['a'], [1.0])  # client 0 alone
+  helpers.assert_close(got['params']['b'], [9 + (1 + 6) / 4])
+  helpers.assert_close(got['params']['h'], [5 + (1 + 6 + 16) / 8])
   # Clients 1 and 2 alone: nobody trained layer 0, which keeps its global
   # value; the plain mean.
   rest = jax.tree.map(lambda x: x[1:], clients)
   got = fedepth.masked_mean(rest, glob, leaves, trained[1:], None)
-  np.testing.assert_allclose(got['params']['a'], [0.0])
-  np.testing.assert_allclose(got['params']['b'], [11.0])
-  np.testing.assert_allclose(got['params']['h'], [8.0])
+  helpers.assert_close(got['params']['a'], [0.0])
+  helpers.assert_close(got['params']['b'], [11.0])
+  helpers.assert_close(got['params']['h'], [8.0])
 
 
 def test_aggregate_keeps_untrained_layers_and_counts_bytes():
@@ -267,11 +267,11 @@ def test_aggregate_keeps_untrained_layers_and_counts_bytes():
   )
   p, up = new.params['params'], outputs.variables['params']
   chex.assert_trees_all_equal(p['layer2_0'], start['params']['layer2_0'])
-  helpers.tree_allclose(p['stem'], jax.tree.map(lambda x: x[0], up['stem']))
-  helpers.tree_allclose(
+  helpers.assert_close(p['stem'], jax.tree.map(lambda x: x[0], up['stem']))
+  helpers.assert_close(
     p['layer3_0'], jax.tree.map(lambda x: x[1], up['layer3_0'])
   )
-  helpers.tree_allclose(
+  helpers.assert_close(
     p['head'], jax.tree.map(lambda x: x.mean(0), up['head']), rtol=1e-6
   )
   size = {n: tree.nbytes(start['params'][n]) for n in start['params']}
@@ -279,8 +279,8 @@ def test_aggregate_keeps_untrained_layers_and_counts_bytes():
   up_bytes = (
     size['stem'] + size['layer1_0'] + size['layer3_0'] + 3 * size['head']
   )
-  np.testing.assert_allclose(metrics['bytes_communicated'], down + up_bytes)
-  np.testing.assert_allclose(metrics['mean_blocks'], 1.0)
+  helpers.assert_close(metrics['bytes_communicated'], down + up_bytes)
+  helpers.assert_close(metrics['mean_blocks'], 1.0)
 
 
 @pytest.mark.slow

@@ -39,16 +39,14 @@ def test_one_server_update_by_hand():
     state, _outputs(models, [3, 9]), jnp.arange(2), 0, jax.random.key(0)
   )
   eta = 1.02 / (2 * 0.011)
-  np.testing.assert_allclose(metrics['global_lr'], eta, rtol=1e-5)
-  np.testing.assert_allclose(
+  helpers.assert_close(metrics['global_lr'], eta, rtol=1e-5)
+  helpers.assert_close(
     new.params['params']['w'], [0, 0.1 * eta], rtol=1e-5, atol=1e-6
   )
-  np.testing.assert_allclose(new.params['batch_stats']['m'], [3.0])
+  helpers.assert_close(new.params['batch_stats']['m'], [3.0])
   ev = types.evaluated_model(alg, new)
-  np.testing.assert_allclose(
-    ev['params']['w'], [0, 0.05 * eta], rtol=1e-5, atol=1e-6
-  )
-  np.testing.assert_allclose(ev['batch_stats']['m'], [2.0])
+  helpers.assert_close(ev['params']['w'], [0, 0.05 * eta], rtol=1e-5, atol=1e-6)
+  helpers.assert_close(ev['batch_stats']['m'], [2.0])
   # The last iterate itself when asked.
   last = fedexp.fedexp(contract.LOCAL, 2, average_last_two=False)
   assert types.evaluated_model(last, new) is new.params
@@ -59,8 +57,8 @@ def test_one_server_update_by_hand():
     state, _outputs(models, [3, 9]), jnp.arange(2), 0, jax.random.key(0)
   )
   eta = 1.03 / (2 * (0.2725 + 1e-3))
-  np.testing.assert_allclose(metrics['global_lr'], eta, rtol=1e-5)
-  np.testing.assert_allclose(
+  helpers.assert_close(metrics['global_lr'], eta, rtol=1e-5)
+  helpers.assert_close(
     new.params['params']['w'], [-0.5 * eta, 0.15 * eta], rtol=1e-5
   )
 

@@ -21,7 +21,7 @@ def test_label_counts_and_weights_by_hand():
     np.testing.assert_array_equal(got, np.bincount(y[parts[c]], minlength=3))
   counts = jnp.array([[3.0, 0.0, 1.0], [1.0, 0.0, 1.0]])
   weights, qualified = fedgen.label_weights(counts)
-  np.testing.assert_allclose(weights, [[0.75, 0, 0.5], [0.25, 0, 0.5]])
+  helpers.assert_close(weights, [[0.75, 0, 0.5], [0.25, 0, 0.5]])
   # Labels some client holds more than one example of.
   np.testing.assert_array_equal(qualified, [True, False, False])
 
@@ -31,7 +31,7 @@ def test_diversity_loss_by_hand():
   z = jnp.array([[0.0, 0.0], [1.0, 3.0]])
   # Noise distance (mean square) 1, output distance (mean abs) 2 off the
   # diagonal: exp(-(0 + 2 + 2 + 0) / 4).
-  np.testing.assert_allclose(fedgen.diversity_loss(eps, z), np.exp(-1.0))
+  helpers.assert_close(fedgen.diversity_loss(eps, z), np.exp(-1.0))
 
 
 def _ce(logits, label):
@@ -51,7 +51,7 @@ def test_teacher_loss_by_hand():
     )
     for k in (0, 1)
   )
-  np.testing.assert_allclose(
+  helpers.assert_close(
     fedgen.teacher_loss(logits, labels, weights), want, rtol=1e-6
   )
 
@@ -75,13 +75,13 @@ def test_client_regularizer_by_hand():
     for s, lg in zip(same[:2], logits[:2])
   ]
   want = 2 * np.mean(kl) + 0.25 * 3 * _ce(synth[0], 1)
-  np.testing.assert_allclose(got, want, rtol=1e-5)
+  helpers.assert_close(got, want, rtol=1e-5)
 
 
 def test_decayed_weights():
   r = jnp.int32(3)
-  np.testing.assert_allclose(fedgen.decayed(10.0, 0.98, r), 10 * 0.98**3)
-  np.testing.assert_allclose(
+  helpers.assert_close(fedgen.decayed(10.0, 0.98, r), 10 * 0.98**3)
+  helpers.assert_close(
     fedgen.decayed(1.0, 0.5, jnp.int32(40)), fedgen.MIN_GENERATIVE_WEIGHT
   )
   assert float(fedgen.decayed(0.0, 0.98, r)) == 0.0
@@ -127,7 +127,7 @@ def test_regulariser_acts_from_round_one():
   # clients' losses differ (the reported loss is the task loss alone).
   assert gen_hist[0]['train_loss'] == avg_hist[0]['train_loss']
   assert gen_hist[1]['train_loss'] != avg_hist[1]['train_loss']
-  np.testing.assert_allclose(
+  helpers.assert_close(
     [h['generative_alpha'] for h in gen_hist], [10, 9.8, 9.604], rtol=1e-6
   )
   # K = 4 models down and up, 4 generators down, 4 label counts up:
@@ -185,7 +185,7 @@ def test_generator_learns_to_satisfy_fixed_heads():
   # Clients draw synthetic labels from those the round's clients held.
   np.testing.assert_array_equal(state.labels, [1, 1, 1])
   # The global model is FedAvg's mean of the uploads.
-  helpers.tree_allclose(
+  helpers.assert_close(
     state.params, fedavg.server_aggregate(outputs, True), rtol=1e-6
   )
 

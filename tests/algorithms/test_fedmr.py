@@ -11,6 +11,7 @@ from fedjax_mr.algorithms import fedmr
 from fedjax_mr.core import grouping
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
+from tests import helpers
 from tests.algorithms import contract
 
 K = 4
@@ -413,13 +414,13 @@ def test_global_is_the_mean_and_recombination_keeps_uploaded_rows():
   # 13 float32 per model, K down + K up: 2 * 4 * 52 bytes.
   assert metrics['bytes_communicated'] == 416.0
   assert metrics['bytes_communicated'].dtype == jnp.float32
-  np.testing.assert_allclose(
+  helpers.assert_close(
     metrics['pairwise_cosine'], tree.pairwise_cosine(stack())
   )
   weighted = fedmr.fedmr(contract.LOCAL, K, weighted_global=True)
   new_w, _ = weighted.aggregate(state, outputs, IDS, 0, jax.random.key(0))
   # (0 + 100 + 200 + 5 * 300) / 8 + 30.
-  np.testing.assert_allclose(new_w.params['params']['Dense_1']['bias'], 255)
+  helpers.assert_close(new_w.params['params']['Dense_1']['bias'], 255)
 
 
 def test_indep_redispatches_whole_trained_models():
@@ -451,7 +452,7 @@ def test_secure_transform_sees_only_the_mixed_stack_and_counts_bytes():
   plan = fedmr.secure_plan(k_secure, K, 4, repeats=2, min_sent=1, max_sent=2)
   mixed = fedmr.apply_secure_plan(stack(), plan)
   chex.assert_trees_all_equal(new.client_models, fedmr.recombine(k_mix, mixed))
-  np.testing.assert_allclose(
+  helpers.assert_close(
     metrics['pairwise_cosine'], tree.pairwise_cosine(mixed), rtol=1e-6
   )
   expect = 416.0 + np.asarray(plan.layer_transfers) @ SECURE_SIZES

@@ -8,6 +8,7 @@ from fedjax_mr.algorithms import fedavg
 from fedjax_mr.algorithms import fedmut
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
+from tests import helpers
 from tests.algorithms import contract
 
 K = 4
@@ -94,7 +95,7 @@ def test_beta0_even_k_averages_to_global_at_distance_alpha_delta():
   chex.assert_trees_all_equal(tree.weighted_mean(out), GLOBAL)
   # ||model_j - w||^2 = alpha^2 ||delta||^2 for every layer and model.
   jax.tree.map(
-    lambda m, g, d: np.testing.assert_allclose(
+    lambda m, g, d: helpers.assert_close(
       np.sum((m - g) ** 2, axis=tuple(range(1, m.ndim))),
       np.full(K, 16.0 * np.sum(d**2)),
       rtol=1e-6,
@@ -112,9 +113,10 @@ def test_beta0_even_k_averages_to_global_at_distance_alpha_delta():
 def test_beta_shifts_the_mean_along_delta():
   out = mutate(jax.random.key(2), beta=0.5)
   # Mean coefficient beta / 2: mean = w + alpha * beta / 2 * delta.
-  chex.assert_trees_all_close(
+  helpers.assert_close(
     tree.weighted_mean(out),
     jax.tree.map(lambda g, d: g + 4.0 * 0.25 * d, GLOBAL, DELTA),
+    rtol=1e-6,
   )
   for v in jax.tree.leaves(coefficients(out)):
     np.testing.assert_array_equal(np.sort(v[:, 0]), [-0.5, -0.5, 1, 1])
@@ -164,7 +166,7 @@ def test_mutate_is_deterministic_and_jittable():
   out = mutate(key, beta=0.25)
   chex.assert_trees_all_equal(out, mutate(key, beta=0.25))
   jitted = jax.jit(lambda k, b: mutate(k, beta=b))(key, 0.25)
-  chex.assert_trees_all_close(jitted, out)
+  helpers.assert_close(jitted, out, rtol=1e-6)
   other = mutate(jax.random.key(6), beta=0.25)
   assert any(
     not np.array_equal(a, b)
@@ -183,17 +185,15 @@ def test_batchnorm_statistics_mutate_like_parameters():
       out['batch_stats']['BatchNorm_0'][name]
       - moved['batch_stats']['BatchNorm_0'][name]
     )
-    np.testing.assert_allclose(np.sort(step[:, 0]), [-0.5, -0.5, 0.5, 0.5])
-  chex.assert_trees_all_close(tree.weighted_mean(out), moved, atol=1e-6)
+    helpers.assert_close(np.sort(step[:, 0]), [-0.5, -0.5, 0.5, 0.5])
+  helpers.assert_close(tree.weighted_mean(out), moved, rtol=1e-6, atol=1e-6)
 
 
 def test_beta_schedule():
   values = [float(fedmut.beta_schedule(t, 0.3, 50)) for t in (0, 25, 50, 80)]
-  np.testing.assert_allclose(values, [0.3, 0.15, 0.0, 0.0], atol=1e-7)
+  helpers.assert_close(values, [0.3, 0.15, 0.0, 0.0], atol=1e-7)
   assert fedmut.beta_schedule(jnp.int32(10), 0.5, 40).dtype == jnp.float32
-  np.testing.assert_allclose(
-    fedmut.beta_schedule(jnp.int32(10), 0.5, 40), 0.375
-  )
+  helpers.assert_close(fedmut.beta_schedule(jnp.int32(10), 0.5, 40), 0.375)
   assert float(fedmut.beta_schedule(0, 0.3, 0)) == 0.0
 
 
@@ -228,21 +228,21 @@ def test_rounds_mutate_after_round0_with_the_schedule():
   # New global: mean (1.5, -0.5); previous: init; delta (0.5, 0.5).
   chex.assert_trees_all_equal(state.params, {'w': jnp.array([1.5, -0.5])})
   chex.assert_trees_all_equal(state.prev_params, init)
-  np.testing.assert_allclose(metrics['delta_norm'], np.sqrt(0.5))
-  np.testing.assert_allclose(metrics['beta'], 0.5)
+  helpers.assert_close(metrics['delta_norm'], np.sqrt(0.5))
+  helpers.assert_close(metrics['beta'], 0.5)
   # Dispatch of round 1 uses beta_0 = 0.5: mean = w + 2 * 0.25 * delta.
   out = server.dispatch(state, IDS, 1, jax.random.key(2)).per_client
-  np.testing.assert_allclose(np.mean(out['w'], 0), [1.75, -0.25])
-  np.testing.assert_allclose(np.sort(out['w'][:, 0]), [1.0, 1.0, 2.5, 2.5])
+  helpers.assert_close(np.mean(out['w'], 0), [1.75, -0.25])
+  helpers.assert_close(np.sort(out['w'][:, 0]), [1.0, 1.0, 2.5, 2.5])
   # Global (2, -0.5) after round 1, delta (0.5, 0); round 2 uses
   # beta_1 = 0.375: coefficients {1, -0.625}.
   trained = tree.broadcast({'w': jnp.array([2.0, -0.5])}, K)
   state, metrics = server.aggregate(
     state, outputs_of(trained), IDS, 1, jax.random.key(3)
   )
-  np.testing.assert_allclose(metrics['beta'], 0.375)
+  helpers.assert_close(metrics['beta'], 0.375)
   out = server.dispatch(state, IDS, 2, jax.random.key(4)).per_client
-  np.testing.assert_allclose(np.sort(out['w'][:, 0]), [1.375, 1.375, 3, 3])
+  helpers.assert_close(np.sort(out['w'][:, 0]), [1.375, 1.375, 3, 3])
   np.testing.assert_array_equal(out['w'][:, 1], -0.5)
 
 

@@ -29,10 +29,10 @@ def test_one_step_equals_hand_computation():
   grad_w = feats.T @ resid / 3 + mu * (0 - 0.25)
   grad_b = resid.mean(0) + mu * (0 - 0.25)
   got = out.variables['params']['Dense_0']
-  np.testing.assert_allclose(got['kernel'], -lr * grad_w, rtol=1e-5)
-  np.testing.assert_allclose(got['bias'], -lr * grad_b, rtol=1e-5)
+  helpers.assert_close(got['kernel'], -lr * grad_w, rtol=1e-5)
+  helpers.assert_close(got['bias'], -lr * grad_b, rtol=1e-5)
   # The reported loss is the task loss alone.
-  np.testing.assert_allclose(out.loss, np.log(2), rtol=1e-6)
+  helpers.assert_close(out.loss, np.log(2), rtol=1e-6)
 
 
 @pytest.mark.slow

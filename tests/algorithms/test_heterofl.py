@@ -94,13 +94,13 @@ def test_one_aggregation_by_hand():
     state, outputs([0, 1, 2]), ids, jnp.int32(0), jax.random.key(0)
   )
   bn = new.params['params']['BatchNorm_0']['scale']
-  np.testing.assert_allclose(bn, [7 / 3, 7 / 3, 3 / 2, 1, 1, 1], rtol=1e-6)
+  helpers.assert_close(bn, [7 / 3, 7 / 3, 3 / 2, 1, 1, 1], rtol=1e-6)
   head = new.params['params']['Dense_1']['kernel']
-  np.testing.assert_allclose(head[:, 0], [7 / 3, 7 / 3, 3 / 2, 1, 1, 1])
-  np.testing.assert_allclose(new.params['params']['Dense_1']['bias'], 7 / 3)
+  helpers.assert_close(head[:, 0], [7 / 3, 7 / 3, 3 / 2, 1, 1, 1])
+  helpers.assert_close(new.params['params']['Dense_1']['bias'], 7 / 3)
   # The queried statistics: the example-weighted mean (weights 1, 1, 2).
   mean = variables['batch_stats']['BatchNorm_0']['mean']
-  np.testing.assert_allclose(
+  helpers.assert_close(
     new.queried['batch_stats']['BatchNorm_0']['mean'], mean + 5 / 4
   )
   # bytes: each client's sub-model (Dense_0 4x6+6, BN 2x6, Dense_1 6x3+3)
@@ -119,7 +119,7 @@ def test_one_aggregation_by_hand():
   )
   bn = new.params['params']['BatchNorm_0']['scale']
   old = variables['params']['BatchNorm_0']['scale']
-  np.testing.assert_allclose(bn[:3], [(2 + 4 * 2) / 3] * 2 + [2.0])
+  helpers.assert_close(bn[:3], [(2 + 4 * 2) / 3] * 2 + [2.0])
   np.testing.assert_array_equal(bn[3:], old[3:])
   # No client has rate 1: the evaluated model is the rate-1/2 sub-model.
   algorithm = _algorithm([1, 2])
@@ -199,10 +199,10 @@ def test_masked_network_is_the_narrow_network():
     )
 
   ((l_full, z_full), g), ((l_cut, z_cut), g_cut), mask = jax.device_get(both())
-  np.testing.assert_allclose(z_full, z_cut, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(l_full, l_cut, rtol=1e-6)
+  helpers.assert_close(z_full, z_cut, rtol=1e-5, atol=1e-6)
+  helpers.assert_close(l_full, l_cut, rtol=1e-6)
   # The same gradient on the kept entries, none outside the sub-model.
-  helpers.tree_allclose(_cut(g, keep), g_cut, rtol=1e-5, atol=1e-6)
+  helpers.assert_close(_cut(g, keep), g_cut, rtol=1e-5, atol=1e-6)
   jax.tree.map(
     lambda gl, m: np.testing.assert_array_equal(gl[m == 0], 0), g, mask
   )
@@ -218,13 +218,13 @@ def test_query_statistics_is_the_data_statistics():
   p = variables['params']['Dense_0']
   h = (x[parts[0]].reshape(5, -1) / 255.0) @ p['kernel'] + p['bias']
   bn = got['BatchNorm_0']
-  np.testing.assert_allclose(bn['mean'], h.mean(0), rtol=1e-4, atol=1e-6)
-  np.testing.assert_allclose(bn['var'], h.var(0), rtol=1e-3, atol=1e-6)
+  helpers.assert_close(bn['mean'], h.mean(0), rtol=1e-4, atol=1e-6)
+  helpers.assert_close(bn['var'], h.var(0), rtol=1e-3, atol=1e-6)
   # All clients: their example-weighted mean (client 1 in one batch too).
   final = jax.jit(heterofl.data_statistics, static_argnums=(0, 3))
   got_all = final(model, variables, data, 8)['batch_stats']['BatchNorm_0']
   h1 = (x[parts[1]].reshape(3, -1) / 255.0) @ p['kernel'] + p['bias']
-  np.testing.assert_allclose(
+  helpers.assert_close(
     got_all['mean'], (5 * h.mean(0) + 3 * h1.mean(0)) / 8, rtol=1e-4
   )
 
@@ -285,7 +285,7 @@ def test_all_rates_one_is_fedavg():
     s['params'] for s in contract.server_params_after(algorithms, model, data)
   ]
   # Equal up to the order of the sums of the two means.
-  helpers.tree_allclose(states[0], states[1], rtol=1e-5, atol=1e-6)
+  helpers.assert_close(states[0], states[1], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

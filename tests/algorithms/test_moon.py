@@ -30,7 +30,7 @@ def test_contrastive_loss_by_hand():
     -np.log(np.e**2 / (np.e**2 + np.e**-2)),
     0.0,
   ]
-  np.testing.assert_allclose(got, want, rtol=1e-6)
+  helpers.assert_close(got, want, rtol=1e-6)
 
   # A zero representation (an all-zero ReLU layer before a zero-bias
   # projection) has cosine 0 and a finite gradient, not 0/0.
@@ -38,7 +38,7 @@ def test_contrastive_loss_by_hand():
     return moon.contrastive_loss(z, z_glob[:1], z_prev[:1], has[:1], 0.5)[0]
 
   zero = jnp.zeros((1, 2))
-  np.testing.assert_allclose(loss_at(zero), np.log(2), rtol=1e-6)
+  helpers.assert_close(loss_at(zero), np.log(2), rtol=1e-6)
   assert np.isfinite(jax.grad(loss_at)(zero)).all()
 
 
@@ -104,9 +104,9 @@ def test_local_steps_equal_hand_computation():
     )
     w, v, c = w - lr * gw, v - lr * gv, c - lr * gc
   got = out.variables['params']
-  np.testing.assert_allclose(got['body']['kernel'], w, rtol=2e-5, atol=1e-6)
-  np.testing.assert_allclose(got['head']['kernel'], v, rtol=2e-5, atol=1e-6)
-  np.testing.assert_allclose(got['head']['bias'], c, rtol=2e-5, atol=1e-6)
+  helpers.assert_close(got['body']['kernel'], w, rtol=2e-5, atol=1e-6)
+  helpers.assert_close(got['head']['kernel'], v, rtol=2e-5, atol=1e-6)
+  helpers.assert_close(got['head']['bias'], c, rtol=2e-5, atol=1e-6)
   # The new client state is the trained model.
   helpers.tree_equal(state.variables, out.variables)
   assert bool(state.valid)
@@ -123,7 +123,7 @@ def test_local_steps_equal_hand_computation():
   fedavg_out = client.make_local_update(local)(
     start, data, jnp.int32(0), jax.random.key(1)
   )
-  helpers.tree_allclose(plain.variables, fedavg_out.variables, rtol=1e-6)
+  helpers.assert_close(plain.variables, fedavg_out.variables, rtol=1e-6)
   assert not np.allclose(plain.variables['params']['body']['kernel'], w)
 
 
@@ -178,7 +178,7 @@ def test_projection_head_shapes_and_split():
   logits, z, _ = model.apply_train_features(v, x, jax.random.key(2))
   np.testing.assert_array_equal(logits, model.apply_eval(v, x))
   np.testing.assert_array_equal(z, model.apply_features(v, x))
-  np.testing.assert_allclose(model.apply_head(v, z), logits, rtol=1e-6)
+  helpers.assert_close(model.apply_head(v, z), logits, rtol=1e-6)
 
 
 def test_bad_hparams_name_the_field():

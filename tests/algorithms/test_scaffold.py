@@ -99,18 +99,18 @@ def test_two_rounds_equal_a_plain_python_reference(beta, steps, divisor):
     divisor,
   )
   got = state.server.params['params']['Dense_0']
-  np.testing.assert_allclose(got['kernel'], w, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(got['bias'], b, rtol=1e-5, atol=1e-6)
+  helpers.assert_close(got['kernel'], w, rtol=1e-5, atol=1e-6)
+  helpers.assert_close(got['bias'], b, rtol=1e-5, atol=1e-6)
   control = state.server.control['Dense_0']
-  np.testing.assert_allclose(control['kernel'], c[0], rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(control['bias'], c[1], rtol=1e-4, atol=1e-5)
+  helpers.assert_close(control['kernel'], c[0], rtol=1e-4, atol=1e-5)
+  helpers.assert_close(control['bias'], c[1], rtol=1e-4, atol=1e-5)
   for i in range(3):
     row = state.clients['Dense_0']
-    np.testing.assert_allclose(row['kernel'][i], c_i[i][0], atol=1e-5)
-    np.testing.assert_allclose(row['bias'][i], c_i[i][1], atol=1e-5)
+    helpers.assert_close(row['kernel'][i], c_i[i][0], atol=1e-5)
+    helpers.assert_close(row['bias'][i], c_i[i][1], atol=1e-5)
   assert np.abs(c_i[1][0]).sum() > 0  # client 1's control moved twice
   # The server control is the mean of the clients' controls.
-  np.testing.assert_allclose(
+  helpers.assert_close(
     control['kernel'], np.mean(state.clients['Dense_0']['kernel'], 0), atol=1e-6
   )
   # x and c down, y and dc up, for K = 2 clients: 4 model-sized tensors each.
@@ -155,8 +155,8 @@ def test_zero_controls_first_round_is_plain_local_sgd():
     variables['params'],
     plain.variables['params'],
   )
-  helpers.tree_allclose(c_new, expected, rtol=1e-5, atol=1e-7)
-  helpers.tree_allclose(out.extra, expected, rtol=1e-5, atol=1e-7)
+  helpers.assert_close(c_new, expected, rtol=1e-5, atol=1e-7)
+  helpers.assert_close(out.extra, expected, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.slow
@@ -183,7 +183,7 @@ def test_bfloat16_controls_halve_memory_and_keep_the_mean():
     for _ in range(3):
       state, _ = fn(state, data, jax.random.key(1))
     # c stays the mean of the stored c_i (dc is taken from stored values).
-    helpers.tree_allclose(
+    helpers.assert_close(
       state.server.control,
       jax.tree.map(lambda v: jnp.mean(v.astype(jnp.float32), 0), state.clients),
       rtol=1e-4,

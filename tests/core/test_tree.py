@@ -4,27 +4,28 @@ import numpy as np
 import pytest
 
 from fedjax_mr.core import tree
+from tests import helpers
 
 
 def test_pairwise_cosine_hand_values():
   two = {'a': jnp.array([[1.0, 0.0], [1.0, 1.0]])}
-  np.testing.assert_allclose(tree.pairwise_cosine(two), 1 / np.sqrt(2))
+  helpers.assert_close(tree.pairwise_cosine(two), 1 / np.sqrt(2))
   # Split across leaves: the models are [1,0 | 0], [0,1 | 0], [1,0 | 1].
   three = {
     'a': jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]]),
     'b': jnp.array([[0.0], [0.0], [1.0]]),
   }
   # Pairs: (0,1) 0, (0,2) 1/sqrt(2), (1,2) 0.
-  np.testing.assert_allclose(
+  helpers.assert_close(
     tree.pairwise_cosine(three), (1 / np.sqrt(2)) / 3, rtol=1e-6
   )
   same = tree.broadcast({'a': jnp.array([3.0, -1.0])}, 5)
-  np.testing.assert_allclose(tree.pairwise_cosine(same), 1.0, rtol=1e-6)
+  helpers.assert_close(tree.pairwise_cosine(same), 1.0, rtol=1e-6)
   assert tree.pairwise_cosine({'a': jnp.ones((1, 3))}) == 1.0
   assert tree.pairwise_cosine(three).dtype == jnp.float32
   # A zero model: cosine 0 with the others, (0,1) = -1 stays.
   opposite = {'a': jnp.array([[1.0, 2.0], [-1.0, -2.0], [0.0, 0.0]])}
-  np.testing.assert_allclose(tree.pairwise_cosine(opposite), -1 / 3)
+  helpers.assert_close(tree.pairwise_cosine(opposite), -1 / 3)
 
 
 def test_pairwise_cosine_of_updates_subtracts_the_reference():
@@ -33,11 +34,9 @@ def test_pairwise_cosine_of_updates_subtracts_the_reference():
   models = {'w': jnp.array([[2.0, 1.0], [1.0, 2.0], [2.0, 2.0]])}
   w0 = {'w': jnp.array([1.0, 1.0])}
   expect = 2 / np.sqrt(2) / 3
-  np.testing.assert_allclose(
-    tree.pairwise_cosine(models, w0), expect, rtol=1e-6
-  )
+  helpers.assert_close(tree.pairwise_cosine(models, w0), expect, rtol=1e-6)
   # A reference per row ([K, ...]) is subtracted row by row.
-  np.testing.assert_allclose(
+  helpers.assert_close(
     tree.pairwise_cosine(models, tree.broadcast(w0, 3)), expect, rtol=1e-6
   )
   # Against a plain numpy loop over pairs i < j on random stacks.
@@ -55,7 +54,7 @@ def test_pairwise_cosine_of_updates_subtracts_the_reference():
   got = jax.jit(tree.pairwise_cosine)(
     jax.tree.map(jnp.float32, stack), jax.tree.map(jnp.float32, ref)
   )
-  np.testing.assert_allclose(got, np.mean(pairs), rtol=1e-5)
+  helpers.assert_close(got, np.mean(pairs), rtol=1e-5)
 
 
 def test_pairwise_cosine_of_nothing_is_an_error():
@@ -75,8 +74,8 @@ def test_masked_mean_hand_values():
   }
   got = tree.masked_mean(clients, fallback, masks, jnp.array([1, 5, 3]))
   # a: clients 0 and 2 with weights 1 and 3: (1·[1, 2] + 3·[5, 6]) / 4.
-  np.testing.assert_allclose(got['a'], [4.0, 5.0])
+  helpers.assert_close(got['a'], [4.0, 5.0])
   # b: no client selected → the fallback, in its dtype.
   assert got['b'] == 7.0 and got['b'].dtype == jnp.bfloat16
   equal = tree.masked_mean(clients, fallback, masks)
-  np.testing.assert_allclose(equal['a'], [3.0, 4.0])
+  helpers.assert_close(equal['a'], [3.0, 4.0])

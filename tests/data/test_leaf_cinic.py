@@ -15,6 +15,7 @@ from fedjax_mr.data import client_data
 from fedjax_mr.data import datasets
 from fedjax_mr.data import leaf
 from fedjax_mr.training import config as config_lib
+from tests import helpers
 
 # ---------------------------------------------------------------- writers --
 
@@ -129,7 +130,7 @@ def test_femnist_arrays_clients_and_normalisation(tmp_path):
     np.testing.assert_array_equal(ds.y_train[ds.clients[k]], train[user]['y'])
     # Model input: (0.5 - x) / 0.5 of LEAF's x.
     model_in = np.asarray(client_data.normalize(got, ds.scale, ds.shift))
-    np.testing.assert_allclose(model_in, (0.5 - want) / 0.5, atol=1e-6)
+    helpers.assert_close(model_in, (0.5 - want) / 0.5, atol=1e-6)
   for k, user in enumerate(test):
     np.testing.assert_array_equal(
       ds.y_test[ds.test_clients[k]], test[user]['y']
@@ -327,7 +328,7 @@ def test_cifar10_normalisation_is_half_half():
   with tfds.testing.mock_data(num_examples=4):
     ds = datasets.load('cifar10')
   x = np.array([0, 255], np.uint8)
-  np.testing.assert_allclose(
+  helpers.assert_close(
     client_data.normalize(x, ds.scale, ds.shift), [-1.0, 1.0]
   )
 

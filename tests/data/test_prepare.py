@@ -31,6 +31,7 @@ from fedjax_mr.data import client_data
 from fedjax_mr.data import datasets
 from fedjax_mr.data import leaf
 from fedjax_mr.data import prepare
+from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -309,7 +310,7 @@ def test_femnist_from_nist_zips_loads_with_writers_as_clients(
   white = np.concatenate([ds.x_train, ds.x_test])
   white = white[(white == 255).all(axis=(1, 2, 3))]
   assert len(white) == 1
-  np.testing.assert_allclose(
+  helpers.assert_close(
     np.asarray(client_data.normalize(white, ds.scale, ds.shift)), -1.0
   )
   # The papers' filter is the loader's: writers with > 2 samples (5, 3).

@@ -6,6 +6,7 @@ import pytest
 from jax import lax
 
 from fedjax_mr.models import layers
+from tests import helpers
 
 
 def _stock(x, w, strides, padding):
@@ -36,7 +37,7 @@ def test_conv2d_values_and_gradients_match_lax(
   pads = layers._pad_pairs(padding, kernel, strides, shape[1:3])
   y = layers.conv2d(x, w, strides, pads)
   y_ref = _stock(x, w, strides, pads)
-  np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+  helpers.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
   dy = jax.random.normal(kd, y.shape)
 
   def ours(x, w):
@@ -51,8 +52,8 @@ def test_conv2d_values_and_gradients_match_lax(
   )(x, w)
   for g, g_jit, g_ref in zip(grads, jitted, grads_ref):
     assert g.shape == g_ref.shape
-    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(g_jit, g_ref, rtol=1e-4, atol=1e-4)
+    helpers.assert_close(g, g_ref, rtol=1e-4, atol=1e-4)
+    helpers.assert_close(g_jit, g_ref, rtol=1e-4, atol=1e-4)
 
 
 def test_the_conv_implementation_is_chosen_at_trace_time():
@@ -94,7 +95,7 @@ def test_conv_module_matches_flax_conv():
   v = ref.init(jax.random.key(2), x)
   v_ours = ours.init(jax.random.key(2), x)
   assert jax.tree.map(jnp.shape, v) == jax.tree.map(jnp.shape, v_ours)
-  np.testing.assert_allclose(ours.apply(v, x), ref.apply(v, x), atol=1e-5)
+  helpers.assert_close(ours.apply(v, x), ref.apply(v, x), atol=1e-5)
 
 
 def test_conv2d_gradient_inside_scan_matches():
@@ -113,7 +114,7 @@ def test_conv2d_gradient_inside_scan_matches():
   for impl in ('im2col', 'conv'):
     with layers.conv_implementation(impl):
       got = run(layers.conv2d)
-    np.testing.assert_allclose(got, run(_stock), rtol=1e-4)
+    helpers.assert_close(got, run(_stock), rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -126,4 +127,4 @@ def test_max_pool_matches_flax(shape):
   dy = jax.random.normal(jax.random.key(6), y.shape)
   g = jax.grad(lambda x: jnp.sum(layers.max_pool_2x2(x) * dy))(x)
   g_ref = jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2), (2, 2)) * dy))(x)
-  np.testing.assert_allclose(g, g_ref, atol=1e-6)
+  helpers.assert_close(g, g_ref, atol=1e-6)

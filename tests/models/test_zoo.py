@@ -13,6 +13,7 @@ from fedjax_mr.models import layers
 from fedjax_mr.models import lstm
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.models import resnet
+from tests import helpers
 
 
 def _abstract(m):
@@ -93,7 +94,7 @@ def test_lstm_layer_matches_the_pytorch_equations():
     i, f, gg, o = np.split(g, 4, axis=-1)
     c = sig(f) * c + sig(i) * np.tanh(gg)
     h = sig(o) * np.tanh(c)
-    np.testing.assert_allclose(got[:, t], h, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(got[:, t], h, rtol=1e-5, atol=1e-6)
 
 
 def test_char_lstm_takes_int_tokens():
@@ -103,7 +104,7 @@ def test_char_lstm_takes_int_tokens():
   x = np.random.default_rng(0).integers(0, 80, (3, 80)).astype(np.uint8)
   logits, state = m.apply_train(v, x, jax.random.key(1))
   assert logits.shape == (3, 80) and state == {}
-  np.testing.assert_allclose(m.apply_eval(v, x), logits, rtol=1e-5)
+  helpers.assert_close(m.apply_eval(v, x), logits, rtol=1e-5)
 
 
 def test_every_conv_is_the_fast_one():
@@ -137,8 +138,8 @@ def test_batch_norm_momentum_and_mask():
   real = np.asarray(x[:3]).reshape(-1, 3)
   stats = state['batch_stats']['BatchNorm_0']
   # PyTorch's momentum 0.1: running = 0.9 · running + 0.1 · batch.
-  np.testing.assert_allclose(stats['mean'], 0.1 * real.mean(0), rtol=1e-5)
-  np.testing.assert_allclose(stats['var'], 0.9 + 0.1 * real.var(0), rtol=1e-5)
+  helpers.assert_close(stats['mean'], 0.1 * real.mean(0), rtol=1e-5)
+  helpers.assert_close(stats['var'], 0.9 + 0.1 * real.var(0), rtol=1e-5)
 
 
 @pytest.mark.parametrize('name', ['resnet20', 'resnet18', 'vgg16'])
@@ -152,9 +153,9 @@ def test_padded_rows_change_neither_statistics_nor_real_logits(name):
   apply = jax.jit(m.apply_train)
   logits_a, state_a = apply(v, x, key, mask)
   logits_b, state_b = apply(v, junk, key, mask)
-  np.testing.assert_allclose(logits_a[:2], logits_b[:2], rtol=1e-4, atol=1e-4)
+  helpers.assert_close(logits_a[:2], logits_b[:2], rtol=1e-4, atol=1e-4)
   jax.tree.map(
-    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+    lambda a, b: helpers.assert_close(a, b, rtol=1e-5, atol=1e-6),
     state_a,
     state_b,
   )
@@ -168,7 +169,7 @@ def test_padded_rows_change_neither_statistics_nor_real_logits(name):
   # Evaluation uses the running statistics: rows are independent.
   evaluate = jax.jit(m.apply_eval)
   out = evaluate({**v, **state_a}, junk)
-  np.testing.assert_allclose(
+  helpers.assert_close(
     out[:2], evaluate({**v, **state_a}, x)[:2], rtol=1e-5, atol=1e-5
   )
 
@@ -245,4 +246,4 @@ def test_split_at_the_head_is_the_whole_network(
   assert feats.shape == (3, dim)
   np.testing.assert_array_equal(split, logits)
   jax.tree.map(np.testing.assert_array_equal, split_state, state)
-  np.testing.assert_allclose(m.apply_head(v, feats), logits, rtol=1e-6)
+  helpers.assert_close(m.apply_head(v, feats), logits, rtol=1e-6)

@@ -4,11 +4,11 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from fedjax_mr.core import errors
 from fedjax_mr.stitch import blocks
+from tests import helpers
 from tests.stitch import common
 
 
@@ -28,7 +28,7 @@ def test_blocks_in_turn_equal_the_model(name, classes, shape, style):
     assert h.shape[1:] == b.out_spec
   ref = common.apply_eval(name, classes, shape)(v, x)
   assert float(jnp.std(ref)) > 1e-3  # not a degenerate all-equal output
-  np.testing.assert_allclose(h, ref, rtol=1e-5, atol=1e-5)
+  helpers.assert_close(h, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('style', blocks.CUT_STYLES)
@@ -140,7 +140,7 @@ def test_explicit_cuts_and_first_unit_implied():
   assert [b.id for b in chain] == [('m', 0), ('m', 1)]
   x = common.inputs(common.IMAGE)
   ref = common.apply_eval('cnn_mnist', 10, common.IMAGE)(v, x)
-  np.testing.assert_allclose(
+  helpers.assert_close(
     chain[1].apply(chain[0].apply(x)), ref, rtol=1e-5, atol=1e-5
   )
 

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from fedjax_mr.stitch import cka
+from tests import helpers
 
 
 def _rng(seed=0):
@@ -46,7 +47,7 @@ def test_gap_and_flatten_views_by_hand():
   x = np.arange(2 * 2 * 2 * 3, dtype=np.float32).reshape(2, 2, 2, 3)
   y = np.ones((2, 5))
   gx, gy = cka.as_matrices(x, y, 'gap')
-  np.testing.assert_allclose(gx, x.mean(axis=(1, 2)))
+  helpers.assert_close(gx, x.mean(axis=(1, 2)))
   np.testing.assert_array_equal(gy, y)
   fx, _ = cka.as_matrices(x, y, 'flatten')
   np.testing.assert_array_equal(fx, x.reshape(2, 12))
@@ -108,12 +109,8 @@ def test_positions_view_resizes_the_larger_map_per_axis():
   y = rng.standard_normal((2, 4, 8, 5))
   mx, my = cka.as_matrices(x, y)
   assert mx.shape == (2 * 4 * 6, 3) and my.shape == (2 * 4 * 6, 5)
-  np.testing.assert_allclose(
-    mx, cka.resize(x, (4, 6)).reshape(-1, 3), rtol=1e-12
-  )
-  np.testing.assert_allclose(
-    my, cka.resize(y, (4, 6)).reshape(-1, 5), rtol=1e-12
-  )
+  helpers.assert_close(mx, cka.resize(x, (4, 6)).reshape(-1, 3), rtol=1e-12)
+  helpers.assert_close(my, cka.resize(y, (4, 6)).reshape(-1, 5), rtol=1e-12)
   # The smaller map is left as it is.
   x = rng.standard_normal((2, 6, 6, 3))
   y = rng.standard_normal((2, 3, 3, 5))
@@ -129,7 +126,7 @@ def test_positions_view_sequences():
   mx, my = cka.as_matrices(x, y)
   assert mx.shape == (15, 4) and my.shape == (15, 2)
   # 9 → 5 align-corners picks every other position exactly.
-  np.testing.assert_allclose(mx, x[:, ::2].reshape(-1, 4), atol=1e-12)
+  helpers.assert_close(mx, x[:, ::2].reshape(-1, 4), atol=1e-12)
 
 
 def test_positions_view_map_against_vector_pools_the_map():
@@ -137,10 +134,10 @@ def test_positions_view_map_against_vector_pools_the_map():
   x = rng.standard_normal((5, 4, 4, 3))
   v = rng.standard_normal((5, 6))
   mx, mv = cka.as_matrices(x, v)
-  np.testing.assert_allclose(mx, x.mean(axis=(1, 2)))
+  helpers.assert_close(mx, x.mean(axis=(1, 2)))
   np.testing.assert_array_equal(mv, v)
   mv, mx = cka.as_matrices(v, x)
-  np.testing.assert_allclose(mx, x.mean(axis=(1, 2)))
+  helpers.assert_close(mx, x.mean(axis=(1, 2)))
   assert cka.linear_cka(x, v) == pytest.approx(
     cka.linear_cka_gram(x.mean(axis=(1, 2)), v), rel=1e-10
   )
@@ -199,7 +196,7 @@ def test_interp_matrix_upsample_by_hand():
   expected = np.array(
     [[1, 0, 0], [0.5, 0.5, 0], [0, 1, 0], [0, 0.5, 0.5], [0, 0, 1]]
   )
-  np.testing.assert_allclose(cka.interp_matrix(3, 5), expected, atol=1e-15)
+  helpers.assert_close(cka.interp_matrix(3, 5), expected, atol=1e-15)
 
 
 def test_interp_matrix_cases():
@@ -208,7 +205,7 @@ def test_interp_matrix_cases():
   )
   np.testing.assert_array_equal(cka.interp_matrix(4, 4), np.eye(4))
   # 2 → 4: coordinates 0, 1/3, 2/3, 1.
-  np.testing.assert_allclose(
+  helpers.assert_close(
     cka.interp_matrix(2, 4),
     [[1, 0], [2 / 3, 1 / 3], [1 / 3, 2 / 3], [0, 1]],
     atol=1e-15,
@@ -217,7 +214,7 @@ def test_interp_matrix_cases():
   np.testing.assert_array_equal(cka.interp_matrix(4, 1), [[1, 0, 0, 0]])
   for n_in, n_out in [(3, 5), (7, 4), (6, 6), (2, 9)]:
     r = cka.interp_matrix(n_in, n_out)
-    np.testing.assert_allclose(r.sum(axis=1), 1.0)
+    helpers.assert_close(r.sum(axis=1), 1.0)
     assert np.all(r >= 0)
 
 
@@ -232,7 +229,7 @@ def test_resize_constant_map_stays_constant():
   for size in [(9, 3), (2, 2), (4, 11), (1, 1)]:
     out = cka.resize(x, size)
     assert out.shape == (2, *size, 3)
-    np.testing.assert_allclose(out, 2.5, rtol=1e-14)
+    helpers.assert_close(out, 2.5, rtol=1e-14)
 
 
 def test_resize_numpy_and_jax_agree():
@@ -241,20 +238,20 @@ def test_resize_numpy_and_jax_agree():
     a = cka.resize(x, size)
     b = cka.resize(jnp.asarray(x), size, xp=jnp)
     assert isinstance(b, jnp.ndarray) and b.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(b), a, rtol=1e-5, atol=1e-6)
+    helpers.assert_close(np.asarray(b), a, rtol=1e-5, atol=1e-6)
 
 
 def test_resize_linear_ramp_by_hand():
   # Align-corners interpolation of a linear ramp is the ramp.
   ramp = np.arange(4.0).reshape(1, 4, 1)
   out = cka.resize(ramp, (7,))
-  np.testing.assert_allclose(out[0, :, 0], np.linspace(0, 3, 7), atol=1e-14)
+  helpers.assert_close(out[0, :, 0], np.linspace(0, 3, 7), atol=1e-14)
   with pytest.raises(ValueError, match='cannot resize'):
     cka.resize(np.ones((1, 4, 4, 1)), (2,))
 
 
 def test_global_pool():
   x = np.arange(24.0).reshape(2, 3, 4)
-  np.testing.assert_allclose(cka.global_pool(x), x.mean(axis=1))
+  helpers.assert_close(cka.global_pool(x), x.mean(axis=1))
   v = np.ones((2, 3))
   assert cka.global_pool(v) is v

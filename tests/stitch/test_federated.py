@@ -16,6 +16,7 @@ from fedjax_mr.stitch import blocks
 from fedjax_mr.stitch import cka
 from fedjax_mr.stitch import federated
 from fedjax_mr.stitch import network
+from tests import helpers
 from tests.energy import fake_sysfs
 from tests.stitch import common
 
@@ -48,7 +49,7 @@ def test_cross_validated_ranks_three_clients():
   # Client 0's choice 0: worst for client 1 (0), best for client 2 (1).
   # Client 1's choice 2: worst for client 0 (0), middle for client 2 (½).
   # Client 2's choices 0, 2: 1 and 0 for client 0, 0 and 1 for client 1.
-  np.testing.assert_allclose(
+  helpers.assert_close(
     federated.cross_validated_ranks(choices, scores), [0.5, 0.25, 0.5]
   )
 
@@ -70,14 +71,14 @@ def test_update_weights_by_hand():
   )
   # 0: rank = threshold → × 1.2; 1: × 0.5; 2 absent, 3 NaN: unchanged.
   raw = np.array([0.3, 0.125, 0.25, 0.25])
-  np.testing.assert_allclose(new, raw / raw.sum(), rtol=1e-15)
+  helpers.assert_close(new, raw / raw.sum(), rtol=1e-15)
   assert new.sum() == pytest.approx(1.0)
   np.testing.assert_array_equal(w0, 0.25)  # the input is not modified
   # All NaN: unchanged.
   same = federated.update_weights(
     w0, [0, 1], np.array([np.nan, np.nan]), reward=1, penalty=0.5, threshold=0
   )
-  np.testing.assert_allclose(same, w0, rtol=1e-15)
+  helpers.assert_close(same, w0, rtol=1e-15)
 
 
 def test_update_weights_compounds_over_rounds():
@@ -87,12 +88,12 @@ def test_update_weights_compounds_over_rounds():
       w, [0, 1], np.array([1.0, 0.0]), reward=0.2, penalty=0.2, threshold=0.5
     )
   ratio = (1.2 / 0.8) ** 3
-  np.testing.assert_allclose(w, [ratio / (1 + ratio), 1 / (1 + ratio)])
+  helpers.assert_close(w, [ratio / (1 + ratio), 1 / (1 + ratio)])
 
 
 def test_vote():
   v = federated.vote([1.0, 2.0, 0.5], [[0, 1], [1], [2, 0]], 4)
-  np.testing.assert_allclose(v, [1.5, 3.0, 0.5, 0.0])
+  helpers.assert_close(v, [1.5, 3.0, 0.5, 0.0])
   np.testing.assert_array_equal(federated.vote([], [], 2), [0, 0])
 
 
@@ -279,14 +280,14 @@ def test_pool_inputs_and_score():
   assert sorted(got) == [1, 2, 7]
   mnist = common.chain('cnn_mnist')
   h1 = mnist[0].apply(x)
-  np.testing.assert_allclose(got[1], h1, rtol=1e-6)
-  np.testing.assert_allclose(got[2], mnist[1].apply(h1), rtol=1e-6)
+  helpers.assert_close(got[1], h1, rtol=1e-6)
+  helpers.assert_close(got[2], mnist[1].apply(h1), rtol=1e-6)
   cifar = common.chain('cnn_cifar')
-  np.testing.assert_allclose(got[7], cifar[0].apply(x), rtol=1e-6)
+  helpers.assert_close(got[7], cifar[0].apply(x), rtol=1e-6)
   out = np.asarray(mnist[0].apply(x))
   s = federated.score(out, got, [1, 2, 7])
   expected = [cka.linear_cka(out, got[i]) for i in (1, 2, 7)]
-  np.testing.assert_allclose(s, expected)
+  helpers.assert_close(s, expected)
   assert s[0] == pytest.approx(1.0)  # its own next input
 
 
@@ -434,7 +435,7 @@ def test_run_weights_follow_the_logged_ranks(baseline):
       penalty=CONFIG.penalty,
       threshold=CONFIG.threshold,
     )
-  np.testing.assert_allclose(baseline.weights, w, rtol=1e-12)
+  helpers.assert_close(baseline.weights, w, rtol=1e-12)
   assert not np.allclose(w, 1 / NUM_CLIENTS)  # the RL update did something
 
 
@@ -549,9 +550,7 @@ def test_local_baseline_single_client():
   assert state.finished
   assert all(e['clients'] == [2] for e in state.log)
   assert all(r is None for e in state.log for r in e['ranks'])
-  np.testing.assert_allclose(
-    state.weights, np.full(NUM_CLIENTS, 1 / 6), rtol=1e-12
-  )
+  helpers.assert_close(state.weights, np.full(NUM_CLIENTS, 1 / 6), rtol=1e-12)
 
 
 def test_starts_restrict_the_networks():

@@ -6,6 +6,7 @@ import pytest
 
 from fedjax_mr.stitch import network
 from fedjax_mr.stitch import projection
+from tests import helpers
 from tests.stitch import common
 
 
@@ -67,7 +68,7 @@ def test_own_chain_with_identity_stitches_is_the_model():
   x = common.inputs(common.IMAGE, n=4)
   v = common.variables('cnn_mnist', 10, common.IMAGE)
   ref = common.apply_eval('cnn_mnist', 10, common.IMAGE)(v, x)
-  np.testing.assert_allclose(network.apply(net, x), ref, rtol=1e-5, atol=1e-5)
+  helpers.assert_close(network.apply(net, x), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_apply_runs_stitches_between_blocks():
@@ -77,7 +78,7 @@ def test_apply_runs_stitches_between_blocks():
   h = net.blocks[0].apply(x)
   h = net.blocks[1].apply(projection.apply(net.stitches[1], h))
   h = net.blocks[2].apply(projection.apply(net.stitches[2], h))
-  np.testing.assert_allclose(network.apply(net, x), h, rtol=1e-6, atol=1e-6)
+  helpers.assert_close(network.apply(net, x), h, rtol=1e-6, atol=1e-6)
   assert network.apply(net, x).shape == (2, 10)
 
 
@@ -94,7 +95,7 @@ def test_fold_equals_unfolded():
   x = common.inputs(common.IMAGE, n=3)
   ref = np.asarray(network.apply(net, x))
   out = np.asarray(network.apply(folded, x))
-  np.testing.assert_allclose(out, ref, atol=1e-5 * np.abs(ref).max())
+  helpers.assert_close(out, ref, atol=1e-5 * np.abs(ref).max())
 
 
 def test_fold_keeps_resizes_and_bias_stitches():
@@ -117,7 +118,7 @@ def test_fold_keeps_resizes_and_bias_stitches():
   x = common.inputs(common.IMAGE, n=2)
   ref = np.asarray(network.apply(net, x))
   out = np.asarray(network.apply(folded, x))
-  np.testing.assert_allclose(out, ref, atol=1e-5 * np.abs(ref).max())
+  helpers.assert_close(out, ref, atol=1e-5 * np.abs(ref).max())
 
 
 def test_map_labels():
@@ -219,7 +220,7 @@ def test_outputs_and_knn_accuracy():
   out = network.outputs(net, x, scale=2.0, shift=-1.0, batch_size=2)
   ref = network.apply(net, jnp.asarray(x) * 2.0 - 1.0)
   assert out.shape == (5, 12 * 12 * 20) and out.dtype == np.float32
-  np.testing.assert_allclose(out, np.asarray(ref).reshape(5, -1), rtol=1e-6)
+  helpers.assert_close(out, np.asarray(ref).reshape(5, -1), rtol=1e-6)
   y = np.array([0, 1, 2, 1, 0])
   # Every example is its own nearest reference point.
   assert network.knn_accuracy(net, x, y, x, y, k=1) == 1.0
@@ -230,14 +231,10 @@ def test_a_chain_without_stitches_is_the_model_and_folds_to_itself():
   bare = network.Network(tuple(chain), (None,) * len(chain))
   x = jnp.asarray(common.inputs((28, 28, 1), n=4))
   want = np.asarray(network.apply(_own_network(), x))
-  np.testing.assert_allclose(
-    np.asarray(network.apply(bare, x)), want, atol=1e-5
-  )
+  helpers.assert_close(np.asarray(network.apply(bare, x)), want, atol=1e-5)
   folded = network.fold(bare)
   assert folded.stitches == bare.stitches
-  np.testing.assert_allclose(
-    np.asarray(network.apply(folded, x)), want, atol=1e-5
-  )
+  helpers.assert_close(np.asarray(network.apply(folded, x)), want, atol=1e-5)
 
 
 def test_accuracies_gives_head_and_knn_from_one_call():

@@ -7,6 +7,7 @@ import pytest
 from fedjax_mr.core import errors
 from fedjax_mr.stitch import cka
 from fedjax_mr.stitch import projection
+from tests import helpers
 from tests.stitch import common
 
 
@@ -28,11 +29,11 @@ def test_solve_equals_lstsq_minimum_norm_on_rank_deficient_x():
   y = rng.standard_normal((40, 4))
   m = projection.solve(projection.stats(x, y))
   expected = np.linalg.lstsq(x, y, rcond=None)[0]
-  np.testing.assert_allclose(m, expected, rtol=1e-8, atol=1e-10)
+  helpers.assert_close(m, expected, rtol=1e-8, atol=1e-10)
   # Minimum norm: the duplicate columns share the weight, the dead
   # channel gets none.
-  np.testing.assert_allclose(m[0], m[2], rtol=1e-8)
-  np.testing.assert_allclose(m[3], 0.0, atol=1e-12)
+  helpers.assert_close(m[0], m[2], rtol=1e-8)
+  helpers.assert_close(m[3], 0.0, atol=1e-12)
 
 
 def test_solve_stays_small_on_rank_deficient_spatial_activations():
@@ -48,7 +49,7 @@ def test_solve_stays_small_on_rank_deficient_spatial_activations():
   y = x @ m_true
   m = projection.solve(projection.stats(x, y))
   assert np.linalg.norm(m) <= np.linalg.norm(m_true) * (1 + 1e-6)
-  np.testing.assert_allclose(
+  helpers.assert_close(
     x.reshape(-1, 8) @ m, y.reshape(-1, 3), rtol=1e-6, atol=1e-8
   )
 
@@ -60,12 +61,12 @@ def test_ridge_close_to_pinv_for_tiny_ridge():
   s = projection.stats(x, y)
   pinv = projection.solve(s)
   ridge = projection.solve(s, solver='ridge', ridge=1e-10)
-  np.testing.assert_allclose(ridge, pinv, rtol=1e-6, atol=1e-9)
-  np.testing.assert_allclose(pinv, np.linalg.lstsq(x, y, rcond=None)[0])
+  helpers.assert_close(ridge, pinv, rtol=1e-6, atol=1e-9)
+  helpers.assert_close(pinv, np.linalg.lstsq(x, y, rcond=None)[0])
   # On rank-deficient X ridge tends to the minimum-norm solution too.
   x = _rank_deficient(rng, 50)
   s = projection.stats(x, y)
-  np.testing.assert_allclose(
+  helpers.assert_close(
     projection.solve(s, solver='ridge', ridge=1e-12),
     projection.solve(s),
     rtol=1e-4,
@@ -93,8 +94,8 @@ def test_stats_of_halves_add_up():
   )
   assert whole.rows == parts.rows == 6 * 2 * 2
   assert whole.g.shape == (4, 4) and whole.b.shape == (4, 5)
-  np.testing.assert_allclose(parts.g, whole.g, rtol=1e-12)
-  np.testing.assert_allclose(parts.b, whole.b, rtol=1e-12)
+  helpers.assert_close(parts.g, whole.g, rtol=1e-12)
+  helpers.assert_close(parts.b, whole.b, rtol=1e-12)
   # The bias column: its XᵀX entry is the row count.
   assert whole.g[-1, -1] == 24
 
@@ -103,7 +104,7 @@ def _exact(x, y, **kwargs):
   stitch = projection.fit(x, y, **kwargs)
   out = projection.apply(stitch, jnp.asarray(x, jnp.float32))
   assert out.shape == y.shape
-  np.testing.assert_allclose(out, y, rtol=1e-4, atol=1e-4)
+  helpers.assert_close(out, y, rtol=1e-4, atol=1e-4)
   return stitch
 
 
@@ -114,7 +115,7 @@ def test_fit_apply_conv_to_conv_same_size():
   stitch = _exact(x, x @ m_true)
   assert stitch.size is None and not stitch.pool and stitch.bias is None
   assert stitch.matrix.shape == (4, 6) and stitch.matrix.dtype == jnp.float32
-  np.testing.assert_allclose(stitch.matrix, m_true, rtol=1e-4, atol=1e-5)
+  helpers.assert_close(stitch.matrix, m_true, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize('size', [(4, 4), (9, 7)])
@@ -125,7 +126,7 @@ def test_fit_apply_conv_to_conv_match_resizes(size):
   y = cka.resize(x.astype(np.float64), size) @ m_true
   stitch = _exact(x, y)
   assert stitch.size == size and not stitch.pool
-  np.testing.assert_allclose(stitch.matrix, m_true, rtol=1e-4, atol=1e-5)
+  helpers.assert_close(stitch.matrix, m_true, rtol=1e-4, atol=1e-5)
 
 
 def test_fit_only_fits_resized_but_runs_at_incoming_size():
@@ -135,10 +136,10 @@ def test_fit_only_fits_resized_but_runs_at_incoming_size():
   y = cka.resize(x.astype(np.float64), (4, 4)) @ m_true
   stitch = projection.fit(x, y, policy='fit_only')
   assert stitch.size is None
-  np.testing.assert_allclose(stitch.matrix, m_true, rtol=1e-4, atol=1e-5)
+  helpers.assert_close(stitch.matrix, m_true, rtol=1e-4, atol=1e-5)
   out = projection.apply(stitch, jnp.asarray(x))
   assert out.shape == (3, 6, 6, 3)
-  np.testing.assert_allclose(out, x @ m_true, rtol=1e-4, atol=1e-4)
+  helpers.assert_close(out, x @ m_true, rtol=1e-4, atol=1e-4)
 
 
 def test_fit_apply_conv_to_dense_pools():
@@ -165,8 +166,8 @@ def test_bias_recovers_an_affine_map():
   m_true = rng.standard_normal((3, 2))
   b_true = np.array([1.5, -2.0])
   stitch = _exact(x, x @ m_true + b_true, bias=True)
-  np.testing.assert_allclose(stitch.matrix, m_true, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(stitch.bias, b_true, rtol=1e-4, atol=1e-5)
+  helpers.assert_close(stitch.matrix, m_true, rtol=1e-4, atol=1e-5)
+  helpers.assert_close(stitch.bias, b_true, rtol=1e-4, atol=1e-5)
   # Without a bias the fit cannot reproduce the offset.
   plain = projection.fit(x, x @ m_true + b_true)
   out = projection.apply(plain, jnp.asarray(x))
@@ -204,7 +205,7 @@ def _close(a, b):
   a, b = np.asarray(a), np.asarray(b)
   scale = np.abs(b).max()
   assert scale > 1e-3
-  np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
+  helpers.assert_close(a, b, rtol=0, atol=1e-5 * scale)
 
 
 def _check_fold(stitch, block, x):

@@ -151,7 +151,7 @@ def test_logits_equal_pytorchs(arch):
   want = _reference()[f'{arch}_logits']
   assert float(np.std(want)) > 0.1
   scale = float(np.abs(want).max())
-  np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-6 * scale)
+  helpers.assert_close(logits, want, rtol=1e-5, atol=1e-6 * scale)
 
 
 @pytest.mark.parametrize('arch', _TIMED_ARCHS)
@@ -171,7 +171,7 @@ def test_blocks_in_turn_give_pytorchs_logits(arch):
     assert h.shape[1:] == b.out_spec
   want = _reference()[f'{arch}_logits']
   scale = float(np.abs(want).max())
-  np.testing.assert_allclose(h, want, rtol=1e-5, atol=1e-6 * scale)
+  helpers.assert_close(h, want, rtol=1e-5, atol=1e-6 * scale)
 
 
 def _resnet_state():
@@ -347,17 +347,17 @@ def test_preprocess_resizes_as_torchvision(case, size, scale, shift):
   got = imagenet.preprocess(jnp.asarray(u * scale + shift), p)
   assert got.shape == (len(u), size, size, 3)
   want = (want - np.array(p.mean)) / np.array(p.std)  # grey → 3 channels
-  np.testing.assert_allclose(got, want, atol=2e-6)
+  helpers.assert_close(got, want, atol=2e-6)
 
 
 def test_adaptive_average_pooling_by_hand():
   x = jnp.arange(5.0).reshape(1, 5, 1, 1)
   # Bins [0, 2), [1, 4), [3, 5) (floor / ceil of i·5/3).
-  np.testing.assert_allclose(
+  helpers.assert_close(
     imagenet.adaptive_avg_pool(x, (3, 1))[0, :, 0, 0], [0.5, 2.0, 3.5]
   )
   x = jnp.asarray([1.0, 3.0]).reshape(1, 2, 1, 1)  # 2 → 3: [0], [0, 1], [1]
-  np.testing.assert_allclose(
+  helpers.assert_close(
     imagenet.adaptive_avg_pool(x, (3, 1))[0, :, 0, 0], [1.0, 2.0, 3.0]
   )
 
@@ -416,7 +416,7 @@ def test_load_pool_takes_the_datasets_images():
   plain = _loaded('alexnet')
   x = imagenet.preprocess(jnp.asarray(u / 255.0), imagenet.Preprocess(64))
   want = plain.model.apply_eval(plain.variables, x)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  helpers.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_load_pool_names_what_is_missing(tmp_path):

@@ -125,7 +125,7 @@ def test_single_model_algorithms_resume_exactly(
     )
     setup = experiment.setup(cfg)
     ev = engine.make_evaluate(setup.model)(averaged, setup.test)
-    np.testing.assert_allclose(
+    helpers.assert_close(
       res.history[-1]['test_accuracy'], float(ev['accuracy']), atol=1e-6
     )
     assert all(r['global_lr'] >= 1 for r in res.history)
@@ -156,14 +156,14 @@ def test_degenerate_settings_are_unweighted_fedavg(
     str(tmp_path / 'other'),
     log=_quiet,
   )
-  helpers.tree_allclose(
+  helpers.assert_close(
     jax.device_get(res.state.server.params),
     jax.device_get(ref.state.server.params),
     atol=1e-6,
   )
   accs = [r.get('test_accuracy') for r in res.history]
   ref_accs = [r.get('test_accuracy') for r in ref.history]
-  np.testing.assert_allclose(
+  helpers.assert_close(
     [a for a in accs if a is not None],
     [a for a in ref_accs if a is not None],
     atol=1e-4,
@@ -313,9 +313,9 @@ def test_summarize_exact_values(tmp_path):
   a, b = summary['variants']['a'], summary['variants']['b']
   assert set(summary['variants']) == {'a', 'b', 'd'}
   assert b['diverged'] == {'1': 5} and summary['variants']['d']['n'] == 0
-  np.testing.assert_allclose([a['mean'], a['std']], [0.7, 0.1])
+  helpers.assert_close([a['mean'], a['std']], [0.7, 0.1])
   assert a['n'] == 2 and a['rounds'] == 4
-  np.testing.assert_allclose([b['mean'], b['std']], [0.45, 0.0])
+  helpers.assert_close([b['mean'], b['std']], [0.45, 0.0])
   table = (tmp_path / compare.TABLE_FILE).read_text()
   assert '| a | 70.00 ± 10.00 | 2 | 4 |' in table
   assert '| b | 45.00 (diverged: seed 1 at round 5) | 1 | 3 |' in table

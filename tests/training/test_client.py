@@ -74,8 +74,8 @@ def test_exact_steps_match_python_loop(cid, batchnorm):
   assert int(out.num_examples) == sizes[cid]
   if batchnorm:
     assert set(out.variables) == {'params', 'batch_stats'}
-  helpers.tree_allclose(out.variables, ref_params, rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(out.loss, ref_loss, rtol=1e-5)
+  helpers.assert_close(out.variables, ref_params, rtol=1e-4, atol=1e-5)
+  helpers.assert_close(out.loss, ref_loss, rtol=1e-5)
 
 
 def test_padding_examples_have_no_effect():
@@ -99,7 +99,7 @@ def test_padding_examples_have_no_effect():
     x2, y2, rows, data.sizes, data.scale, data.shift
   )
   out2 = update(variables, data2, jnp.int32(0), jax.random.key(0))
-  helpers.tree_allclose(out1.variables, out2.variables, rtol=1e-6)
+  helpers.assert_close(out1.variables, out2.variables, rtol=1e-6)
 
 
 def test_masked_cross_entropy_weights_real_examples_only():
@@ -109,21 +109,21 @@ def test_masked_cross_entropy_weights_real_examples_only():
     logits, labels, jnp.array([1.0, 0.0, 1.0])
   )
   expected = [np.log(2), np.log1p(np.exp(-2.0))]
-  np.testing.assert_allclose(total, sum(expected), rtol=1e-6)
-  np.testing.assert_allclose(mean, np.mean(expected), rtol=1e-6)
+  helpers.assert_close(total, sum(expected), rtol=1e-6)
+  helpers.assert_close(mean, np.mean(expected), rtol=1e-6)
 
 
 def test_perturbations_by_hand():
   params = {'a': jnp.array([1.0, -2.0]), 'b': jnp.array([0.5])}
   grads = {'a': jnp.array([3.0, 0.0]), 'b': jnp.array([4.0])}
   eps = client.sam(0.5)(params, grads)  # 0.5 * g / 5
-  np.testing.assert_allclose(eps['a'], [0.3, 0.0], rtol=1e-6)
-  np.testing.assert_allclose(eps['b'], [0.4], rtol=1e-6)
+  helpers.assert_close(eps['a'], [0.3, 0.0], rtol=1e-6)
+  helpers.assert_close(eps['b'], [0.4], rtol=1e-6)
   # ASAM, eta 0: T = |w| = (1, 2, 0.5); T g = (3, 0, 2), norm sqrt(13);
   # eps = rho T^2 g / ||T g||.
   eps = client.asam(1.0, 0.0)(params, grads)
-  np.testing.assert_allclose(eps['a'], [3 / 13**0.5, 0.0], rtol=1e-6)
-  np.testing.assert_allclose(eps['b'], [0.25 * 4 / 13**0.5], rtol=1e-6)
+  helpers.assert_close(eps['a'], [3 / 13**0.5, 0.0], rtol=1e-6)
+  helpers.assert_close(eps['b'], [0.25 * 4 / 13**0.5], rtol=1e-6)
   # A leaf named 'bias' is not normalised (T = 1): with eta 0.5,
   # T = (1.5, 2.5) for the kernel, T g = (4.5, 0, 4), norm sqrt(36.25).
   layer = {'kernel': params['a'], 'bias': params['b']}
@@ -131,10 +131,8 @@ def test_perturbations_by_hand():
     {'Dense_0': layer}, {'Dense_0': {'kernel': grads['a'], 'bias': grads['b']}}
   )['Dense_0']
   norm = 36.25**0.5
-  np.testing.assert_allclose(
-    eps['kernel'], [2 * 1.5**2 * 3 / norm, 0.0], rtol=1e-6
-  )
-  np.testing.assert_allclose(eps['bias'], [2 * 4 / norm], rtol=1e-6)
+  helpers.assert_close(eps['kernel'], [2 * 1.5**2 * 3 / norm, 0.0], rtol=1e-6)
+  helpers.assert_close(eps['bias'], [2 * 4 / norm], rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -154,7 +152,7 @@ def test_two_pass_step_keeps_steps_and_rho_zero_is_plain_sgd():
   helpers.tree_equal(outs[0.0].variables, plain.variables)
   assert int(outs[0.5].num_steps) == int(plain.num_steps) == 2 * 3
   # The reported loss is taken at the unperturbed weights of the first pass.
-  np.testing.assert_allclose(outs[0.0].loss, plain.loss, rtol=1e-6)
+  helpers.assert_close(outs[0.0].loss, plain.loss, rtol=1e-6)
   diff = jax.tree.map(
     lambda a, b: float(jnp.abs(a - b).max()),
     outs[0.5].variables['params'],

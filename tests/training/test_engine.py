@@ -57,12 +57,10 @@ def test_client_chunking_gives_same_result(chunk):
   fn, _, _ = _setup(chunk=chunk)
   s_ref, h_ref = _run(ref_fn, state, data, jax.random.key(3), rounds=2)
   s, h = _run(fn, state, data, jax.random.key(3), rounds=2)
-  helpers.tree_allclose(
+  helpers.assert_close(
     s_ref.server.params, s.server.params, rtol=1e-5, atol=1e-6
   )
-  np.testing.assert_allclose(
-    h_ref[-1]['train_loss'], h[-1]['train_loss'], rtol=1e-5
-  )
+  helpers.assert_close(h_ref[-1]['train_loss'], h[-1]['train_loss'], rtol=1e-5)
 
 
 def test_sampling_distinct_and_varies_by_round():
@@ -92,8 +90,8 @@ def test_evaluate_counts_padding_out():
   evaluate = jax.jit(engine.make_evaluate(model))
   res = evaluate(model.init(jax.random.key(0)), client_data.eval_data(x, y, 3))
   # Zero model: all logits equal, argmax = class 0: 4 of 7 correct.
-  np.testing.assert_allclose(res['accuracy'], 4 / 7, rtol=1e-6)
-  np.testing.assert_allclose(res['loss'], np.log(3), rtol=1e-6)
+  helpers.assert_close(res['accuracy'], 4 / 7, rtol=1e-6)
+  helpers.assert_close(res['loss'], np.log(3), rtol=1e-6)
 
 
 def test_evaluate_split_over_two_devices_is_the_same_evaluation():
@@ -117,7 +115,7 @@ def test_evaluate_split_over_two_devices_is_the_same_evaluation():
       jax.tree.map(lambda v: sign * v, variables), test
     )
     assert float(many['accuracy'][i]) == float(alone['accuracy'])
-    np.testing.assert_allclose(many['loss'][i], alone['loss'], rtol=1e-6)
+    helpers.assert_close(many['loss'][i], alone['loss'], rtol=1e-6)
   with pytest.raises(ValueError, match='do not split over 2 devices'):
     engine.make_evaluate(model, mesh)(variables, client_data.eval_data(x, y, 3))
 
@@ -149,13 +147,11 @@ def test_sharded_round_equals_one_device():
   two = jax.jit(engine.make_round_fn(server, clients_per_round=4, mesh=mesh))
   s1, h1 = _run(one, state, data, jax.random.key(5))
   s2, h2 = _run(two, state, data, jax.random.key(5))
-  helpers.tree_allclose(
-    s1.server.params, s2.server.params, rtol=1e-5, atol=1e-6
-  )
+  helpers.assert_close(s1.server.params, s2.server.params, rtol=1e-5, atol=1e-6)
   for a, b in zip(h1, h2):
     np.testing.assert_array_equal(a['client_ids'], b['client_ids'])
     assert a['num_steps'] == b['num_steps']
-    np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
+    helpers.assert_close(a['train_loss'], b['train_loss'], rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -178,14 +174,14 @@ def test_three_clients_on_two_devices_equal_one_device(kind):
   two = jax.jit(engine.make_round_fn(algorithm, clients_per_round=3, mesh=mesh))
   s1, h1 = _run(one, state, data, jax.random.key(5))
   s2, h2 = _run(two, state, data, jax.random.key(5))
-  helpers.tree_allclose(s1.server, s2.server, rtol=1e-5, atol=1e-6)
-  helpers.tree_allclose(s1.clients, s2.clients, rtol=1e-5, atol=1e-6)
+  helpers.assert_close(s1.server, s2.server, rtol=1e-5, atol=1e-6)
+  helpers.assert_close(s1.clients, s2.clients, rtol=1e-5, atol=1e-6)
   for a, b in zip(h1, h2):
     np.testing.assert_array_equal(a['client_ids'], b['client_ids'])
     # The empty client adds no steps, no examples and no loss.
     assert a['num_steps'] == b['num_steps']
     assert a['num_examples'] == b['num_examples']
-    np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-5)
+    helpers.assert_close(a['train_loss'], b['train_loss'], rtol=1e-5)
 
 
 def _stacked(algorithm, k):
@@ -225,11 +221,9 @@ def test_shared_dispatch_equals_stacked_dispatch(devices, chunk):
     for s in (shared, stacked)
   ]
   (s1, h1), (s2, h2) = [_run(f, state, data, jax.random.key(2)) for f in fns]
-  helpers.tree_allclose(
-    s1.server.params, s2.server.params, rtol=1e-6, atol=1e-7
-  )
+  helpers.assert_close(s1.server.params, s2.server.params, rtol=1e-6, atol=1e-7)
   for a, b in zip(h1, h2):
-    np.testing.assert_allclose(a['train_loss'], b['train_loss'], rtol=1e-6)
+    helpers.assert_close(a['train_loss'], b['train_loss'], rtol=1e-6)
 
 
 @pytest.mark.slow

@@ -158,7 +158,7 @@ def test_energy_mix_replays_the_sampled_clients(small_config, tmp_path):
     assert r['clients'] == row['client_ids']
     work = max(2 * sizes[i] * 0.004 for i in row['client_ids'])
     expected = coordinator.reference_time_s(tx2, base_time_s=work)
-    np.testing.assert_allclose(
+    helpers.assert_close(
       r['default_time_s'], expected / tx2.speedup[tx2.fastest], rtol=1e-9
     )
   # The first round has no previous round to set a deadline from.
@@ -294,7 +294,7 @@ def _same_scalars(workdir, rows):
   for key in ('train_loss', 'test_accuracy', 'round_time_s', 'num_steps'):
     expected = [(r['round'], r[key]) for r in rows if key in r]
     assert [s for s, _ in shown[key]] == [s for s, _ in expected], key
-    np.testing.assert_allclose(
+    helpers.assert_close(
       [v for _, v in shown[key]], [v for _, v in expected], rtol=1e-6
     )
   assert 'client_ids' not in shown and 'round' not in shown

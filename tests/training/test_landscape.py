@@ -42,14 +42,14 @@ def test_filter_normalisation_by_hand():
     'BatchNorm_0': {'scale': jnp.array([3.0, 3.0])},
   }
   out = landscape.normalize_filters(direction, weights)
-  np.testing.assert_allclose(
+  helpers.assert_close(
     out['Dense_0']['kernel'], [[5.0, R2], [0.0, R2]], rtol=1e-6
   )
   # Conv filter 0 is (0, 2) -> (0, 5); filter 1 is (3, 4) -> (1.2, 1.6).
-  np.testing.assert_allclose(
+  helpers.assert_close(
     out['Conv_0']['kernel'], [[[[0.0, 1.2]], [[5.0, 1.6]]]], rtol=1e-6
   )
-  np.testing.assert_allclose(
+  helpers.assert_close(
     out['Embed_0']['embedding'], [[0.6, 0.8], [2 * R2, 2 * R2]], rtol=1e-6
   )
   # Biases and BatchNorm parameters: zero in the direction.
@@ -71,7 +71,7 @@ def test_random_direction_matches_filter_norms_and_skips_statistics():
     np.testing.assert_array_equal(stat, 0)
   for name in ('Dense_0', 'Dense_1'):
     kernel = variables['params'][name]['kernel']
-    np.testing.assert_allclose(
+    helpers.assert_close(
       np.linalg.norm(d['params'][name]['kernel'], axis=0),
       np.linalg.norm(kernel, axis=0),
       rtol=1e-5,
@@ -89,7 +89,7 @@ def test_random_direction_matches_filter_norms_and_skips_statistics():
 
 def test_grid_coordinates_put_the_model_in_the_middle():
   xs = landscape.grid_coordinates(5, 0.5)
-  np.testing.assert_allclose(xs, [-0.5, -0.25, 0.0, 0.25, 0.5])
+  helpers.assert_close(xs, [-0.5, -0.25, 0.0, 0.25, 0.5])
   assert landscape.grid_coordinates(21, 1.0)[10] == 0.0
   points = landscape.grid_points(np.array([1.0, 2.0]), np.array([3.0, 4.0]))
   np.testing.assert_array_equal(points, [[1, 3], [2, 3], [1, 4], [2, 4]])
@@ -110,12 +110,12 @@ def test_surface_centre_is_the_model_and_each_point_its_shifted_model():
   assert out['loss'].shape == (9,)
   evaluate = jax.jit(engine.make_evaluate(model))
   centre = evaluate(variables, data)
-  np.testing.assert_allclose(out['loss'][4], centre['loss'], rtol=1e-6)
+  helpers.assert_close(out['loss'][4], centre['loss'], rtol=1e-6)
   assert out['accuracy'][4] == centre['accuracy']
   for i in (0, 5, 7):  # (-2, -2), (2, 0), (0, 2)
     a, b = points[i]
     shifted = jax.tree.map(lambda w, u, v: w + a * u + b * v, variables, d1, d2)
-    np.testing.assert_allclose(
+    helpers.assert_close(
       out['loss'][i], evaluate(shifted, data)['loss'], rtol=1e-5
     )
   # Two filter norms away from the model, the loss is higher.
@@ -164,9 +164,9 @@ def test_program_on_a_finished_run(small_fmnist_dir, tmp_path):
   assert grid['split'] == 'test' and grid['algorithm'] == 'fedavg'
   # The centre is the run's own global model on the whole test set.
   last = metrics_io.read(os.path.join(work, 'metrics.jsonl'))[-1]
-  np.testing.assert_allclose(grid['center']['loss'], last['test_loss'], 1e-5)
+  helpers.assert_close(grid['center']['loss'], last['test_loss'], 1e-5)
   assert grid['center']['loss'] == grid['loss'][1][1]
-  np.testing.assert_allclose(
+  helpers.assert_close(
     grid['center']['accuracy'], last['test_accuracy'], atol=1e-6
   )
   assert min(map(min, grid['loss'])) > 0

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fedjax_mr.training import plots
+from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 NAN = float('nan')
@@ -41,17 +42,17 @@ def test_curve_averages_finished_seeds_and_keeps_diverged_ones_apart():
   c = plots.curve(SEEDS, 'test_accuracy', 100.0)
   # Rounds both finished seeds evaluated: 1, 2, 4 (not 5).
   np.testing.assert_array_equal(c.rounds, [1, 2, 4])
-  np.testing.assert_allclose(c.mean, [20, 60, 80])
-  np.testing.assert_allclose(c.std, [10, 10, 10])
+  helpers.assert_close(c.mean, [20, 60, 80])
+  helpers.assert_close(c.std, [10, 10, 10])
   assert c.seeds == 2
   (stop,) = c.stopped
   assert (stop.seed, stop.round) == (2, 3)
   np.testing.assert_array_equal(stop.rounds, [1, 2])
-  np.testing.assert_allclose(stop.values, [20, 20])
+  helpers.assert_close(stop.values, [20, 20])
   # The train loss of the diverged seed ends at its last finite round.
   (stop,) = plots.curve(SEEDS, 'train_loss').stopped
   np.testing.assert_array_equal(stop.rounds, [1, 2])
-  np.testing.assert_allclose(stop.values, [2.0, 40.0])
+  helpers.assert_close(stop.values, [2.0, 40.0])
   # Every seed diverged: no mean, every seed kept.
   c = plots.curve({5: SEEDS[2]}, 'train_loss')
   assert c.seeds == 0 and len(c.rounds) == 0 and len(c.stopped) == 1
@@ -94,7 +95,7 @@ def test_curves_figure_draws_percent_bands_and_diverged_marks():
   marks = [line for line in lines if line.get_marker() == 'x']
   assert len(marks) == 1
   assert list(marks[0].get_xdata()) == [2]
-  np.testing.assert_allclose(marks[0].get_ydata(), [20])
+  helpers.assert_close(marks[0].get_ydata(), [20])
   assert any(line.get_linestyle() == '--' for line in lines)
   # One band (FedAvg has two finished seeds, FedMR one).
   assert len(acc.collections) == 1
@@ -137,7 +138,7 @@ def test_a_loss_that_explodes_is_cut_off_at_a_ceiling():
   train_loss = fig.axes[2]
   assert train_loss.get_ylim()[1] == pytest.approx(20.0)
   (mark,) = [line for line in _lines(train_loss) if line.get_marker() == 'x']
-  np.testing.assert_allclose(mark.get_ydata(), [20.0])
+  helpers.assert_close(mark.get_ydata(), [20.0])
   assert 'cut off' in fig._suptitle.get_text()
   # Without it, nothing is cut.
   fig = plots.curves_figure({'FedAvg': {0: SEEDS[0]}})
@@ -158,7 +159,7 @@ def test_the_cosine_panel_appears_when_logged_and_many_legends_go_below():
     'train loss',
     'mean pairwise cosine of the K models',
   ]
-  np.testing.assert_allclose(_lines(fig.axes[3])[0].get_ydata(), [0.9, 0.8])
+  helpers.assert_close(_lines(fig.axes[3])[0].get_ydata(), [0.9, 0.8])
   # Two rounds: ticks 1 and 2, not 1.0, 1.2, ..., 2.0.
   for ax in fig.axes:
     low, high = ax.get_xlim()
