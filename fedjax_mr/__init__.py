@@ -38,6 +38,7 @@ _EXPORTS = {
   'get_model': ('fedjax_mr.models.model', 'get'),
   'fedavg': ('fedjax_mr.algorithms.fedavg', 'fedavg'),
   'LocalTraining': ('fedjax_mr.training.client', 'LocalTraining'),
+  'optimizers': ('fedjax_mr.training', 'optimizers'),
   'make_local_update': ('fedjax_mr.training.client', 'make_local_update'),
   'make_client_update': ('fedjax_mr.training.client', 'make_client_update'),
   'make_round_fn': ('fedjax_mr.training.engine', 'make_round_fn'),

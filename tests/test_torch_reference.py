@@ -6,13 +6,13 @@ Skipped where PyTorch (the optional `bench` extra) is not installed.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import optimizers
 from tests import helpers
 
 torch = pytest.importorskip('torch')
@@ -29,7 +29,7 @@ def test_one_fedavg_round_matches_fedjax_mr():
   model = model_lib.get('cnn_mnist', 10, (28, 28, 1))
   variables = model.init(jax.random.key(0))
   local = client.LocalTraining(
-    model, optax.sgd(lr, momentum=beta), epochs, 8, lr, beta
+    model, optimizers.sgd(lr, momentum=beta), epochs, 8
   )
   algorithm = fedavg.fedavg(local, 3, weighted=True)._replace(
     sampler=lambda key, r, s, d: jnp.arange(3, dtype=jnp.int32)

@@ -56,6 +56,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax import lax
 
 from fedjax_mr.algorithms import fedavg
@@ -76,10 +77,12 @@ class ClusampState(NamedTuple):
   params: the global model (all variables).
   updates: each client's last update (uploaded minus global trainable
     parameters), leaves `[N, ...]` float32; `()` for `method='size'`.
+  server_state: the server optimizer's state (FedAvg's).
   """
 
   params: types.Variables
   updates: types.PyTree
+  server_state: Any = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +307,7 @@ def clustered_sampling(
   num_clients: int,
   method: str = 'similarity',
   distance: str = 'cosine',
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> types.Algorithm:
   """Builds FedAvg with clustered sampling (plain mean of the K models).
 
@@ -313,6 +317,7 @@ def clustered_sampling(
     num_clients: N.
     method: 'similarity' (Algorithm 2) or 'size' (Algorithm 1).
     distance: for 'similarity': 'cosine', 'l1' or 'l2'.
+    server_optimizer: the server step (FedAvg's; None: the plain mean).
 
   Returns:
     An `Algorithm` with server state `ClusampState` and its own sampler;
@@ -323,7 +328,7 @@ def clustered_sampling(
   k, n = int(clients_per_round), int(num_clients)
   if not 1 <= k <= n:
     raise ValueError(f'need 1 <= clients_per_round <= num_clients, got {k}')
-  base = fedavg.fedavg(local, k, weighted=False)
+  base = fedavg.fedavg(local, k, False, server_optimizer)
   similar = method == 'similarity'
 
   def init(variables):
@@ -332,7 +337,7 @@ def clustered_sampling(
       updates = jax.tree.map(
         lambda p: jnp.zeros((n, *p.shape), jnp.float32), variables['params']
       )
-    return ClusampState(params=variables, updates=updates)
+    return ClusampState(variables, updates, base.init(variables).server_state)
 
   def distributions(state, weights, key):
     if not similar:
@@ -363,7 +368,7 @@ def clustered_sampling(
         state.params['params'],
       )
     metrics['distinct_clients'] = jnp.sum(last_occurrence(client_ids))
-    return ClusampState(params=new.params, updates=updates), metrics
+    return ClusampState(new.params, updates, new.server_state), metrics
 
   return types.Algorithm(
     init, base.dispatch, base.client_update, aggregate, sampler=sampler
@@ -379,4 +384,5 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
     setting.num_clients,
     hp.method,
     hp.distance,
+    setting.server_optimizer,
   )

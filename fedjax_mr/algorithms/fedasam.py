@@ -37,6 +37,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import optax
+
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
@@ -94,6 +96,7 @@ def fedasam(
   eta: float = 0.2,
   weighted: bool = True,
   adaptive: bool = True,
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> types.Algorithm:
   """Builds FedASAM (`adaptive=True`) or FedSAM (`adaptive=False`).
 
@@ -104,6 +107,7 @@ def fedasam(
     eta: ASAM's offset, >= 0 (unused by SAM).
     weighted: the server's mean by numbers of examples (as FedAvg).
     adaptive: ASAM; False gives SAM.
+    server_optimizer: the server step (FedAvg's; None: the plain mean).
 
   Returns:
     FedAvg's `Algorithm` (same server state, dispatch, aggregate and
@@ -116,14 +120,21 @@ def fedasam(
     SamHparams(rho).validate()
     perturbation = client.sam(rho)
   update = client.make_local_update(local, perturbation=perturbation)
-  algorithm = fedavg.fedavg(local, clients_per_round, weighted)
+  algorithm = fedavg.fedavg(
+    local, clients_per_round, weighted, server_optimizer
+  )
   return algorithm._replace(client_update=client.trains_shared(update))
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory for FedASAM."""
   return fedasam(
-    setting.local, setting.clients_per_round, hp.rho, hp.eta, setting.weighted
+    setting.local,
+    setting.clients_per_round,
+    hp.rho,
+    hp.eta,
+    setting.weighted,
+    server_optimizer=setting.server_optimizer,
   )
 
 
@@ -135,4 +146,5 @@ def build_sam(setting: Any, hp: SamHparams) -> types.Algorithm:
     hp.rho,
     weighted=setting.weighted,
     adaptive=False,
+    server_optimizer=setting.server_optimizer,
   )

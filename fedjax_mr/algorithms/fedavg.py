@@ -1,8 +1,15 @@
 """FedAvg: clients train the global model; the server averages them.
 
+The server moves the global parameters toward the clients' mean with a
+server optimizer on the pseudo-gradient w - mean (`optimizers.server_step`):
+SGD at learning rate 1, the default, is FedAvg itself (the mean, bit for
+bit); SGD with momentum is FedAvgM, and the FedOpt family gives FedAdam,
+FedYogi and FedAdagrad. BatchNorm statistics are always the clients' mean.
+
 References:
   McMahan et al., "Communication-Efficient Learning of Deep Networks from
   Decentralized Data", AISTATS 2017.
+  Reddi et al., "Adaptive Federated Optimization", ICLR 2021.
 """
 
 from __future__ import annotations
@@ -12,17 +19,22 @@ from typing import Any
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import optax
 
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
 from fedjax_mr.training import client
+from fedjax_mr.training import optimizers
 
 
 class FedAvgState(NamedTuple):
-  """Attributes: params: the global model variables (params and BatchNorm
-  statistics alike)."""
+  """Attributes:
+  params: the global model variables (params and BatchNorm statistics).
+  server_state: the server optimizer's state (no arrays for plain SGD).
+  """
 
   params: types.Variables
+  server_state: Any = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +53,19 @@ def server_aggregate(
   return tree.weighted_mean(outputs.variables, weights)
 
 
+def server_update(
+  optimizer: optax.GradientTransformation,
+  state: FedAvgState,
+  mean: types.Variables,
+) -> FedAvgState:
+  """The server's step from `state` toward the clients' `mean`: the server
+  optimizer on the parameters, the mean for every other collection."""
+  params, server_state = optimizers.server_step(
+    optimizer, state.server_state, state.params['params'], mean['params']
+  )
+  return FedAvgState({**mean, 'params': params}, server_state)
+
+
 def round_bytes(variables: types.Variables, k: int) -> Any:
   """K models down and K up, as a float32 scalar."""
   return jnp.float32(2 * k * tree.nbytes(variables))
@@ -50,8 +75,9 @@ def fedavg(
   local: client.LocalTraining,
   clients_per_round: int,
   weighted: bool = True,
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> types.Algorithm:
-  """Builds FedAvg.
+  """Builds FedAvg (FedAvgM, FedAdam, ... with another server optimizer).
 
   Args:
     local: how clients train (model, optimizer, E, B).
@@ -59,6 +85,8 @@ def fedavg(
     weighted: weight each client by its number of examples (McMahan et al.);
       False gives the unweighted mean of the K models (as FedMR/FedMut's
       reference code does for its global model).
+    server_optimizer: the server's step on the pseudo-gradient; None:
+      `optimizers.sgd(1.0)`, the plain mean.
 
   Returns:
     An `Algorithm` whose server state is a `FedAvgState`; the global model
@@ -69,9 +97,10 @@ def fedavg(
   if k < 1:
     raise ValueError(f'clients_per_round must be >= 1, got {k}')
   update = client.make_local_update(local)
+  server = server_optimizer or optimizers.sgd(1.0)
 
   def init(variables):
-    return FedAvgState(params=variables)
+    return FedAvgState(variables, server.init(variables['params']))
 
   def dispatch(state, client_ids, round_index, key):
     del client_ids, round_index, key
@@ -79,7 +108,8 @@ def fedavg(
 
   def aggregate(state, outputs, client_ids, round_index, key):
     del client_ids, round_index, key
-    return FedAvgState(params=server_aggregate(outputs, weighted)), {
+    mean = server_aggregate(outputs, weighted)
+    return server_update(server, state, mean), {
       'bytes_communicated': round_bytes(state.params, k)
     }
 
@@ -91,4 +121,9 @@ def fedavg(
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
   del hp
-  return fedavg(setting.local, setting.clients_per_round, setting.weighted)
+  return fedavg(
+    setting.local,
+    setting.clients_per_round,
+    setting.weighted,
+    setting.server_optimizer,
+  )

@@ -11,7 +11,11 @@ with `weighted`). Since sum_i p_i ||Delta_i||^2 >= ||Delta||^2, eta_g only
 exceeds 1 when the clients disagree: FedAvg's step is extrapolated when
 averaging has shrunk it. The update is computed as
 w_{t+1} = wbar + (eta_g - 1) (wbar - w_t) with wbar the clients' mean, so
-that eta_g = 1 gives FedAvg's model bit for bit.
+that eta_g = 1 gives FedAvg's model bit for bit. That extrapolated point
+is the target of the server optimizer (`optimizers.server_step`): its
+default, SGD at rate 1, lands on it exactly (the paper's FedExP), and
+another (momentum, FedAdam, ...) steps along FedExP's pseudo-gradient
+eta_g Delta instead of FedAvg's Delta.
 
 The iterates oscillate, so the paper evaluates the average of the last two,
 (w_t + w_{t+1}) / 2; this is the model `evaluated` returns (the algorithm's
@@ -40,21 +44,25 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.training import client
+from fedjax_mr.training import optimizers
 
 
 class FedExPState(NamedTuple):
   """Attributes:
   params: the global model w_t (all variables); clients start from it.
   previous: w_{t-1} (the initial model before the first round).
+  server_state: the server optimizer's state.
   """
 
   params: types.Variables
   previous: types.Variables
+  server_state: Any = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +132,7 @@ def fedexp(
   epsilon: float = 1e-3,
   weighted: bool = False,
   average_last_two: bool = True,
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> types.Algorithm:
   """Builds FedExP.
 
@@ -134,6 +143,8 @@ def fedexp(
     weighted: p_i by numbers of examples instead of the paper's 1/K.
     average_last_two: evaluate (w_t + w_{t+1}) / 2 (the paper) instead of
       w_{t+1}.
+    server_optimizer: the step toward the extrapolated point; None:
+      `optimizers.sgd(1.0)`, the paper's FedExP.
 
   Returns:
     An `Algorithm` with server state `FedExPState` and an `evaluated`
@@ -143,9 +154,10 @@ def fedexp(
   Hparams(epsilon, average_last_two).validate()
   base = fedavg.fedavg(local, clients_per_round, weighted)
   k = int(clients_per_round)
+  server = server_optimizer or optimizers.sgd(1.0)
 
   def init(variables):
-    return FedExPState(params=variables, previous=variables)
+    return FedExPState(variables, variables, server.init(variables['params']))
 
   def dispatch(state, client_ids, round_index, key):
     del client_ids, round_index, key
@@ -168,10 +180,13 @@ def fedexp(
       w,
     )
     eta = step_size(deltas, weights, epsilon, mean_delta)
-    params = jax.tree.map(
+    target = jax.tree.map(
       lambda m, g: (m + (eta - 1) * (m - g)).astype(m.dtype), mean['params'], w
     )
-    new = FedExPState(params={**mean, 'params': params}, previous=state.params)
+    params, server_state = optimizers.server_step(
+      server, state.server_state, w, target
+    )
+    new = FedExPState({**mean, 'params': params}, state.params, server_state)
     return new, {
       'bytes_communicated': fedavg.round_bytes(state.params, k),
       'global_lr': eta,
@@ -199,4 +214,5 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
     hp.epsilon,
     setting.weighted,
     hp.average_last_two,
+    setting.server_optimizer,
   )

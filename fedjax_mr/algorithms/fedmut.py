@@ -30,12 +30,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import grouping as grouping_lib
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
 from fedjax_mr.training import client
+from fedjax_mr.training import optimizers
 
 
 def beta_schedule(
@@ -157,10 +159,12 @@ class FedMutState(NamedTuple):
   params: the global model w (params and BatchNorm statistics).
   prev_params: the previous round's global model (the initial model until
     the first aggregation).
+  server_state: the server optimizer's state.
   """
 
   params: types.Variables
   prev_params: types.Variables
+  server_state: Any = ()
 
 
 def fedmut(
@@ -172,10 +176,15 @@ def fedmut(
   weighted: bool = False,
   *,
   grouping: grouping_lib.Grouping = 'leaf',
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> types.Algorithm:
   """Builds FedMut.
 
-  `aggregate` only averages: the new state is (mean, old global). The
+  `aggregate` only averages: the new state is (mean, old global); with a
+  server optimizer other than the default SGD at rate 1, the new global
+  variables are its step toward the mean (`optimizers.server_step`; on
+  every variable, BatchNorm statistics included, as FedMut treats them
+  alike). The
   mutated models are made by `dispatch` from the state: round r mutates the
   global model of round r - 1 with beta_{r-1}, so the mutation made after
   round t uses beta_t (t from 0). In round 0 the previous global is the
@@ -195,6 +204,8 @@ def fedmut(
     weighted: weight the mean by the clients' numbers of examples instead
       of the reference's plain mean.
     grouping: 'leaf' (default, as the reference) or 'module'.
+    server_optimizer: the step toward the mean; None: `optimizers.sgd(1.0)`,
+      the mean itself (the paper).
 
   Returns:
     An `Algorithm` whose server state is a `FedMutState`. Metrics: 'delta_norm'
@@ -211,11 +222,15 @@ def fedmut(
   if grouping not in grouping_lib.GROUPINGS:
     raise ValueError(f'grouping must be one of {grouping_lib.GROUPINGS}')
 
+  server = server_optimizer or optimizers.sgd(1.0)
+
   def init(variables):
     # A copy: the engine donates the state, and one buffer cannot be donated
     # twice.
     return FedMutState(
-      params=variables, prev_params=jax.tree.map(jnp.array, variables)
+      params=variables,
+      prev_params=jax.tree.map(jnp.array, variables),
+      server_state=server.init(variables),
     )
 
   def dispatch(state, client_ids, round_index, key):
@@ -251,9 +266,12 @@ def fedmut(
   def aggregate(state, outputs, client_ids, round_index, key):
     del client_ids, key
     weights = outputs.num_examples if weighted else None
-    return advance(
-      state, tree.weighted_mean(outputs.variables, weights), round_index
+    mean = tree.weighted_mean(outputs.variables, weights)
+    global_vars, server_state = optimizers.server_step(
+      server, state.server_state, state.params, mean
     )
+    new, metrics = advance(state, global_vars, round_index)
+    return new._replace(server_state=server_state), metrics
 
   return types.Algorithm(
     init,
@@ -328,6 +346,7 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
     bound=hp.bound,
     weighted=setting.weighted,
     grouping=hp.grouping,
+    server_optimizer=setting.server_optimizer,
   )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import errors
@@ -65,6 +66,7 @@ def fedprox(
   clients_per_round: int,
   mu: float = 0.01,
   weighted: bool = True,
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> types.Algorithm:
   """Builds FedProx.
 
@@ -73,6 +75,7 @@ def fedprox(
     clients_per_round: K.
     mu: weight of the proximal term, >= 0.
     weighted: the server's mean by numbers of examples (as FedAvg).
+    server_optimizer: the server step (FedAvg's; None: the plain mean).
 
   Returns:
     FedAvg's `Algorithm` (same server state, dispatch, aggregate and
@@ -81,7 +84,9 @@ def fedprox(
   Hparams(mu=mu).validate()
   update = client.make_local_update(local, loss_term=proximal_term(mu))
   # The global model is both the start and the proximal centre.
-  algorithm = fedavg.fedavg(local, clients_per_round, weighted)
+  algorithm = fedavg.fedavg(
+    local, clients_per_round, weighted, server_optimizer
+  )
   return algorithm._replace(
     client_update=client.trains_shared(update, context_of=lambda v: (v, v))
   )
@@ -90,5 +95,9 @@ def fedprox(
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
   return fedprox(
-    setting.local, setting.clients_per_round, hp.mu, setting.weighted
+    setting.local,
+    setting.clients_per_round,
+    hp.mu,
+    setting.weighted,
+    setting.server_optimizer,
   )

@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import errors
@@ -155,6 +156,7 @@ def moon(
   mu: float = 1.0,
   temperature: float = 0.5,
   weighted: bool = True,
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> types.Algorithm:
   """Builds MOON.
 
@@ -166,6 +168,7 @@ def moon(
     mu: weight of l_con, >= 0 (0: FedAvg exactly).
     temperature: tau > 0.
     weighted: the server's mean by numbers of examples (as FedAvg).
+    server_optimizer: the server step (FedAvg's; None: the plain mean).
 
   Returns:
     FedAvg's server (state, dispatch, aggregate, metrics) with MOON's local
@@ -189,7 +192,9 @@ def moon(
   update = client.make_local_update(
     local, representation_loss=representation_loss
   )
-  algorithm = fedavg.fedavg(local, clients_per_round, weighted)
+  algorithm = fedavg.fedavg(
+    local, clients_per_round, weighted, server_optimizer
+  )
 
   def init_client_state(variables):
     return PreviousModel(
@@ -219,4 +224,5 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
     hp.mu,
     hp.temperature,
     setting.weighted,
+    setting.server_optimizer,
   )

@@ -6,11 +6,11 @@ flag `--<prefix>_<field>`, or the field's `metadata['flag']`), its factory
 ('examples' or 'uniform', what `--weighting=auto` means for it), whether it
 keeps K different models (their accuracies are then evaluated too),
 named variants for `experiments.compare`, optionally how it changes
-the network the clients train (MOON's projection head), and its name in
-figures and tables (`display_name`). The flags of
-`experiments.run`, the list of `--algorithm` choices and compare's
-variants are generated from here; adding an algorithm is one module and
-one line below.
+the network the clients train (MOON's projection head), its name in
+figures and tables (`display_name`) and whether it takes a server
+optimizer. The flags of `experiments.run`, the list of `--algorithm`
+choices and compare's variants are generated from here; adding an
+algorithm is one module and one entry below.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import Any
 from typing import Callable
 from typing import Mapping
 from typing import NamedTuple
+
+import optax
 
 from fedjax_mr.algorithms import clusamp
 from fedjax_mr.algorithms import depthfl
@@ -50,6 +52,9 @@ class Setting(NamedTuple):
     weighted: aggregate by numbers of examples (else the plain mean).
     variables: the initial model as `model.init` returns it (its key order
       is the model's layer order).
+    server_optimizer: the server's step on the pseudo-gradient, for the
+      entries with `server_optimizer=True`; None: SGD at rate 1 (the
+      plain aggregate).
   """
 
   local: client.LocalTraining
@@ -57,48 +62,164 @@ class Setting(NamedTuple):
   num_clients: int
   weighted: bool
   variables: types.Variables
+  server_optimizer: optax.GradientTransformation | None = None
 
 
-class Entry(NamedTuple):
-  """One algorithm of the registry (see the module docstring)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Entry:
+  """One algorithm of the registry (see the module docstring).
+
+  Attributes:
+    hparams: the hyper-parameter dataclass (its fields are the flags).
+    factory: `factory(setting, hparams) -> Algorithm`.
+    label: the name in figures and tables ('FedMR').
+    weighting: 'examples' or 'uniform', what `--weighting=auto` means.
+    multi_model: keeps K different models (their accuracies are evaluated).
+    prefix: the flags' prefix ('' means the registry name).
+    variants: compare's named variants, `{name: {flag: value}}`.
+    model: `model(zoo model, hparams) -> the network the algorithm trains`;
+      None: the zoo model unchanged.
+    server_optimizer: the factory takes `Setting.server_optimizer` (its
+      server steps toward an aggregate of the clients' models).
+  """
 
   hparams: type
   factory: Callable[[Setting, Any], types.Algorithm]
+  label: str
   weighting: str = 'examples'
   multi_model: bool = False
   prefix: str = ''
-  variants: Mapping[str, Mapping[str, Any]] = {}
-  # model(zoo model, hparams) -> the network the algorithm trains; None:
-  # the zoo model unchanged.
+  variants: Mapping[str, Mapping[str, Any]] = dataclasses.field(
+    default_factory=dict
+  )
   model: Callable[[model_lib.Model, Any], model_lib.Model] | None = None
-  # The name in figures ('FedMR'); '' means the registry name.
-  label: str = ''
+  server_optimizer: bool = False
 
 
-# name: Entry(hparams, factory, weighting, multi_model, prefix, variants,
-#             model, label)
-# fmt: off
 REGISTRY: dict[str, Entry] = {
-  'fedavg': Entry(fedavg.Hparams, fedavg.build, label='FedAvg'),
-  'fedprox': Entry(fedprox.Hparams, fedprox.build, label='FedProx'),
-  'fedexp': Entry(fedexp.Hparams, fedexp.build, 'uniform', label='FedExP'),
-  'fedasam': Entry(fedasam.Hparams, fedasam.build, label='FedASAM'),
-  'fedsam': Entry(fedasam.SamHparams, fedasam.build_sam, label='FedSAM'),
-  'fedgen': Entry(fedgen.Hparams, fedgen.build, 'examples', False, '', fedgen.VARIANTS, label='FedGen'),  # noqa: E501
-  'clusamp': Entry(clusamp.Hparams, clusamp.build, 'uniform', False, '', clusamp.VARIANTS, label='CluSamp'),  # noqa: E501
-  'moon': Entry(moon.Hparams, moon.build, 'examples', False, '', {}, moon.wrap_model, label='MOON'),  # noqa: E501
-  'scaffold': Entry(scaffold.Hparams, scaffold.build, 'uniform', False, '', scaffold.VARIANTS, label='SCAFFOLD'),  # noqa: E501
-  'fedmr': Entry(fedmr.Hparams, fedmr.build, 'uniform', True, '', fedmr.VARIANTS, label='FedMR'),  # noqa: E501
-  'fedmr_p': Entry(fedmr.PHparams, fedmr.build_p, 'uniform', True, 'fedmr', fedmr.P_VARIANTS, label='FedMR-p'),  # noqa: E501
-  'indep': Entry(fedmr.Hparams, fedmr.build_indep, 'uniform', True, 'fedmr', label='Indep'),  # noqa: E501
-  'fedmut': Entry(fedmut.Hparams, fedmut.build, 'uniform', True, '', fedmut.VARIANTS, label='FedMut'),  # noqa: E501
-  'depthfl': Entry(depthfl.Hparams, depthfl.build, 'examples', False, '', depthfl.VARIANTS, depthfl.wrap_model, label='DepthFL'),  # noqa: E501
-  'heterofl': Entry(heterofl.Hparams, heterofl.build, 'uniform', label='HeteroFL'),  # noqa: E501
-  'fedepth': Entry(fedepth.Hparams, fedepth.build, label='FeDepth'),
-  'ft_full': Entry(finetune.Hparams, finetune.build_full, prefix='ft', label='FT-Full'),  # noqa: E501
-  'ft_part': Entry(finetune.PartHparams, finetune.build_part, prefix='ft', label='FT-Part'),  # noqa: E501
+  'fedavg': Entry(
+    hparams=fedavg.Hparams,
+    factory=fedavg.build,
+    label='FedAvg',
+    server_optimizer=True,
+  ),
+  'fedprox': Entry(
+    hparams=fedprox.Hparams,
+    factory=fedprox.build,
+    label='FedProx',
+    server_optimizer=True,
+  ),
+  'fedexp': Entry(
+    hparams=fedexp.Hparams,
+    factory=fedexp.build,
+    label='FedExP',
+    weighting='uniform',
+    server_optimizer=True,
+  ),
+  'fedasam': Entry(
+    hparams=fedasam.Hparams,
+    factory=fedasam.build,
+    label='FedASAM',
+    server_optimizer=True,
+  ),
+  'fedsam': Entry(
+    hparams=fedasam.SamHparams,
+    factory=fedasam.build_sam,
+    label='FedSAM',
+    server_optimizer=True,
+  ),
+  'fedgen': Entry(
+    hparams=fedgen.Hparams,
+    factory=fedgen.build,
+    label='FedGen',
+    variants=fedgen.VARIANTS,
+  ),
+  'clusamp': Entry(
+    hparams=clusamp.Hparams,
+    factory=clusamp.build,
+    label='CluSamp',
+    weighting='uniform',
+    variants=clusamp.VARIANTS,
+    server_optimizer=True,
+  ),
+  'moon': Entry(
+    hparams=moon.Hparams,
+    factory=moon.build,
+    label='MOON',
+    model=moon.wrap_model,
+    server_optimizer=True,
+  ),
+  'scaffold': Entry(
+    hparams=scaffold.Hparams,
+    factory=scaffold.build,
+    label='SCAFFOLD',
+    weighting='uniform',
+    variants=scaffold.VARIANTS,
+    server_optimizer=True,
+  ),
+  'fedmr': Entry(
+    hparams=fedmr.Hparams,
+    factory=fedmr.build,
+    label='FedMR',
+    weighting='uniform',
+    multi_model=True,
+    variants=fedmr.VARIANTS,
+  ),
+  'fedmr_p': Entry(
+    hparams=fedmr.PHparams,
+    factory=fedmr.build_p,
+    label='FedMR-p',
+    weighting='uniform',
+    multi_model=True,
+    prefix='fedmr',
+    variants=fedmr.P_VARIANTS,
+  ),
+  'indep': Entry(
+    hparams=fedmr.Hparams,
+    factory=fedmr.build_indep,
+    label='Indep',
+    weighting='uniform',
+    multi_model=True,
+    prefix='fedmr',
+  ),
+  'fedmut': Entry(
+    hparams=fedmut.Hparams,
+    factory=fedmut.build,
+    label='FedMut',
+    weighting='uniform',
+    multi_model=True,
+    variants=fedmut.VARIANTS,
+    server_optimizer=True,
+  ),
+  'depthfl': Entry(
+    hparams=depthfl.Hparams,
+    factory=depthfl.build,
+    label='DepthFL',
+    variants=depthfl.VARIANTS,
+    model=depthfl.wrap_model,
+  ),
+  'heterofl': Entry(
+    hparams=heterofl.Hparams,
+    factory=heterofl.build,
+    label='HeteroFL',
+    weighting='uniform',
+  ),
+  'fedepth': Entry(
+    hparams=fedepth.Hparams, factory=fedepth.build, label='FeDepth'
+  ),
+  'ft_full': Entry(
+    hparams=finetune.Hparams,
+    factory=finetune.build_full,
+    label='FT-Full',
+    prefix='ft',
+  ),
+  'ft_part': Entry(
+    hparams=finetune.PartHparams,
+    factory=finetune.build_part,
+    label='FT-Part',
+    prefix='ft',
+  ),
 }
-# fmt: on
 
 
 def names() -> tuple[str, ...]:
@@ -172,7 +293,7 @@ def display_name(variant: str) -> str:
   variant of `experiments.compare`) is returned as it is.
   """
   if variant in REGISTRY:
-    return REGISTRY[variant].label or variant
+    return REGISTRY[variant].label
   for name, entry in REGISTRY.items():
     if variant in entry.variants:
       prefix = f'{entry.prefix or name}_'
@@ -182,7 +303,7 @@ def display_name(variant: str) -> str:
         else f'{flag.removeprefix(prefix)}={value}'
         for flag, value in entry.variants[variant].items()
       )
-      return f'{entry.label or name} ({changes})'
+      return f'{entry.label} ({changes})'
   return variant
 
 

@@ -12,6 +12,11 @@ and uploads dy_i = y_i - x and dc_i = c_i+ - c_i. The server updates
 
   x <- x + eta_g * mean_i dy_i,    c <- c + (|S| / N) * mean_i dc_i.
 
+The model step is the server optimizer's on the pseudo-gradient
+x - mean_i y_i (`optimizers.server_step`): SGD at rate eta_g is the
+paper's (eta_g = 1 by default: x becomes the clients' mean exactly), and
+any other server optimizer (FedAvgM, FedAdam, ...) can take its place.
+
 With heavy-ball momentum beta (the papers' clients use 0.9; SCAFFOLD's
 paper uses plain SGD) the corrected gradient goes through the momentum
 buffer, so n steps of a constant gradient g move y by lr * S(n) * g with
@@ -45,17 +50,18 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
 from fedjax_mr.training import client
+from fedjax_mr.training import optimizers
 
 CONTROL_DTYPES = ('float32', 'bfloat16')
 CONTROL_STEPS = ('effective', 'taken')
@@ -67,20 +73,19 @@ class ScaffoldState(NamedTuple):
   """Attributes:
   params: the global model x (all variables).
   control: the server control c, shaped like `params['params']`, float32.
+  server_state: the server optimizer's state.
   """
 
   params: types.Variables
   control: types.PyTree
+  server_state: Any = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Hparams:
-  """SCAFFOLD's server step size and the storage of client controls."""
+  """The storage and the step count of the client controls (the global
+  step size eta_g is the server optimizer's learning rate)."""
 
-  global_lr: float = dataclasses.field(
-    default=1.0,
-    metadata={'help': 'Global step size eta_g of the model update (paper: 1).'},
-  )
   control_dtype: str = dataclasses.field(
     default='float32',
     metadata={
@@ -103,10 +108,6 @@ class Hparams:
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
     del setting
-    if not (self.global_lr > 0 and math.isfinite(self.global_lr)):
-      raise errors.ArgumentError(
-        'global_lr', f'must be finite and > 0, got {self.global_lr}'
-      )
     if self.control_dtype not in CONTROL_DTYPES:
       raise errors.ArgumentError(
         'control_dtype',
@@ -176,25 +177,26 @@ def scaffold(
   local: client.LocalTraining,
   clients_per_round: int,
   num_clients: int,
-  global_lr: float = 1.0,
   control_dtype: str = 'float32',
   weighted: bool = False,
   control_steps: str = 'effective',
+  server_optimizer: optax.GradientTransformation | None = None,
 ) -> types.Algorithm:
   """Builds SCAFFOLD (option II control variates).
 
   Args:
-    local: how clients train; `local.learning_rate` (and, for
-      `control_steps='effective'`, `local.momentum`) enter the control
-      update.
+    local: how clients train; its optimizer must be `optimizers.sgd`,
+      whose learning rate (and, for `control_steps='effective'`, momentum)
+      enter the control update.
     clients_per_round: K = |S|.
     num_clients: N.
-    global_lr: eta_g.
     control_dtype: storage of the client controls, see `CONTROL_DTYPES`.
     weighted: average dy by numbers of examples instead of the plain mean.
     control_steps: 'effective' divides x - y by `effective_steps` (the
       paper's option II at momentum 0, stable with momentum); 'taken' by
       the steps taken (the literal formula at any momentum).
+    server_optimizer: the model's server step on x - mean_i y_i; None:
+      `optimizers.sgd(1.0)` (eta_g = 1, the paper's).
 
   Returns:
     An `Algorithm` with server state `ScaffoldState` and per-client state
@@ -202,20 +204,23 @@ def scaffold(
     (`ClientOutput.extra`). Metrics: 'bytes_communicated' (x and c down, y
     and dc up, for each of the K clients), 'control_norm' (||c||).
   """
-  Hparams(global_lr, control_dtype, control_steps).validate()
+  Hparams(control_dtype, control_steps).validate()
   k, n = int(clients_per_round), int(num_clients)
   if k < 1:
     raise ValueError(f'clients_per_round must be >= 1, got {k}')
   if n < k:
     raise ValueError(f'num_clients must be >= clients_per_round, got {n}')
-  lr = float(local.learning_rate)
-  if not (lr > 0 and math.isfinite(lr)):
-    raise ValueError(
-      f'local.learning_rate must be finite and > 0 for SCAFFOLD, got {lr}'
+  hp = optimizers.sgd_hparams(local.optimizer)
+  if hp is None:
+    got = optimizers.describe(local.optimizer)
+    raise errors.ArgumentError(
+      'optimizer',
+      "must be sgd for SCAFFOLD's control update (it needs the clients' "
+      f'learning rate and momentum), got {got}',
     )
-  beta = float(local.momentum) if control_steps == 'effective' else 0.0
-  if not 0 <= beta < 1:
-    raise ValueError(f'local.momentum must be in [0, 1), got {beta}')
+  lr, momentum = hp
+  beta = momentum if control_steps == 'effective' else 0.0
+  server = server_optimizer or optimizers.sgd(1.0)
   storage = jnp.dtype(control_dtype)
   update = client.make_local_update(local, grad_correction=corrected_gradient)
 
@@ -225,7 +230,11 @@ def scaffold(
     )
 
   def init(variables):
-    return ScaffoldState(params=variables, control=zeros_like_params(variables))
+    return ScaffoldState(
+      params=variables,
+      control=zeros_like_params(variables),
+      server_state=server.init(variables['params']),
+    )
 
   def init_client_state(variables):
     return jax.tree.map(
@@ -259,10 +268,8 @@ def scaffold(
     del client_ids, round_index, key
     weights = outputs.num_examples if weighted else None
     mean = tree.weighted_mean(outputs.variables, weights)
-    x = state.params['params']
-    dy = jax.tree.map(lambda m, p: m.astype(jnp.float32) - p, mean['params'], x)
-    params = jax.tree.map(
-      lambda p, d: (p + global_lr * d).astype(p.dtype), x, dy
+    params, server_state = optimizers.server_step(
+      server, state.server_state, state.params['params'], mean['params']
     )
     dc = tree.weighted_mean(outputs.extra)
     control = jax.tree.map(lambda c, d: c + (k / n) * d, state.control, dc)
@@ -275,7 +282,8 @@ def scaffold(
       ),
     }
     new_params = {**mean, 'params': params}
-    return ScaffoldState(params=new_params, control=control), metrics
+    new = ScaffoldState(new_params, control, server_state)
+    return new, metrics
 
   return types.Algorithm(
     init,
@@ -292,8 +300,8 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
     setting.local,
     setting.clients_per_round,
     setting.num_clients,
-    hp.global_lr,
     hp.control_dtype,
     setting.weighted,
     hp.control_steps,
+    setting.server_optimizer,
   )

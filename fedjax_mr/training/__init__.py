@@ -16,6 +16,7 @@ _MODULES = (
   'experiment',
   'landscape',
   'metrics_io',
+  'optimizers',
   'plots',
   'provenance',
   'tensorboard',

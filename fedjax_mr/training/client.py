@@ -21,7 +21,6 @@ see the engine's `client_chunk`).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
@@ -70,21 +69,18 @@ class LocalTraining(NamedTuple):
 
   Attributes:
     model: the model.
-    optimizer: e.g. `optax.sgd(lr, momentum=0.9)`; a fresh state per call.
+    optimizer: any optax transformation, e.g. `optimizers.sgd(lr, 0.9)`;
+      a fresh state per call. A rule that needs the client's learning rate
+      and momentum (SCAFFOLD's control update) reads them from an
+      optimizer built by `optimizers.sgd` (`optimizers.sgd_hparams`).
     local_epochs: E.
     batch_size: B.
-    learning_rate: the optimizer's (constant) learning rate, for rules
-      that need it (SCAFFOLD's control update).
-    momentum: the optimizer's heavy-ball momentum (0 for plain SGD), for
-      the same rules; it must match `optimizer`.
   """
 
   model: model_lib.Model
   optimizer: optax.GradientTransformation
   local_epochs: int
   batch_size: int
-  learning_rate: float
-  momentum: float = 0.0
 
 
 class Batch(NamedTuple):
@@ -338,5 +334,5 @@ def make_client_update(
     `local_update(variables, data, client_id, key) -> ClientOutput`.
   """
   return make_local_update(
-    LocalTraining(model, optimizer, local_epochs, batch_size, math.nan)
+    LocalTraining(model, optimizer, local_epochs, batch_size)
   )

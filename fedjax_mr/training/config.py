@@ -23,6 +23,7 @@ from typing import Mapping
 
 from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
+from fedjax_mr.training import optimizers
 
 WEIGHTINGS = ('auto', 'examples', 'uniform')
 PARTITIONS = (
@@ -41,6 +42,35 @@ PARTITION_FLAGS = {
   'shards_per_client': ('shards',),
   'partition_file': ('file',),
   'partition_sha256': ('file',),
+}
+# The flags that some optimizers alone read, and those optimizers.
+CLIENT_OPTIMIZER_FLAGS = {
+  'momentum': ('sgd',),
+  'client_beta1': ('adam',),
+  'client_beta2': ('adam',),
+  'client_epsilon': ('adam',),
+}
+SERVER_OPTIMIZER_FLAGS = {
+  'server_momentum': ('momentum',),
+  'server_beta1': ('adam', 'yogi', 'adagrad'),
+  'server_beta2': ('adam', 'yogi'),
+  'server_epsilon': ('adam', 'yogi', 'adagrad'),
+}
+# The optimizers' arguments, by the flag that sets them.
+_CLIENT_ARGUMENTS = {
+  'learning_rate': 'lr',
+  'momentum': 'momentum',
+  'b1': 'client_beta1',
+  'b2': 'client_beta2',
+  'eps': 'client_epsilon',
+}
+_SERVER_ARGUMENTS = {
+  'name': 'server_optimizer',
+  'learning_rate': 'server_lr',
+  'momentum': 'server_momentum',
+  'b1': 'server_beta1',
+  'b2': 'server_beta2',
+  'tau': 'server_epsilon',
 }
 
 
@@ -174,14 +204,55 @@ class ExperimentConfig:
   rounds: int = _field(20, 'Total number of rounds.', run_only=True)
   local_epochs: int = _field(5, 'Local epochs E per round.')
   batch_size: int = _field(50, 'Local batch size B.')
-  lr: float = _field(0.01, 'Client SGD learning rate.')
-  momentum: float = _field(0.9, 'Client SGD momentum (0 for plain SGD).')
+  client_optimizer: str = _field(
+    'sgd',
+    "The clients' optimizer: sgd (with --momentum) or adam (with "
+    '--client_beta1, --client_beta2, --client_epsilon); both at --lr.',
+    choices=optimizers.CLIENT_OPTIMIZERS,
+  )
+  lr: float = _field(0.01, "The clients' learning rate.")
+  momentum: float = _field(
+    0.9, 'Client SGD heavy-ball momentum (0 for plain SGD).'
+  )
+  client_beta1: float = _field(0.9, 'Client Adam beta1.')
+  client_beta2: float = _field(0.999, 'Client Adam beta2.')
+  client_epsilon: float = _field(1e-8, 'Client Adam epsilon.')
+  server_optimizer: str = _field(
+    'sgd',
+    'The server optimizer on the pseudo-gradient (global model minus the '
+    "clients' aggregate), for the algorithms that aggregate: sgd (at "
+    '--server_lr=1, the plain aggregate: FedAvg), momentum (FedAvgM, '
+    '--server_momentum), adam, yogi, adagrad (FedAdam, FedYogi, FedAdagrad '
+    'of Reddi et al., with --server_beta1, --server_beta2, '
+    '--server_epsilon).',
+    choices=optimizers.SERVER_OPTIMIZERS,
+  )
+  server_lr: float = _field(
+    1.0, 'Server learning rate (SCAFFOLD: its global step eta_g).'
+  )
+  server_momentum: float = _field(
+    0.9, 'Server momentum of --server_optimizer=momentum (FedAvgM).'
+  )
+  server_beta1: float = _field(
+    0.9, 'First-moment decay of --server_optimizer=adam|yogi|adagrad.'
+  )
+  server_beta2: float = _field(
+    0.99, 'Second-moment decay of --server_optimizer=adam|yogi.'
+  )
+  server_epsilon: float = _field(
+    1e-3,
+    'Adaptivity tau of --server_optimizer=adam|yogi|adagrad (added to the '
+    'root of the second moment, which starts at tau^2).',
+  )
   weighting: str = _field(
     'auto',
     'How the server averages the K trained models: examples (by their '
     'numbers of examples) or uniform (plain mean); auto: what the '
-    "algorithm's paper does (examples for fedavg and fedprox, uniform for "
-    'scaffold, fedmr, fedmr_p, indep and fedmut).',
+    "algorithm's paper does (uniform for "
+    + ', '.join(
+      n for n, e in registry.REGISTRY.items() if e.weighting == 'uniform'
+    )
+    + '; examples for the others).',
     choices=WEIGHTINGS,
   )
   eval_every: int = _field(
@@ -445,12 +516,9 @@ def validate(config: ExperimentConfig) -> None:
       f'--process_id must be in [0, --num_processes={config.num_processes}),'
       f' got {config.process_id}'
     )
-  if not (config.lr > 0 and math.isfinite(config.lr)):
-    raise errors.ConfigError(f'--lr must be finite and > 0, got {config.lr}')
-  if not 0 <= config.momentum < 1:
-    raise errors.ConfigError(
-      f'--momentum must be in [0, 1), got {config.momentum}'
-    )
+  client_optimizer(config)
+  _check_optimizer_flags(config)
+  server_optimizer(config)
   if config.partition in PARTITION_FLAGS['alpha'] and not (
     config.alpha > 0 and math.isfinite(config.alpha)
   ):
@@ -458,15 +526,7 @@ def validate(config: ExperimentConfig) -> None:
       f'--alpha must be finite and > 0 for --partition={config.partition} '
       f'(IID is --partition=iid), got {config.alpha}'
     )
-  defaults = {f.name: f.default for f in base_fields()}
-  for name, owners in PARTITION_FLAGS.items():
-    if config.partition not in owners and (
-      getattr(config, name) != defaults[name]
-    ):
-      raise errors.ConfigError(
-        f'--{name}={getattr(config, name)} applies to --partition='
-        f'{" or ".join(owners)} only, not --partition={config.partition}'
-      )
+  _check_owned(config, 'partition', PARTITION_FLAGS)
   if config.init_from and not os.path.isfile(
     os.path.join(config.init_from, 'meta.json')
   ):
@@ -522,12 +582,89 @@ def validate(config: ExperimentConfig) -> None:
   _validate_algorithm_flags(config)
 
 
+def _check_owned(
+  config: ExperimentConfig, owner: str, owned: Mapping[str, tuple[str, ...]]
+) -> None:
+  """Refuses a flag of `owned` set away from its default while the flag
+  `owner` is none of the values that read it."""
+  defaults = {f.name: f.default for f in base_fields()}
+  value = getattr(config, owner)
+  for name, owners in owned.items():
+    if value not in owners and getattr(config, name) != defaults[name]:
+      raise errors.ConfigError(
+        f'--{name}={getattr(config, name)} applies to --{owner}='
+        f'{" or ".join(owners)} only, not --{owner}={value}'
+      )
+
+
+def _check_optimizer_flags(config: ExperimentConfig) -> None:
+  _check_owned(config, 'client_optimizer', CLIENT_OPTIMIZER_FLAGS)
+  _check_owned(config, 'server_optimizer', SERVER_OPTIMIZER_FLAGS)
+  if registry.get(config.algorithm).server_optimizer:
+    return
+  defaults = {f.name: f.default for f in base_fields()}
+  for name in ('server_optimizer', 'server_lr', *SERVER_OPTIMIZER_FLAGS):
+    if getattr(config, name) != defaults[name]:
+      takers = [n for n, e in registry.REGISTRY.items() if e.server_optimizer]
+      raise errors.ConfigError(
+        f'--{name}={getattr(config, name)} applies to the algorithms that '
+        f'step toward an aggregate ({", ".join(takers)}) only, not '
+        f'--algorithm={config.algorithm}'
+      )
+
+
+def _flag_error(
+  flags_of: Mapping[str, str], error: errors.ArgumentError
+) -> errors.ConfigError:
+  flag = flags_of.get(error.argument, error.argument)
+  return errors.ConfigError(f'--{flag} {error.message}')
+
+
+def client_optimizer(config: ExperimentConfig) -> optimizers.Optimizer:
+  """The clients' optimizer (`--client_optimizer` at `--lr`).
+
+  Raises:
+    ConfigError: a bad value, named by its flag.
+  """
+  try:
+    if config.client_optimizer == 'adam':
+      return optimizers.adam(
+        config.lr,
+        config.client_beta1,
+        config.client_beta2,
+        config.client_epsilon,
+      )
+    return optimizers.sgd(config.lr, config.momentum)
+  except errors.ArgumentError as e:
+    raise _flag_error(_CLIENT_ARGUMENTS, e) from None
+
+
+def server_optimizer(config: ExperimentConfig) -> optimizers.Optimizer:
+  """The server optimizer (`--server_optimizer` at `--server_lr`).
+
+  Raises:
+    ConfigError: a bad value, named by its flag.
+  """
+  try:
+    return optimizers.server_optimizer(
+      config.server_optimizer,
+      config.server_lr,
+      momentum=config.server_momentum,
+      b1=config.server_beta1,
+      b2=config.server_beta2,
+      tau=config.server_epsilon,
+    )
+  except errors.ArgumentError as e:
+    raise _flag_error(_SERVER_ARGUMENTS, e) from None
+
+
 # Arguments of the algorithms' factories that are not their own
 # hyper-parameters, by the flag that sets them.
 _SETTING_FLAGS = {
   'weighted': 'weighting',
   'clients_per_round': 'clients_per_round',
   'num_clients': 'num_clients',
+  'optimizer': 'client_optimizer',
 }
 
 

@@ -27,7 +27,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
@@ -98,20 +97,21 @@ def build_algorithm(
   """
   local = client.LocalTraining(
     model,
-    optax.sgd(config.lr, momentum=config.momentum or None),
+    config_lib.client_optimizer(config),
     config.local_epochs,
     config.batch_size,
-    config.lr,
-    config.momentum,
   )
+  entry = registry.get(config.algorithm)
   setting = registry.Setting(
     local=local,
     clients_per_round=config.clients_per_round,
     num_clients=config.num_clients,
     weighted=not config_lib.uniform_weights(config),
     variables=variables,
+    server_optimizer=(
+      config_lib.server_optimizer(config) if entry.server_optimizer else None
+    ),
   )
-  entry = registry.get(config.algorithm)
   try:
     return entry.factory(setting, config_lib.hparams(config))
   except errors.ArgumentError as e:

@@ -14,12 +14,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import optimizers
 from tests import helpers
 
 
@@ -60,7 +60,7 @@ def bn_variables() -> types.Variables:
 def local_training(model=None, lr=0.1) -> client.LocalTraining:
   """Local SGD pieces on a tiny model (the linear one by default)."""
   model = model or helpers.linear_model()
-  return client.LocalTraining(model, optax.sgd(lr, momentum=0.9), 2, 4, lr)
+  return client.LocalTraining(model, optimizers.sgd(lr, momentum=0.9), 2, 4)
 
 
 LOCAL = local_training()

@@ -1,7 +1,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from fedjax_mr.algorithms import fedasam
@@ -9,6 +8,7 @@ from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import errors
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import optimizers
 from tests import helpers
 from tests.algorithms import contract
 
@@ -30,7 +30,7 @@ def test_one_step_equals_hand_computation(adaptive):
   model = helpers.linear_model(num_classes=2, zero_init=True)
   data, (x, y, _) = helpers.toy_data([3], num_classes=2, seed=2)
   lr, rho, eta = 0.3, 0.5, 0.2
-  local = client.LocalTraining(model, optax.sgd(lr), 1, 8, lr)
+  local = client.LocalTraining(model, optimizers.sgd(lr), 1, 8)
   algorithm = fedasam.fedasam(local, 1, rho, eta, adaptive=adaptive)
   start = model.init(jax.random.key(0))
   out, _ = jax.jit(algorithm.client_update)(

@@ -1,13 +1,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import types
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import optimizers
 from tests import helpers
 from tests.algorithms import contract
 
@@ -20,7 +20,7 @@ def test_one_round_equals_hand_computation(weighted):
   model = helpers.linear_model(num_classes=2, zero_init=True)
   data, (x, y, parts) = helpers.toy_data([1, 3], num_classes=2, seed=4)
   lr = 0.3
-  local = client.LocalTraining(model, optax.sgd(lr), 1, 8, lr)
+  local = client.LocalTraining(model, optimizers.sgd(lr), 1, 8)
   algorithm = fedavg.fedavg(local, 2, weighted=weighted)
   round_fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=2))
   state = engine.init_state(algorithm, model.init(jax.random.key(0)))

@@ -14,6 +14,7 @@ from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.training import client
 from fedjax_mr.training import config as config_lib
+from fedjax_mr.training import optimizers
 from tests import helpers
 from tests.algorithms import contract
 
@@ -59,7 +60,7 @@ def tiny(bn=False):
 
 
 def _sgd(model, lr=0.5, epochs=1, batch=8):
-  return client.LocalTraining(model, optax.sgd(lr), epochs, batch, lr)
+  return client.LocalTraining(model, optimizers.sgd(lr), epochs, batch)
 
 
 def test_layout_of_the_tiny_chain_and_the_zoo_resnet18():
@@ -165,7 +166,7 @@ def test_frozen_layers_and_statistics_stay_put():
   decayed = optax.chain(
     optax.add_decayed_weights(0.1), optax.sgd(0.1, momentum=0.9)
   )
-  local = client.LocalTraining(model, decayed, 2, 4, 0.1, 0.9)
+  local = client.LocalTraining(model, decayed, 2, 4)
   algorithm = fedepth.fedepth(local, 1, [[(1, 1)], [(3, 2)]])
   update = jax.jit(algorithm.client_update)
 

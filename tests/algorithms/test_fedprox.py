@@ -9,6 +9,7 @@ from fedjax_mr.algorithms import fedprox
 from fedjax_mr.core import errors
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import optimizers
 from tests import helpers
 from tests.algorithms import contract
 
@@ -19,7 +20,7 @@ def test_one_step_equals_hand_computation():
   model = helpers.linear_model(num_classes=2, zero_init=True)
   data, (x, y, parts) = helpers.toy_data([3], num_classes=2, seed=2)
   lr, mu = 0.3, 0.7
-  local = client.LocalTraining(model, optax.sgd(lr), 1, 8, lr)
+  local = client.LocalTraining(model, optimizers.sgd(lr), 1, 8)
   update = client.make_local_update(local, loss_term=fedprox.proximal_term(mu))
   start = model.init(jax.random.key(0))
   centre = jax.tree.map(lambda v: v + 0.25, start)
@@ -60,7 +61,7 @@ def test_mu_zero_is_fedavg_exactly(devices):
 def test_mu_pulls_towards_the_global_model():
   model = helpers.linear_model()
   data, _ = helpers.toy_data([40, 40])
-  local = client.LocalTraining(model, optax.sgd(0.05), 5, 4, 0.05)
+  local = client.LocalTraining(model, optimizers.sgd(0.05), 5, 4)
   start = model.init(jax.random.key(0))
   dist = []
   for mu in (0.0, 1.0, 5.0):

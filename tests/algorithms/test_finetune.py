@@ -15,6 +15,7 @@ from fedjax_mr.training import budgets
 from fedjax_mr.training import client
 from fedjax_mr.training import config as config_lib
 from fedjax_mr.training import engine
+from fedjax_mr.training import optimizers
 from tests import helpers
 from tests.algorithms import contract
 
@@ -81,7 +82,7 @@ def test_one_part_round_by_hand():
     'bias': np.linspace(-0.2, 0.2, 6).astype(np.float32),
   }
   lr = 0.5
-  local = client.LocalTraining(model, optax.sgd(lr), 1, 8, lr)
+  local = client.LocalTraining(model, optimizers.sgd(lr), 1, 8)
   algorithm = finetune.ft_part(local, 2, [0, 1], ['Dense_1'])
   new, (metrics,) = _run(algorithm, variables, data, 2, rounds=1)
 

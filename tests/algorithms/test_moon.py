@@ -2,7 +2,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from fedjax_mr.algorithms import fedavg
@@ -12,6 +11,7 @@ from fedjax_mr.models import model as model_lib
 from fedjax_mr.models import projection
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import optimizers
 from tests import helpers
 from tests.algorithms import contract
 
@@ -86,7 +86,7 @@ def test_local_steps_equal_hand_computation():
   model = model_lib.Model('body_head', BodyHead(), (2, 2, 1), 3)
   data, (x, y, parts) = helpers.toy_data([2, 3], num_classes=3, seed=5)
   lr, mu, tau = 0.5, 2.0, 0.5
-  local = client.LocalTraining(model, optax.sgd(lr), 2, 2, lr)
+  local = client.LocalTraining(model, optimizers.sgd(lr), 2, 2)
   algorithm = moon.moon(local, 1, mu=mu, temperature=tau)
   start = model.init(jax.random.key(0))
   prev_vars = model.init(jax.random.key(9))

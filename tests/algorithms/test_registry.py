@@ -170,7 +170,7 @@ def test_toy_runs_through_the_experiment(with_toy, small_fmnist_dir, tmp_path):
 def test_flags_and_variants_come_from_the_registry():
   flags = registry.all_flags()
   assert flags['fedprox_mu'][1] == ('fedprox',)
-  assert flags['scaffold_global_lr'][1] == ('scaffold',)
+  assert flags['scaffold_control_dtype'][1] == ('scaffold',)
   # One flag read by several algorithms, under its historical name.
   assert flags['fedmr_grouping'][1] == ('fedmr', 'fedmr_p', 'indep', 'fedmut')
   assert flags['fedmr_segments'][1] == ('fedmr_p',)
@@ -210,16 +210,20 @@ def test_display_names():
 
 
 def test_config_accepts_flags_and_rejects_unknown_names():
-  cfg = config_lib.ExperimentConfig(algorithm='scaffold', scaffold_global_lr=2)
-  assert cfg.scaffold_global_lr == 2 and cfg.fedprox_mu == 0.01
-  assert dataclasses.replace(cfg, seed=3).scaffold_global_lr == 2
+  cfg = config_lib.ExperimentConfig(
+    algorithm='scaffold', scaffold_control_steps='taken'
+  )
+  assert cfg.scaffold_control_steps == 'taken' and cfg.fedprox_mu == 0.01
+  assert dataclasses.replace(cfg, seed=3).scaffold_control_steps == 'taken'
   with pytest.raises(TypeError, match='no_such_flag'):
     config_lib.ExperimentConfig(no_such_flag=1)
   with pytest.raises(AttributeError):
     cfg.no_such_flag  # noqa: B018
   assert config_lib.uniform_weights(cfg)
   assert not config_lib.uniform_weights(
-    dataclasses.replace(cfg, algorithm='fedprox', scaffold_global_lr=1.0)
+    dataclasses.replace(
+      cfg, algorithm='fedprox', scaffold_control_steps='effective'
+    )
   )
 
 

@@ -8,6 +8,7 @@ from fedjax_mr.algorithms import scaffold
 from fedjax_mr.core import errors
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import optimizers
 from tests import helpers
 from tests.algorithms import contract
 
@@ -74,10 +75,14 @@ def test_two_rounds_equal_a_plain_python_reference(beta, steps, divisor):
   lr, epochs, eta_g = 0.5, 3, 0.7
   # Batch 8 >= every client: one full batch per epoch, so the order of the
   # examples does not matter and steps_i = epochs.
-  opt = optax.sgd(lr, momentum=beta or None)
-  local = client.LocalTraining(model, opt, epochs, 8, lr, beta)
+  opt = optimizers.sgd(lr, beta)
+  local = client.LocalTraining(model, opt, epochs, 8)
   algorithm = scaffold.scaffold(
-    local, 2, 3, global_lr=eta_g, control_steps=steps
+    local,
+    2,
+    3,
+    control_steps=steps,
+    server_optimizer=optimizers.sgd(eta_g),
   )._replace(sampler=_scheduled)
   variables = model.init(jax.random.key(0))
   state = engine.init_state(algorithm, variables, 3)
@@ -136,7 +141,7 @@ def test_zero_controls_first_round_is_plain_local_sgd():
   server step differs: a plain mean times eta_g)."""
   model = helpers.linear_model()
   data, _ = helpers.toy_data([5, 9, 3, 12])
-  local = client.LocalTraining(model, optax.sgd(0.2), 2, 4, 0.2)
+  local = client.LocalTraining(model, optimizers.sgd(0.2), 2, 4)
   variables = model.init(jax.random.key(0))
   zeros = jax.tree.map(jnp.zeros_like, variables['params'])
   algorithm = scaffold.scaffold(local, 4, 4)
@@ -195,13 +200,31 @@ def test_bfloat16_controls_halve_memory_and_keep_the_mean():
 
 
 def test_bad_arguments_are_named():
-  with pytest.raises(errors.ArgumentError, match='^global_lr'):
-    scaffold.scaffold(contract.LOCAL, 2, 4, global_lr=0.0)
   with pytest.raises(errors.ArgumentError, match='^control_dtype'):
     scaffold.scaffold(contract.LOCAL, 2, 4, control_dtype='int8')
-  with pytest.raises(ValueError, match='learning_rate'):
-    scaffold.scaffold(
-      contract.LOCAL._replace(learning_rate=float('nan')),
-      2,
-      4,
+  # The control update needs the client's SGD rate: an optimizer that does
+  # not say it (a plain optax one, or Adam) is refused, named.
+  for opt in (optax.sgd(0.1), optimizers.adam(0.1)):
+    with pytest.raises(errors.ArgumentError, match='^optimizer must be sgd'):
+      scaffold.scaffold(contract.LOCAL._replace(optimizer=opt), 2, 4)
+
+
+def test_the_client_rate_and_momentum_come_from_the_optimizer():
+  """One optimizer object, no copies: the control update divides by the
+  rate and the momentum-aware steps of the optimizer the clients run."""
+  model = helpers.linear_model()
+  data, _ = helpers.toy_data([5, 9, 3, 12])
+  variables = model.init(jax.random.key(0))
+  zeros = jax.tree.map(jnp.zeros_like, variables['params'])
+  for lr, beta in ((0.2, 0.0), (0.1, 0.9)):
+    local = client.LocalTraining(model, optimizers.sgd(lr, beta), 2, 4)
+    out, c_new = scaffold.scaffold(local, 4, 4).client_update(
+      (variables, zeros), (), zeros, data, jnp.int32(1), jax.random.key(3)
     )
+    s = scaffold.effective_steps(out.num_steps, beta)
+    expected = jax.tree.map(
+      lambda a, b: (a - b) / (s * lr),
+      variables['params'],
+      out.variables['params'],
+    )
+    helpers.assert_close(c_new, expected, rtol=1e-5, atol=1e-7)

@@ -6,6 +6,7 @@ import pytest
 
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.training import client
+from fedjax_mr.training import optimizers
 from tests import helpers
 
 
@@ -139,7 +140,7 @@ def test_perturbations_by_hand():
 def test_two_pass_step_keeps_steps_and_rho_zero_is_plain_sgd():
   model = helpers.linear_bn_model()
   data, _ = helpers.toy_data([7, 13, 3])
-  local = client.LocalTraining(model, optax.sgd(0.3), 2, 5, 0.3)
+  local = client.LocalTraining(model, optimizers.sgd(0.3), 2, 5)
   variables = model.init(jax.random.key(0))
   key, cid = jax.random.key(3), jnp.int32(1)
   plain = jax.jit(client.make_local_update(local))(variables, data, cid, key)

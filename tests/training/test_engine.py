@@ -1,7 +1,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from fedjax_mr.algorithms import fedavg
@@ -10,11 +9,12 @@ from fedjax_mr.core import types
 from fedjax_mr.data import client_data
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import optimizers
 from tests import helpers
 
 
 def _local(model):
-  return client.LocalTraining(model, optax.sgd(0.2, momentum=0.9), 2, 4, 0.2)
+  return client.LocalTraining(model, optimizers.sgd(0.2, momentum=0.9), 2, 4)
 
 
 def _setup(chunk=1, k=4):
@@ -232,7 +232,7 @@ def test_shared_dispatch_holds_one_copy_of_the_model():
   temporary memory, the shared model none."""
   model = helpers.linear_model()
   data, _ = helpers.toy_data([5] * 64)
-  local = client.LocalTraining(model, optax.sgd(0.1), 1, 4, 0.1)
+  local = client.LocalTraining(model, optimizers.sgd(0.1), 1, 4)
   shared = fedavg.fedavg(local, 64)
   state = engine.init_state(shared, model.init(jax.random.key(0)))
   temp = []

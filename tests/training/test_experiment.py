@@ -569,7 +569,7 @@ def test_binary_helpfull_documents_every_flag():
   proc = _binary(['--helpfull'])
   out, _ = proc.communicate(timeout=120)
   names = [f.name for f in config_lib.base_fields()]
-  names += list(registry.all_flags())  # fedprox_mu, scaffold_global_lr, ...
+  names += list(registry.all_flags())  # fedprox_mu, scaffold_control_dtype, ...
   assert 'fedprox_mu' in names and 'options' not in names
   for name in names:
     assert f'--{name}' in out or f'--[no]{name}' in out, name
