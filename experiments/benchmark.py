@@ -150,9 +150,9 @@ def _algorithm(name, base, options):
   setting."""
   import jax
 
-  from fedjax_mr.algorithms import registry
-  from fedjax_mr.training import config as config_lib
-  from fedjax_mr.training import experiment
+  from fedjax_mr.harness import config as config_lib
+  from fedjax_mr.harness import experiment
+  from fedjax_mr.harness import registry
 
   config = _config(name, options)
   config_lib.validate(config)
@@ -165,7 +165,7 @@ def _algorithm(name, base, options):
 def _config(name, options):
   """The experiment config of the benchmark's setting for algorithm
   `name` (its hyper-parameter flags `options`)."""
-  from fedjax_mr.training import config as config_lib
+  from fedjax_mr.harness import config as config_lib
 
   return config_lib.ExperimentConfig(
     algorithm=name,
@@ -602,7 +602,7 @@ def _check_flags():
   if FLAGS.num_devices < 0:
     cli.fail(f'--num_devices must be ≥ 0, got {FLAGS.num_devices}')
   from fedjax_mr.core import errors
-  from fedjax_mr.training import config as config_lib
+  from fedjax_mr.harness import config as config_lib
 
   try:
     config = _config(FLAGS.algorithm, cli.algorithm_options(ALGORITHM_FLAGS))
@@ -616,7 +616,7 @@ def main(argv):
   cli.no_arguments(argv)
   _check_flags()
   from fedjax_mr.core import errors
-  from fedjax_mr.training import distributed
+  from fedjax_mr.harness import distributed
 
   k = FLAGS.clients_per_round
   distributed.initialize(host_devices=FLAGS.host_devices, clients_per_round=k)

@@ -11,6 +11,7 @@ console scripts `fedjax-mr-<name>`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -21,6 +22,8 @@ from typing import NoReturn
 from absl import app
 from absl import flags
 
+from fedjax_mr.core import errors
+
 EXIT_USAGE = 2
 
 
@@ -29,6 +32,23 @@ def fail(message: str) -> NoReturn:
   line = ' '.join(str(message).split())  # one line, whatever it holds
   print(f'error: {line}', file=sys.stderr)
   sys.exit(EXIT_USAGE)
+
+
+@contextlib.contextmanager
+def training_errors(resume_hint: str):
+  """What a training program can meet, as one line and an exit code: bad
+  input (2, `fail`), a non-finite loss (3) and Ctrl-C (130, then
+  `resume_hint`: how to resume)."""
+  try:
+    yield
+  except errors.UserError as e:
+    fail(str(e))
+  except errors.NonFiniteError as e:
+    print(f'error: {e}', file=sys.stderr)
+    sys.exit(3)
+  except KeyboardInterrupt:
+    print(f'interrupted; {resume_hint}', file=sys.stderr)
+    sys.exit(130)
 
 
 # The flagfiles that come with the package (the papers' settings).
@@ -161,7 +181,7 @@ def define_flag(name: str, f: dataclasses.Field, help_text: str) -> None:
 def define_algorithm_flags() -> list[str]:
   """The algorithms' hyper-parameter flags, from the registry (each help
   text names the algorithms that read it). Returns their names."""
-  from fedjax_mr.algorithms import registry
+  from fedjax_mr.harness import registry
 
   names = []
   for name, (f, users) in registry.all_flags().items():

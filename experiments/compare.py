@@ -9,7 +9,7 @@ r"""Runs several algorithm variants × seeds on one setting; tabulates them.
 Every flag of `experiments.run` sets the common config, but `--workdir`
 is the folder of the whole comparison: each run goes to
 `<workdir>/<variant>/s<seed>`. `--variants` names
-entries of `fedjax_mr.training.compare.VARIANTS`; `--variant=name:field=
+entries of `fedjax_mr.harness.compare.VARIANTS`; `--variant=name:field=
 value,...` (repeatable) defines another, e.g.
 `--variant=mr_module:algorithm=fedmr,fedmr_grouping=module`. Re-running
 resumes; `--summarize_only` just re-reads the metrics. Writes
@@ -21,13 +21,11 @@ figure).
 
 from __future__ import annotations
 
-import sys
-
 from absl import flags
 from absl import logging
 
-from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
+from fedjax_mr.harness import registry
 
 from . import cli
 from . import run as run_flags  # defines the experiment flags
@@ -82,11 +80,11 @@ def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)
   from fedjax_mr.core import workdir as workdir_lib
-  from fedjax_mr.training import compare
-  from fedjax_mr.training import distributed
-  from fedjax_mr.training import experiment
+  from fedjax_mr.harness import compare
+  from fedjax_mr.harness import distributed
+  from fedjax_mr.harness import experiment
 
-  try:
+  with cli.training_errors('re-run the same command to resume'):
     try:
       seeds = [int(s) for s in _SEEDS.value]
     except ValueError:
@@ -123,14 +121,6 @@ def main(argv) -> None:
       )
     print(compare.table(summary, title=title))
     print(f'curves: {out}/{compare.CURVES_FILE}')
-  except errors.UserError as e:
-    cli.fail(str(e))
-  except errors.NonFiniteError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(3)
-  except KeyboardInterrupt:
-    print('interrupted; re-run the same command to resume', file=sys.stderr)
-    sys.exit(130)
 
 
 def entry() -> None:

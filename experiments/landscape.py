@@ -67,13 +67,13 @@ PNG_FILE = 'landscape.png'
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)
-  from fedjax_mr.algorithms import registry
   from fedjax_mr.core import workdir as workdir_lib
-  from fedjax_mr.training import compare
-  from fedjax_mr.training import experiment
-  from fedjax_mr.training import landscape
-  from fedjax_mr.training import metrics_io
-  from fedjax_mr.training import plots
+  from fedjax_mr.harness import compare
+  from fedjax_mr.harness import experiment
+  from fedjax_mr.harness import landscape
+  from fedjax_mr.harness import metrics_io
+  from fedjax_mr.harness import plots
+  from fedjax_mr.harness import registry
 
   landscape.check_args(
     steps=_STEPS.value,

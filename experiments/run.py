@@ -3,20 +3,17 @@ r"""Runs one federated training experiment.
   python -m experiments.run --flagfile=experiments/configs/default.flags
   python -m experiments.run --partition=iid --rounds=20 --workdir=/tmp/iid
 
-Every flag is a field of `fedjax_mr.training.config.ExperimentConfig`;
+Every flag is a field of `fedjax_mr.harness.config.ExperimentConfig`;
 `--helpfull` lists them. Re-running with the same `--workdir` resumes.
 """
 
 from __future__ import annotations
 
-import sys
-
 from absl import flags
 from absl import logging
 
-from fedjax_mr.algorithms import registry
-from fedjax_mr.core import errors
-from fedjax_mr.training import config as config_lib
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import registry
 
 from . import cli
 
@@ -50,10 +47,10 @@ def config_from_flags() -> config_lib.ExperimentConfig:
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  from fedjax_mr.training import distributed
-  from fedjax_mr.training import experiment
+  from fedjax_mr.harness import distributed
+  from fedjax_mr.harness import experiment
 
-  try:
+  with cli.training_errors('re-run with the same --workdir to resume'):
     config = config_from_flags()
     # Every flag is checked before the distributed runtime starts (a bad
     # --coordinator_address would otherwise wait for a coordinator).
@@ -61,16 +58,6 @@ def main(argv) -> None:
     # Before any JAX computation: host devices and the distributed runtime.
     distributed.initialize_for(config)
     experiment.train_and_evaluate(config)
-  except errors.UserError as e:
-    cli.fail(str(e))
-  except errors.NonFiniteError as e:
-    print(f'error: {e}', file=sys.stderr)
-    sys.exit(3)
-  except KeyboardInterrupt:
-    print(
-      'interrupted; re-run with the same --workdir to resume', file=sys.stderr
-    )
-    sys.exit(130)
 
 
 def entry() -> None:

@@ -205,7 +205,7 @@ def main(argv) -> None:
   if not _OUTPUT.value:
     cli.fail('--output is needed: the folder to write the figure into')
   from fedjax_mr.core import errors
-  from fedjax_mr.stitch import figures
+  from fedjax_mr.harness import stitch_figures as figures
 
   try:
     _main(figures, errors)

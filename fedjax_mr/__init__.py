@@ -1,10 +1,13 @@
 """fedjax_mr: federated learning by model recombination, mutation and
 stitching, in JAX.
 
-Subpackages: `core` (interfaces), `data`, `models`, `algorithms` (one module
-per algorithm and the registry), `training` (local training building
-blocks, round engine, experiment loop), `stitch` (FedStitch),
-`energy` (host-only Jetson energy tools; never imports jax).
+Subpackages, by layer (each imports only the layers below it): `core`
+(interfaces, tree helpers, errors, files); `data`, `models` and `energy`
+(host-only Jetson energy tools; never imports jax); `training` (local
+training, optimizers, the round engine); `algorithms` (one module per
+algorithm) and `stitch` (FedStitch); `harness` (the registry, the
+experiment config, the host loop, comparison and figures), which the
+programs in `experiments/` call.
 
 The names below are loaded on first use, so `import fedjax_mr.energy` does
 not import jax.
@@ -19,6 +22,7 @@ _SUBPACKAGES = (
   'core',
   'data',
   'energy',
+  'harness',
   'models',
   'stitch',
   'training',
@@ -30,7 +34,7 @@ _EXPORTS = {
   'ClientOutput': ('fedjax_mr.core.types', 'ClientOutput'),
   'Algorithm': ('fedjax_mr.core.types', 'Algorithm'),
   'Dispatch': ('fedjax_mr.core.types', 'Dispatch'),
-  'ExperimentConfig': ('fedjax_mr.training.config', 'ExperimentConfig'),
+  'ExperimentConfig': ('fedjax_mr.harness.config', 'ExperimentConfig'),
   'RoundState': ('fedjax_mr.training.engine', 'RoundState'),
   'load_dataset': ('fedjax_mr.data.datasets', 'load'),
   'from_partition': ('fedjax_mr.data.client_data', 'from_partition'),
@@ -44,9 +48,9 @@ _EXPORTS = {
   'make_round_fn': ('fedjax_mr.training.engine', 'make_round_fn'),
   'make_evaluate': ('fedjax_mr.training.engine', 'make_evaluate'),
   'init_state': ('fedjax_mr.training.engine', 'init_state'),
-  'setup': ('fedjax_mr.training.experiment', 'setup'),
-  'train_and_evaluate': ('fedjax_mr.training.experiment', 'train_and_evaluate'),
-  'load_run': ('fedjax_mr.training.experiment', 'load_run'),
+  'setup': ('fedjax_mr.harness.experiment', 'setup'),
+  'train_and_evaluate': ('fedjax_mr.harness.experiment', 'train_and_evaluate'),
+  'load_run': ('fedjax_mr.harness.experiment', 'load_run'),
 }
 
 __all__ = sorted(_EXPORTS) + list(_SUBPACKAGES)

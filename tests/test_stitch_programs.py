@@ -212,7 +212,7 @@ def test_transfer_setting_pool_on_five_classes_clients_on_the_others(
   # Five classes (chance 20 %), all four clients (about 125 examples
   # each, 25 local steps) from the pool's features: above chance after one
   # round (27.6 %; bit-reproducible on one device). The exact variables it
-  # starts from are tests/training/test_transfer_setting.py's.
+  # starts from are tests/harness/test_transfer_setting.py's.
   assert row['test_accuracy'] > 0.25
   saved = json.load(open(tmp_path / 'tuned' / 'config.json'))
   assert saved['classes'] == '5-9' and saved['init_from'].endswith('cnn_mnist')

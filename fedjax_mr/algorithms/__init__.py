@@ -2,8 +2,8 @@
 client): `fedavg`, `fedprox`, `scaffold`, `moon`, `fedgen`, `fedexp`,
 `fedasam` (FedASAM and FedSAM), `clusamp` (clustered sampling), `fedmr`
 (FedMR, FedMR-p, Indep), `fedmut`; FedStitch's baselines `heterofl`,
-`depthfl`, `fedepth` and `finetune` (FT-Full, FT-Part); `registry` lists
-them for the experiment programs."""
+`depthfl`, `fedepth` and `finetune` (FT-Full, FT-Part). The programs find
+them through `fedjax_mr.harness.registry`."""
 
 from fedjax_mr.algorithms import clusamp as clusamp
 from fedjax_mr.algorithms import depthfl as depthfl
@@ -18,5 +18,4 @@ from fedjax_mr.algorithms import fedprox as fedprox
 from fedjax_mr.algorithms import finetune as finetune
 from fedjax_mr.algorithms import heterofl as heterofl
 from fedjax_mr.algorithms import moon as moon
-from fedjax_mr.algorithms import registry as registry
 from fedjax_mr.algorithms import scaffold as scaffold

@@ -371,12 +371,17 @@ def clustered_sampling(
     return ClusampState(new.params, updates, new.server_state), metrics
 
   return types.Algorithm(
-    init, base.dispatch, base.client_update, aggregate, sampler=sampler
+    init,
+    base.dispatch,
+    base.client_update,
+    aggregate,
+    sampler=sampler,
+    clients_per_round=k,
   )
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
+  """The registry's factory (see `fedjax_mr.harness.registry`)."""
   hp.validate(weighted=setting.weighted)
   return clustered_sampling(
     setting.local,

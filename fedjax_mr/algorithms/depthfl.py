@@ -76,7 +76,6 @@ from jax import lax
 from fedjax_mr.core import errors
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
-from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.models import multi_exit
 from fedjax_mr.training import budgets
@@ -324,8 +323,7 @@ def make_depth_update(
     `client.make_local_update`; the variables a depth-`depth` client does
     not hold come back as received.
   """
-  model, optimizer = local.model, local.optimizer
-  local_epochs, batch_size = local.local_epochs, local.batch_size
+  model = local.model
   num = multi_exit.num_exits(model.module)
 
   def forward(variables, x, key, mask):
@@ -355,54 +353,21 @@ def make_depth_update(
 
   def local_update(variables, data, client_id, key, depth, kd_weight):
     masks = exit_masks(depth, num, extended)
-    n_max = data.max_size
-    b = min(batch_size, n_max)
-    row = data.indices[client_id]
-    n = data.sizes[client_id]
-    steps_per_epoch = (n + b - 1) // b
-    params = variables['params']
-    state = {k: v for k, v in variables.items() if k != 'params'}
 
-    def epoch(e, carry):
-      ekey = jax.random.fold_in(key, e)
-      perm = client.epoch_permutation(ekey, n_max, n)
-      perm = jnp.concatenate([perm, jnp.zeros((b,), perm.dtype)])
+    def step_grads(params, state, batch, skey):
+      (_, (new_state, total)), grads = grad_fn(
+        params, state, batch, skey, masks, kd_weight
+      )
+      return grads, new_state, total
 
-      def step(j, carry):
-        params, state, opt_state, loss_sum = carry
-        start = j * b
-        pos = lax.dynamic_slice(perm, (start,), (b,))
-        mask = (start + jnp.arange(b) < n).astype(jnp.float32)
-        idx = row[pos]
-        x = client_data_lib.normalize(data.x[idx], data.scale, data.shift)
-        batch = client.Batch(x, data.y[idx], mask)
-        skey = jax.random.fold_in(ekey, j)
-        (_, (new_state, total)), grads = grad_fn(
-          params, state, batch, skey, masks, kd_weight
-        )
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        state = {**state, **new_state}
-        return params, state, opt_state, loss_sum + total
-
-      return lax.fori_loop(0, steps_per_epoch, step, carry)
-
-    carry = (params, state, optimizer.init(params), jnp.zeros((), jnp.float32))
-    params, state, _, loss_sum = lax.fori_loop(0, local_epochs, epoch, carry)
-    trained = {'params': params, **state}
+    out = client.train_steps(local, step_grads, variables, data, client_id, key)
     kept = jax.tree.map(
       lambda h, new, old: jnp.where(h, new, old),
       holds(variables, depth),
-      trained,
+      out.variables,
       variables,
     )
-    seen = (n * local_epochs).astype(jnp.float32)
-    return types.ClientOutput(
-      variables=kept,
-      num_examples=n.astype(jnp.int32),
-      loss=loss_sum / seen,
-      num_steps=(steps_per_epoch * local_epochs).astype(jnp.int32),
-    )
+    return out._replace(variables=kept)
 
   return local_update
 
@@ -482,7 +447,9 @@ def depthfl(
     }
     return DepthFLState(params=params), metrics
 
-  return types.Algorithm(init, dispatch, client_update, aggregate)
+  return types.Algorithm(
+    init, dispatch, client_update, aggregate, clients_per_round=k
+  )
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:

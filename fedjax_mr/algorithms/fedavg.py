@@ -114,12 +114,12 @@ def fedavg(
     }
 
   return types.Algorithm(
-    init, dispatch, client.trains_shared(update), aggregate
+    init, dispatch, client.trains_shared(update), aggregate, clients_per_round=k
   )
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
+  """The registry's factory (see `fedjax_mr.harness.registry`)."""
   del hp
   return fedavg(
     setting.local,

@@ -633,7 +633,9 @@ def fedepth(
     }
     return FeDepthState(params=params), metrics
 
-  return types.Algorithm(init, dispatch, client_update, aggregate)
+  return types.Algorithm(
+    init, dispatch, client_update, aggregate, clients_per_round=k
+  )
 
 
 def blocks_for(

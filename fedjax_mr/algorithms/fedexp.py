@@ -202,12 +202,17 @@ def fedexp(
     )
 
   return types.Algorithm(
-    init, dispatch, base.client_update, aggregate, evaluated=evaluated
+    init,
+    dispatch,
+    base.client_update,
+    aggregate,
+    evaluated=evaluated,
+    clients_per_round=k,
   )
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
+  """The registry's factory (see `fedjax_mr.harness.registry`)."""
   return fedexp(
     setting.local,
     setting.clients_per_round,

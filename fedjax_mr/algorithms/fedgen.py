@@ -486,11 +486,13 @@ def fedgen(
     )
     return new_state, metrics
 
-  return types.Algorithm(init, dispatch, client_update, aggregate)
+  return types.Algorithm(
+    init, dispatch, client_update, aggregate, clients_per_round=k
+  )
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
+  """The registry's factory (see `fedjax_mr.harness.registry`)."""
   return fedgen(setting.local, setting.clients_per_round, hp, setting.weighted)
 
 

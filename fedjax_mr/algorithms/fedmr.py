@@ -548,7 +548,7 @@ class FedMRState(NamedTuple):
 
 def fedmr(
   local: client.LocalTraining,
-  num_models: int,
+  clients_per_round: int,
   first_stage_bound: int = 0,
   grouping: grouping_lib.Grouping = 'leaf',
   num_segments: int | None = None,
@@ -577,7 +577,7 @@ def fedmr(
   Args:
     local: how clients train (model, optimizer, E, B); client k trains
       model k of the dispatch's per-client part.
-    num_models: K, the number of models, equal to the clients per round.
+    clients_per_round: K, the number of models.
     first_stage_bound: rounds of the aggregation stage (0: recombine from
       round 0).
     grouping: 'leaf' (default, as the reference) or 'module'.
@@ -608,11 +608,11 @@ def fedmr(
     Hu et al., "FedMR: Federated Learning via Model Recombination",
     Algorithms 1 and 2; KDD 2024 version for two-stage training and FedMR-p.
   """
-  k = int(num_models)
+  k = int(clients_per_round)
   bound = int(first_stage_bound)
   repeats = int(secure_repeats)
   if k < 1:
-    raise ValueError(f'num_models must be >= 1, got {num_models}')
+    raise ValueError(f'clients_per_round must be >= 1, got {k}')
   if bound < 0:
     raise ValueError(f'first_stage_bound must be >= 0, got {bound}')
   if grouping not in grouping_lib.GROUPINGS:
@@ -630,7 +630,7 @@ def fedmr(
   if repeats and weighted_global:
     raise ValueError('weighted_global is not available with secure_repeats')
   if repeats and k < 2:
-    raise ValueError('secure recombination needs num_models >= 2')
+    raise ValueError('secure recombination needs clients_per_round >= 2')
 
   def init(variables):
     return FedMRState(
@@ -695,6 +695,7 @@ def fedmr(
     dispatch,
     client.trains_per_client(client.make_local_update(local)),
     aggregate,
+    clients_per_round=k,
   )
 
 

@@ -169,7 +169,7 @@ class FedMutState(NamedTuple):
 
 def fedmut(
   local: client.LocalTraining,
-  num_models: int,
+  clients_per_round: int,
   alpha: float = 4.0,
   beta0: float = 0.3,
   bound: int = 50,
@@ -196,7 +196,7 @@ def fedmut(
 
   Args:
     local: how clients train; client k trains mutated model k.
-    num_models: K, the clients per round.
+    clients_per_round: K.
     alpha: mutation range (paper: 4.0; 5.0 fails to converge).
     beta0: initial dynamic preference (paper: 0.3 for CNN and VGG-16, 0.5
       for ResNet-18).
@@ -216,9 +216,9 @@ def fedmut(
     Hu et al., "FedMut: Generalized Federated Learning via Stochastic
     Mutation", AAAI 2024, Algorithms 1-2.
   """
-  k = int(num_models)
+  k = int(clients_per_round)
   if k < 1:
-    raise ValueError(f'num_models must be >= 1, got {num_models}')
+    raise ValueError(f'clients_per_round must be >= 1, got {k}')
   if grouping not in grouping_lib.GROUPINGS:
     raise ValueError(f'grouping must be one of {grouping_lib.GROUPINGS}')
 
@@ -278,6 +278,7 @@ def fedmut(
     dispatch,
     client.trains_per_client(client.make_local_update(local)),
     aggregate,
+    clients_per_round=k,
   )
 
 
@@ -336,7 +337,7 @@ class Hparams:
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
+  """The registry's factory (see `fedjax_mr.harness.registry`)."""
   hp.validate()
   return fedmut(
     setting.local,

@@ -434,6 +434,7 @@ def ft_part(
     client_update,
     aggregate,
     sampler=eligible_sampler(eligible, k),
+    clients_per_round=k,
   )
 
 

@@ -608,7 +608,12 @@ def heterofl(
     return largest(state.queried if state.queried else state.params)
 
   return types.Algorithm(
-    init, dispatch, client_update, aggregate, evaluated=evaluated
+    init,
+    dispatch,
+    client_update,
+    aggregate,
+    evaluated=evaluated,
+    clients_per_round=k,
   )
 
 

@@ -291,11 +291,12 @@ def scaffold(
     client_update,
     aggregate,
     init_client_state=init_client_state,
+    clients_per_round=k,
   )
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.algorithms.registry`)."""
+  """The registry's factory (see `fedjax_mr.harness.registry`)."""
   return scaffold(
     setting.local,
     setting.clients_per_round,

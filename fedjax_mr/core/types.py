@@ -108,6 +108,9 @@ class Algorithm(NamedTuple):
     evaluated: optional `evaluated(state) -> variables`, the model the
       experiment evaluates as the global one (FedExP: the average of the
       last two iterates); None: `state.params`. See `evaluated_model`.
+    clients_per_round: the K the factory built the algorithm for (every
+      factory sets it); the engine refuses a round of another K. None:
+      any K.
   """
 
   init: Callable[[Variables], Any]
@@ -120,6 +123,7 @@ class Algorithm(NamedTuple):
   init_client_state: Callable[[Variables], PyTree] | None = None
   sampler: Sampler | None = None
   evaluated: Callable[[Any], Variables] | None = None
+  clients_per_round: int | None = None
 
 
 def evaluated_model(algorithm: Algorithm, state: Any) -> Variables:

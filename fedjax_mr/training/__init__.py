@@ -1,54 +1,36 @@
-"""Local training, the round engine, evaluation and the experiment loop.
+"""Local training and the round engine: the layer below the algorithms.
 
-Names are loaded on first use (the algorithms import `training.client`,
-and the experiment imports the algorithms).
+Modules: `client` (exact-step local training with hooks for a loss term, a
+loss on the representation, a gradient correction and a sharpness-aware
+step), `optimizers` (client and server optimizers that keep their
+hyper-parameters; `server_step`), `budgets` (client memory budgets) and
+`engine` (the jitted round: sampling, dispatch, the K client updates,
+aggregation; evaluation). Nothing here imports an algorithm or the
+experiment harness.
 """
 
-import importlib
+from fedjax_mr.training import budgets as budgets
+from fedjax_mr.training import client as client
+from fedjax_mr.training import engine as engine
+from fedjax_mr.training import optimizers as optimizers
+from fedjax_mr.training.client import LocalTraining as LocalTraining
+from fedjax_mr.training.client import make_client_update as make_client_update
+from fedjax_mr.training.client import make_local_update as make_local_update
+from fedjax_mr.training.engine import RoundState as RoundState
+from fedjax_mr.training.engine import init_state as init_state
+from fedjax_mr.training.engine import make_evaluate as make_evaluate
+from fedjax_mr.training.engine import make_round_fn as make_round_fn
 
-_MODULES = (
-  'checkpoint',
+__all__ = [
+  'LocalTraining',
+  'RoundState',
+  'budgets',
   'client',
-  'compare',
-  'config',
-  'distributed',
   'engine',
-  'experiment',
-  'landscape',
-  'metrics_io',
+  'init_state',
+  'make_client_update',
+  'make_evaluate',
+  'make_local_update',
+  'make_round_fn',
   'optimizers',
-  'plots',
-  'provenance',
-  'tensorboard',
-)
-_EXPORTS = {
-  'LocalTraining': ('client', 'LocalTraining'),
-  'make_local_update': ('client', 'make_local_update'),
-  'make_client_update': ('client', 'make_client_update'),
-  'ExperimentConfig': ('config', 'ExperimentConfig'),
-  'RoundState': ('engine', 'RoundState'),
-  'init_state': ('engine', 'init_state'),
-  'make_evaluate': ('engine', 'make_evaluate'),
-  'make_round_fn': ('engine', 'make_round_fn'),
-  'setup': ('experiment', 'setup'),
-  'train_and_evaluate': ('experiment', 'train_and_evaluate'),
-  'load_run': ('experiment', 'load_run'),
-  'FinishedRun': ('experiment', 'FinishedRun'),
-}
-
-__all__ = sorted(_EXPORTS) + list(_MODULES)
-
-
-def __getattr__(name):
-  if name in _MODULES:
-    return importlib.import_module(f'fedjax_mr.training.{name}')
-  if name in _EXPORTS:
-    module, attr = _EXPORTS[name]
-    return getattr(
-      importlib.import_module(f'fedjax_mr.training.{module}'), attr
-    )
-  raise AttributeError(f'module fedjax_mr.training has no attribute {name!r}')
-
-
-def __dir__():
-  return __all__
+]

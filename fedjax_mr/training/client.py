@@ -170,6 +170,78 @@ def asam(rho: float, eta: float) -> Perturbation:
   return perturb
 
 
+# step_grads(params, state, batch, key) -> (grads, new non-param state,
+# the batch's summed task loss): one local step's gradient, before the
+# optimizer.
+StepGrads = Callable[
+  [types.PyTree, types.PyTree, Batch, jax.Array],
+  tuple[types.PyTree, types.PyTree, jax.Array],
+]
+
+
+def train_steps(
+  local: LocalTraining,
+  step_grads: StepGrads,
+  variables: types.Variables,
+  data: client_data_lib.ClientData,
+  client_id: jax.Array,
+  key: jax.Array,
+) -> types.ClientOutput:
+  """The exact-step local loop every local update runs (module docstring).
+
+  E epochs of ceil(n / B) steps over client `client_id`'s n examples, a
+  fresh permutation per epoch (key `fold_in(key, e)`, step key
+  `fold_in(epoch key, j)`), the last batch masked; each step applies
+  `local.optimizer` (a fresh state per call) to `step_grads`.
+
+  Returns:
+    The trained variables, n, the per-example mean of the summed task
+    losses over the E epochs, and the number of steps.
+  """
+  optimizer = local.optimizer
+  n_max = data.max_size
+  b = min(local.batch_size, n_max)  # no client fills a larger batch
+  row = data.indices[client_id]
+  n = data.sizes[client_id]
+  steps_per_epoch = (n + b - 1) // b
+  params = variables['params']
+  state = {k: v for k, v in variables.items() if k != 'params'}
+
+  def epoch(e, carry):
+    ekey = jax.random.fold_in(key, e)
+    perm = epoch_permutation(ekey, n_max, n)
+    perm = jnp.concatenate([perm, jnp.zeros((b,), perm.dtype)])
+
+    def step(j, carry):
+      params, state, opt_state, loss_sum = carry
+      start = j * b
+      pos = lax.dynamic_slice(perm, (start,), (b,))
+      mask = (start + jnp.arange(b) < n).astype(jnp.float32)
+      idx = row[pos]
+      x = client_data_lib.normalize(data.x[idx], data.scale, data.shift)
+      batch = Batch(x, data.y[idx], mask)
+      skey = jax.random.fold_in(ekey, j)
+      grads, new_state, total = step_grads(params, state, batch, skey)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
+      state = {**state, **new_state}
+      return params, state, opt_state, loss_sum + total
+
+    return lax.fori_loop(0, steps_per_epoch, step, carry)
+
+  carry = (params, state, optimizer.init(params), jnp.zeros((), jnp.float32))
+  params, state, _, loss_sum = lax.fori_loop(
+    0, local.local_epochs, epoch, carry
+  )
+  seen = (n * local.local_epochs).astype(jnp.float32)
+  return types.ClientOutput(
+    variables={'params': params, **state},
+    num_examples=n.astype(jnp.int32),
+    loss=loss_sum / seen,
+    num_steps=(steps_per_epoch * local.local_epochs).astype(jnp.int32),
+  )
+
+
 def make_local_update(
   local: LocalTraining,
   *,
@@ -205,8 +277,7 @@ def make_local_update(
     ClientOutput`, where `data` is a `ClientData`, `client_id` an int32
     scalar and `context` whatever the hooks read.
   """
-  model, optimizer = local.model, local.optimizer
-  local_epochs, batch_size = local.local_epochs, local.batch_size
+  model = local.model
 
   def loss_fn(params, state, batch, key, context):
     variables = {'params': params, **state}
@@ -231,53 +302,19 @@ def make_local_update(
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
   def local_update(variables, data, client_id, key, context=()):
-    n_max = data.max_size
-    b = min(batch_size, n_max)  # no client fills a larger batch
-    row = data.indices[client_id]
-    n = data.sizes[client_id]
-    steps_per_epoch = (n + b - 1) // b
-    params = variables['params']
-    state = {k: v for k, v in variables.items() if k != 'params'}
+    def step_grads(params, state, batch, skey):
+      (_, (new_state, total)), grads = grad_fn(
+        params, state, batch, skey, context
+      )
+      if perturbation is not None:
+        eps = perturbation(params, grads)
+        moved = jax.tree.map(lambda w, d: w + d.astype(w.dtype), params, eps)
+        _, grads = grad_fn(moved, state, batch, skey, context)
+      if grad_correction is not None:
+        grads = grad_correction(grads, params, context)
+      return grads, new_state, total
 
-    def epoch(e, carry):
-      ekey = jax.random.fold_in(key, e)
-      perm = epoch_permutation(ekey, n_max, n)
-      perm = jnp.concatenate([perm, jnp.zeros((b,), perm.dtype)])
-
-      def step(j, carry):
-        params, state, opt_state, loss_sum = carry
-        start = j * b
-        pos = lax.dynamic_slice(perm, (start,), (b,))
-        mask = (start + jnp.arange(b) < n).astype(jnp.float32)
-        idx = row[pos]
-        x = client_data_lib.normalize(data.x[idx], data.scale, data.shift)
-        batch = Batch(x, data.y[idx], mask)
-        skey = jax.random.fold_in(ekey, j)
-        (_, (new_state, total)), grads = grad_fn(
-          params, state, batch, skey, context
-        )
-        if perturbation is not None:
-          eps = perturbation(params, grads)
-          moved = jax.tree.map(lambda w, d: w + d.astype(w.dtype), params, eps)
-          _, grads = grad_fn(moved, state, batch, skey, context)
-        if grad_correction is not None:
-          grads = grad_correction(grads, params, context)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        state = {**state, **new_state}
-        return params, state, opt_state, loss_sum + total
-
-      return lax.fori_loop(0, steps_per_epoch, step, carry)
-
-    carry = (params, state, optimizer.init(params), jnp.zeros((), jnp.float32))
-    params, state, _, loss_sum = lax.fori_loop(0, local_epochs, epoch, carry)
-    seen = (n * local_epochs).astype(jnp.float32)
-    return types.ClientOutput(
-      variables={'params': params, **state},
-      num_examples=n.astype(jnp.int32),
-      loss=loss_sum / seen,
-      num_steps=(steps_per_epoch * local_epochs).astype(jnp.int32),
-    )
+    return train_steps(local, step_grads, variables, data, client_id, key)
 
   return local_update
 

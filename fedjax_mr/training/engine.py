@@ -195,7 +195,7 @@ def make_round_fn(
 
   Args:
     algorithm: the algorithm.
-    clients_per_round: K.
+    clients_per_round: K; must be the algorithm's own when it has one.
     client_chunk: how clients are mapped on each device (see
       `map_clients`).
     mesh: optional 1-D mesh (any axis name) over which the client axis is
@@ -214,6 +214,11 @@ def make_round_fn(
     `PER_CLIENT_METRICS`), and the algorithm's own metrics.
   """
   k = int(clients_per_round)
+  if algorithm.clients_per_round not in (None, k):
+    raise ValueError(
+      f'clients_per_round={k}, but the algorithm was built for '
+      f'clients_per_round={algorithm.clients_per_round}'
+    )
   shards = 1 if mesh is None else mesh.devices.size
   # Empty clients that fill the client axis up to a multiple of D.
   fill = -k % shards

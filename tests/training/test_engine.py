@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from fedjax_mr.algorithms import fedavg
+from fedjax_mr.algorithms import fedmr
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data
@@ -11,6 +12,7 @@ from fedjax_mr.training import client
 from fedjax_mr.training import engine
 from fedjax_mr.training import optimizers
 from tests import helpers
+from tests.algorithms import contract
 
 
 def _local(model):
@@ -244,3 +246,13 @@ def test_shared_dispatch_holds_one_copy_of_the_model():
     temp.append(mem.temp_size_in_bytes)
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(state.server.params))
   assert temp[1] - temp[0] >= 0.9 * 64 * model_bytes
+
+
+def test_a_round_of_another_k_than_the_algorithms_is_refused():
+  algorithm = fedmr.fedmr(contract.LOCAL, 5)
+  with pytest.raises(ValueError, match='built for clients_per_round=5'):
+    engine.make_round_fn(algorithm, clients_per_round=10)
+  # An Algorithm assembled by hand (no K of its own) runs at any K.
+  engine.make_round_fn(
+    algorithm._replace(clients_per_round=None), clients_per_round=10
+  )

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import fedjax_mr
-from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
-from fedjax_mr.training import compare
-from fedjax_mr.training import config as config_lib
+from fedjax_mr.harness import compare
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import experiment
+from fedjax_mr.harness import metrics_io
+from fedjax_mr.harness import registry
 from fedjax_mr.training import engine
-from fedjax_mr.training import experiment
-from fedjax_mr.training import metrics_io
 from tests import helpers
 
 

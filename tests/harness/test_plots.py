@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from fedjax_mr.training import plots
+from fedjax_mr.harness import plots
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -203,7 +203,7 @@ import sys
 import matplotlib
 matplotlib.use('svg')
 import fedjax_mr
-from fedjax_mr.training import compare, experiment, landscape, plots
+from fedjax_mr.harness import compare, experiment, landscape, plots
 rows = {json.dumps(SEEDS[0])}
 plots.plot_curves({{'FedAvg': {{0: rows}}}}, {str(tmp_path / 'a.png')!r})
 grid = {{'x': [-1, 0, 1], 'y': [-1, 0, 1], 'loss': [[2, 1, 2]] * 3,

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
+from fedjax_mr.harness import compare
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import experiment
+from fedjax_mr.harness import registry
 from fedjax_mr.training import client
-from fedjax_mr.training import compare
-from fedjax_mr.training import config as config_lib
-from fedjax_mr.training import experiment
 from tests import helpers
 from tests.algorithms import contract
 

@@ -23,7 +23,7 @@ Three kinds of folder are read, never written:
 * a pool model folder (`experiments.pretrain_zoo`): `meta.json`.
 
 Every function here is host-only Python and numpy; matplotlib is imported
-on first use through `fedjax_mr.training.plots` (never pyplot), and JAX
+on first use through `fedjax_mr.harness.plots` (never pyplot), and JAX
 only by the memory measurements.
 """
 
@@ -40,8 +40,8 @@ import numpy as np
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
-from fedjax_mr.training import metrics_io
-from fedjax_mr.training import plots
+from fedjax_mr.harness import metrics_io
+from fedjax_mr.harness import plots
 
 # label -> {column (a setting, e.g. iid / noniid): workdir}
 RunSpec = dict[str, dict[str, str]]

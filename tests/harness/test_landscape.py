@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_mr.data import client_data
+from fedjax_mr.harness import experiment
+from fedjax_mr.harness import landscape
+from fedjax_mr.harness import metrics_io
 from fedjax_mr.training import engine
-from fedjax_mr.training import experiment
-from fedjax_mr.training import landscape
-from fedjax_mr.training import metrics_io
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from fedjax_mr.core import errors
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import experiment
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.stitch import pool as pool_lib
-from fedjax_mr.training import config as config_lib
-from fedjax_mr.training import experiment
 
 # Labels after `datasets.select_classes`: −1 for the classes left out.
 LABELS = np.array([0, -1, 1, 1, -1, 0, 2, -1, 2, 0, 1, 2])

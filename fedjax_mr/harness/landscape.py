@@ -239,7 +239,7 @@ def examples(
   folder, natural clients); 'train' is its training split. `num_examples`
   > 0 keeps a seeded subset (`subset`).
   """
-  from fedjax_mr.training import experiment
+  from fedjax_mr.harness import experiment
 
   dataset = experiment.load_dataset(config)
   if split == 'train':
@@ -280,7 +280,7 @@ def compute(
     ({'loss', 'accuracy'} of the model itself), 'round', 'num_examples',
     'seed', 'steps', 'extent'.
   """
-  from fedjax_mr.training import experiment
+  from fedjax_mr.harness import experiment
 
   config = run.config
   server = jax.device_get(run.state.server)

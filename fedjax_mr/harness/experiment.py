@@ -28,25 +28,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
+from fedjax_mr.harness import checkpoint
+from fedjax_mr.harness import compare
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import distributed
+from fedjax_mr.harness import metrics_io
+from fedjax_mr.harness import plots
+from fedjax_mr.harness import provenance
+from fedjax_mr.harness import registry
+from fedjax_mr.harness import tensorboard
 from fedjax_mr.models import layers
 from fedjax_mr.models import model as model_lib
-from fedjax_mr.training import checkpoint
 from fedjax_mr.training import client
-from fedjax_mr.training import compare
-from fedjax_mr.training import config as config_lib
-from fedjax_mr.training import distributed
 from fedjax_mr.training import engine
-from fedjax_mr.training import metrics_io
-from fedjax_mr.training import plots
-from fedjax_mr.training import provenance
-from fedjax_mr.training import tensorboard
 
 METRICS_FILE = 'metrics.jsonl'
 # Per round: each sampled client's id, examples, local steps and training
@@ -455,7 +455,7 @@ def _note_devices(config: config_lib.ExperimentConfig) -> None:
     warnings.warn(
       f'JAX started with {have} CPU device(s) before this run was set up; '
       f'the command line would use {want}. Call '
-      'fedjax_mr.training.distributed.initialize_for(config) before any '
+      'fedjax_mr.harness.distributed.initialize_for(config) before any '
       'JAX computation to get them.',
       stacklevel=3,
     )

@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from fedjax_mr.core import files
-from fedjax_mr.training import metrics_io
+from fedjax_mr.harness import metrics_io
 
 # label -> {seed: metrics rows}: what the curve figures take.
 Runs = Mapping[str, Mapping[Any, Sequence[Mapping[str, Any]]]]
@@ -368,7 +368,7 @@ def save(fig: Any, path: str, dpi: int = 120) -> None:
 
 
 def landscape_figure(grid: Mapping[str, Any], title: str = '') -> Any:
-  """Contours of a loss landscape (`fedjax_mr.training.landscape`).
+  """Contours of a loss landscape (`fedjax_mr.harness.landscape`).
 
   Args:
     grid: 'x' `[S]` and 'y' `[S]`, the coordinates along the two

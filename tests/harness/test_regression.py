@@ -21,7 +21,7 @@ not known); it is never matched exactly, and
 are within the cross-machine tolerance.
 
 Re-record after a deliberate change of numerics, and say so in the commit:
-`FEDJAX_MR_RECORD=1 pytest tests/training/test_regression.py` (keeps only
+`FEDJAX_MR_RECORD=1 pytest tests/harness/test_regression.py` (keeps only
 this machine's entry: the others no longer hold). On a new kind of machine
 with unchanged numerics, `FEDJAX_MR_RECORD=add` adds its entry.
 """
@@ -38,7 +38,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from fedjax_mr.training import experiment
+from fedjax_mr.harness import experiment
 from tests import helpers
 
 HERE = os.path.join(os.path.dirname(__file__), 'regression')

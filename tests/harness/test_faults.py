@@ -22,9 +22,9 @@ from orbax.checkpoint._src.path import atomicity
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
-from fedjax_mr.training import checkpoint
-from fedjax_mr.training import experiment
-from fedjax_mr.training import metrics_io
+from fedjax_mr.harness import checkpoint
+from fedjax_mr.harness import experiment
+from fedjax_mr.harness import metrics_io
 from tests import helpers
 
 

@@ -24,14 +24,14 @@ from typing import Callable
 
 import numpy as np
 
-from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
 from fedjax_mr.core import workdir as workdir_lib
-from fedjax_mr.training import config as config_lib
-from fedjax_mr.training import metrics_io
-from fedjax_mr.training import plots
-from fedjax_mr.training import provenance
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import metrics_io
+from fedjax_mr.harness import plots
+from fedjax_mr.harness import provenance
+from fedjax_mr.harness import registry
 
 # The named variants of the papers' comparisons: every algorithm by its
 # name and the registry entries' own variants.

@@ -7,7 +7,7 @@ define the run, and resuming a workdir with different values is an error.
 
 The algorithms' own hyper-parameters are flags too (`--fedprox_mu`,
 `--fedmr_first_stage`, ...), generated from the algorithm registry
-(`fedjax_mr.algorithms.registry`): `ExperimentConfig(algorithm='fedprox',
+(`fedjax_mr.harness.registry`): `ExperimentConfig(algorithm='fedprox',
 fedprox_mu=0.1)` and `config.fedprox_mu` work like ordinary fields; they
 are held in `config.options` (every registered flag, defaults filled in).
 """
@@ -21,8 +21,8 @@ import os
 from typing import Any
 from typing import Mapping
 
-from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
+from fedjax_mr.harness import registry
 from fedjax_mr.training import optimizers
 
 WEIGHTINGS = ('auto', 'examples', 'uniform')
@@ -449,6 +449,17 @@ def energy_mixes(config: ExperimentConfig) -> list[str]:
 
 def validate(config: ExperimentConfig) -> None:
   """Raises `ConfigError` naming the first bad flag and what it allows."""
+  _check_values(config)
+  _check_run(config)
+  client_optimizer(config)
+  _check_optimizer_flags(config)
+  server_optimizer(config)
+  _check_data(config)
+  _validate_algorithm_flags(config)
+
+
+def _check_values(config: ExperimentConfig) -> None:
+  """Choices, and sizes and rates in their ranges."""
   for f in base_fields():
     allowed = choices(f)
     value = getattr(config, f.name)
@@ -498,6 +509,10 @@ def validate(config: ExperimentConfig) -> None:
       '--energy_ms_per_sample must be finite and > 0, got '
       f'{config.energy_ms_per_sample}'
     )
+
+
+def _check_run(config: ExperimentConfig) -> None:
+  """The energy mixes, K against N, the processes."""
   for mix in energy_mixes(config):
     from fedjax_mr.energy import simulation  # host-only, no jax
 
@@ -516,9 +531,18 @@ def validate(config: ExperimentConfig) -> None:
       f'--process_id must be in [0, --num_processes={config.num_processes}),'
       f' got {config.process_id}'
     )
-  client_optimizer(config)
-  _check_optimizer_flags(config)
-  server_optimizer(config)
+  if config.num_processes > 1:
+    host, sep, port = config.coordinator_address.rpartition(':')
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+      raise errors.ConfigError(
+        '--coordinator_address must be host:port (e.g. 10.0.0.1:1234) with '
+        f'--num_processes={config.num_processes}, got '
+        f'{config.coordinator_address!r}'
+      )
+
+
+def _check_data(config: ExperimentConfig) -> None:
+  """The partition and its flags, the model against the dataset."""
   if config.partition in PARTITION_FLAGS['alpha'] and not (
     config.alpha > 0 and math.isfinite(config.alpha)
   ):
@@ -534,28 +558,7 @@ def validate(config: ExperimentConfig) -> None:
       f'--init_from={config.init_from}: no meta.json there (want a model '
       'folder as experiments.pretrain_zoo writes it: <pool>/<model id>)'
     )
-  if config.partition == 'file':
-    if not config.partition_file:
-      raise errors.ConfigError(
-        '--partition=file needs --partition_file=<a JSON file of client '
-        'index lists>'
-      )
-    from fedjax_mr.data import partition  # host-only, no jax
-
-    # Everything but the index range (the dataset is not loaded yet).
-    partition.load_file(
-      config.partition_file,
-      config.num_clients,
-      sha256=config.partition_sha256,
-    )
-  if config.num_processes > 1:
-    host, sep, port = config.coordinator_address.rpartition(':')
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-      raise errors.ConfigError(
-        '--coordinator_address must be host:port (e.g. 10.0.0.1:1234) with '
-        f'--num_processes={config.num_processes}, got '
-        f'{config.coordinator_address!r}'
-      )
+  _check_partition_file(config)
   gives, takes = _input_kinds(config.dataset, config.model)
   if gives != takes:
     raise errors.ConfigError(
@@ -579,7 +582,24 @@ def validate(config: ExperimentConfig) -> None:
       f'--cifar100_labels={config.cifar100_labels} applies to '
       f'--dataset=cifar100 only, not --dataset={config.dataset}'
     )
-  _validate_algorithm_flags(config)
+
+
+def _check_partition_file(config: ExperimentConfig) -> None:
+  if config.partition != 'file':
+    return
+  if not config.partition_file:
+    raise errors.ConfigError(
+      '--partition=file needs --partition_file=<a JSON file of client '
+      'index lists>'
+    )
+  from fedjax_mr.data import partition  # host-only, no jax
+
+  # Everything but the index range (the dataset is not loaded yet).
+  partition.load_file(
+    config.partition_file,
+    config.num_clients,
+    sha256=config.partition_sha256,
+  )
 
 
 def _check_owned(

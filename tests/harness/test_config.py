@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from fedjax_mr.core import errors
-from fedjax_mr.training import config as config_lib
+from fedjax_mr.harness import config as config_lib
 
 
 def _config(**changes):
@@ -137,7 +137,7 @@ def test_file_flag_errors(part_file, changes, message):
 
 
 def test_compare_variants_pass_the_new_partitions(part_file, tmp_path):
-  from fedjax_mr.training import compare
+  from fedjax_mr.harness import compare
 
   other = tmp_path / 'other.json'
   other.write_text(json.dumps([[3], [2], [0, 1]]))

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
-from fedjax_mr.training import compare
-from fedjax_mr.training import config as config_lib
-from fedjax_mr.training import experiment
+from fedjax_mr.harness import compare
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import experiment
+from fedjax_mr.harness import registry
 from tests import helpers
 from tests.data import test_leaf_cinic as fixtures
 

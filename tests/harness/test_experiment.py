@@ -15,14 +15,14 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_mr.algorithms import registry
 from fedjax_mr.core import errors
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
-from fedjax_mr.training import config as config_lib
-from fedjax_mr.training import experiment
-from fedjax_mr.training import metrics_io
-from fedjax_mr.training import tensorboard
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import experiment
+from fedjax_mr.harness import metrics_io
+from fedjax_mr.harness import registry
+from fedjax_mr.harness import tensorboard
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -117,7 +117,7 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
   if head.returncode == 0:  # the suite runs from a git checkout
     assert record['source']['commit'] == head.stdout.strip()
   # Two host devices with the default (im2col) gradient: bit-reproducible,
-  # so no note (tests/training/test_determinism.py).
+  # so no note (tests/harness/test_determinism.py).
   assert experiment.CPU_DEVICES_NOTE not in lines
   part = json.load(open(tmp_path / 'partition.json'))
   assert sum(part['sizes']) == 1500 and len(part['sizes']) == 10
@@ -616,7 +616,7 @@ def test_a_run_started_from_python_gets_the_command_lines_devices(
     if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')
   }
   code = (
-    'import jax; from fedjax_mr.training import experiment, distributed; '
+    'import jax; from fedjax_mr.harness import distributed, experiment; '
     'from tests import helpers; '
     f'cfg = helpers.small_config({small_fmnist_dir!r}, clients_per_round=3); '
     'e = experiment.setup(cfg); '

@@ -6,9 +6,9 @@ import os
 import pytest
 
 from fedjax_mr.core import errors
-from fedjax_mr.training import compare
-from fedjax_mr.training import config as config_lib
-from fedjax_mr.training import metrics_io
+from fedjax_mr.harness import compare
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import metrics_io
 from tests import helpers
 
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from fedjax_mr.training import distributed
-from fedjax_mr.training import metrics_io
+from fedjax_mr.harness import distributed
+from fedjax_mr.harness import metrics_io
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from fedjax_mr.training import tensorboard
+from fedjax_mr.harness import tensorboard
 
 
 def _rows(rounds, offset=0.0):

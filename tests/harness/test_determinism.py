@@ -52,7 +52,7 @@ def test_concurrent_devices_give_the_sequential_bits():
 
 
 def test_the_note_names_the_backends_that_cannot_promise_bits(monkeypatch):
-  from fedjax_mr.training import experiment
+  from fedjax_mr.harness import experiment
 
   assert experiment.reproducibility_note('cpu', 2) is None
   assert experiment.reproducibility_note('cpu', 1) is None

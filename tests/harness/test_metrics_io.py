@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from fedjax_mr.training import metrics_io
+from fedjax_mr.harness import metrics_io
 
 
 def test_write_json_replaces_the_whole_file(tmp_path):
