@@ -72,6 +72,11 @@ def _float_dtype(*arrays) -> np.dtype | None:
   return max(kinds, key=lambda d: float(jnp.finfo(d).eps))
 
 
+def coarsest_float_dtype(tree) -> np.dtype | None:
+  """The coarsest floating dtype among a tree's leaves."""
+  return _float_dtype(*(np.asarray(x) for x in jax.tree.leaves(tree)))
+
+
 def dtype_rtol(rtol: float, *arrays) -> float:
   """`rtol`, or `ULPS` ULPs of the arrays' coarsest float dtype if coarser."""
   dtype = _float_dtype(*arrays)
@@ -80,23 +85,33 @@ def dtype_rtol(rtol: float, *arrays) -> float:
   return max(rtol, ULPS * float(jnp.finfo(dtype).eps))
 
 
-def assert_close(actual, desired, rtol=1e-7, atol=0.0, err_msg=''):
+def assert_close(
+  actual, desired, rtol=1e-7, atol=0.0, err_msg='', precision=None
+):
   """`np.testing.assert_allclose` over two trees (or two arrays/scalars),
   with a tolerance that follows the compared leaves' dtype.
 
   `rtol` is what the caller asks for; a leaf in a coarser dtype (bfloat16,
   float16) gets at least `ULPS` of its own epsilon, so no comparison is
-  finer than its dtype can represent. Both sides are compared in float64,
-  so the subtraction itself does not round in the coarse dtype. Every
-  tolerance in the suite goes through here (tests/test_tolerances.py).
+  finer than its dtype can represent. `precision`, a dtype, says that
+  every leaf carries that dtype's rounding (a float32 mean of values
+  stored in bfloat16): each leaf then gets at least `ULPS` of its epsilon,
+  relative and, for elements near zero, relative to the leaf's largest
+  magnitude. Both sides are compared in float64, so the subtraction itself
+  does not round in the coarse dtype. Every tolerance in the suite goes
+  through here (tests/test_tolerances.py).
   """
 
   def one(u, v):
     u, v = np.asarray(u), np.asarray(v)
-    tol = dtype_rtol(rtol, u, v)
+    tol, floor = dtype_rtol(rtol, u, v), atol
     if _float_dtype(u, v) is not None:
       u, v = u.astype(np.float64), v.astype(np.float64)
-    np.testing.assert_allclose(u, v, rtol=tol, atol=atol, err_msg=err_msg)
+      if precision is not None:
+        eps = ULPS * float(jnp.finfo(precision).eps)
+        scale = float(np.max(np.abs(v))) if v.size else 0.0
+        tol, floor = max(tol, eps), max(atol, eps * scale)
+    np.testing.assert_allclose(u, v, rtol=tol, atol=floor, err_msg=err_msg)
 
   # Lists are values ([1.0, 2.0]), not trees of leaves.
   jax.tree.map(one, actual, desired, is_leaf=lambda x: isinstance(x, list))

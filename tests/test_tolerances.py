@@ -75,3 +75,20 @@ def test_no_test_compares_with_a_tolerance_blind_to_the_dtype():
       if RAW.search(line):
         found.append(f'{path.relative_to(TESTS)}:{number}: {line.strip()}')
   assert not found, 'use helpers.assert_close:\n' + '\n'.join(found)
+
+
+def test_precision_carries_a_coarser_dtype_into_float32_leaves():
+  # A float32 mean of bfloat16-stored values: one bfloat16 ULP of a stored
+  # value (2^-12 at 0.06) divided by N = 6 clients.
+  a = np.array([0.083903, -0.02539063, -0.0584259], np.float32)
+  b = a.copy()
+  b[2] += np.float32(2.0**-12 / 6)
+  with pytest.raises(AssertionError):
+    helpers.assert_close(a, b, rtol=1e-4, atol=1e-5)
+  helpers.assert_close(a, b, rtol=1e-4, atol=1e-5, precision=jnp.bfloat16)
+  # Still a real difference: 10 % of the leaf's scale.
+  b[2] += np.float32(0.0084)
+  with pytest.raises(AssertionError):
+    helpers.assert_close(a, b, rtol=1e-4, atol=1e-5, precision=jnp.bfloat16)
+  tree = {'c': np.zeros(2, np.float32), 'ci': np.zeros(2, jnp.bfloat16)}
+  assert helpers.coarsest_float_dtype(tree) == jnp.bfloat16

@@ -1,5 +1,5 @@
 """The registry: every algorithm meets the contract; adding one is one
-module and one registry line (here the module is this file's toy)."""
+module and one registry entry (here the module is this file's toy)."""
 
 import dataclasses
 from typing import NamedTuple
@@ -84,9 +84,11 @@ def build_toy(setting, hp):
 
 @pytest.fixture
 def with_toy(monkeypatch):
-  # The one registry line.
+  # The one registry entry.
   monkeypatch.setitem(
-    registry.REGISTRY, 'toy', registry.Entry(ToyHparams, build_toy)
+    registry.REGISTRY,
+    'toy',
+    registry.Entry(hparams=ToyHparams, factory=build_toy, label='Toy'),
   )
 
 
