@@ -17,7 +17,9 @@ import pytest
 from fedjax_mr.harness import stitch_figures as figures
 from fedjax_mr.stitch import federated
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+)
 _LOG_LINE = re.compile(r'^[IWEF]\d{4} ')  # absl log lines (not errors)
 
 

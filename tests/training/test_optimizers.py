@@ -152,8 +152,10 @@ def test_fedavg_with_server_sgd_at_rate_one_is_the_plain_mean():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name', ['momentum', 'adam', 'yogi', 'adagrad'])
-def test_contract_with_each_server_optimizer(name):
+# Two state layouts: a momentum trace, and the FedOpt moments (m, v) that
+# adam, yogi and adagrad share (one code path, `scale_by_fedopt`).
+@pytest.mark.parametrize('name', ['momentum', 'adam'])
+def test_contract_with_each_server_optimizer_state(name):
   contract.check_algorithm(
     lambda local, k, n: fedavg.fedavg(
       local, k, server_optimizer=optimizers.server_optimizer(name, 0.05)
