@@ -206,8 +206,8 @@ class ExperimentConfig:
   batch_size: int = _field(50, 'Local batch size B.')
   client_optimizer: str = _field(
     'sgd',
-    "The clients' optimizer: sgd (with --momentum) or adam (with "
-    '--client_beta1, --client_beta2, --client_epsilon); both at --lr.',
+    "The clients' optimizer: sgd (with momentum) or adam (with "
+    'client_beta1, client_beta2, client_epsilon); both at rate lr.',
     choices=optimizers.CLIENT_OPTIMIZERS,
   )
   lr: float = _field(0.01, "The clients' learning rate.")
@@ -221,28 +221,27 @@ class ExperimentConfig:
     'sgd',
     'The server optimizer on the pseudo-gradient (global model minus the '
     "clients' aggregate), for the algorithms that aggregate: sgd (at "
-    '--server_lr=1, the plain aggregate: FedAvg), momentum (FedAvgM, '
-    '--server_momentum), adam, yogi, adagrad (FedAdam, FedYogi, FedAdagrad '
-    'of Reddi et al., with --server_beta1, --server_beta2, '
-    '--server_epsilon).',
+    'server_lr 1, the plain aggregate: FedAvg), momentum (FedAvgM, '
+    'server_momentum), adam, yogi, adagrad (FedAdam, FedYogi, FedAdagrad '
+    'of Reddi et al., with server_beta1, server_beta2, server_epsilon).',
     choices=optimizers.SERVER_OPTIMIZERS,
   )
   server_lr: float = _field(
     1.0, 'Server learning rate (SCAFFOLD: its global step eta_g).'
   )
   server_momentum: float = _field(
-    0.9, 'Server momentum of --server_optimizer=momentum (FedAvgM).'
+    0.9, 'Server momentum of the momentum server optimizer (FedAvgM).'
   )
   server_beta1: float = _field(
-    0.9, 'First-moment decay of --server_optimizer=adam|yogi|adagrad.'
+    0.9, 'First-moment decay of the adam, yogi and adagrad server optimizers.'
   )
   server_beta2: float = _field(
-    0.99, 'Second-moment decay of --server_optimizer=adam|yogi.'
+    0.99, 'Second-moment decay of the adam and yogi server optimizers.'
   )
   server_epsilon: float = _field(
     1e-3,
-    'Adaptivity tau of --server_optimizer=adam|yogi|adagrad (added to the '
-    'root of the second moment, which starts at tau^2).',
+    'Adaptivity tau of the adam, yogi and adagrad server optimizers (added '
+    'to the root of the second moment, which starts at tau^2).',
   )
   weighting: str = _field(
     'auto',
@@ -641,7 +640,7 @@ def _flag_error(
 
 
 def client_optimizer(config: ExperimentConfig) -> optimizers.Optimizer:
-  """The clients' optimizer (`--client_optimizer` at `--lr`).
+  """The clients' optimizer (`client_optimizer` at rate `lr`).
 
   Raises:
     ConfigError: a bad value, named by its flag.
@@ -660,7 +659,7 @@ def client_optimizer(config: ExperimentConfig) -> optimizers.Optimizer:
 
 
 def server_optimizer(config: ExperimentConfig) -> optimizers.Optimizer:
-  """The server optimizer (`--server_optimizer` at `--server_lr`).
+  """The server optimizer (`server_optimizer` at rate `server_lr`).
 
   Raises:
     ConfigError: a bad value, named by its flag.

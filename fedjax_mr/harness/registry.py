@@ -73,7 +73,7 @@ class Entry:
     hparams: the hyper-parameter dataclass (its fields are the flags).
     factory: `factory(setting, hparams) -> Algorithm`.
     label: the name in figures and tables ('FedMR').
-    weighting: 'examples' or 'uniform', what `--weighting=auto` means.
+    weighting: 'examples' or 'uniform', what weighting 'auto' means.
     multi_model: keeps K different models (their accuracies are evaluated).
     prefix: the flags' prefix ('' means the registry name).
     variants: compare's named variants, `{name: {flag: value}}`.
