@@ -77,6 +77,8 @@ class Entry:
     multi_model: keeps K different models (their accuracies are evaluated).
     prefix: the flags' prefix ('' means the registry name).
     variants: compare's named variants, `{name: {flag: value}}`.
+    variant_labels: a variant's name in figures, where it has one of its
+      own ('FedAdam'); the others are named by the fields they change.
     model: `model(zoo model, hparams) -> the network the algorithm trains`;
       None: the zoo model unchanged.
     server_optimizer: the factory takes `Setting.server_optimizer` (its
@@ -92,6 +94,7 @@ class Entry:
   variants: Mapping[str, Mapping[str, Any]] = dataclasses.field(
     default_factory=dict
   )
+  variant_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
   model: Callable[[model_lib.Model, Any], model_lib.Model] | None = None
   server_optimizer: bool = False
 
@@ -101,6 +104,8 @@ REGISTRY: dict[str, Entry] = {
     hparams=fedavg.Hparams,
     factory=fedavg.build,
     label='FedAvg',
+    variants=fedavg.VARIANTS,
+    variant_labels=fedavg.VARIANT_LABELS,
     server_optimizer=True,
   ),
   'fedprox': Entry(
@@ -295,6 +300,8 @@ def display_name(variant: str) -> str:
   if variant in REGISTRY:
     return REGISTRY[variant].label
   for name, entry in REGISTRY.items():
+    if variant in entry.variant_labels:
+      return entry.variant_labels[variant]
     if variant in entry.variants:
       prefix = f'{entry.prefix or name}_'
       changes = ', '.join(

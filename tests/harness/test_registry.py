@@ -209,6 +209,18 @@ def test_display_names():
     'FedGen (generative_alpha=1, generative_beta=1)'
   )
   assert registry.display_name('my_variant') == 'my_variant'
+  # A variant with a name of its own (FedAdam is FedAvg with Adam on the
+  # server) is called by it; every label stays unique.
+  assert registry.display_name('fedadam') == 'FedAdam'
+  assert registry.display_name('fedavgm') == 'FedAvgM'
+  variant_labels = [
+    label
+    for entry in registry.REGISTRY.values()
+    for label in entry.variant_labels.values()
+  ]
+  assert len(set(labels + variant_labels)) == len(labels + variant_labels)
+  for entry in registry.REGISTRY.values():
+    assert set(entry.variant_labels) <= set(entry.variants)
 
 
 def test_config_accepts_flags_and_rejects_unknown_names():
