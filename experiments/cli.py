@@ -7,6 +7,13 @@ usage text, no traceback. `--flagfile` also finds the bundled configs by
 name (`--flagfile=fmnist_table`), from any folder and from an installed
 package, where the programs are `fedjax_mr.experiments.<name>` and the
 console scripts `fedjax-mr-<name>`.
+
+The library names what it was given in backticks (`rounds`,
+`partition=iid`: an argument or a config field); a program speaks in
+flags, so `render` turns each backticked name that is one of the
+program's flags into the flag (`--rounds`, `--partition=iid`), in error
+lines (`fail`), progress lines (`log`) and warnings alike. This is the one
+place where an argument becomes a flag.
 """
 
 from __future__ import annotations
@@ -14,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import sys
+import warnings
 from typing import Any
 from typing import Callable
 from typing import NoReturn
@@ -27,9 +36,38 @@ from fedjax_mr.core import errors
 EXIT_USAGE = 2
 
 
+# `name`, `noname` or `name=value` in backticks.
+_NAMED = re.compile(r'`(no)?([a-z][a-z0-9_]*)((?:=[^`]*)?)`')
+
+
+def render(text: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:
+  """`text` in the program's words: each backticked name (with or without
+  a value) that is one of its flags (`flag_values`) becomes the flag
+  (`rounds=5` -> --rounds=5, `noresume` -> --noresume of a boolean flag);
+  other backticked words stay as they are."""
+
+  def flag(match: re.Match) -> str:
+    no, name, value = match.groups()
+    if no and no + name in flag_values:
+      name, no = no + name, None
+    if name not in flag_values:
+      return match.group(0)
+    if no and not isinstance(flag_values[name].default, bool):
+      return match.group(0)
+    return f'--{no or ""}{name}{value}'
+
+  return _NAMED.sub(flag, str(text))
+
+
+def log(line: str) -> None:
+  """A progress line of the library, in the program's words (`render`)."""
+  print(render(line), flush=True)
+
+
 def fail(message: str) -> NoReturn:
-  """Prints `error: message` (one line) on stderr and exits with code 2."""
-  line = ' '.join(str(message).split())  # one line, whatever it holds
+  """Prints `error: message` (one line, in the program's words: `render`)
+  on stderr and exits with code 2."""
+  line = ' '.join(render(message).split())  # one line, whatever it holds
   print(f'error: {line}', file=sys.stderr)
   sys.exit(EXIT_USAGE)
 
@@ -160,9 +198,21 @@ def guarded(
   return wrapped
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+  """`warnings.showwarning` for the programs: the library's warnings in
+  their words (`render`)."""
+  del line
+  text = warnings.formatwarning(
+    render(str(message)), category, filename, lineno, ''
+  )
+  (file or sys.stderr).write(text)
+
+
 def run(main: Callable[[list[str]], object]) -> None:
   """`absl.app.run(main)` with one-line errors for unparsable flags, bad
-  input and unwritable files (`guarded`)."""
+  input and unwritable files (`guarded`), and the library's warnings in
+  the program's words (`render`)."""
+  warnings.showwarning = _show_warning
   app.run(guarded(main), flags_parser=parse_flags)
 
 

@@ -21,6 +21,8 @@ figure).
 
 from __future__ import annotations
 
+import functools
+
 from absl import flags
 from absl import logging
 
@@ -109,7 +111,8 @@ def main(argv) -> None:
     title = compare.setting_title(base)
     if not _SUMMARIZE_ONLY.value:
       distributed.initialize_for(runs[0][2])
-      compare.run_matrix(runs, experiment.train_and_evaluate)
+      train = functools.partial(experiment.train_and_evaluate, log=cli.log)
+      compare.run_matrix(runs, train, log=cli.log)
     names = [name for name, _ in variants]
     if _TABLE.value == 'these':
       summary = compare.summarize(

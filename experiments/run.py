@@ -57,7 +57,7 @@ def main(argv) -> None:
     config_lib.validate(config)
     # Before any JAX computation: host devices and the distributed runtime.
     distributed.initialize_for(config)
-    experiment.train_and_evaluate(config)
+    experiment.train_and_evaluate(config, log=cli.log)
 
 
 def entry() -> None:

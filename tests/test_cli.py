@@ -1,8 +1,10 @@
-"""How the programs find flagfiles (experiments/cli.py)."""
+"""The programs' shared plumbing (experiments/cli.py): flagfiles, one-line
+errors and the library's backticked names rendered as flags."""
 
 import os
 
 import pytest
+from absl import flags
 
 from experiments import cli
 
@@ -69,3 +71,43 @@ def test_a_flagfile_that_includes_itself_is_one_line(tmp_path, capsys):
     cli.expand_flagfiles([f'--flagfile={loop}'])
   err = capsys.readouterr().err
   assert err.startswith('error: --flagfile=loop.flags: it includes itself')
+
+
+def test_render_turns_the_librarys_backticked_names_into_flags():
+  fv = flags.FlagValues()
+  flags.DEFINE_integer('rounds', 1, '', flag_values=fv)
+  flags.DEFINE_string('partition', 'iid', '', flag_values=fv)
+  flags.DEFINE_bool('resume', True, '', flag_values=fv)
+  flags.DEFINE_bool('nothing', False, '', flag_values=fv)
+  render = lambda text: cli.render(text, flag_values=fv)  # noqa: E731
+  assert (
+    render('`rounds` must be >= 1, got 0') == '--rounds must be >= 1, got 0'
+  )
+  assert render('`partition=natural`: no natural split') == (
+    '--partition=natural: no natural split'
+  )
+  assert render('pass `rounds=5` or `noresume`') == (
+    'pass --rounds=5 or --noresume'
+  )
+  # A flag whose own name starts with "no" is that flag.
+  assert render('`nothing`') == '--nothing'
+  # Not a flag of this program (a file, another program's word, "no" before
+  # a flag that is not boolean): left as written.
+  assert render('`config.json` and `alpha` and `norounds`') == (
+    '`config.json` and `alpha` and `norounds`'
+  )
+  assert render('no backticks at all --x') == 'no backticks at all --x'
+
+
+def test_fail_and_log_speak_in_flags(capsys):
+  flags.DEFINE_integer('render_test_only_flag', 1, '')
+  cli.log('`render_test_only_flag=3` and `unknown_name`')
+  assert capsys.readouterr().out == (
+    '--render_test_only_flag=3 and `unknown_name`\n'
+  )
+  with pytest.raises(SystemExit) as e:
+    cli.fail('`render_test_only_flag` must be ≥ 1,\n got 0')
+  assert e.value.code == cli.EXIT_USAGE
+  assert capsys.readouterr().err == (
+    'error: --render_test_only_flag must be ≥ 1, got 0\n'
+  )
