@@ -206,9 +206,26 @@ def curves_figure(runs: Runs, title: str = '') -> Any:
   Returns:
     A `matplotlib.figure.Figure` on the Agg canvas.
   """
-  from matplotlib.lines import Line2D
+  panels = _panels(runs)
+  curves = {
+    name: [curve(seeds, p.key, p.scale) for p in panels]
+    for name, seeds in runs.items()
+  }
+  fig, axes = _grid(len(panels))
+  colors = dict(zip(runs, _colors(len(runs))))
+  cut = False
+  for i, (ax, panel) in enumerate(zip(axes, panels)):
+    column = {name: c[i] for name, c in curves.items()}
+    cut |= _draw_panel(ax, panel, column, colors)
+  _legend(fig, runs, curves, colors)
+  lines = [line for line in (title, '; '.join(_notes(curves, cut))) if line]
+  if lines:
+    fig.suptitle('\n'.join(lines))
+  return fig
 
-  figure, canvas = _matplotlib()
+
+def _panels(runs: Runs) -> tuple[Panel, ...]:
+  """`PANELS`, and the `OPTIONAL_PANELS` that some run logged."""
   logged = {
     key
     for seeds in runs.values()
@@ -216,67 +233,90 @@ def curves_figure(runs: Runs, title: str = '') -> Any:
     for row in rows
     for key in row
   }
-  panels = PANELS + tuple(p for p in OPTIONAL_PANELS if p.key in logged)
-  curves = {
-    name: [curve(seeds, p.key, p.scale) for p in panels]
-    for name, seeds in runs.items()
-  }
-  ncols = 2 if len(panels) == 4 else min(len(panels), 3)
-  nrows = -(-len(panels) // ncols)
+  return PANELS + tuple(p for p in OPTIONAL_PANELS if p.key in logged)
+
+
+def _grid(n: int) -> tuple[Any, np.ndarray]:
+  """A figure (Agg canvas) and its first `n` axes, in rows of 2 (for 4)
+  or up to 3; the axes beyond `n` are hidden."""
+  figure, canvas = _matplotlib()
+  ncols = 2 if n == 4 else min(n, 3)
+  nrows = -(-n // ncols)
   fig = figure(
     figsize=(4.4 * ncols + 3, 3.4 * nrows + 0.8), layout='constrained'
   )
   canvas(fig)
   axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
-  for ax in axes[len(panels) :]:
+  for ax in axes[n:]:
     ax.set_visible(False)
-  colors = dict(zip(runs, _colors(len(runs))))
-  cut = False
-  for i, (ax, panel) in enumerate(zip(axes, panels)):
-    column = [c[i] for c in curves.values()]
-    ceiling = loss_ceiling(column) if panel.log else math.inf
-    drawn = [c.mean for c in column] + [
-      s.values for c in column for s in c.stopped
-    ]
-    drawn = np.concatenate([np.zeros(0), *drawn])
-    for name, c in zip(curves, column):
-      color = colors[name]
-      if len(c.rounds):
-        ax.plot(
-          c.rounds,
-          c.mean,
-          color=color,
-          lw=1.3,
-          marker='.' if len(c.rounds) <= 30 else None,
-        )
-        if c.seeds > 1:
-          ax.fill_between(
-            c.rounds,
-            c.mean - c.std,
-            c.mean + c.std,
-            color=color,
-            alpha=0.2,
-            lw=0,
-          )
-      for s in c.stopped:
-        if not len(s.rounds):
-          continue
-        ax.plot(s.rounds, s.values, color=color, lw=1.0, ls='--')
-        ax.plot(
-          s.rounds[-1:],
-          np.minimum(s.values[-1:], ceiling),
-          color=color,
-          ls='none',
-          marker='x',
-          ms=9,
-          mew=2,
-          clip_on=False,
-          zorder=5,
-        )
-    _axis(ax, panel, drawn)
-    if panel.log and drawn.size and drawn.max() > ceiling:
-      ax.set_ylim(top=ceiling)
-      cut = True
+  return fig, axes
+
+
+def _draw_panel(
+  ax: Any, panel: Panel, column: Mapping[str, Curve], colors: Mapping
+) -> bool:
+  """Draws each method's `Curve` of `panel` (`column`: method -> curve)
+  on `ax`; returns whether a loss was cut off at the panel's ceiling."""
+  ceiling = loss_ceiling(list(column.values())) if panel.log else math.inf
+  drawn = [c.mean for c in column.values()] + [
+    s.values for c in column.values() for s in c.stopped
+  ]
+  drawn = np.concatenate([np.zeros(0), *drawn])
+  for name, c in column.items():
+    _draw_curve(ax, c, colors[name], ceiling)
+  _axis(ax, panel, drawn)
+  if panel.log and drawn.size and drawn.max() > ceiling:
+    ax.set_ylim(top=ceiling)
+    return True
+  return False
+
+
+def _draw_curve(ax: Any, c: Curve, color: Any, ceiling: float) -> None:
+  """One method's mean (dotted where there are few rounds), its ±1 std
+  band over several seeds, and each diverged seed dashed up to a × at
+  its last finite value (at most `ceiling`)."""
+  if len(c.rounds):
+    ax.plot(
+      c.rounds,
+      c.mean,
+      color=color,
+      lw=1.3,
+      marker='.' if len(c.rounds) <= 30 else None,
+    )
+    if c.seeds > 1:
+      ax.fill_between(
+        c.rounds,
+        c.mean - c.std,
+        c.mean + c.std,
+        color=color,
+        alpha=0.2,
+        lw=0,
+      )
+  for s in c.stopped:
+    if not len(s.rounds):
+      continue
+    ax.plot(s.rounds, s.values, color=color, lw=1.0, ls='--')
+    ax.plot(
+      s.rounds[-1:],
+      np.minimum(s.values[-1:], ceiling),
+      color=color,
+      ls='none',
+      marker='x',
+      ms=9,
+      mew=2,
+      clip_on=False,
+      zorder=5,
+    )
+
+
+def _legend(
+  fig: Any, runs: Runs, curves: Mapping[str, list[Curve]], colors: Mapping
+) -> None:
+  """One entry per method (dashed when no seed finished, × when one
+  diverged), beside the panels, or below them in columns when there are
+  more than `MAX_SIDE_LEGEND`."""
+  from matplotlib.lines import Line2D
+
   handles, labels = [], []
   for name, seeds in runs.items():
     finished = any(c.seeds for c in curves[name])
@@ -304,6 +344,10 @@ def curves_figure(runs: Runs, title: str = '') -> Any:
       ncols=min(3, len(handles)),
       fontsize='small',
     )
+
+
+def _notes(curves: Mapping[str, list[Curve]], cut: bool) -> list[str]:
+  """What the figure's marks mean, for those it has."""
   notes = []
   if any(c.seeds > 1 for column in curves.values() for c in column):
     notes.append('mean ± 1 std over seeds')
@@ -311,10 +355,7 @@ def curves_figure(runs: Runs, title: str = '') -> Any:
     notes.append("× : a diverged run's last finite round")
   if cut:
     notes.append('losses cut off above the panels')
-  lines = [line for line in (title, '; '.join(notes)) if line]
-  if lines:
-    fig.suptitle('\n'.join(lines))
-  return fig
+  return notes
 
 
 def loss_ceiling(column: Sequence[Curve], decades: float = 1.0) -> float:
