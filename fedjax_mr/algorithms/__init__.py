@@ -1,9 +1,10 @@
 """Federated algorithms, one module per algorithm, both sides (server and
 client): `fedavg`, `fedprox`, `scaffold`, `moon`, `fedgen`, `fedexp`,
 `fedasam` (FedASAM and FedSAM), `clusamp` (clustered sampling), `fedmr`
-(FedMR, FedMR-p, Indep), `fedmut`; FedStitch's baselines `heterofl`,
-`depthfl`, `fedepth` and `finetune` (FT-Full, FT-Part). The programs find
-them through `fedjax_mr.harness.registry`."""
+(FedMR, FedMR-p, Indep; its clients' secure recombination in
+`fedmr_secure`), `fedmut`; FedStitch's baselines `heterofl`, `depthfl`,
+`fedepth` and `finetune` (FT-Full, FT-Part). The programs find them
+through `fedjax_mr.harness.registry`."""
 
 from fedjax_mr.algorithms import clusamp as clusamp
 from fedjax_mr.algorithms import depthfl as depthfl
@@ -13,6 +14,7 @@ from fedjax_mr.algorithms import fedepth as fedepth
 from fedjax_mr.algorithms import fedexp as fedexp
 from fedjax_mr.algorithms import fedgen as fedgen
 from fedjax_mr.algorithms import fedmr as fedmr
+from fedjax_mr.algorithms import fedmr_secure as fedmr_secure
 from fedjax_mr.algorithms import fedmut as fedmut
 from fedjax_mr.algorithms import fedprox as fedprox
 from fedjax_mr.algorithms import finetune as finetune

@@ -191,7 +191,7 @@ def test_weighting_auto_follows_the_papers(small_config):
     ({'fedmut_alpha': 2.0}, '--fedmut_alpha=2.0 applies to --algorithm=fedmut'),
     ({'fedmr_first_stage': 3}, '--fedmr_first_stage=3 applies to'),
     ({'algorithm': 'fedmr', 'fedmr_segments': 4}, '--fedmr_segments=4'),
-    ({'algorithm': 'fedmr_p', 'fedmr_segments': 1}, '--algorithm=indep'),
+    ({'algorithm': 'fedmr_p', 'fedmr_segments': 1}, '`algorithm=indep`'),
     (
       {
         'algorithm': 'fedmr',
