@@ -46,8 +46,9 @@ _EXTENT = flags.DEFINE_float(
 _NUM_EXAMPLES = flags.DEFINE_integer(
   'num_examples', 2000, 'Examples the loss is computed on (0: all of --split).'
 )
-_SPLIT = flags.DEFINE_enum(
-  'split', 'test', ['test', 'train'], 'The examples: test or training split.'
+# Checked with the other arguments (`landscape.check_args`).
+_SPLIT = flags.DEFINE_string(
+  'split', 'test', 'The examples: test or train (the training split).'
 )
 _SEED = flags.DEFINE_integer(
   'seed', 0, 'Seed of the two directions and of the subset of examples.'

@@ -55,15 +55,15 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
   if not sep:
     if name not in VARIANTS:
       raise errors.ConfigError(
-        f'--variants: unknown variant {name!r}; choose among '
+        f'`variants`: unknown variant {name!r}; choose among '
         f'{", ".join(VARIANTS)} or define one as name:field=value,...'
       )
     return name, dict(VARIANTS[name])
   if not name or '/' in name or name.startswith('.'):
-    # The name is a folder under --workdir: it must stay inside it.
+    # The name is a folder under `out`: it must stay inside it.
     raise errors.ConfigError(
-      f'--variants: bad variant name in {spec!r} (a folder name under '
-      "--workdir, without '/' and not starting with '.')"
+      f'`variants`: bad variant name in {spec!r} (a folder name under '
+      "`workdir`, without '/' and not starting with '.')"
     )
   fields = {f.name: f for f in config_lib.base_fields()}
   fields.update({flag: f for flag, (f, _) in registry.all_flags().items()})
@@ -72,8 +72,8 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     key, eq, value = item.partition('=')
     if not eq or key not in fields:
       raise errors.ConfigError(
-        f'--variants: {item!r} in {spec!r} is not field=value with a flag '
-        'of experiments.run'
+        f'`variants`: {item!r} in {spec!r} is not field=value with a field '
+        'of the experiment config (a flag of experiments.run)'
       )
     overrides[key] = _convert(key, fields[key], value, spec)
   return name, overrides
@@ -92,7 +92,7 @@ def _convert(name: str, field: dataclasses.Field, value: str, spec: str) -> Any:
       return float(value)
   except ValueError:
     raise errors.ConfigError(
-      f'--variants: {name}={value!r} in {spec!r} is not a {kind}'
+      f'`variants`: {name}={value!r} in {spec!r} is not a {kind}'
     ) from None
   return value
 
@@ -109,13 +109,20 @@ def configs(
 ) -> list[tuple[str, int, config_lib.ExperimentConfig]]:
   """Every (variant, seed, config), validated before anything runs.
 
-  A hyper-parameter flag of an algorithm set in `base` (e.g.
-  `--fedprox_mu`) applies to the variants of the algorithms that read it;
+  A hyper-parameter field of an algorithm set in `base` (e.g.
+  `fedprox_mu`) applies to the variants of the algorithms that read it;
   the others keep its default. One that no variant's algorithm reads is
   refused.
+
+  Raises:
+    ConfigError: a variant named twice, a seed out of range, such a field,
+      or a config that does not validate (`config.validate`), named by its
+      field in backticks.
   """
   if len({name for name, _ in variants}) != len(variants):
-    raise errors.ConfigError('--variants: a name appears twice')
+    raise errors.ConfigError('`variants`: a name appears twice')
+  for seed in seeds:
+    config_lib.check_seed('seeds', seed)
   algorithm_flags = registry.all_flags()
   given = {
     flag: users
@@ -126,7 +133,7 @@ def configs(
   for flag, users in given.items():
     if not algorithms & set(users):
       raise errors.ConfigError(
-        f'--{flag} applies to --algorithm={"|".join(users)} only, and no '
+        f'`{flag}` applies to `algorithm={" or ".join(users)}` only, and no '
         f'variant runs one ({", ".join(sorted(algorithms))})'
       )
   result = []
@@ -258,7 +265,7 @@ def summarize(
       f' with seeds {", ".join(map(str, seeds))}' if seeds else ''
     )
     raise errors.ConfigError(
-      f'--workdir={out}: no runs{which} there; nothing to summarize'
+      f'`workdir={out}`: no runs{which} there; nothing to summarize'
     )
   summary = {'variants': results, 'last': last}
   # Who wrote the table (each run's own config.json records the devices
@@ -331,7 +338,7 @@ def run_matrix(
     `{(variant, seed): round}` of the runs that diverged.
   """
   for _, _, config in runs:  # refuse before running any of them
-    workdir_lib.check_free(config.workdir, '--workdir')
+    workdir_lib.check_free(config.workdir)
 
   def done(config) -> int:
     rows = metrics_io.read(os.path.join(config.workdir, 'metrics.jsonl'))
@@ -412,7 +419,7 @@ _TITLE_FIELDS = {
 def setting_title(config: config_lib.ExperimentConfig) -> str:
   """The setting a comparison ran: dataset, model, partition (α),
   clients, E, B, lr, momentum, rounds, and every other field that defines
-  the run and differs from its default (an algorithm's own flags excepted:
+  the run and differs from its default (an algorithm's own fields excepted:
   they belong to the variants)."""
   c = config
   part = {

@@ -5,11 +5,15 @@ help text below). Fields marked `run_only` may change when a run resumes
 (how long to run, how often to log or save, how to execute); all the others
 define the run, and resuming a workdir with different values is an error.
 
-The algorithms' own hyper-parameters are flags too (`--fedprox_mu`,
-`--fedmr_first_stage`, ...), generated from the algorithm registry
+The algorithms' own hyper-parameters are fields too (`fedprox_mu`,
+`fedmr_first_stage`, ...), generated from the algorithm registry
 (`fedjax_mr.harness.registry`): `ExperimentConfig(algorithm='fedprox',
 fedprox_mu=0.1)` and `config.fedprox_mu` work like ordinary fields; they
-are held in `config.options` (every registered flag, defaults filled in).
+are held in `config.options` (every registered one, defaults filled in).
+
+Errors name the field in backticks (`rounds`, `partition=natural`), the
+library's word for it; the programs render those as their flags
+(`experiments.cli.render`).
 """
 
 from __future__ import annotations
@@ -35,28 +39,28 @@ PARTITIONS = (
   'natural',
 )
 CIFAR100_LABELS = ('fine', 'coarse')
-# The flags that some partitions alone read, and those partitions.
-PARTITION_FLAGS = {
+# The fields that some partitions alone read, and those partitions.
+PARTITION_FIELDS = {
   'alpha': ('dirichlet', 'dirichlet_equal'),
   'min_client_size': ('dirichlet',),
   'shards_per_client': ('shards',),
   'partition_file': ('file',),
   'partition_sha256': ('file',),
 }
-# The flags that some optimizers alone read, and those optimizers.
-CLIENT_OPTIMIZER_FLAGS = {
+# The fields that some optimizers alone read, and those optimizers.
+CLIENT_OPTIMIZER_FIELDS = {
   'momentum': ('sgd',),
   'client_beta1': ('adam',),
   'client_beta2': ('adam',),
   'client_epsilon': ('adam',),
 }
-SERVER_OPTIMIZER_FLAGS = {
+SERVER_OPTIMIZER_FIELDS = {
   'server_momentum': ('momentum',),
   'server_beta1': ('adam', 'yogi', 'adagrad'),
   'server_beta2': ('adam', 'yogi'),
   'server_epsilon': ('adam', 'yogi', 'adagrad'),
 }
-# The optimizers' arguments, by the flag that sets them.
+# The field that sets each argument of the optimizers.
 _CLIENT_ARGUMENTS = {
   'learning_rate': 'lr',
   'momentum': 'momentum',
@@ -111,7 +115,7 @@ class ExperimentConfig:
   """One federated training experiment (see each field's help).
 
   Keyword arguments are the fields below and the registered algorithms'
-  flags (see the module docstring); an unknown name is a TypeError.
+  fields (see the module docstring); an unknown name is a TypeError.
   """
 
   algorithm: str = _field(
@@ -143,30 +147,30 @@ class ExperimentConfig:
     '',
     'Learn these classes only, e.g. 5-9 or 0,2,4 (relabelled 0..n-1 in '
     'this order): the clients hold, and the test set has, examples of '
-    'these classes alone (a transfer setting beside experiments.stitch '
-    '--classes). Empty: every class.',
+    'these classes alone (a transfer setting beside the classes of '
+    'experiments.stitch). Empty: every class.',
   )
   model: str = _field('cnn_mnist', 'Model name.', choices='models')
   init_from: str = _field(
     '',
     'Start from a pre-trained model: <pool folder>/<model id> as '
     'experiments.pretrain_zoo writes it (meta.json + variables), of this '
-    '--model, input shape and number of classes. A model trained on other '
-    "classes (its meta's classes differ from --classes) keeps all but its "
-    'classifier, the last module, which starts from the fresh init. Empty: '
-    'the fresh init.',
+    'model, input shape and number of classes. A model trained on other '
+    "classes (its meta's classes differ from these classes) keeps all but "
+    'its classifier, the last module, which starts from the fresh init. '
+    'Empty: the fresh init.',
   )
   num_clients: int = _field(100, 'Number of clients N.')
   clients_per_round: int = _field(10, 'Clients sampled per round K.')
   partition: str = _field(
     'dirichlet',
     'How to split data among clients: iid (equal random shares); '
-    'dirichlet (label skew, --alpha: each class split over the clients by '
+    'dirichlet (label skew, alpha: each class split over the clients by '
     'Dir(alpha), so client sizes vary); dirichlet_equal (equal-size '
     "clients, each client's class mix drawn from Dir(alpha), FedStitch's "
     "non-IID setting); shards (the FedAvg paper's "
-    'label-sorted shards, --shards_per_client); file (the index lists of '
-    "--partition_file); natural: the dataset's own users (femnist, "
+    'label-sorted shards, shards_per_client); file (the index lists of '
+    "partition_file); natural: the dataset's own users (femnist, "
     'shakespeare), num_clients of them chosen by the seed.',
     choices=PARTITIONS,
   )
@@ -191,13 +195,13 @@ class ExperimentConfig:
     '',
     'partition=file: a JSON file of client index lists, [[i, ...], ...] '
     'or {"clients": [[i, ...], ...]}: exactly num_clients non-empty lists '
-    "of indices into --dataset's training set (from 0), no index in two "
+    "of indices into the dataset's training set (from 0), no index in two "
     'lists or twice; examples in no list are not used.',
     run_only=True,
   )
   partition_sha256: str = _field(
     '',
-    'partition=file: the sha256 (hex) of --partition_file. Empty: computed '
+    'partition=file: the sha256 (hex) of partition_file. Empty: computed '
     'from the file; it is saved in config.json, so resuming with a changed '
     'file is refused. Set: the file must have it.',
   )
@@ -293,7 +297,7 @@ class ExperimentConfig:
   tensorboard: bool = _field(
     True,
     'Also write the metrics rows as TensorBoard event files to '
-    '<workdir>/tensorboard (view: tensorboard --logdir <workdir>).',
+    '<workdir>/tensorboard (for TensorBoard, whose logdir is <workdir>).',
     run_only=True,
   )
   energy_mix: str = _field(
@@ -327,7 +331,7 @@ class ExperimentConfig:
   )
   host_devices: int = _field(
     0,
-    'CPU only: XLA host devices per process (0: --num_devices if set, '
+    'CPU only: XLA host devices per process (0: num_devices if set, '
     'else one per core, at most K). One CPU device keeps ~1.3 cores busy.',
     run_only=True,
   )
@@ -372,7 +376,7 @@ class ExperimentConfig:
         )
 
   def __getattr__(self, name: str) -> Any:
-    # Only for names that are not fields: the algorithm flags.
+    # Only for names that are not fields: the algorithms' own.
     options = self.__dict__.get('options')
     if options is not None and name in options:
       return options[name]
@@ -394,7 +398,7 @@ class ExperimentConfig:
     )
 
   def to_dict(self) -> dict[str, Any]:
-    """Every field and algorithm flag, flat (what config.json holds)."""
+    """Every field, the algorithms' too, flat (what config.json holds)."""
     out = {f.name: getattr(self, f.name) for f in base_fields()}
     out.update(self.options)
     return out
@@ -421,8 +425,8 @@ def _sha256_or_empty(path: str) -> str:
 
 
 def base_fields() -> tuple[dataclasses.Field, ...]:
-  """The fields of `ExperimentConfig` that are flags themselves (all but
-  `options`)."""
+  """The fields of `ExperimentConfig` itself (all but `options`, which
+  holds the algorithms' fields)."""
   return tuple(
     f
     for f in dataclasses.fields(ExperimentConfig)
@@ -442,72 +446,84 @@ def choices(field: dataclasses.Field) -> tuple[str, ...] | None:
 
 
 def energy_mixes(config: ExperimentConfig) -> list[str]:
-  """The device mixes of --energy_mix (';'-separated), in order."""
+  """The device mixes of `energy_mix` (';'-separated), in order."""
   return [m.strip() for m in config.energy_mix.split(';') if m.strip()]
 
 
 def validate(config: ExperimentConfig) -> None:
-  """Raises `ConfigError` naming the first bad flag and what it allows."""
+  """Raises `ConfigError` naming the first bad field (in backticks) and
+  what it allows."""
   _check_values(config)
   _check_run(config)
   client_optimizer(config)
-  _check_optimizer_flags(config)
+  _check_optimizer_fields(config)
   server_optimizer(config)
   _check_data(config)
-  _validate_algorithm_flags(config)
+  _check_algorithm_fields(config)
+
+
+# The fields that must be ≥ 1, and those that must be ≥ 0.
+_POSITIVE = (
+  'num_clients',
+  'clients_per_round',
+  'rounds',
+  'local_epochs',
+  'batch_size',
+  'shards_per_client',
+  'eval_batch_size',
+  'keep_checkpoints',
+  'num_processes',
+)
+_NON_NEGATIVE = (
+  'eval_every',
+  'local_eval_every',
+  'checkpoint_every',
+  'min_client_size',
+  'leaf_min_samples',
+  'client_chunk',
+  'num_devices',
+  'host_devices',
+)
 
 
 def _check_values(config: ExperimentConfig) -> None:
   """Choices, and sizes and rates in their ranges."""
   for f in base_fields():
-    allowed = choices(f)
-    value = getattr(config, f.name)
-    if allowed and value not in allowed:
-      raise errors.ConfigError(
-        f'--{f.name}: unknown value {value!r}; choose one of '
-        f'{", ".join(allowed)}'
-      )
-  positive = (
-    'num_clients',
-    'clients_per_round',
-    'rounds',
-    'local_epochs',
-    'batch_size',
-    'shards_per_client',
-    'eval_batch_size',
-    'keep_checkpoints',
-    'num_processes',
-  )
-  for name in positive:
+    _check_choice(f.name, getattr(config, f.name), choices(f))
+  for name in _POSITIVE:
     if getattr(config, name) < 1:
       raise errors.ConfigError(
-        f'--{name} must be a positive integer, got {getattr(config, name)}'
+        f'`{name}` must be a positive integer, got {getattr(config, name)}'
       )
-  non_negative = (
-    'eval_every',
-    'local_eval_every',
-    'checkpoint_every',
-    'min_client_size',
-    'leaf_min_samples',
-    'client_chunk',
-    'num_devices',
-    'host_devices',
-  )
-  for name in non_negative:
+  for name in _NON_NEGATIVE:
     if getattr(config, name) < 0:
       raise errors.ConfigError(
-        f'--{name} must be ≥ 0, got {getattr(config, name)}'
+        f'`{name}` must be ≥ 0, got {getattr(config, name)}'
       )
-  if not 0 <= config.seed < 2**32:
-    raise errors.ConfigError(f'--seed must be in [0, 2**32), got {config.seed}')
+  check_seed('seed', config.seed)
   if not (
     config.energy_ms_per_sample > 0
     and math.isfinite(config.energy_ms_per_sample)
   ):
     raise errors.ConfigError(
-      '--energy_ms_per_sample must be finite and > 0, got '
+      '`energy_ms_per_sample` must be finite and > 0, got '
       f'{config.energy_ms_per_sample}'
     )
+
+
+def _check_choice(name: str, value: Any, allowed: Any) -> None:
+  """Refuses `value` of field `name` unless it is one of `allowed` (any
+  value when `allowed` is empty)."""
+  if allowed and value not in allowed:
+    raise errors.ConfigError(
+      f'`{name}`: unknown value {value!r}; choose one of {", ".join(allowed)}'
+    )
+
+
+def check_seed(name: str, seed: int) -> None:
+  """Raises `ConfigError` naming `name` unless `seed` is in [0, 2**32)."""
+  if not 0 <= seed < 2**32:
+    raise errors.ConfigError(f'`{name}` must be in [0, 2**32), got {seed}')
 
 
 def _check_run(config: ExperimentConfig) -> None:
@@ -518,78 +534,85 @@ def _check_run(config: ExperimentConfig) -> None:
     try:
       simulation.assign_profiles(mix, config.num_clients, config.seed)
     except (ValueError, OSError) as e:
-      raise errors.ConfigError(f'--energy_mix: {mix!r}: {e}') from None
+      raise errors.ConfigError(f'`energy_mix`: {mix!r}: {e}') from None
   if config.clients_per_round > config.num_clients:
     raise errors.ConfigError(
-      f'--clients_per_round={config.clients_per_round} exceeds '
-      f'--num_clients={config.num_clients}; it must be between 1 and '
+      f'`clients_per_round={config.clients_per_round}` exceeds '
+      f'`num_clients={config.num_clients}`; it must be between 1 and '
       'num_clients'
     )
   if not 0 <= config.process_id < config.num_processes:
     raise errors.ConfigError(
-      f'--process_id must be in [0, --num_processes={config.num_processes}),'
+      f'`process_id` must be in [0, `num_processes={config.num_processes}`),'
       f' got {config.process_id}'
     )
   if config.num_processes > 1:
     host, sep, port = config.coordinator_address.rpartition(':')
     if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
       raise errors.ConfigError(
-        '--coordinator_address must be host:port (e.g. 10.0.0.1:1234) with '
-        f'--num_processes={config.num_processes}, got '
+        '`coordinator_address` must be host:port (e.g. 10.0.0.1:1234) with '
+        f'`num_processes={config.num_processes}`, got '
         f'{config.coordinator_address!r}'
       )
 
 
 def _check_data(config: ExperimentConfig) -> None:
-  """The partition and its flags, the model against the dataset."""
-  if config.partition in PARTITION_FLAGS['alpha'] and not (
+  """The partition and its fields, the model against the dataset."""
+  if config.partition in PARTITION_FIELDS['alpha'] and not (
     config.alpha > 0 and math.isfinite(config.alpha)
   ):
     raise errors.ConfigError(
-      f'--alpha must be finite and > 0 for --partition={config.partition} '
-      f'(IID is --partition=iid), got {config.alpha}'
+      f'`alpha` must be finite and > 0 for `partition={config.partition}` '
+      f'(IID is `partition=iid`), got {config.alpha}'
     )
-  _check_owned(config, 'partition', PARTITION_FLAGS)
+  _check_owned(config, 'partition', PARTITION_FIELDS)
   if config.init_from and not os.path.isfile(
     os.path.join(config.init_from, 'meta.json')
   ):
     raise errors.ConfigError(
-      f'--init_from={config.init_from}: no meta.json there (want a model '
+      f'`init_from={config.init_from}`: no meta.json there (want a model '
       'folder as experiments.pretrain_zoo writes it: <pool>/<model id>)'
     )
   _check_partition_file(config)
   gives, takes = _input_kinds(config.dataset, config.model)
   if gives != takes:
     raise errors.ConfigError(
-      f'--model={config.model} takes {takes}; --dataset={config.dataset} '
+      f'`model={config.model}` takes {takes}; `dataset={config.dataset}` '
       f'gives {gives}'
     )
+  _check_dataset_fields(config)
+
+
+def _check_dataset_fields(config: ExperimentConfig) -> None:
+  """The fields that only some datasets read."""
   natural = _natural_names()
   if config.partition == 'natural' and config.dataset not in natural:
     raise errors.ConfigError(
-      f'--partition=natural needs a dataset with its own clients '
-      f'({", ".join(natural)}); --dataset={config.dataset} has none: use '
-      '--partition=iid or dirichlet'
+      f'`partition=natural` needs a dataset with its own clients '
+      f'({", ".join(natural)}); `dataset={config.dataset}` has none: use '
+      '`partition=iid` or dirichlet'
     )
   if config.leaf_min_samples and config.dataset not in natural:
     raise errors.ConfigError(
-      f'--leaf_min_samples applies to LEAF datasets ({", ".join(natural)}) '
-      f'only, not --dataset={config.dataset}'
+      f'`leaf_min_samples` applies to LEAF datasets ({", ".join(natural)}) '
+      f'only, not `dataset={config.dataset}`'
     )
   if config.cifar100_labels != 'fine' and config.dataset != 'cifar100':
     raise errors.ConfigError(
-      f'--cifar100_labels={config.cifar100_labels} applies to '
-      f'--dataset=cifar100 only, not --dataset={config.dataset}'
+      f'`cifar100_labels={config.cifar100_labels}` applies to '
+      f'`dataset=cifar100` only, not `dataset={config.dataset}`'
     )
 
 
 def _check_partition_file(config: ExperimentConfig) -> None:
+  """`partition_file` with `partition=file`: given, and readable as
+  `num_clients` index lists (of the given sha256, if any)."""
   if config.partition != 'file':
     return
   if not config.partition_file:
     raise errors.ConfigError(
-      '--partition=file needs --partition_file=<a JSON file of client '
-      'index lists>'
+      '`partition=file` needs `partition_file=<a JSON file of client '
+      'index lists>`'
     )
   from fedjax_mr.data import partition  # host-only, no jax
 
@@ -602,48 +625,54 @@ def _check_partition_file(config: ExperimentConfig) -> None:
 
 
 def _check_owned(
-  config: ExperimentConfig, owner: str, owned: Mapping[str, tuple[str, ...]]
+  config: ExperimentConfig,
+  owner: str,
+  owned: Mapping[str, tuple[str, ...]],
+  defaults: Mapping[str, Any] | None = None,
 ) -> None:
-  """Refuses a flag of `owned` set away from its default while the flag
-  `owner` is none of the values that read it."""
-  defaults = {f.name: f.default for f in base_fields()}
+  """Refuses a field of `owned` ({field: the values of `owner` that read
+  it}) set away from its default (`defaults`, else the field's own) while
+  the field `owner` is none of the values that read it."""
+  if defaults is None:
+    defaults = {f.name: f.default for f in base_fields()}
   value = getattr(config, owner)
   for name, owners in owned.items():
     if value not in owners and getattr(config, name) != defaults[name]:
       raise errors.ConfigError(
-        f'--{name}={getattr(config, name)} applies to --{owner}='
-        f'{" or ".join(owners)} only, not --{owner}={value}'
+        f'`{name}={getattr(config, name)}` applies to `{owner}='
+        f'{" or ".join(owners)}` only, not `{owner}={value}`'
       )
 
 
-def _check_optimizer_flags(config: ExperimentConfig) -> None:
-  _check_owned(config, 'client_optimizer', CLIENT_OPTIMIZER_FLAGS)
-  _check_owned(config, 'server_optimizer', SERVER_OPTIMIZER_FLAGS)
+def _check_optimizer_fields(config: ExperimentConfig) -> None:
+  """The fields of the optimizers that `client_optimizer` and
+  `server_optimizer` do not choose, and the server's fields of an
+  algorithm that takes no server optimizer."""
+  _check_owned(config, 'client_optimizer', CLIENT_OPTIMIZER_FIELDS)
+  _check_owned(config, 'server_optimizer', SERVER_OPTIMIZER_FIELDS)
   if registry.get(config.algorithm).server_optimizer:
     return
   defaults = {f.name: f.default for f in base_fields()}
-  for name in ('server_optimizer', 'server_lr', *SERVER_OPTIMIZER_FLAGS):
+  for name in ('server_optimizer', 'server_lr', *SERVER_OPTIMIZER_FIELDS):
     if getattr(config, name) != defaults[name]:
       takers = [n for n, e in registry.REGISTRY.items() if e.server_optimizer]
       raise errors.ConfigError(
-        f'--{name}={getattr(config, name)} applies to the algorithms that '
+        f'`{name}={getattr(config, name)}` applies to the algorithms that '
         f'step toward an aggregate ({", ".join(takers)}) only, not '
-        f'--algorithm={config.algorithm}'
+        f'`algorithm={config.algorithm}`'
       )
 
 
-def _flag_error(
-  flags_of: Mapping[str, str], error: errors.ArgumentError
-) -> errors.ConfigError:
-  flag = flags_of.get(error.argument, error.argument)
-  return errors.ConfigError(f'--{flag} {error.message}')
+def _field_error(field: str, error: errors.ArgumentError) -> errors.ConfigError:
+  """`error` naming `field`, the field that holds its argument."""
+  return errors.ConfigError(f'`{field}` {error.message}')
 
 
 def client_optimizer(config: ExperimentConfig) -> optimizers.Optimizer:
   """The clients' optimizer (`client_optimizer` at rate `lr`).
 
   Raises:
-    ConfigError: a bad value, named by its flag.
+    ConfigError: a bad value, named by its field.
   """
   try:
     if config.client_optimizer == 'adam':
@@ -655,14 +684,16 @@ def client_optimizer(config: ExperimentConfig) -> optimizers.Optimizer:
       )
     return optimizers.sgd(config.lr, config.momentum)
   except errors.ArgumentError as e:
-    raise _flag_error(_CLIENT_ARGUMENTS, e) from None
+    raise _field_error(
+      _CLIENT_ARGUMENTS.get(e.argument, e.argument), e
+    ) from None
 
 
 def server_optimizer(config: ExperimentConfig) -> optimizers.Optimizer:
   """The server optimizer (`server_optimizer` at rate `server_lr`).
 
   Raises:
-    ConfigError: a bad value, named by its flag.
+    ConfigError: a bad value, named by its field.
   """
   try:
     return optimizers.server_optimizer(
@@ -674,12 +705,14 @@ def server_optimizer(config: ExperimentConfig) -> optimizers.Optimizer:
       tau=config.server_epsilon,
     )
   except errors.ArgumentError as e:
-    raise _flag_error(_SERVER_ARGUMENTS, e) from None
+    raise _field_error(
+      _SERVER_ARGUMENTS.get(e.argument, e.argument), e
+    ) from None
 
 
 # Arguments of the algorithms' factories that are not their own
-# hyper-parameters, by the flag that sets them.
-_SETTING_FLAGS = {
+# hyper-parameters, by the field that sets them.
+_SETTING_FIELDS = {
   'weighted': 'weighting',
   'clients_per_round': 'clients_per_round',
   'num_clients': 'num_clients',
@@ -687,21 +720,20 @@ _SETTING_FLAGS = {
 }
 
 
-def flag_of(algorithm: str, argument: str) -> str:
-  """The flag behind an `ArgumentError` of algorithm `algorithm`."""
-  for flag, f in registry.flags_of(algorithm).items():
+def field_of(algorithm: str, argument: str) -> str:
+  """The field behind an `ArgumentError` of algorithm `algorithm`."""
+  for name, f in registry.flags_of(algorithm).items():
     if f.name == argument:
-      return flag
-  return _SETTING_FLAGS.get(argument, argument)
+      return name
+  return _SETTING_FIELDS.get(argument, argument)
 
 
 def as_config_error(
   algorithm: str, error: errors.ArgumentError
 ) -> errors.ConfigError:
-  """An algorithm's `ArgumentError` as a one-line error naming the flag."""
-  return errors.ConfigError(
-    f'--{flag_of(algorithm, error.argument)} {error.message}'
-  )
+  """An algorithm's `ArgumentError` as a one-line error naming the field
+  (in backticks)."""
+  return _field_error(field_of(algorithm, error.argument), error)
 
 
 def setting_of(config: ExperimentConfig) -> dict[str, Any]:
@@ -717,7 +749,7 @@ def hparams(config: ExperimentConfig) -> Any:
   """The hyper-parameters of `config.algorithm`, validated.
 
   Raises:
-    ConfigError: a bad value, named by its flag.
+    ConfigError: a bad value, named by its field.
   """
   hp = registry.hparams(config.algorithm, config.options)
   try:
@@ -727,19 +759,14 @@ def hparams(config: ExperimentConfig) -> Any:
   return hp
 
 
-def _validate_algorithm_flags(config: ExperimentConfig) -> None:
-  for flag, (f, users) in registry.all_flags().items():
-    value = config.options[flag]
-    allowed = f.metadata.get('choices')
-    if allowed and value not in allowed:
-      raise errors.ConfigError(
-        f'--{flag}: unknown value {value!r}; choose one of {", ".join(allowed)}'
-      )
-    if value != f.default and config.algorithm not in users:
-      raise errors.ConfigError(
-        f'--{flag}={value} applies to --algorithm={"|".join(users)} only, '
-        f'not --algorithm={config.algorithm}'
-      )
+def _check_algorithm_fields(config: ExperimentConfig) -> None:
+  """The algorithms' own fields: each one of its choices and, away from
+  its default, read by `algorithm`; then `hparams`' checks."""
+  fields = registry.all_flags()
+  defaults = {name: f.default for name, (f, _) in fields.items()}
+  for name, (f, users) in fields.items():
+    _check_choice(name, config.options[name], f.metadata.get('choices'))
+    _check_owned(config, 'algorithm', {name: users}, defaults)
   hparams(config)
 
 
@@ -766,18 +793,18 @@ def check_resumable(config: ExperimentConfig, saved_path: str) -> None:
   diffs = config_diffs(config, saved)
   if diffs:
     raise errors.ConfigError(
-      f'--workdir holds a run of a different config ({"; ".join(diffs)}); '
-      'pass another --workdir or the same flags'
+      f'`workdir` holds a run of a different config ({"; ".join(diffs)}); '
+      'pass another `workdir` or the same values'
     )
 
 
 def config_diffs(config: ExperimentConfig, saved: Mapping[str, Any]):
-  """`--flag=<saved> there, <value> here` for each field that defines the
+  """'`field=<saved>` there, <value> here' for each field that defines the
   run and differs between `config` and a saved config dict (a field the
   saved run predates had its default there)."""
   defaults = ExperimentConfig().identity()
   return [
-    f'--{k}={saved.get(k, defaults[k])!r} there, {v!r} here'
+    f'`{k}={saved.get(k, defaults[k])!r}` there, {v!r} here'
     for k, v in config.identity().items()
     if saved.get(k, defaults[k]) != v
   ]

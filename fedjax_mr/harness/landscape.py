@@ -35,6 +35,7 @@ from jax import lax
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.harness import config as config_lib
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.training import engine
 
@@ -205,28 +206,27 @@ def check_args(
   seed: int,
   points_per_pass: int,
 ) -> None:
-  """Raises `ConfigError` naming the flag of a bad argument of `compute`
+  """Raises `ConfigError` naming (in backticks) a bad argument of `compute`
   or `examples`."""
   if steps < 3 or steps % 2 == 0:
     raise errors.ConfigError(
-      f'--steps must be odd and >= 3 (the model is the middle point), got '
+      f'`steps` must be odd and >= 3 (the model is the middle point), got '
       f'{steps}'
     )
   if not (math.isfinite(extent) and extent > 0):
-    raise errors.ConfigError(f'--extent must be finite and > 0, got {extent}')
+    raise errors.ConfigError(f'`extent` must be finite and > 0, got {extent}')
   if num_examples < 0:
     raise errors.ConfigError(
-      f'--num_examples must be >= 0 (0: all), got {num_examples}'
+      f'`num_examples` must be >= 0 (0: all), got {num_examples}'
     )
   if split not in SPLITS:
     raise errors.ConfigError(
-      f'--split must be one of {", ".join(SPLITS)}, got {split!r}'
+      f'`split` must be one of {", ".join(SPLITS)}, got {split!r}'
     )
-  if not 0 <= seed < 2**32:
-    raise errors.ConfigError(f'--seed must lie in [0, 2**32), got {seed}')
+  config_lib.check_seed('seed', seed)
   if points_per_pass < 1:
     raise errors.ConfigError(
-      f'--points_per_pass must be >= 1, got {points_per_pass}'
+      f'`points_per_pass` must be >= 1, got {points_per_pass}'
     )
 
 
@@ -239,9 +239,9 @@ def examples(
   folder, natural clients); 'train' is its training split. `num_examples`
   > 0 keeps a seeded subset (`subset`).
   """
-  from fedjax_mr.harness import experiment
+  from fedjax_mr.harness import build
 
-  dataset = experiment.load_dataset(config)
+  dataset = build.load_dataset(config)
   if split == 'train':
     x, y = dataset.x_train, dataset.y_train
   else:
@@ -280,11 +280,11 @@ def compute(
     ({'loss', 'accuracy'} of the model itself), 'round', 'num_examples',
     'seed', 'steps', 'extent'.
   """
-  from fedjax_mr.harness import experiment
+  from fedjax_mr.harness import build
 
   config = run.config
   server = jax.device_get(run.state.server)
-  algorithm = experiment.build_algorithm(config, run.model, server.params)
+  algorithm = build.build_algorithm(config, run.model, server.params)
   variables = types.evaluated_model(algorithm, server)
   k1, k2 = jax.random.split(jax.random.key(seed))
   d1 = random_direction(k1, variables)

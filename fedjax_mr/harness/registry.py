@@ -1,16 +1,17 @@
 """The algorithms the experiment programs know, one line each.
 
 An entry names the algorithm's hyper-parameter dataclass (each field is a
-flag `--<prefix>_<field>`, or the field's `metadata['flag']`), its factory
-`factory(setting, hparams) -> Algorithm`, its default aggregation weights
-('examples' or 'uniform', what `--weighting=auto` means for it), whether it
-keeps K different models (their accuracies are then evaluated too),
-named variants for `experiments.compare`, optionally how it changes
-the network the clients train (MOON's projection head), its name in
-figures and tables (`display_name`) and whether it takes a server
-optimizer. The flags of `experiments.run`, the list of `--algorithm`
-choices and compare's variants are generated from here; adding an
-algorithm is one module and one entry below.
+config field `<prefix>_<field>`, or the field's `metadata['flag']`, and a
+flag of the programs), its factory `factory(setting, hparams) ->
+Algorithm`, its default aggregation weights ('examples' or 'uniform', what
+`weighting=auto` means for it), whether it keeps K different models (their
+accuracies are then evaluated too), named variants for
+`experiments.compare`, optionally how it changes the network the clients
+train (MOON's projection head), its name in figures and tables
+(`display_name`) and whether it takes a server optimizer. The flags of
+`experiments.run`, the list of `algorithm` choices and compare's variants
+are generated from here; adding an algorithm is one module and one entry
+below.
 """
 
 from __future__ import annotations
@@ -271,7 +272,7 @@ def all_flags() -> dict[str, tuple[dataclasses.Field, tuple[str, ...]]]:
         first, users = out[flag]
         if (first.default, first.type) != (f.default, f.type):
           raise ValueError(
-            f'flag --{flag} is defined twice, differently ({users[0]} and '
+            f'field `{flag}` is defined twice, differently ({users[0]} and '
             f'{name})'
           )
         out[flag] = (first, users + (name,))

@@ -402,4 +402,4 @@ def test_bad_hparams_name_their_flag():
     except errors.ArgumentError as e:
       error = config_lib.as_config_error('fedepth', e)
     assert isinstance(error, errors.ConfigError)
-    assert str(error).startswith(f'--fedepth_{field} must')
+    assert str(error).startswith(f'`fedepth_{field}` must')

@@ -294,7 +294,7 @@ def test_eligibility_and_sampling_from_measured_memory():
   flags = registry.flags_of('ft_full')
   assert 'ft_budgets_gb' in flags and 'ft_budget_fractions' in flags
   assert str(config_lib.as_config_error('ft_full', e.value)).startswith(
-    '--clients_per_round must be at most 3'
+    '`clients_per_round` must be at most 3'
   )
   # FT-Part takes K = 7 but not 8.
   finetune.build_part(
@@ -313,7 +313,7 @@ def test_bad_hparams_name_their_flag():
     finetune.Hparams(budget_fractions='0.5,0.5').validate()
   with pytest.raises(errors.ArgumentError, match='^budgets_gb must be'):
     finetune.Hparams(budgets_gb='1,x').validate()
-  assert config_lib.flag_of('ft_part', 'layers') == 'ft_layers'
+  assert config_lib.field_of('ft_part', 'layers') == 'ft_layers'
   local = contract.local_training(helpers.linear_bn_model())
   with pytest.raises(errors.ArgumentError, match='^layers must be in 1..3'):
     finetune.build_part(_setting(local, 2, 4), finetune.PartHparams(layers=4))

@@ -188,9 +188,9 @@ def test_weighting_auto_follows_the_papers(small_config):
 @pytest.mark.parametrize(
   'changes,message',
   [
-    ({'fedmut_alpha': 2.0}, '--fedmut_alpha=2.0 applies to --algorithm=fedmut'),
-    ({'fedmr_first_stage': 3}, '--fedmr_first_stage=3 applies to'),
-    ({'algorithm': 'fedmr', 'fedmr_segments': 4}, '--fedmr_segments=4'),
+    ({'fedmut_alpha': 2.0}, '`fedmut_alpha=2.0` applies to `algorithm=fedmut`'),
+    ({'fedmr_first_stage': 3}, '`fedmr_first_stage=3` applies to'),
+    ({'algorithm': 'fedmr', 'fedmr_segments': 4}, '`fedmr_segments=4`'),
     ({'algorithm': 'fedmr_p', 'fedmr_segments': 1}, '`algorithm=indep`'),
     (
       {
@@ -198,7 +198,7 @@ def test_weighting_auto_follows_the_papers(small_config):
         'fedmr_secure_repeats': 1,
         'weighting': 'examples',
       },
-      '--weighting by examples is not available',
+      '`weighting` by examples is not available',
     ),
     (
       {
@@ -207,7 +207,7 @@ def test_weighting_auto_follows_the_papers(small_config):
         'fedmr_secure_min_sent': 3,
         'fedmr_secure_max_sent': 2,
       },
-      '--fedmr_secure_min_sent must not exceed secure_max_sent=2, got 3',
+      '`fedmr_secure_min_sent` must not exceed secure_max_sent=2, got 3',
     ),
     (
       {
@@ -215,14 +215,14 @@ def test_weighting_auto_follows_the_papers(small_config):
         'fedmr_secure_repeats': 1,
         'fedmr_secure_max_sent': 99,
       },
-      '--fedmr_secure_max_sent (n_u = 99) and secure_min_sent (n_l = 1) '
+      '`fedmr_secure_max_sent` (n_u = 99) and secure_min_sent (n_l = 1) '
       'must satisfy n_l <= n_u <= 8, the number of layers',
     ),
-    ({'algorithm': 'fedmut', 'fedmut_beta0': 2.0}, '--fedmut_beta0'),
-    ({'algorithm': 'fedmut', 'fedmut_alpha': -1.0}, '--fedmut_alpha'),
-    ({'algorithm': 'fedmr', 'fedmr_grouping': 'block'}, '--fedmr_grouping'),
-    ({'weighting': 'size'}, '--weighting'),
-    ({'local_eval_every': -1}, '--local_eval_every'),
+    ({'algorithm': 'fedmut', 'fedmut_beta0': 2.0}, '`fedmut_beta0`'),
+    ({'algorithm': 'fedmut', 'fedmut_alpha': -1.0}, '`fedmut_alpha`'),
+    ({'algorithm': 'fedmr', 'fedmr_grouping': 'block'}, '`fedmr_grouping`'),
+    ({'weighting': 'size'}, '`weighting`'),
+    ({'local_eval_every': -1}, '`local_eval_every`'),
   ],
 )
 def test_bad_algorithm_flags(small_config, tmp_path, changes, message):
@@ -240,7 +240,7 @@ def test_resume_accepts_a_workdir_from_before_new_flags(small_config, tmp_path):
   del saved['fedmut_alpha']  # as written by an older version
   path.write_text(json.dumps(saved))
   config_lib.check_resumable(cfg, str(path))
-  with pytest.raises(errors.ConfigError, match='--fedmut_alpha=4.0 there'):
+  with pytest.raises(errors.ConfigError, match='`fedmut_alpha=4.0` there'):
     config_lib.check_resumable(
       dataclasses.replace(cfg, algorithm='fedmut', fedmut_alpha=1.0), str(path)
     )
@@ -274,7 +274,7 @@ def test_parse_variant():
 
 def test_configs_validate_each_variant(small_config, tmp_path):
   variants = [compare.parse_variant('fedmr'), ('bad', {'fedmut_alpha': 1.0})]
-  with pytest.raises(errors.ConfigError, match='variant bad: --fedmut_alpha'):
+  with pytest.raises(errors.ConfigError, match='variant bad: `fedmut_alpha`'):
     compare.configs(small_config, variants, [0], str(tmp_path))
   runs = compare.configs(small_config, variants[:1], [0, 5], str(tmp_path))
   assert [(n, s, c.seed, c.algorithm) for n, s, c in runs] == [
@@ -325,7 +325,7 @@ def test_summarize_exact_values(tmp_path):
   assert written['variants']['a'] == summary['variants']['a']
   assert written['provenance']['packages']['fedjax_mr'] == fedjax_mr.__version__
   # Nothing to summarize: a clear error, and the table above stays.
-  with pytest.raises(errors.ConfigError, match=r'--workdir=.*no runs of .*c'):
+  with pytest.raises(errors.ConfigError, match=r'`workdir=.*`: no runs of .*c'):
     compare.summarize(str(tmp_path), ['c'], [0, 1])
   assert (tmp_path / compare.TABLE_FILE).read_text() == table
   with pytest.raises(errors.ConfigError, match='nothing to summarize'):

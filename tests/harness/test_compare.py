@@ -36,9 +36,20 @@ def test_an_algorithms_flag_applies_to_its_variants_only(tmp_path):
   )
   assert runs[0][2].fedprox_mu == 0.5
   with pytest.raises(
-    errors.ConfigError, match=r'^--fedmut_alpha applies to .*fedmut only'
+    errors.ConfigError, match=r'^`fedmut_alpha` applies to .*fedmut` only'
   ):
     compare.configs(base, variants[:2], [0], str(tmp_path))
+
+
+def test_a_seed_out_of_range_is_refused_before_anything_runs(tmp_path):
+  variants = [compare.parse_variant('fedavg')]
+  for seed in (-1, 2**32):
+    with pytest.raises(
+      errors.ConfigError,
+      match=rf'^`seeds` must be in \[0, 2\*\*32\), got {seed}$',
+    ):
+      compare.configs(_config(), variants, [0, seed], str(tmp_path))
+  assert not os.listdir(tmp_path)
 
 
 def _write(out, variant, seed, accs, rounds=None):

@@ -31,12 +31,12 @@ def test_shards_flags_and_workdir():
     cfg.default_workdir() == 'runs/fedavg-fashion_mnist-cnn_mnist-shards3-s0'
   )
   assert cfg.identity()['shards_per_client'] == 3
-  with pytest.raises(errors.ConfigError, match=r'^--shards_per_client must'):
+  with pytest.raises(errors.ConfigError, match=r'^`shards_per_client` must'):
     config_lib.validate(_config(partition='shards', shards_per_client=0))
   with pytest.raises(
     errors.ConfigError,
-    match=r'^--shards_per_client=3 applies to --partition=shards only, not '
-    r'--partition=iid$',
+    match=r'^`shards_per_client=3` applies to `partition=shards` only, not '
+    r'`partition=iid`$',
   ):
     config_lib.validate(_config(partition='iid', shards_per_client=3))
 
@@ -50,19 +50,19 @@ def test_dirichlet_equal_flags_and_workdir():
   assert cfg.identity()['alpha'] == 0.5
   with pytest.raises(
     errors.ConfigError,
-    match=r'^--alpha must be finite and > 0 for --partition=dirichlet_equal',
+    match=r'^`alpha` must be finite and > 0 for `partition=dirichlet_equal`',
   ):
     config_lib.validate(_config(partition='dirichlet_equal', alpha=0.0))
   with pytest.raises(
     errors.ConfigError,
-    match=r'^--min_client_size=5 applies to --partition=dirichlet only, not '
-    r'--partition=dirichlet_equal$',
+    match=r'^`min_client_size=5` applies to `partition=dirichlet` only, not '
+    r'`partition=dirichlet_equal`$',
   ):
     config_lib.validate(_config(partition='dirichlet_equal', min_client_size=5))
   with pytest.raises(
     errors.ConfigError,
-    match=r'^--alpha=0.5 applies to --partition=dirichlet or dirichlet_equal '
-    r'only, not --partition=iid$',
+    match=r'^`alpha=0.5` applies to `partition=dirichlet or dirichlet_equal` '
+    r'only, not `partition=iid`$',
   ):
     config_lib.validate(_config(partition='iid', alpha=0.5))
 
@@ -86,7 +86,7 @@ def test_file_config_holds_the_content_hash(part_file, tmp_path):
   changed = _config(partition='file', partition_file=str(part_file))
   new_sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
   assert config_lib.config_diffs(changed, cfg.to_dict()) == [
-    f"--partition_sha256='{sha}' there, '{new_sha}' here"
+    f"`partition_sha256='{sha}'` there, '{new_sha}' here"
   ]
   with pytest.raises(
     errors.ConfigError,
@@ -101,18 +101,18 @@ def test_file_config_holds_the_content_hash(part_file, tmp_path):
   [
     (
       {'partition': 'file'},
-      '--partition=file needs --partition_file=<a JSON file of client index '
-      'lists>',
+      '`partition=file` needs `partition_file=<a JSON file of client index '
+      'lists>`',
     ),
     (
       {'partition_file': '{f}'},
-      '--partition_file={f} applies to --partition=file only, not '
-      '--partition=dirichlet',
+      '`partition_file={f}` applies to `partition=file` only, not '
+      '`partition=dirichlet`',
     ),
     (
       {'partition': 'iid', 'partition_sha256': 'ab'},
-      '--partition_sha256=ab applies to --partition=file only, not '
-      '--partition=iid',
+      '`partition_sha256=ab` applies to `partition=file` only, not '
+      '`partition=iid`',
     ),
     (
       {'partition': 'file', 'partition_file': '{f}', 'num_clients': 4},

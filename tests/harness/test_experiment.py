@@ -323,7 +323,7 @@ def test_workdir_of_another_config_is_an_error(small_config, tmp_path):
   experiment.train_and_evaluate(
     dataclasses.replace(small_config, rounds=1), str(tmp_path), log=_quiet
   )
-  with pytest.raises(errors.ConfigError, match=r'--alpha=0.5 there, 0.3 here'):
+  with pytest.raises(errors.ConfigError, match=r'`alpha=0.5` there, 0.3 here'):
     experiment.train_and_evaluate(
       dataclasses.replace(small_config, alpha=0.3), str(tmp_path), log=_quiet
     )
@@ -344,35 +344,35 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
 @pytest.mark.parametrize(
   'changes,flag',
   [
-    ({'algorithm': 'fedsgd'}, '--algorithm'),
-    ({'model': 'resnet1000'}, '--model'),
-    ({'dataset': 'imagenet'}, '--dataset'),
-    ({'partition': 'pathological'}, '--partition'),
-    ({'partition': 'file', 'alpha': 0.1}, '--partition_file'),
+    ({'algorithm': 'fedsgd'}, '`algorithm`'),
+    ({'model': 'resnet1000'}, '`model`'),
+    ({'dataset': 'imagenet'}, '`dataset`'),
+    ({'partition': 'pathological'}, '`partition`'),
+    ({'partition': 'file', 'alpha': 0.1}, '`partition_file'),
     (
       {'partition': 'shards', 'alpha': 0.1, 'shards_per_client': 151},
       '--num_clients=10 × --shards_per_client=151 = 1510 shards',
     ),
-    ({'alpha': 0.0}, '--alpha'),
-    ({'alpha': -1.0}, '--alpha'),
-    ({'clients_per_round': 11}, '--clients_per_round'),
-    ({'num_clients': 0}, '--num_clients'),
-    ({'batch_size': 0}, '--batch_size'),
-    ({'local_epochs': -1}, '--local_epochs'),
-    ({'rounds': 0}, '--rounds'),
-    ({'lr': 0.0}, '--lr'),
-    ({'lr': -0.1}, '--lr'),
-    ({'momentum': 1.0}, '--momentum'),
-    ({'eval_every': -1}, '--eval_every'),
+    ({'alpha': 0.0}, '`alpha`'),
+    ({'alpha': -1.0}, '`alpha`'),
+    ({'clients_per_round': 11}, '`clients_per_round'),
+    ({'num_clients': 0}, '`num_clients`'),
+    ({'batch_size': 0}, '`batch_size`'),
+    ({'local_epochs': -1}, '`local_epochs`'),
+    ({'rounds': 0}, '`rounds`'),
+    ({'lr': 0.0}, '`lr`'),
+    ({'lr': -0.1}, '`lr`'),
+    ({'momentum': 1.0}, '`momentum`'),
+    ({'eval_every': -1}, '`eval_every`'),
     ({'data_dir': '/nonexistent/dir'}, '--data_dir'),
     ({'num_clients': 1000, 'clients_per_round': 4}, '--num_clients=1000'),
     ({'clients_per_round': 1}, '--clients_per_round=1 is fewer than'),
     ({'num_devices': 3}, '--num_devices=3'),
-    ({'client_chunk': -1}, '--client_chunk'),
-    ({'process_id': 1}, '--process_id'),
-    ({'energy_mix': 'tx2_literal:1;nosuch:1'}, "--energy_mix: 'nosuch:1'"),
-    ({'energy_mix': 'tx2_literal@0:1'}, '--energy_mix'),
-    ({'energy_ms_per_sample': 0.0}, '--energy_ms_per_sample'),
+    ({'client_chunk': -1}, '`client_chunk`'),
+    ({'process_id': 1}, '`process_id`'),
+    ({'energy_mix': 'tx2_literal:1;nosuch:1'}, "`energy_mix`: 'nosuch:1'"),
+    ({'energy_mix': 'tx2_literal@0:1'}, '`energy_mix`'),
+    ({'energy_ms_per_sample': 0.0}, '`energy_ms_per_sample`'),
   ],
 )
 def test_bad_input_names_the_flag(small_config, tmp_path, changes, flag):

@@ -168,7 +168,7 @@ def test_the_config_inside_the_checkpoint_is_checked(finished, tmp_path):
   cfg, work, _ = _copy(finished, tmp_path)
   os.remove(os.path.join(work, 'config.json'))
   before = sorted(_files(work))
-  with pytest.raises(errors.ConfigError, match=r'--lr=0\.01 there, 0\.05 here'):
+  with pytest.raises(errors.ConfigError, match=r'`lr=0\.01` there, 0\.05 here'):
     experiment.train_and_evaluate(
       dataclasses.replace(cfg, lr=0.05), work, log=_quiet
     )

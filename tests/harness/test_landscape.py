@@ -9,7 +9,9 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from fedjax_mr.core import errors
 from fedjax_mr.data import client_data
 from fedjax_mr.harness import experiment
 from fedjax_mr.harness import landscape
@@ -129,6 +131,27 @@ def test_subset_is_seeded_and_ordered():
   np.testing.assert_array_equal(landscape.subset(x, y, 4, seed=3)[0], xs)
   assert not np.array_equal(landscape.subset(x, y, 4, seed=4)[0], xs)
   assert landscape.subset(x, y, 0, seed=3)[0] is x
+
+
+@pytest.mark.parametrize(
+  'changes,name',
+  [
+    ({'steps': 4}, 'steps'),
+    ({'steps': 1}, 'steps'),
+    ({'extent': float('nan')}, 'extent'),
+    ({'num_examples': -1}, 'num_examples'),
+    ({'split': 'valid'}, 'split'),
+    ({'seed': 2**32}, 'seed'),
+    ({'points_per_pass': 0}, 'points_per_pass'),
+  ],
+)
+def test_check_args_names_the_bad_argument(changes, name):
+  args = dict(
+    steps=3, extent=1.0, num_examples=0, split='test', seed=0, points_per_pass=1
+  )
+  landscape.check_args(**args)
+  with pytest.raises(errors.ConfigError, match=f'^`{name}` must'):
+    landscape.check_args(**{**args, **changes})
 
 
 def test_program_on_a_finished_run(small_fmnist_dir, tmp_path):

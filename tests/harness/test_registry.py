@@ -159,9 +159,9 @@ def test_toy_runs_through_the_experiment(with_toy, small_fmnist_dir, tmp_path):
     res.state.clients, [2, 2, 1, 1, 1, 1, 1, 1, 1, 1]
   )
   assert res.history[-1]['test_accuracy'] > 0.1
-  with pytest.raises(errors.ConfigError, match='^--toy_step must be > 0'):
+  with pytest.raises(errors.ConfigError, match='^`toy_step` must be > 0'):
     config_lib.validate(dataclasses.replace(cfg, toy_step=-1.0))
-  with pytest.raises(errors.ConfigError, match='applies to --algorithm=toy'):
+  with pytest.raises(errors.ConfigError, match='applies to `algorithm=toy`'):
     config_lib.validate(dataclasses.replace(cfg, algorithm='fedavg'))
   assert compare.parse_variant('t2:algorithm=toy,toy_step=2')[1] == {
     'algorithm': 'toy',
@@ -241,21 +241,21 @@ def test_config_accepts_flags_and_rejects_unknown_names():
   )
 
 
-def test_algorithm_errors_name_their_flag():
+def test_algorithm_errors_name_their_field():
   bad = [
-    ({'algorithm': 'fedprox', 'fedprox_mu': -1.0}, '--fedprox_mu must be'),
+    ({'algorithm': 'fedprox', 'fedprox_mu': -1.0}, '`fedprox_mu` must be'),
     (
       {'algorithm': 'scaffold', 'scaffold_control_dtype': 'int8'},
-      '--scaffold_control_dtype: unknown value',
+      '`scaffold_control_dtype`: unknown value',
     ),
-    ({'algorithm': 'fedmut', 'fedmut_alpha': float('nan')}, '--fedmut_alpha'),
+    ({'algorithm': 'fedmut', 'fedmut_alpha': float('nan')}, '`fedmut_alpha`'),
     (
       {
         'algorithm': 'fedmr',
         'fedmr_secure_repeats': 1,
         'weighting': 'examples',
       },
-      '--weighting by examples is not available',
+      '`weighting` by examples is not available',
     ),
   ]
   for changes, message in bad:

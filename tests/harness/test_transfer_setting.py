@@ -120,5 +120,5 @@ def test_init_from_without_a_model_folder_is_refused_before_anything(
   tmp_path,
 ):
   c = config(init_from=str(tmp_path / 'nothing'))
-  with pytest.raises(errors.ConfigError, match='--init_from=.*no meta.json'):
+  with pytest.raises(errors.ConfigError, match='`init_from=.*`: no meta.json'):
     config_lib.validate(c)
