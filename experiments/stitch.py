@@ -31,7 +31,7 @@ writes, under `--workdir`:
   `experiments.run --partition=file --partition_file=...` (with the same
   `--classes`): the training baselines learn from exactly these clients;
 * `networks.npz`: the stitched networks (block paths + stitch matrices;
-  `fedjax_mr.stitch.federated.read_document` reads it);
+  `fedjax_mr.stitch.state.read_document` reads it);
 * `state.npz`: the run state after the last round and the flags that
   define the run (a re-run with the same flags resumes; other flags are
   refused). Neither file is a pickle: nothing is ever unpickled.
@@ -80,7 +80,7 @@ _IMAGENET_RESOLUTION = flags.DEFINE_integer(
   'imagenet_resolution', 224, 'Side images are resized to (--imagenet_pool).'
 )
 # The library's choices (fedjax_mr.stitch: blocks.CUT_STYLES, cka.VIEWS,
-# projection.SPATIAL_POLICIES and SOLVERS, federated.AGGREGATIONS,
+# projection.SPATIAL_POLICIES and SOLVERS, config.AGGREGATIONS,
 # network.EVAL_MODES; a test checks they agree), here so that --help does
 # not import JAX.
 CHOICES = {
@@ -366,7 +366,7 @@ def _check_flags(stitch, errors, network) -> None:
   import math
 
   from fedjax_mr.stitch import blocks
-  from fedjax_mr.stitch import federated
+  from fedjax_mr.stitch import config as stitch_config
 
   n = _NUM_CLIENTS.value
   checks = [
@@ -470,7 +470,9 @@ def _check_flags(stitch, errors, network) -> None:
   for ok, message in checks:
     if not ok:
       raise errors.ConfigError(message)
-  federated.check_config(_config(stitch, _SEED.value), n)
+  stitch_config.check_config(
+    _config(stitch, _SEED.value), n, names={'solver': 'stitch_solver'}
+  )
 
 
 def _fleet(errors):
@@ -570,9 +572,9 @@ def _main(stitch, errors) -> None:
   from fedjax_mr.core import workdir as workdir_lib
   from fedjax_mr.data import datasets
   from fedjax_mr.data import partition
-  from fedjax_mr.stitch import federated
   from fedjax_mr.stitch import network
   from fedjax_mr.stitch import pool as pool_lib
+  from fedjax_mr.stitch import state as state_lib
 
   _check_flags(stitch, errors, network)
   _read_label_map(errors)  # a bad file is refused before the data loads
@@ -781,9 +783,9 @@ def _main(stitch, errors) -> None:
       flush=True,
     )
   nets.sort(key=lambda n: -n[key])
-  federated.write_document(
+  state_lib.write_document(
     os.path.join(_WORKDIR.value, 'networks.npz'),
-    federated.to_host(state)['finished'],
+    state_lib.to_host(state)['finished'],
     _identity(models),
   )
 

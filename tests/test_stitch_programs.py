@@ -7,7 +7,8 @@ import re
 import pytest
 
 from fedjax_mr.energy import fleet
-from fedjax_mr.stitch import federated
+from fedjax_mr.stitch import config as config_lib
+from fedjax_mr.stitch import state as state_lib
 from tests import helpers
 from tests.energy import fake_sysfs
 
@@ -108,7 +109,7 @@ def test_stitch_runs_evaluates_and_resumes(
   assert json.load(open(tmp_path / 'results.json'))['networks'] == nets
   assert (tmp_path / 'energy.jsonl').read_text() == energy
   # The networks are stored without a pickle, with the run's flags.
-  finished, identity = federated.read_document(str(tmp_path / 'networks.npz'))
+  finished, identity = state_lib.read_document(str(tmp_path / 'networks.npz'))
   assert sorted(f['round'] for f in finished) == sorted(
     n['round'] for n in nets
   )
@@ -307,6 +308,6 @@ def test_the_programs_choices_are_the_librarys():
     'view': cka.VIEWS,
     'spatial': projection.SPATIAL_POLICIES,
     'stitch_solver': projection.SOLVERS,
-    'aggregation': federated.AGGREGATIONS,
+    'aggregation': config_lib.AGGREGATIONS,
     'eval': network.EVAL_MODES,
   }

@@ -56,7 +56,7 @@ TIME_UNITS = {'hours': 3600.0, 'minutes': 60.0, 'seconds': 1.0}
 # --- Which runs -------------------------------------------------------------
 
 
-def parse_runs(spec: str, flag: str = '--runs') -> RunSpec:
+def parse_runs(spec: str, name: str = 'runs') -> RunSpec:
   """The methods and their workdirs from `spec`.
 
   `spec` is either the path of a JSON file holding `{label: {column: path}}`
@@ -66,20 +66,23 @@ def parse_runs(spec: str, flag: str = '--runs') -> RunSpec:
 
   Raises:
     ConfigError: an empty spec, an entry without a label or path, a label
-      given twice, or an unreadable JSON file (the message names `flag`).
+      given twice, or an unreadable JSON file (the message names `name`,
+      the argument or field that gave `spec`).
   """
   spec = spec.strip()
   if not spec:
-    raise errors.ConfigError(f'{flag} is empty: give label:column=path,...')
+    raise errors.ConfigError(f'`{name}` is empty: give label:column=path,...')
   if spec.endswith('.json') or os.path.isfile(spec):
     try:
       with open(spec) as f:
         raw = json.load(f)
     except (OSError, ValueError) as e:
-      raise errors.ConfigError(f'{flag}={spec}: cannot read it ({e})') from None
+      raise errors.ConfigError(
+        f'`{name}={spec}`: cannot read it ({e})'
+      ) from None
     if not isinstance(raw, dict) or not raw:
       raise errors.ConfigError(
-        f'{flag}={spec}: want a JSON object {{label: {{column: path}}}}'
+        f'`{name}={spec}`: want a JSON object {{label: {{column: path}}}}'
       )
     out: RunSpec = {}
     for label, value in raw.items():
@@ -89,7 +92,8 @@ def parse_runs(spec: str, flag: str = '--runs') -> RunSpec:
         isinstance(v, str) for v in value.values()
       ):
         raise errors.ConfigError(
-          f'{flag}={spec}: {label!r} must map to a path or to {{column: path}}'
+          f'`{name}={spec}`: {label!r} must map to a path or to '
+          '{column: path}'
         )
       out[str(label)] = dict(value)
     return out
@@ -99,10 +103,10 @@ def parse_runs(spec: str, flag: str = '--runs') -> RunSpec:
     label, rest = label.strip(), rest.strip()
     if not sep or not label or not rest:
       raise errors.ConfigError(
-        f'{flag}: {entry!r} is not label:column=path,... or label:path'
+        f'`{name}`: {entry!r} is not label:column=path,... or label:path'
       )
     if label in out:
-      raise errors.ConfigError(f'{flag}: label {label!r} given twice')
+      raise errors.ConfigError(f'`{name}`: label {label!r} given twice')
     if '=' not in rest:
       out[label] = {SINGLE: rest}
       continue
@@ -111,12 +115,12 @@ def parse_runs(spec: str, flag: str = '--runs') -> RunSpec:
       column, eq, path = item.partition('=')
       if not eq or not column.strip() or not path.strip():
         raise errors.ConfigError(
-          f'{flag}: {item!r} in {entry!r} is not column=path'
+          f'`{name}`: {item!r} in {entry!r} is not column=path'
         )
       columns[column.strip()] = path.strip()
     out[label] = columns
   if not out:
-    raise errors.ConfigError(f'{flag} names no run')
+    raise errors.ConfigError(f'`{name}` names no run')
   return out
 
 
@@ -169,19 +173,19 @@ def stitch_results(path: str) -> dict[str, Any] | None:
 
 def eval_key(results: Mapping[str, Any]) -> str:
   """The accuracy experiments.stitch ranks networks by: the head's where
-  it evaluated heads (--eval=head or both), else the kNN probe's."""
+  it evaluated heads (`eval=head` or both), else the kNN probe's."""
   nets = results.get('networks') or []
   return 'head' if nets and 'head' in nets[0] else 'knn'
 
 
 def stitch_state(path: str) -> tuple[dict, dict] | None:
   """`(payload, identity)` of a stitch workdir's state.npz, or None."""
-  from fedjax_mr.stitch import federated
+  from fedjax_mr.stitch import state as state_lib
 
   file = os.path.join(path, 'state.npz')
   if not os.path.exists(file):
     return None
-  payload, identity = federated.read_document(file)
+  payload, identity = state_lib.read_document(file)
   return payload, identity or {}
 
 
@@ -355,7 +359,7 @@ def voting_table(runs: RunSpec) -> tuple[dict[str, Any], str]:
   """Table IV: FedStitch with RL-weighted against uniform voting.
 
   Rows are the labels of `runs` (each a stitch workdir per setting), with
-  the `--aggregation` each run was made with; with two rows, a last row
+  the `aggregation` each run was made with; with two rows, a last row
   holds their difference (first − second) in points.
   """
   cols = columns_of(runs)
@@ -518,7 +522,7 @@ def time_figure(
 
 def search_space(runs: RunSpec) -> dict[str, dict[str, Any]]:
   """Per stitch run: candidate blocks scored per round (the live networks'
-  pool sizes summed), round time, --prune, final accuracy."""
+  pool sizes summed), round time, `prune`, final accuracy."""
   out = {}
   for label, by_col in runs.items():
     for col, path in by_col.items():
@@ -834,7 +838,7 @@ def memory_data(
     train_batch_size: the baselines' local batch.
     ft_layers: FT-Part trains the last this many parameterised modules
       (`fedjax_mr.algorithms.finetune.final_modules`, as experiments.run
-      --algorithm=ft_part --ft_layers does).
+      does with `algorithm=ft_part` and `ft_layers`).
   """
   from fedjax_mr.algorithms import finetune
 

@@ -569,7 +569,8 @@ def units(
     return _imagenet_units(arch, variables['params'], module, per_linear)
   if model_name not in _UNITS:
     raise errors.ConfigError(
-      f'--models: no block definition for model {model_name!r}; stitchable '
+      f'`model_name`: no block definition for model {model_name!r}; '
+      'stitchable '
       'models: '
       f'{", ".join(NAMES)}'
     )
@@ -595,7 +596,7 @@ def cut_list(
   """
   if style not in CUT_STYLES:
     raise errors.ConfigError(
-      f'--cuts: unknown cut style {style!r}; choose one of '
+      f'`cuts`: unknown cut style {style!r}; choose one of '
       f'{", ".join(CUT_STYLES)}'
     )
   all_units = units(model_name, variables, style == 'per_linear', module)
@@ -660,17 +661,17 @@ def split(
   unknown = [c for c in cuts if c not in names]
   if unknown:
     raise errors.ConfigError(
-      f'--cuts for {model_name}: unknown unit(s) {", ".join(unknown)}; units '
+      f'`cuts` for {model_name}: unknown unit(s) {", ".join(unknown)}; units '
       f'are {", ".join(names)}'
     )
   positions = sorted({names.index(c) for c in cuts} | {0})
   if [names.index(c) for c in cuts] != sorted(names.index(c) for c in cuts):
     raise errors.ConfigError(
-      f'--cuts for {model_name}: give unit names in chain order ({cuts})'
+      f'`cuts` for {model_name}: give unit names in chain order ({cuts})'
     )
   if len(positions) < 2:
     raise errors.ConfigError(
-      f'--cuts for {model_name}: need at least two blocks'
+      f'`cuts` for {model_name}: need at least two blocks'
     )
   bounds = positions + [len(chain)]
   spec = jax.ShapeDtypeStruct(

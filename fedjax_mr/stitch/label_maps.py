@@ -7,7 +7,7 @@ map lists, for each dataset class, the ImageNet classes that count as it
 of their logits). We bundle the map for the ten CIFAR-10 classes, which
 CINIC-10 shares in the same order; CIFAR-100's classes have no clean
 ImageNet counterparts, so it takes a map of the user's own
-(`--label_map=<file.json>`).
+(`label_map=<file.json>`).
 
 How the CIFAR-10 map was chosen (our reading; ImageNet ids in torchvision's
 class order, i.e. the sorted WordNet ids, with their names below):
@@ -58,8 +58,8 @@ CIFAR10: tuple[tuple[int, ...], ...] = (
   (555, 569, 675, 864, 867),
 )
 
-# Bundled maps by dataset name (`--label_map=<name>` or the default of
-# `experiments.stitch --imagenet_pool` on these datasets).
+# Bundled maps by dataset name (`label_map=<name>`, or the default of
+# experiments.stitch with an `imagenet_pool` on these datasets).
 BUNDLED: dict[str, tuple[tuple[int, ...], ...]] = {
   'cifar10': CIFAR10,
   'cinic10': CIFAR10,

@@ -1,4 +1,5 @@
-"""A pool of pre-trained models on disk: training, saving, loading.
+"""A pool of pre-trained models on disk (training, saving, loading), and
+the block pool FedStitch searches (`Pool`: every block of every model).
 
 FedStitch's pool is ImageNet-pre-trained; our machines cannot download
 those weights, so `experiments.pretrain_zoo` trains zoo models centrally on a
@@ -55,7 +56,7 @@ def split_public(
   """(public indices, client indices): a seeded disjoint split, both sorted."""
   if not 0 < public_size < num_train:
     raise errors.ConfigError(
-      f'--public_size must be in (0, {num_train}), got {public_size}'
+      f'`public_size` must be in (0, {num_train}), got {public_size}'
     )
   perm = np.random.default_rng(seed).permutation(num_train)
   return np.sort(perm[:public_size]), np.sort(perm[public_size:])
@@ -116,7 +117,7 @@ def pretrain(
   n = len(x) // batch_size * batch_size
   if n == 0:
     raise errors.ConfigError(
-      f'--batch_size={batch_size} exceeds the {len(x)} public examples'
+      f'`batch_size={batch_size}` exceeds the {len(x)} public examples'
     )
   losses = []
   for epoch in range(epochs):
@@ -180,7 +181,7 @@ def load_model(folder: str, model_id: str) -> PoolModel:
   meta_path = os.path.join(path, 'meta.json')
   if not os.path.exists(meta_path):
     raise errors.DataError(
-      f'--pool: {path} has no meta.json (want {{"model", "num_classes", '
+      f'`pool`: {path} has no meta.json (want {{"model", "num_classes", '
       '"input_shape"}} next to an orbax "variables" checkpoint)'
     )
   with open(meta_path) as f:
@@ -190,7 +191,7 @@ def load_model(folder: str, model_id: str) -> PoolModel:
       meta['model'], int(meta['num_classes']), tuple(meta['input_shape'])
     )
   except KeyError as e:
-    raise errors.DataError(f'--pool: {meta_path} lacks {e}') from None
+    raise errors.DataError(f'`pool`: {meta_path} lacks {e}') from None
   like = jax.eval_shape(model.init, jax.random.key(0))
   checkpointer = ocp.StandardCheckpointer()
   variables = checkpointer.restore(os.path.join(path, 'variables'), like)
@@ -200,7 +201,7 @@ def load_model(folder: str, model_id: str) -> PoolModel:
 def model_ids(folder: str) -> list[str]:
   """The model ids (sub-folders with a meta.json) of a pool folder, sorted."""
   if not os.path.isdir(folder):
-    raise errors.DataError(f'--pool: {folder!r} is not a folder')
+    raise errors.DataError(f'`pool`: {folder!r} is not a folder')
   ids = sorted(
     d
     for d in os.listdir(folder)
@@ -208,7 +209,7 @@ def model_ids(folder: str) -> list[str]:
   )
   if not ids:
     raise errors.DataError(
-      f'--pool: no models in {folder!r}; run `python -m '
+      f'`pool`: no models in {folder!r}; run `python -m '
       'experiments.pretrain_zoo` first'
     )
   return ids
@@ -243,3 +244,35 @@ def chains(
     )
     for m in models
   ]
+
+
+class Pool(NamedTuple):
+  """The block pool: every block of every pre-trained model.
+
+  Attributes:
+    blocks: all blocks; a block's position here is its pool id.
+    models: model ids in order.
+  """
+
+  blocks: tuple[blocks_lib.Block, ...]
+  models: tuple[str, ...]
+
+  def ids_of(self, model: str) -> list[int]:
+    return [i for i, b in enumerate(self.blocks) if b.model == model]
+
+  def starts(self) -> list[int]:
+    return [i for i, b in enumerate(self.blocks) if b.kind == 'start']
+
+
+def make_pool(chains: Sequence[Sequence[blocks_lib.Block]]) -> Pool:
+  """A pool from each pre-trained model's blocks (see `blocks.split`)."""
+  models = [c[0].model for c in chains]
+  if len(set(models)) != len(models):
+    raise errors.ConfigError(f'pool model ids must be unique: {models}')
+  specs = {tuple(c[0].in_spec) for c in chains}
+  if len(specs) != 1:
+    raise errors.ConfigError(
+      f'pool models take different inputs {sorted(specs)}: all must take '
+      "the dataset's examples"
+    )
+  return Pool(tuple(b for c in chains for b in c), tuple(models))

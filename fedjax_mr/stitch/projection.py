@@ -91,7 +91,7 @@ def check_compatible(
   """
   if policy not in SPATIAL_POLICIES:
     raise errors.ConfigError(
-      f'--spatial: unknown policy {policy!r}; choose one of '
+      f'`policy`: unknown policy {policy!r}; choose one of '
       f'{", ".join(SPATIAL_POLICIES)}'
     )
   if len(x_spec) == 1 and len(y_spec) > 1:
@@ -152,8 +152,7 @@ def solve(
   """
   if solver not in SOLVERS:
     raise errors.ConfigError(
-      f'--stitch_solver: unknown solver {solver!r}; choose one of '
-      f'{", ".join(SOLVERS)}'
+      f'`solver`: unknown solver {solver!r}; choose one of {", ".join(SOLVERS)}'
     )
   g = (s.g + s.g.T) / 2
   if solver == 'ridge':

@@ -317,6 +317,91 @@ def _modern_keys(arch: str, tensors: Mapping[str, np.ndarray]) -> dict:
   return out
 
 
+def _plan(arch: str, params: Mapping[str, Any]) -> dict:
+  """Our leaf `('params' | 'batch_stats', *path)` → (torchvision key, how
+  to map it: 'copy', 'conv', 'linear' or 'flatten'), for every leaf of the
+  module's abstract `params`."""
+  plan = {}
+  for path in _leaf_modules(params):
+    node = _get(params, path)
+    prefix = _torch_prefix(arch, path, params)
+    if 'scale' in node:  # BatchNorm
+      plan[('params', *path, 'scale')] = (f'{prefix}.weight', 'copy')
+      plan[('params', *path, 'bias')] = (f'{prefix}.bias', 'copy')
+      plan[('batch_stats', *path, 'mean')] = (f'{prefix}.running_mean', 'copy')
+      plan[('batch_stats', *path, 'var')] = (f'{prefix}.running_var', 'copy')
+      continue
+    kernel = node['kernel']
+    if kernel.ndim == 4:
+      how = 'conv'
+    elif arch in ('alexnet', 'vgg16') and path == ('fc0',):
+      how = 'flatten'  # after adaptive pooling to pool_size²
+    else:
+      how = 'linear'
+    plan[('params', *path, 'kernel')] = (f'{prefix}.weight', how)
+    if 'bias' in node:
+      plan[('params', *path, 'bias')] = (f'{prefix}.bias', 'copy')
+  return plan
+
+
+def _check_keys(
+  arch: str, tensors: Mapping[str, np.ndarray], plan: dict, source: str
+) -> None:
+  """Refuses missing tensors and unexpected ones (`num_batches_tracked` of
+  a BatchNorm we read may be there)."""
+  wanted = {key for key, _ in plan.values()}
+  optional = {
+    k
+    for k in tensors
+    if k.endswith('.num_batches_tracked')
+    and k[: -len('num_batches_tracked')] + 'running_mean' in wanted
+  }
+  missing = wanted - set(tensors)
+  if missing:
+    raise _fail(
+      source,
+      f'{len(missing)} tensor(s) of {arch} missing: {_names(missing)} (is '
+      f'this {arch}, and its configuration the one given?)',
+    )
+  unexpected = set(tensors) - wanted - optional
+  if unexpected:
+    raise _fail(
+      source,
+      f'{len(unexpected)} unexpected tensor(s) for {arch}: '
+      f'{_names(unexpected)}',
+    )
+
+
+def _leaf(
+  arch: str, key: str, how: str, value: np.ndarray, target, module, source
+) -> np.ndarray:
+  """One torchvision tensor as our float32 leaf of `target`'s shape."""
+  if value.dtype.kind != 'f':
+    raise _fail(source, f'{key} has dtype {value.dtype}, not floating point')
+  want = target.shape
+  if how in ('conv',):
+    want = (want[3], want[2], want[0], want[1])  # HWIO → OIHW
+  elif how in ('linear', 'flatten'):
+    want = want[::-1]
+  if tuple(value.shape) != tuple(want):
+    raise _fail(
+      source,
+      f'{key} has shape {tuple(value.shape)}, {arch} of this '
+      f'configuration expects {tuple(want)}',
+    )
+  value = np.asarray(value, np.float32)  # a view of the file, if F32
+  if how == 'conv':
+    value = value.transpose(2, 3, 1, 0)
+  elif how == 'linear':
+    value = value.T
+  elif how == 'flatten':
+    side = module.pool_size
+    out, c = value.shape[0], value.shape[1] // (side * side)
+    value = value.reshape(out, c, side, side).transpose(2, 3, 1, 0)
+    value = value.reshape(side * side * c, out)
+  return np.array(value, np.float32, order='C')  # our own copy
+
+
 def convert(
   arch: str,
   tensors: Mapping[str, np.ndarray],
@@ -347,77 +432,20 @@ def convert(
   abstract = jax.eval_shape(
     module.clone(preprocess=None).init, jax.random.key(0), x
   )
-  params = abstract['params']
-  # Our leaf → (torchvision key, how to map it).
-  plan = {}
-  for path in _leaf_modules(params):
-    node = _get(params, path)
-    prefix = _torch_prefix(arch, path, params)
-    if 'scale' in node:  # BatchNorm
-      plan[('params', *path, 'scale')] = (f'{prefix}.weight', 'copy')
-      plan[('params', *path, 'bias')] = (f'{prefix}.bias', 'copy')
-      plan[('batch_stats', *path, 'mean')] = (f'{prefix}.running_mean', 'copy')
-      plan[('batch_stats', *path, 'var')] = (f'{prefix}.running_var', 'copy')
-      continue
-    kernel = node['kernel']
-    if kernel.ndim == 4:
-      how = 'conv'
-    elif arch in ('alexnet', 'vgg16') and path == ('fc0',):
-      how = 'flatten'  # after adaptive pooling to pool_size²
-    else:
-      how = 'linear'
-    plan[('params', *path, 'kernel')] = (f'{prefix}.weight', how)
-    if 'bias' in node:
-      plan[('params', *path, 'bias')] = (f'{prefix}.bias', 'copy')
-  wanted = {key for key, _ in plan.values()}
-  optional = {
-    k
-    for k in tensors
-    if k.endswith('.num_batches_tracked')
-    and k[: -len('num_batches_tracked')] + 'running_mean' in wanted
+  plan = _plan(arch, abstract['params'])
+  _check_keys(arch, tensors, plan, source)
+  flat = {
+    leaf: _leaf(
+      arch,
+      key,
+      how,
+      tensors[key],
+      _get(abstract[leaf[0]], leaf[1:]),
+      module,
+      source,
+    )
+    for leaf, (key, how) in plan.items()
   }
-  missing = wanted - set(tensors)
-  if missing:
-    raise _fail(
-      source,
-      f'{len(missing)} tensor(s) of {arch} missing: {_names(missing)} (is '
-      f'this {arch}, and its configuration the one given?)',
-    )
-  unexpected = set(tensors) - wanted - optional
-  if unexpected:
-    raise _fail(
-      source,
-      f'{len(unexpected)} unexpected tensor(s) for {arch}: '
-      f'{_names(unexpected)}',
-    )
-  flat = {}
-  for leaf, (key, how) in plan.items():
-    target = _get(abstract[leaf[0]], leaf[1:])
-    value = tensors[key]
-    if value.dtype.kind != 'f':
-      raise _fail(source, f'{key} has dtype {value.dtype}, not floating point')
-    want = target.shape
-    if how in ('conv',):
-      want = (want[3], want[2], want[0], want[1])  # HWIO → OIHW
-    elif how in ('linear', 'flatten'):
-      want = want[::-1]
-    if tuple(value.shape) != tuple(want):
-      raise _fail(
-        source,
-        f'{key} has shape {tuple(value.shape)}, {arch} of this '
-        f'configuration expects {tuple(want)}',
-      )
-    value = np.asarray(value, np.float32)  # a view of the file, if F32
-    if how == 'conv':
-      value = value.transpose(2, 3, 1, 0)
-    elif how == 'linear':
-      value = value.T
-    elif how == 'flatten':
-      side = module.pool_size
-      out, c = value.shape[0], value.shape[1] // (side * side)
-      value = value.reshape(out, c, side, side).transpose(2, 3, 1, 0)
-      value = value.reshape(side * side * c, out)
-    flat[leaf] = np.array(value, np.float32, order='C')  # our own copy
   return flax.traverse_util.unflatten_dict(flat)
 
 
@@ -512,11 +540,11 @@ def load_pool(
   unknown = [i for i in ids if i not in POOL_FILES]
   if unknown:
     raise errors.ConfigError(
-      f'--pool_models: {", ".join(unknown)} not in the ImageNet pool '
+      f'`pool_models`: {", ".join(unknown)} not in the ImageNet pool '
       f'({", ".join(PAPER_POOL)})'
     )
   if not os.path.isdir(folder):
-    raise errors.ConfigError(f'--imagenet_pool: {folder!r} is not a folder')
+    raise errors.ConfigError(f'`imagenet_pool`: {folder!r} is not a folder')
   missing = [
     POOL_FILES[i]
     for i in ids
@@ -524,12 +552,12 @@ def load_pool(
   ]
   if missing:
     raise errors.ConfigError(
-      f'--imagenet_pool: {folder} lacks {", ".join(missing)} (torchvision '
+      f'`imagenet_pool`: {folder} lacks {", ".join(missing)} (torchvision '
       'state dicts saved as .safetensors, named after its builders)'
     )
   if resolution < MIN_RESOLUTION:
     raise errors.ConfigError(
-      f'--imagenet_resolution must be ≥ {MIN_RESOLUTION} (the smallest '
+      f'`imagenet_resolution` must be ≥ {MIN_RESOLUTION} (the smallest '
       f"input AlexNet's pools leave a pixel of), got {resolution}"
     )
   pre = None
@@ -554,12 +582,12 @@ def check_label_map(
   integer counts as a list of one). Returns it as lists of ints.
 
   Raises:
-    ConfigError: naming --label_map and the first bad entry.
+    ConfigError: naming `label_map` and the first bad entry.
   """
   if not isinstance(label_map, list) or len(label_map) != num_classes:
     got = len(label_map) if isinstance(label_map, list) else 'no list'
     raise errors.ConfigError(
-      f'--label_map: want a JSON list of {num_classes} entries (one per '
+      f'`label_map`: want a JSON list of {num_classes} entries (one per '
       f'dataset class), got {got}'
     )
   out = []
@@ -575,7 +603,7 @@ def check_label_map(
     )
     if not ok:
       raise errors.ConfigError(
-        f'--label_map: entry {t} must be a non-empty list of class ids in '
+        f'`label_map`: entry {t} must be a non-empty list of class ids in '
         f'[0, {num_source}), got {entry!r}'
       )
     out.append(list(entry))
@@ -585,11 +613,11 @@ def check_label_map(
 def read_label_map(
   path: str, num_classes: int, num_source: int = IMAGENET_CLASSES
 ) -> list[list[int]]:
-  """Reads and checks a `--label_map` JSON file (see `check_label_map`)."""
+  """Reads and checks a `label_map` JSON file (see `check_label_map`)."""
   try:
     with open(path) as f:
       label_map = json.load(f)
   except (OSError, ValueError) as e:
     reason = e.strerror if isinstance(e, OSError) else f'not JSON ({e})'
-    raise errors.ConfigError(f'--label_map={path}: cannot read it: {reason}')
+    raise errors.ConfigError(f'`label_map={path}`: cannot read it: {reason}')
   return check_label_map(label_map, num_classes, num_source)

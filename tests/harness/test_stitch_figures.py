@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from fedjax_mr.harness import stitch_figures as figures
-from fedjax_mr.stitch import federated
+from fedjax_mr.stitch import state as state_lib
 
 REPO = os.path.dirname(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +72,7 @@ def _stitch_dir(
       **({} if pool_models is None else {'pool_models': pool_models}),
     },
   )
-  federated.write_document(
+  state_lib.write_document(
     os.path.join(path, 'state.npz'),
     {'round': len(times), 'weights': np.array([0.3, 0.1, 0.4, 0.2])},
     {'aggregation': config['aggregation'], 'prune': config['prune']},

@@ -17,6 +17,7 @@ import numpy as np
 
 from fedjax_mr import models
 from fedjax_mr.stitch import blocks
+from fedjax_mr.stitch import pool as pool_lib
 
 IMAGE = (28, 28, 1)
 TOKENS = (80,)
@@ -102,3 +103,30 @@ def inputs(shape: tuple, n: int = 3, seed: int = 1, num_classes: int = 80):
   if len(shape) == 1:
     return jnp.asarray(rng.integers(0, num_classes, (n, *shape)), jnp.int32)
   return jnp.asarray(rng.uniform(0, 1, (n, *shape)), jnp.float32)
+
+
+# --- A pool of shape-only blocks (nothing runs) ---------------------------
+
+
+def block(model, index, kind, in_spec, out_spec):
+  return blocks.Block(model, index, kind, (), (), in_spec, out_spec, {})
+
+
+def fake_pool():
+  """Three 3-block models a, b, c; c's middle block outputs a vector."""
+  chains = [
+    [
+      block(m, 0, 'start', (8, 8, 1), (8, 8, 4)),
+      block(m, 1, 'middle', (8, 8, 4), (4, 4, 8)),
+      block(m, 2, 'end', (4, 4, 8), (10,)),
+    ]
+    for m in ('a', 'b')
+  ]
+  chains.append(
+    [
+      block('c', 0, 'start', (8, 8, 1), (6, 6, 3)),
+      block('c', 1, 'middle', (6, 6, 3), (16,)),
+      block('c', 2, 'end', (16,), (10,)),
+    ]
+  )
+  return pool_lib.make_pool(chains)

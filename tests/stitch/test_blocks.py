@@ -1,6 +1,5 @@
 """Cutting zoo models into blocks: exact chains, kinds, specs, variables."""
 
-import re
 
 import jax
 import jax.numpy as jnp
@@ -148,10 +147,10 @@ def test_explicit_cuts_and_first_unit_implied():
 @pytest.mark.parametrize(
   'cuts,pattern',
   [
-    (['conv0', 'fc9'], r'--cuts.*fc9'),
-    (['head', 'conv1'], r'--cuts.*order'),
-    (['conv0'], r'--cuts.*two blocks'),
-    ('every_other', r'--cuts.*every_other'),
+    (['conv0', 'fc9'], r'`cuts`.*fc9'),
+    (['head', 'conv1'], r'`cuts`.*order'),
+    (['conv0'], r'`cuts`.*two blocks'),
+    ('every_other', r'`cuts`.*every_other'),
   ],
 )
 def test_bad_cuts_raise_config_error(cuts, pattern):
@@ -162,12 +161,12 @@ def test_bad_cuts_raise_config_error(cuts, pattern):
 
 def test_unknown_style_in_cut_list():
   v = common.variables('cnn_mnist', 10, common.IMAGE)
-  with pytest.raises(errors.ConfigError, match=r'--cuts.*per_layer'):
+  with pytest.raises(errors.ConfigError, match=r'`cuts`.*per_layer'):
     blocks.cut_list('cnn_mnist', v, 'per_layer')
 
 
 @pytest.mark.parametrize('fn', ['split', 'cut_list', 'units'])
-def test_unknown_model_names_the_flag(fn):
+def test_unknown_model_names_the_argument(fn):
   v = common.variables('cnn_mnist', 10, common.IMAGE)
   call = {
     'split': lambda: blocks.split('m', 'lenet', v, common.IMAGE),
@@ -178,7 +177,7 @@ def test_unknown_model_names_the_flag(fn):
     call()
   message = str(e.value)
   assert 'lenet' in message
-  assert re.search(r'--\w+', message), f'no flag named in {message!r}'
+  assert '`model_name`' in message, f'no argument named in {message!r}'
 
 
 def _leaves_by_path(tree):

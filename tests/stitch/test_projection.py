@@ -80,7 +80,7 @@ def test_ridge_close_to_pinv_for_tiny_ridge():
 def test_solve_errors_and_zero_statistics():
   s = projection.Stats(np.zeros((3, 3)), np.zeros((3, 2)), 5)
   np.testing.assert_array_equal(projection.solve(s), np.zeros((3, 2)))
-  with pytest.raises(errors.ConfigError, match='--stitch_solver'):
+  with pytest.raises(errors.ConfigError, match='`solver`'):
     projection.solve(s, solver='lsqr')
 
 
@@ -182,7 +182,7 @@ def test_check_compatible():
   assert cc((10,), (7,)) is None
   assert cc((4, 4, 3), (8, 8, 5)) is None
   assert cc((9, 3), (4, 4, 5)) is not None  # sequence vs image
-  with pytest.raises(errors.ConfigError, match='--spatial'):
+  with pytest.raises(errors.ConfigError, match='`policy`'):
     cc((4, 4, 3), (4, 4, 3), 'crop')
   with pytest.raises(ValueError, match='dense'):
     projection.stats(np.ones((3, 10)), np.ones((3, 4, 4, 2)))

@@ -374,7 +374,7 @@ def test_label_maps_are_checked():
   for label_map, message in bad:
     with pytest.raises(errors.ConfigError) as e:
       tvi.check_label_map(label_map, 2)
-    assert message in str(e.value) and '--label_map' in str(e.value)
+    assert message in str(e.value) and '`label_map`' in str(e.value)
   assert tvi.check_label_map([[9]], 1, num_source=10) == [[9]]
 
 
