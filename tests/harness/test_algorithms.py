@@ -274,7 +274,9 @@ def test_parse_variant():
 
 def test_configs_validate_each_variant(small_config, tmp_path):
   variants = [compare.parse_variant('fedmr'), ('bad', {'fedmut_alpha': 1.0})]
-  with pytest.raises(errors.ConfigError, match='variant bad: `fedmut_alpha`'):
+  with pytest.raises(
+    errors.ConfigError, match='variant bad: `fedmut_alpha=1.0` applies'
+  ):
     compare.configs(small_config, variants, [0], str(tmp_path))
   runs = compare.configs(small_config, variants[:1], [0, 5], str(tmp_path))
   assert [(n, s, c.seed, c.algorithm) for n, s, c in runs] == [
