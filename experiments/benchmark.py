@@ -150,15 +150,15 @@ def _algorithm(name, base, options):
   setting."""
   import jax
 
+  from fedjax_mr.harness import build
   from fedjax_mr.harness import config as config_lib
-  from fedjax_mr.harness import experiment
   from fedjax_mr.harness import registry
 
   config = _config(name, options)
   config_lib.validate(config)
   model = registry.model_for(name, base, config_lib.hparams(config))
   variables = model.init(jax.random.key(0))
-  algorithm = experiment.build_algorithm(config, model, variables)
+  algorithm = build.build_algorithm(config, model, variables)
   return algorithm, variables, model, config_lib.multi_model(config)
 
 

@@ -176,7 +176,7 @@ class Checkpointer:
       raise CheckpointError(
         f'no checkpoint in {self._folder} restores (the newest, '
         f'after round {step}: {reason}); if the workdir holds a run of '
-        'another setting, pass another --workdir'
+        'another setting, pass another `workdir`'
       )
     return None, like
 

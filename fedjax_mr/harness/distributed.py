@@ -6,16 +6,24 @@ One process: the client axis of a round is sharded over the local devices
 every process's devices, and the same jit-compiled round runs everywhere
 with the data and the state replicated; each process trains its slice of
 the client axis.
+
+`mesh_for(config)` gives a run its mesh, `client_mapping` says how its
+clients are laid onto the devices (which decides the order of the sums
+over clients), and `reproducibility_note` what the backend cannot promise.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
+from typing import Any
+from typing import Mapping
 
 import jax
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.models import layers
 
 AXIS = 'clients'
 
@@ -64,12 +72,12 @@ def initialize(
   if num_processes > 1 and not jax.distributed.is_initialized():
     if not coordinator_address:
       raise errors.ConfigError(
-        '--coordinator_address (host:port of process 0) is required when '
-        f'--num_processes={num_processes}'
+        '`coordinator_address` (host:port of process 0) is required when '
+        f'`num_processes={num_processes}`'
       )
     if not 0 <= process_id < num_processes:
       raise errors.ConfigError(
-        f'--process_id must be in [0, {num_processes}), got {process_id}'
+        f'`process_id` must be in [0, {num_processes}), got {process_id}'
       )
     jax.distributed.initialize(
       coordinator_address=coordinator_address,
@@ -90,11 +98,11 @@ def backend_started() -> bool:
 
 
 def initialize_for(config) -> None:
-  """`initialize` with the device and process flags of an ExperimentConfig.
+  """`initialize` with the device and process fields of an ExperimentConfig.
 
-  Idempotent; `experiment.setup` calls it, so a run started from Python
-  gets the devices the command line gives it, if JAX has not set up its
-  devices before (then it says so in `setup`).
+  Idempotent; `mesh_for` (so `experiment.setup`) calls it, so a run
+  started from Python gets the devices the command line gives it, if JAX
+  has not set up its devices before (then `note_devices` says so).
   """
   initialize(
     host_devices=config.host_devices,
@@ -111,15 +119,137 @@ def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
   devices = jax.devices()
   if num_devices > len(devices):
     raise errors.ConfigError(
-      f'--num_devices={num_devices} but only {len(devices)} devices exist '
+      f'`num_devices={num_devices}` but only {len(devices)} devices exist '
       f'({devices[0].platform})'
     )
   if num_devices and jax.process_count() > 1 and num_devices != len(devices):
     raise errors.ConfigError(
-      '--num_devices must be 0 (all) when running several processes'
+      '`num_devices` must be 0 (all) when running several processes'
     )
   chosen = devices[: num_devices or len(devices)]
   return jax.sharding.Mesh(np.array(chosen), (AXIS,))
+
+
+def mesh_for(config) -> jax.sharding.Mesh:
+  """The mesh a run of `config` (an ExperimentConfig) shards its clients
+  over.
+
+  From Python as from the command line: if JAX has not set up its devices
+  yet, the host devices (one per core, at most K) and processes of the
+  config come first (`initialize_for`); else `note_devices` warns when
+  there are fewer than the command line would give.
+
+  Raises:
+    ConfigError: more devices than clients per round, or a `num_devices`
+      that does not exist.
+  """
+  if not backend_started():
+    initialize_for(config)
+  else:
+    note_devices(config)
+  mesh = make_mesh(config.num_devices)
+  num_devices = mesh.devices.size
+  if num_devices > config.clients_per_round:
+    raise errors.ConfigError(
+      f'`clients_per_round={config.clients_per_round}` is fewer than the '
+      f'{num_devices} devices the clients are sharded over; set '
+      '`num_devices` (or `host_devices` on CPU) to at most '
+      f'{config.clients_per_round}'
+    )
+  return mesh
+
+
+def note_devices(config) -> None:
+  """Warns when JAX set up fewer CPU devices than the command line would
+  give `config` (it started before `mesh_for` could choose)."""
+  if jax.process_count() > 1 or jax.devices()[0].platform != 'cpu':
+    return
+  want = (
+    config.host_devices
+    or config.num_devices
+    or auto_host_devices(config.clients_per_round)
+  )
+  have = len(jax.devices())
+  if have < want and not config.num_devices:
+    warnings.warn(
+      f'JAX started with {have} CPU device(s) before this run was set up; '
+      f'the command line would use {want}. Call '
+      'fedjax_mr.harness.distributed.initialize_for(config) before any '
+      'JAX computation to get them.',
+      stacklevel=4,  # the caller of `experiment.setup`
+    )
+
+
+def clients_per_device(clients_per_round: int, num_devices: int) -> int:
+  """The clients each device trains in a round (the last may have empty
+  ones)."""
+  return -(-clients_per_round // num_devices)
+
+
+def client_mapping(
+  clients_per_round: int, client_chunk: int, mesh: jax.sharding.Mesh
+) -> dict[str, Any]:
+  """How a round's clients are mapped onto the devices of `mesh`:
+  platform, processes, devices, and `client_chunk` (the clients a device
+  trains at a time; 0 picks 1 on CPU, else all of its clients).
+
+  The mapping decides the order of the floating-point sums over clients,
+  so each checkpoint keeps it.
+  """
+  num_devices = mesh.devices.size
+  platform = mesh.devices.flat[0].platform
+  per_device = clients_per_device(clients_per_round, num_devices)
+  chunk = client_chunk or (1 if platform == 'cpu' else per_device)
+  return {
+    'platform': platform,
+    'processes': jax.process_count(),
+    'devices': int(num_devices),
+    'client_chunk': int(chunk),
+  }
+
+
+def describe_mapping(mapping: Mapping[str, Any]) -> str:
+  """A `client_mapping` in words."""
+  return (
+    f'{mapping.get("devices")} {mapping.get("platform")} device(s) in '
+    f'{mapping.get("processes")} process(es), `client_chunk='
+    f'{mapping.get("client_chunk")}`'
+  )
+
+
+# Measured with jaxlib 0.10.2 (BUILD.md, "Reproducibility"): with the
+# convolution gradient, several XLA host devices running at once on several
+# cores give results that differ from run to run in the last digits (one
+# device, one core, or the default im2col gradient do not).
+CPU_DEVICES_NOTE = (
+  'note: with the convolution gradient (layers.conv_implementation'
+  "('conv')) XLA:CPU does not give bit-identical results from run to run "
+  'with several host devices on several cores (differences start in the '
+  'last digits and grow with the rounds); the default im2col gradient, or '
+  '`host_devices=1` `num_devices=1`, is bit-reproducible'
+)
+
+
+# XLA's GPU backend may sum with atomics (scatter-adds, some reductions)
+# and pick convolution algorithms that do, unless told not to.
+GPU_NOTE = (
+  'note: XLA on GPU is bit-reproducible only with '
+  'XLA_FLAGS=--xla_gpu_deterministic_ops=true (slower); without it results '
+  'may differ from run to run in the last digits'
+)
+
+
+def reproducibility_note(platform: str, num_devices: int) -> str | None:
+  """The one-line note for a run traced now whose backend cannot promise
+  bit-identical results from run to run, else None."""
+  if platform == 'cpu' and num_devices > 1:
+    if layers.conv_gradient() == 'conv':
+      return CPU_DEVICES_NOTE
+  if platform == 'gpu':
+    flags = os.environ.get('XLA_FLAGS', '').split()
+    if '--xla_gpu_deterministic_ops=true' not in flags:
+      return GPU_NOTE
+  return None
 
 
 def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:

@@ -53,7 +53,9 @@ def source_commit(folder: str | None = None) -> dict[str, Any] | None:
 
   try:
     commit = git('rev-parse', 'HEAD')
-    changed = git('status', '--porcelain', '--untracked-files=no')
+    # -z: the machine-readable (porcelain) listing, NUL-separated; -uno:
+    # tracked files only. Empty when they match the commit.
+    changed = git('status', '-z', '-uno')
   except (OSError, subprocess.SubprocessError):
     return None
   return {'commit': commit, 'modified': bool(changed)}

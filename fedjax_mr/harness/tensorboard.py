@@ -19,7 +19,7 @@ import time
 from typing import Any
 from typing import Mapping
 
-# The workdir's folder of event files (`tensorboard --logdir <workdir>`).
+# The workdir's folder of event files (TensorBoard's logdir: the workdir).
 FOLDER = 'tensorboard'
 
 

@@ -52,21 +52,21 @@ def test_concurrent_devices_give_the_sequential_bits():
 
 
 def test_the_note_names_the_backends_that_cannot_promise_bits(monkeypatch):
-  from fedjax_mr.harness import experiment
+  from fedjax_mr.harness import distributed
 
-  assert experiment.reproducibility_note('cpu', 2) is None
-  assert experiment.reproducibility_note('cpu', 1) is None
+  assert distributed.reproducibility_note('cpu', 2) is None
+  assert distributed.reproducibility_note('cpu', 1) is None
   with layers.conv_implementation('conv'):
-    assert experiment.reproducibility_note('cpu', 2) == (
-      experiment.CPU_DEVICES_NOTE
+    assert distributed.reproducibility_note('cpu', 2) == (
+      distributed.CPU_DEVICES_NOTE
     )
-    assert experiment.reproducibility_note('cpu', 1) is None
+    assert distributed.reproducibility_note('cpu', 1) is None
   # GPUs: deterministic only when XLA is told to be.
   monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_autotune_level=0')
-  assert experiment.reproducibility_note('gpu', 1) == experiment.GPU_NOTE
+  assert distributed.reproducibility_note('gpu', 1) == distributed.GPU_NOTE
   monkeypatch.setenv('XLA_FLAGS', '--xla_gpu_deterministic_ops=true')
-  assert experiment.reproducibility_note('gpu', 1) is None
-  assert experiment.reproducibility_note('tpu', 4) is None
+  assert distributed.reproducibility_note('gpu', 1) is None
+  assert distributed.reproducibility_note('tpu', 4) is None
 
 
 def test_fresh_processes_on_two_devices_give_the_same_bits(

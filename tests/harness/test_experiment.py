@@ -19,8 +19,11 @@ from fedjax_mr.core import errors
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
 from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import distributed
+from fedjax_mr.harness import energy_report
 from fedjax_mr.harness import experiment
 from fedjax_mr.harness import metrics_io
+from fedjax_mr.harness import records
 from fedjax_mr.harness import registry
 from fedjax_mr.harness import tensorboard
 from tests import helpers
@@ -118,7 +121,7 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
     assert record['source']['commit'] == head.stdout.strip()
   # Two host devices with the default (im2col) gradient: bit-reproducible,
   # so no note (tests/harness/test_determinism.py).
-  assert experiment.CPU_DEVICES_NOTE not in lines
+  assert distributed.CPU_DEVICES_NOTE not in lines
   part = json.load(open(tmp_path / 'partition.json'))
   assert sum(part['sizes']) == 1500 and len(part['sizes']) == 10
   assert any(
@@ -147,7 +150,7 @@ def test_energy_mix_replays_the_sampled_clients(small_config, tmp_path):
   for row in rows:
     ids = row['client_ids']
     assert len(set(ids)) == 4 and all(0 <= i < 10 for i in ids)
-  energy = json.load(open(tmp_path / experiment.ENERGY_FILE))
+  energy = json.load(open(tmp_path / energy_report.ENERGY_FILE))
   assert list(energy) == mixes
   # One device kind: the round time at the highest frequency is the largest
   # client's 2 epochs x examples x 4 ms, sped up by the fastest config.
@@ -247,14 +250,14 @@ def test_interrupt_while_a_rounds_row_is_written_loses_no_row(
 
   work = str(tmp_path / 'killed')
   if where == 'append':
-    monkeypatch.setattr(experiment.metrics_io, 'append', interrupted_append)
+    monkeypatch.setattr(metrics_io, 'append', interrupted_append)
   with pytest.raises(KeyboardInterrupt):
     experiment.train_and_evaluate(
       small_config,
       work,
       log=interrupted_log,
     )
-  monkeypatch.setattr(experiment.metrics_io, 'append', append)
+  monkeypatch.setattr(metrics_io, 'append', append)
   assert left == [0]
   # Finishing round 3's record on the way out wrote its clients row once.
   with open(os.path.join(work, 'clients.jsonl')) as f:
@@ -338,7 +341,7 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
   rows = metrics_io.read(str(tmp_path / 'metrics.jsonl'))
   assert len(rows) == 1 and not np.isfinite(rows[0]['train_loss'])
   # The learning curve is drawn all the same (with the divergence marked).
-  assert (tmp_path / experiment.CURVE_FILE).read_bytes()[:4] == b'\x89PNG'
+  assert (tmp_path / records.CURVE_FILE).read_bytes()[:4] == b'\x89PNG'
 
 
 @pytest.mark.parametrize(
@@ -366,8 +369,8 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
     ({'eval_every': -1}, '`eval_every`'),
     ({'data_dir': '/nonexistent/dir'}, '--data_dir'),
     ({'num_clients': 1000, 'clients_per_round': 4}, '--num_clients=1000'),
-    ({'clients_per_round': 1}, '--clients_per_round=1 is fewer than'),
-    ({'num_devices': 3}, '--num_devices=3'),
+    ({'clients_per_round': 1}, '`clients_per_round=1` is fewer than'),
+    ({'num_devices': 3}, '`num_devices=3`'),
     ({'client_chunk': -1}, '`client_chunk`'),
     ({'process_id': 1}, '`process_id`'),
     ({'energy_mix': 'tx2_literal:1;nosuch:1'}, "`energy_mix`: 'nosuch:1'"),
@@ -484,7 +487,7 @@ def test_file_partition_runs_and_resumes_only_with_the_same_file(
   lines = []
   experiment.run(exp, work, log=lines.append)
   assert (
-    'note: 100 of 1500 training examples are in no client (--partition=file)'
+    'note: 100 of 1500 training examples are in no client (`partition=file`)'
     in lines
   )
   part = json.load(open(os.path.join(work, 'partition.json')))

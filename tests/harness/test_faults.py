@@ -254,8 +254,8 @@ def test_a_resume_on_another_client_mapping_says_so(finished, tmp_path):
   notes = [line for line in lines if line.startswith('note: round')]
   assert notes == [
     'note: round 2 was run with 2 cpu device(s) in 1 process(es), '
-    '--client_chunk=1, this process runs 2 cpu device(s) in 1 process(es), '
-    '--client_chunk=2: the sums over clients are grouped differently, so '
+    '`client_chunk=1`, this process runs 2 cpu device(s) in 1 process(es), '
+    '`client_chunk=2`: the sums over clients are grouped differently, so '
     'the results are not bit-identical to an uninterrupted run (differences '
     'start in the last digits)'
   ]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from fedjax_mr.core import errors
+from fedjax_mr.harness import build
 from fedjax_mr.harness import config as config_lib
-from fedjax_mr.harness import experiment
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.stitch import pool as pool_lib
 
@@ -35,7 +35,7 @@ def test_partition_covers_the_kept_classes_only(partition):
     kw.update(alpha=1.0)
   if partition == 'shards':
     kw.update(shards_per_client=1)
-  parts = experiment.make_partition(config(**kw), LABELS)
+  parts = build.make_partition(config(**kw), LABELS)
   got = np.sort(np.concatenate(parts))
   np.testing.assert_array_equal(got, np.flatnonzero(LABELS >= 0))
   if partition in ('iid', 'dirichlet_equal'):  # 9 kept examples, 3 clients
@@ -45,7 +45,7 @@ def test_partition_covers_the_kept_classes_only(partition):
 def test_iid_partition_is_the_plain_one_of_the_kept_examples():
   from fedjax_mr.data import partition
 
-  parts = experiment.make_partition(config(partition='iid'), LABELS)
+  parts = build.make_partition(config(partition='iid'), LABELS)
   keep = np.flatnonzero(LABELS >= 0)
   plain = partition.iid(len(keep), 3, 0)
   for p, q in zip(parts, plain):
@@ -57,10 +57,10 @@ def test_partition_file_with_a_left_out_example_is_refused(tmp_path):
   path.write_text(json.dumps({'clients': [[0, 2], [3, 4], [5, 6]]}))
   c = config(partition='file', partition_file=str(path))
   with pytest.raises(errors.ConfigError, match='client 1 holds example 4'):
-    experiment.make_partition(c, LABELS)
+    build.make_partition(c, LABELS)
   path.write_text(json.dumps({'clients': [[0, 2], [3, 5], [6, 8]]}))
   c = config(partition='file', partition_file=str(path))
-  parts = experiment.make_partition(c, LABELS)
+  parts = build.make_partition(c, LABELS)
   assert [p.tolist() for p in parts] == [[0, 2], [3, 5], [6, 8]]
 
 
@@ -89,7 +89,7 @@ def test_init_from_a_model_of_the_same_classes_takes_it_whole(tmp_path):
   model, saved = _pool_model(tmp_path, [5, 6, 7])
   fresh = model.init(jax.random.key(0))
   c = config(init_from=str(tmp_path / 'cnn_mnist'), model='cnn_mnist')
-  got = experiment.pretrained_variables(c, model, fresh)
+  got = build.pretrained_variables(c, model, fresh)
   assert _same(got, saved)
 
 
@@ -97,7 +97,7 @@ def test_init_from_other_classes_keeps_the_fresh_classifier(tmp_path):
   model, saved = _pool_model(tmp_path, [0, 1, 2])
   fresh = model.init(jax.random.key(0))
   c = config(init_from=str(tmp_path / 'cnn_mnist'), model='cnn_mnist')
-  got = experiment.pretrained_variables(c, model, fresh)
+  got = build.pretrained_variables(c, model, fresh)
   head = list(fresh['params'])[-1]
   for name in fresh['params']:
     want = fresh if name == head else saved
@@ -108,12 +108,12 @@ def test_init_from_other_classes_keeps_the_fresh_classifier(tmp_path):
 def test_init_from_another_model_is_refused_in_one_line(tmp_path):
   model, _ = _pool_model(tmp_path, [5, 6, 7])
   c = config(init_from=str(tmp_path / 'cnn_mnist'), model='cnn_femnist')
-  with pytest.raises(errors.ConfigError, match='--init_from=.*cnn_mnist model'):
-    experiment.pretrained_variables(c, model, model.init(jax.random.key(0)))
+  with pytest.raises(errors.ConfigError, match='`init_from=.*cnn_mnist model'):
+    build.pretrained_variables(c, model, model.init(jax.random.key(0)))
   wide = model_lib.get('cnn_mnist', 4, (28, 28, 1))
   c = config(init_from=str(tmp_path / 'cnn_mnist'), model='cnn_mnist')
   with pytest.raises(errors.ConfigError, match='answers 3 classes'):
-    experiment.pretrained_variables(c, wide, wide.init(jax.random.key(0)))
+    build.pretrained_variables(c, wide, wide.init(jax.random.key(0)))
 
 
 def test_init_from_without_a_model_folder_is_refused_before_anything(

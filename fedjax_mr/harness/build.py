@@ -1,0 +1,290 @@
+"""What a run is made of (`Experiment`) and the pieces `experiment.setup`
+builds it from, out of an `ExperimentConfig`.
+
+The dataset (`load_dataset`), the clients' partition (`make_partition`),
+the algorithm from the registry (`build_algorithm`) and pretrained
+starting variables (`pretrained_variables`, the config's `init_from`).
+Each raises `ConfigError` naming the config field at fault.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from typing import NamedTuple
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_mr.core import errors
+from fedjax_mr.core import types
+from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.data import datasets
+from fedjax_mr.data import partition as partition_lib
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import registry
+from fedjax_mr.models import model as model_lib
+from fedjax_mr.training import client
+from fedjax_mr.training import engine
+
+
+class Experiment(NamedTuple):
+  """Everything a run needs, built by `experiment.setup` (or by hand, from
+  a notebook).
+
+  Attributes:
+    config: the experiment (its loop settings: rounds, evaluation,
+      checkpoints, devices).
+    model: the model.
+    algorithm: the federated algorithm.
+    data: the clients' training data (`ClientData`, on the devices).
+    test: the test set (`EvalData`, on the devices).
+    state: the initial `RoundState` (on the devices).
+    key: the run key; round r uses `fold_in(key, r)`.
+    mesh: the devices the client axis is sharded over.
+    client_sizes: every client's number of training examples.
+    partition: the partition summary written to partition.json, or None.
+  """
+
+  config: config_lib.ExperimentConfig
+  model: model_lib.Model
+  algorithm: types.Algorithm
+  data: client_data_lib.ClientData
+  test: client_data_lib.EvalData
+  state: engine.RoundState
+  key: jax.Array
+  mesh: jax.sharding.Mesh
+  client_sizes: list[int]
+  partition: dict[str, Any] | None = None
+
+
+def load_dataset(config: config_lib.ExperimentConfig) -> datasets.Dataset:
+  """The dataset of a run, as `setup` loads it (its folder, CIFAR-100
+  labels, LEAF filter, and the natural clients kept)."""
+  dataset = datasets.load(
+    config.dataset,
+    config.data_dir or None,
+    cifar100_labels=config.cifar100_labels,
+    leaf_min_samples=config.leaf_min_samples,
+  )
+  if config.partition == 'natural':
+    dataset = datasets.natural_clients(dataset, config.num_clients, config.seed)
+  if config.classes:
+    classes = datasets.parse_classes(config.classes, dataset.num_classes)
+    # Training indices stay valid (other classes get label −1), so a
+    # natural partition is kept and filtered by `make_partition`.
+    dataset = datasets.select_classes(dataset, classes)._replace(
+      clients=dataset.clients
+    )
+  return dataset
+
+
+def make_partition(
+  config: config_lib.ExperimentConfig,
+  labels: np.ndarray,
+  clients: Sequence[np.ndarray] | None = None,
+) -> list[np.ndarray]:
+  """Client index lists; `clients`: the dataset's own (`partition=natural`).
+
+  Examples labelled −1 (not among `classes`) are in no client.
+  """
+  if config.classes and config.partition in (
+    'iid',
+    'dirichlet',
+    'dirichlet_equal',
+    'shards',
+  ):
+    # Partition the examples of the kept classes only.
+    keep = np.flatnonzero(labels >= 0)
+    return [keep[p] for p in _partition(config, labels[keep], clients)]
+  parts = _partition(config, labels, clients)
+  if not config.classes:
+    return parts
+  kept = [p[labels[p] >= 0] for p in parts]
+  if config.partition == 'file':
+    for k, (p, q) in enumerate(zip(parts, kept)):
+      if len(q) < len(p):
+        bad = int(p[labels[p] < 0][0])
+        raise errors.ConfigError(
+          f'`partition_file={config.partition_file}`: client {k} holds '
+          f'example {bad}, of a class outside `classes={config.classes}`'
+        )
+  empty = [k for k, q in enumerate(kept) if not len(q)]
+  if empty:
+    raise errors.ConfigError(
+      f'`classes={config.classes}`: client {empty[0]} has no examples of '
+      'these classes'
+    )
+  return kept
+
+
+def _partition(
+  config: config_lib.ExperimentConfig,
+  labels: np.ndarray,
+  clients: Sequence[np.ndarray] | None,
+) -> list[np.ndarray]:
+  if config.partition == 'natural':
+    if clients is None:
+      raise errors.ConfigError(
+        f'`partition=natural`: `dataset={config.dataset}` has no natural '
+        'clients'
+      )
+    return list(clients)
+  if config.partition == 'iid':
+    return partition_lib.iid(len(labels), config.num_clients, config.seed)
+  if config.partition == 'shards':
+    return partition_lib.shards(
+      labels, config.num_clients, config.shards_per_client, config.seed
+    )
+  if config.partition == 'file':
+    parts, _ = partition_lib.load_file(
+      config.partition_file,
+      config.num_clients,
+      num_examples=len(labels),
+      sha256=config.partition_sha256,
+    )
+    return parts
+  if config.partition == 'dirichlet_equal':
+    return partition_lib.dirichlet_equal(
+      labels, config.num_clients, config.alpha, config.seed
+    )
+  return partition_lib.dirichlet(
+    labels,
+    config.num_clients,
+    config.alpha,
+    config.seed,
+    min_size=config.min_client_size,
+  )
+
+
+def build_algorithm(
+  config: config_lib.ExperimentConfig,
+  model: model_lib.Model,
+  variables: types.Variables,
+) -> types.Algorithm:
+  """The algorithm named by `config.algorithm`, from the registry.
+
+  Args:
+    config: the experiment (validated).
+    model: the model the clients train.
+    variables: the initial model variables as `model.init` returns them
+      (their key order is the model's layer order, which FedMR-p's segments
+      follow).
+
+  Raises:
+    ConfigError: a hyper-parameter that does not fit the model, named by
+      its config field.
+  """
+  local = client.LocalTraining(
+    model,
+    config_lib.client_optimizer(config),
+    config.local_epochs,
+    config.batch_size,
+  )
+  entry = registry.get(config.algorithm)
+  setting = registry.Setting(
+    local=local,
+    clients_per_round=config.clients_per_round,
+    num_clients=config.num_clients,
+    weighted=not config_lib.uniform_weights(config),
+    variables=variables,
+    server_optimizer=(
+      config_lib.server_optimizer(config) if entry.server_optimizer else None
+    ),
+  )
+  try:
+    return entry.factory(setting, config_lib.hparams(config))
+  except errors.ArgumentError as e:
+    raise config_lib.as_config_error(config.algorithm, e) from None
+
+
+def pretrained_variables(
+  config: config_lib.ExperimentConfig,
+  model: model_lib.Model,
+  fresh: types.Variables,
+) -> types.Variables:
+  """The variables of `init_from` (a pool model folder) in place of the
+  fresh init `fresh`; a model trained on other classes than `classes`
+  keeps the fresh classifier (the last module of `params`, and its
+  statistics if any).
+
+  Raises:
+    ConfigError: the folder cannot be read, or holds another model, input
+      shape, dataset or number of classes (one line naming `init_from`).
+  """
+  from fedjax_mr.stitch import pool as pool_lib  # orbax, on demand
+
+  where = f'`init_from={config.init_from}`'
+  folder, model_id = os.path.split(os.path.normpath(config.init_from))
+  try:
+    pretrained = pool_lib.load_model(folder, model_id)
+  except errors.UserError as e:
+    raise errors.ConfigError(f'{where}: {e}') from None
+  except Exception as e:  # an unreadable or mismatched orbax checkpoint
+    raise errors.ConfigError(
+      f'{where}: cannot restore its variables ({type(e).__name__}: '
+      f'{str(e).splitlines()[0] if str(e) else ""})'
+    ) from None
+  _check_pretrained(config, model, fresh, pretrained, where)
+  loaded = jax.tree.map(
+    lambda a, b: jnp.asarray(a, b.dtype),
+    dict(pretrained.variables),
+    dict(fresh),
+  )
+  pool_classes = pretrained.meta.get('classes')
+  # (`load_dataset` checked the ids against the dataset's classes.)
+  run_classes = (
+    list(datasets.parse_classes(config.classes, 2**31))
+    if config.classes
+    else None
+  )
+  if pool_classes != run_classes:
+    head = list(fresh['params'])[-1]
+    for collection in loaded:
+      if head in loaded[collection]:
+        loaded[collection] = {
+          **loaded[collection],
+          head: fresh[collection][head],
+        }
+  return loaded
+
+
+def _check_pretrained(
+  config: config_lib.ExperimentConfig,
+  model: model_lib.Model,
+  fresh: types.Variables,
+  pretrained,
+  where: str,
+) -> None:
+  """Refuses a pool model (`pool.load_model`'s) that is not this run's:
+  another model, dataset, input shape, number of classes or variables."""
+  meta = pretrained.meta
+  if meta.get('model') != config.model:
+    raise errors.ConfigError(
+      f'{where}: a {meta.get("model")} model, not `model={config.model}`'
+    )
+  if meta.get('dataset', config.dataset) != config.dataset:
+    raise errors.ConfigError(
+      f'{where}: trained on {meta.get("dataset")}, not '
+      f'`dataset={config.dataset}`'
+    )
+  if tuple(pretrained.model.input_shape) != tuple(model.input_shape) or (
+    pretrained.model.num_classes != model.num_classes
+  ):
+    raise errors.ConfigError(
+      f'{where}: takes {tuple(pretrained.model.input_shape)} and answers '
+      f'{pretrained.model.num_classes} classes; this run needs '
+      f'{tuple(model.input_shape)} and {model.num_classes}'
+    )
+  loaded = pretrained.variables
+  same = jax.tree.structure(loaded) == jax.tree.structure(fresh) and all(
+    a.shape == b.shape
+    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(fresh))
+  )
+  if not same:
+    raise errors.ConfigError(
+      f'{where}: its variables do not have the shapes of '
+      f'`model={config.model}` under `algorithm={config.algorithm}`'
+    )

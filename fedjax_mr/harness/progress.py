@@ -1,0 +1,124 @@
+"""What a run says while it runs: the setting at the start, one line per
+round (loss, accuracies, elapsed time, rounds/s, ETA) and a summary."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import Callable
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from fedjax_mr.harness import build
+from fedjax_mr.harness import distributed
+from fedjax_mr.harness import records
+from fedjax_mr.training import engine
+
+
+def announce(
+  experiment: build.Experiment,
+  state: engine.RoundState,
+  mapping: Mapping[str, Any],
+  log: Callable[[str], None],
+) -> None:
+  """Logs the run's setting: algorithm, data, model, clients, rounds, the
+  devices (`mapping`: `distributed.client_mapping`) and what the backend
+  cannot promise.
+
+  Args:
+    experiment: the run about to start.
+    state: its `RoundState` (restored, if the run resumes).
+    mapping: how its clients are mapped onto the devices.
+    log: where the lines go.
+  """
+  config, data, test = experiment.config, experiment.data, experiment.test
+  num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
+  log(
+    f'{config.algorithm} on {config.dataset} ({int(data.x.shape[0])} train '
+    f'/ {int(jax.numpy.sum(test.mask))} test), {config.model} '
+    f'({num_params:,} parameters), {data.num_clients} clients '
+    f'({config.partition}), {config.clients_per_round} per round, '
+    f'{config.rounds} rounds'
+  )
+  unassigned = (experiment.partition or {}).get('unassigned', 0)
+  if unassigned:
+    log(
+      f'note: {unassigned} of {int(data.x.shape[0])} training examples are '
+      f'in no client (`partition={config.partition}`)'
+    )
+  num_devices, platform = mapping['devices'], mapping['platform']
+  per_device = distributed.clients_per_device(
+    config.clients_per_round, num_devices
+  )
+  log(
+    f'{num_devices} {platform} device(s) in {jax.process_count()} '
+    f'process(es); {per_device} clients per device, '
+    f'{mapping["client_chunk"]} at a time'
+  )
+  note = distributed.reproducibility_note(platform, num_devices)
+  if note:
+    log(note)
+
+
+class Timer:
+  """Elapsed time, rounds/s (after the compiling first round) and ETA."""
+
+  def __init__(self, start: int, total: int):
+    self.start, self.total = start, total
+    self.elapsed = 0.0
+    self.first = None  # time of this process's first (compiling) round
+    self.steady: list[float] = []
+
+  def tick(self, r: int, seconds: float) -> None:
+    self.elapsed += seconds
+    if self.first is None:
+      self.first = seconds
+    else:
+      self.steady.append(seconds)
+
+  def rate(self) -> float:
+    times = self.steady or [self.first or 0.0]
+    return 1.0 / max(float(np.mean(times)), 1e-9)
+
+  def progress_line(self, row: dict[str, Any]) -> str:
+    r = row['round']
+    eta = (self.total - r) / self.rate()
+    acc = (
+      f' | test acc {row["test_accuracy"]:.4f}'
+      if 'test_accuracy' in row
+      else ''
+    )
+    if 'local_accuracy_mean' in row:
+      acc += f' | K models {row["local_accuracy_mean"]:.4f}'
+    return (
+      f'round {r}/{self.total} | train loss {row["train_loss"]:.4f}{acc} | '
+      f'elapsed {self.elapsed:.1f}s | {self.rate():.2f} rounds/s | '
+      f'ETA {eta:.0f}s'
+    )
+
+  def summary(self, history: list[dict[str, Any]], workdir: str) -> str:
+    evals = [r for r in history if 'test_accuracy' in r]
+    lines = [
+      f'done: {self.total} rounds; this process ran '
+      f'{self.total - self.start} in {self.elapsed:.1f}s'
+    ]
+    if self.first is not None:
+      lines[0] += (
+        f' (first round incl. compile {self.first:.1f}s, then '
+        f'{1 / self.rate():.2f}s/round)'
+      )
+    if evals:
+      best = max(evals, key=lambda r: r['test_accuracy'])
+      last = evals[-1]
+      lines.append(
+        f'final test accuracy {last["test_accuracy"]:.4f} (loss '
+        f'{last["test_loss"]:.4f}) at round {last["round"]}; best '
+        f'{best["test_accuracy"]:.4f} at round {best["round"]}'
+      )
+    lines.append(
+      f'workdir {workdir}: {records.METRICS_FILE}, {records.CLIENTS_FILE}, '
+      f'{records.CONFIG_FILE}, {records.PARTITION_FILE}, '
+      f'{records.CURVE_FILE}, checkpoints/'
+    )
+    return '\n'.join(lines)

@@ -1,0 +1,220 @@
+"""What a run writes in its workdir, and how each round's rows are made.
+
+`config.json` holds the config and one provenance record per process that
+ran or resumed the run; `partition.json` the partition's summary. Each
+round adds one row to `metrics.jsonl` (train loss, examples, steps, the
+algorithm's metrics, the sampled client ids, evaluations and times) and
+one to `clients.jsonl` (each sampled client's id, examples, local steps
+and loss, and the K local models' accuracies when evaluated), and the
+metrics row to the TensorBoard events. `Records` writes each round's rows
+once (also when an interrupt lands between them); a resumed run first
+drops the rows past its checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+from typing import Callable
+from typing import Mapping
+from typing import Sequence
+
+import numpy as np
+
+from fedjax_mr.data import partition as partition_lib
+from fedjax_mr.harness import compare
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import metrics_io
+from fedjax_mr.harness import plots
+from fedjax_mr.harness import provenance
+from fedjax_mr.harness import registry
+from fedjax_mr.harness import tensorboard
+from fedjax_mr.training import engine
+
+METRICS_FILE = 'metrics.jsonl'
+# Per round: each sampled client's id, examples, local steps and training
+# loss, and the K local models' test accuracies when evaluated.
+CLIENTS_FILE = 'clients.jsonl'
+CONFIG_FILE = 'config.json'
+# config.json's list of provenance records (see `provenance.collect`).
+PROVENANCE_KEY = 'provenance'
+PARTITION_FILE = 'partition.json'
+CURVE_FILE = 'learning_curve.png'
+
+
+def round_rows(
+  r: int, metrics: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+  """Round r's metrics row and clients row, from its metrics on the host
+  (the engine's, with the per-client ones [K])."""
+  row = {
+    'round': r,
+    'train_loss': float(metrics['train_loss']),
+    'num_examples': int(metrics['num_examples']),
+    'num_steps': int(metrics['num_steps']),
+  }
+  row.update(
+    {
+      k: _to_json(v)
+      for k, v in metrics.items()
+      if k not in row and k not in engine.PER_CLIENT_METRICS
+    }
+  )
+  # Who trained this round: the energy simulation replays it.
+  row['client_ids'] = [int(i) for i in metrics['client_ids']]
+  clients_row = {
+    'round': r,
+    'clients': [
+      {'id': int(i), 'examples': int(n), 'steps': int(t), 'loss': float(x)}
+      for i, n, t, x in zip(
+        metrics['client_ids'],
+        metrics['client_examples'],
+        metrics['client_steps'],
+        metrics['client_loss'],
+      )
+    ],
+  }
+  return row, clients_row
+
+
+def write_run_files(
+  config: config_lib.ExperimentConfig,
+  workdir: str,
+  resumed: bool,
+  partition: dict[str, Any] | None,
+) -> None:
+  """Writes config.json (the config and one provenance record per process
+  that ran or, `resumed`, resumed the run) and partition.json."""
+  config_path = os.path.join(workdir, CONFIG_FILE)
+  records = _provenance_records(config_path) if resumed else []
+  records.append(provenance.collect())
+  metrics_io.write_json(
+    config_path, {**config.to_dict(), PROVENANCE_KEY: records}, indent=2
+  )
+  if partition is not None:
+    partition_lib.save_summary(os.path.join(workdir, PARTITION_FILE), partition)
+
+
+def _provenance_records(config_path: str) -> list[dict[str, Any]]:
+  """The provenance records of an earlier config.json (none if unreadable
+  or missing: the checkpoint, not this file, defines the run)."""
+  try:
+    with open(config_path) as f:
+      records = json.load(f).get(PROVENANCE_KEY, [])
+  except (OSError, ValueError, AttributeError):
+    return []
+  if not isinstance(records, list):
+    return []
+  return [r for r in records if isinstance(r, dict)]
+
+
+class Records:
+  """A run's rows: metrics.jsonl, clients.jsonl, the TensorBoard events
+  (`config.tensorboard`) and the history in memory.
+
+  Only the primary process writes files; every process keeps `written`,
+  the last round whose rows are written.
+  """
+
+  def __init__(
+    self,
+    config: config_lib.ExperimentConfig,
+    workdir: str,
+    start: int,
+    primary: bool,
+    log: Callable[[str], None],
+  ):
+    """Opens the records of a run that starts after round `start`; the
+    primary process drops the rows past it (a resumed run's)."""
+    self._config, self._workdir = config, workdir
+    self._start, self._primary = start, primary
+    self.metrics_path = os.path.join(workdir, METRICS_FILE)
+    self._clients_path = os.path.join(workdir, CLIENTS_FILE)
+    self.history: list[dict[str, Any]] = []
+    if primary:
+      self.history = self._read_back(log)
+    self.written = start
+    self._clients_written = start
+    self._events = None  # the TensorBoard writer, opened with the first row
+
+  def _read_back(self, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The metrics rows up to `start`; later rows (and unreadable ones)
+    are dropped from both files."""
+    start = self._start
+    if start > 0 and not os.path.exists(self.metrics_path):
+      log(
+        f'{self.metrics_path} is missing: rounds 1-{start} of this run have '
+        'no metrics rows (the checkpoint resumes the training itself)'
+      )
+    history, dropped = metrics_io.truncate(self.metrics_path, start)
+    if dropped:
+      log(f'{self.metrics_path}: {dropped}')
+    _, dropped = metrics_io.truncate(self._clients_path, start)
+    if dropped:
+      log(f'{self._clients_path}: {dropped}')
+    return history
+
+  def write(self, row: dict[str, Any], clients_row: dict[str, Any]) -> None:
+    """Writes a finished round's rows and keeps its metrics row."""
+    if self._primary:
+      self._write_clients_row(clients_row)
+      metrics_io.append(self.metrics_path, row)
+    self.written = row['round']
+    # After `written`: an interrupt here must not write the rows again.
+    self._write_events(row)
+    self.history.append(row)
+
+  def write_diverged(
+    self, row: dict[str, Any], clients_row: dict[str, Any]
+  ) -> None:
+    """Writes the rows of a round whose loss is not finite, and the
+    learning curve up to it (the divergence marked)."""
+    if not self._primary:
+      return
+    self._write_clients_row(clients_row)
+    metrics_io.append(self.metrics_path, row)
+    self._write_events(row)
+    plot_curve(self._config, [*self.history, row], self._workdir)
+
+  def _write_clients_row(self, clients_row: dict[str, Any]) -> None:
+    # Once per round, also when an interrupt lands between this row and
+    # the metrics row and the round's record is finished on the way out.
+    if clients_row['round'] > self._clients_written:
+      metrics_io.append(self._clients_path, clients_row)
+      self._clients_written = clients_row['round']
+
+  def _write_events(self, row: dict[str, Any]) -> None:
+    if not (self._primary and self._config.tensorboard):
+      return
+    if self._events is None:
+      # A resumed run's file makes TensorBoard drop the rounds it redoes.
+      self._events = tensorboard.EventWriter(
+        os.path.join(self._workdir, tensorboard.FOLDER),
+        purge_step=self._start + 1 if self._start else None,
+      )
+    self._events.scalars(row['round'], row)
+
+  def close(self) -> None:
+    """Closes the TensorBoard events file, if one was opened."""
+    if self._events is not None:
+      self._events.close()
+
+
+def plot_curve(
+  config: config_lib.ExperimentConfig,
+  history: Sequence[Mapping[str, Any]],
+  workdir: str,
+) -> None:
+  """Writes a run's learning curves (`plots.curves_figure`) as
+  `<workdir>/learning_curve.png`."""
+  plots.plot_curves(
+    {registry.display_name(config.algorithm): {config.seed: history}},
+    os.path.join(workdir, CURVE_FILE),
+    title=compare.setting_title(config),
+  )
+
+
+def _to_json(v: Any) -> Any:
+  v = np.asarray(v)
+  return v.item() if v.ndim == 0 else v.tolist()

@@ -1,0 +1,247 @@
+"""Resuming a run, and stopping one so that it can resume.
+
+A workdir that holds a checkpoint resumes from it, if it was made with
+the same config (config.json and the copy kept inside the checkpoint
+must agree) and the run is not already past `rounds`; the rounds after it
+are recomputed identically. Ctrl-C or SIGTERM writes the current round's
+rows and checkpoints that round on the way out (`TerminationAsInterrupt`,
+`finish_interrupted`), and no signal lands inside a checkpoint's write
+(`SignalsDeferred`); a full disk stops the run with what to do
+(`storage_error`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+from typing import Callable
+from typing import Mapping
+
+import jax
+
+from fedjax_mr.core import errors
+from fedjax_mr.core import workdir as workdir_lib
+from fedjax_mr.harness import checkpoint
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import distributed
+from fedjax_mr.harness import records
+from fedjax_mr.training import engine
+
+
+def check_workdir(config: config_lib.ExperimentConfig, workdir: str) -> None:
+  """Refuses another run's workdir (a live run's, or one of another
+  config) before anything is loaded; the primary process only, which is
+  the one that holds the workdir (see `experiment.run`)."""
+  if distributed.is_primary():
+    workdir_lib.check_free(workdir)
+    config_path = os.path.join(workdir, records.CONFIG_FILE)
+    if os.path.exists(config_path):
+      config_lib.check_resumable(config, config_path)
+
+
+def restore(
+  config: config_lib.ExperimentConfig,
+  workdir: str,
+  state: engine.RoundState,
+  log: Callable[[str], None],
+  primary: bool,
+) -> tuple[checkpoint.Checkpointer | None, int | None, engine.RoundState]:
+  """The newest checkpoint of `workdir` that restores, if the run may
+  resume from it.
+
+  Nothing is written before (a fresh workdir has no checkpoints folder,
+  and the checkpointer is only made once there is one); the primary
+  process moves a damaged checkpoint aside.
+
+  Args:
+    config: the run.
+    workdir: its folder.
+    state: the initial state (its layout is the checkpoint's).
+    log: where notes go (a checkpoint that does not restore).
+    primary: whether this process writes the workdir.
+
+  Returns:
+    (checkpointer or None, rounds done or None, state): None and the
+    initial state where there is no checkpoint.
+
+  Raises:
+    ConfigError: config.json or the checkpoint was made with another
+      config, or the run is already past `config.rounds`.
+  """
+  config_path = os.path.join(workdir, records.CONFIG_FILE)
+  # Only the primary process reads and writes config.json: the others
+  # could find the file the primary has just written for this very run.
+  if primary and os.path.exists(config_path):
+    config_lib.check_resumable(config, config_path)
+  if not os.path.isdir(os.path.join(workdir, checkpoint.FOLDER)):
+    return None, None, state
+  ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+  start, state = ckpt.restore_newest(state, log, move_aside=primary)
+  if start is None:
+    return ckpt, None, state
+  # The config a checkpoint was made with is kept inside it: config.json
+  # alone could be deleted or replaced.
+  saved = ckpt.metadata(start).get('config')
+  diffs = config_lib.config_diffs(config, saved) if saved else []
+  if diffs:
+    raise errors.ConfigError(
+      f'the checkpoint after round {start} in {workdir} was made with '
+      f'another config ({"; ".join(diffs)}); pass another `workdir` or '
+      'the same flags'
+    )
+  if start > config.rounds:
+    raise errors.ConfigError(
+      f'`rounds={config.rounds}`: the run in {workdir} is already past it '
+      f'({start} rounds done); pass `rounds={start}` or more to resume it'
+    )
+  return ckpt, start, state
+
+
+def announce(
+  workdir: str,
+  start: int,
+  before: Mapping[str, Any] | None,
+  mapping: Mapping[str, Any],
+  log: Callable[[str], None],
+) -> None:
+  """Logs that the run resumes after round `start`, and whether its
+  client mapping (`before`: the checkpoint's) changed to `mapping`."""
+  log(f'resuming {workdir} after round {start}')
+  if before and before != mapping:
+    log(
+      f'note: round {start} was run with '
+      f'{distributed.describe_mapping(before)}, this process runs '
+      f'{distributed.describe_mapping(mapping)}: the sums over clients are '
+      'grouped differently, so the results are not bit-identical to an '
+      'uninterrupted run (differences start in the last digits)'
+    )
+
+
+def storage_error(
+  e: OSError | errors.StorageError, saved_round: int
+) -> errors.StorageError:
+  """The error that stops a run on a full disk or a folder that became
+  read-only (`e`), after round `saved_round`'s checkpoint: what is
+  written stays (a partial metrics row is dropped on resume)."""
+  what = (
+    str(e)
+    if isinstance(e, errors.StorageError)
+    else f'cannot write {e.filename or "a file"}: {e.strerror or e}'
+  )
+  return errors.StorageError(
+    f'{what}; stopped. Nothing written before is lost: free space (or '
+    f'make the folder writable) and re-run the same command, it resumes '
+    f'after round {saved_round}'
+  )
+
+
+def finish_interrupted(
+  *,
+  pending: int | None,
+  finish: Callable[[], Any],
+  rows: records.Records,
+  state: engine.RoundState,
+  saved_round: int,
+  ckpt: checkpoint.Checkpointer,
+  meta: Mapping[str, Any],
+  log: Callable[[str], None],
+) -> None:
+  """What an interrupted run does on its way out: finish the rows of round
+  `pending` (whose state is computed), then checkpoint the last round
+  whose rows are written, unless it is saved already.
+
+  Most of a round is spent waiting for its results, so that is where a
+  signal usually lands: the state has advanced but the row is missing.
+  The row comes first; a checkpoint without it would make the resumed
+  run skip that round's metrics.
+
+  Args:
+    pending: the round whose rows are not written, or None.
+    finish: writes them.
+    rows: the run's records (`rows.written`: the last round written).
+    state: the current state (deleted if the interrupt landed while a
+      round consumed it).
+    saved_round: the round of the last checkpoint.
+    ckpt: the run's checkpointer.
+    meta: what each checkpoint keeps beside the state.
+    log: where notes go.
+  """
+  if pending is not None and rows.written < pending and alive(state):
+    try:
+      finish()
+    except (KeyboardInterrupt, errors.NonFiniteError):
+      log(
+        f'round {pending} could not be finished; the run resumes '
+        f'after round {saved_round}'
+      )
+  written = rows.written
+  if alive(state) and written > saved_round and int(state.round) == written:
+    # A second interrupt waits for this save (and then ends the run).
+    with SignalsDeferred():
+      ckpt.save(written, state, meta)
+      log(f'interrupted: saved a checkpoint after round {written}')
+
+
+def alive(tree: Any) -> bool:
+  """Whether no array of `tree` was deleted (donated to a round)."""
+  return not any(
+    getattr(x, 'is_deleted', lambda: False)() for x in jax.tree.leaves(tree)
+  )
+
+
+class TerminationAsInterrupt:
+  """Turns SIGTERM into KeyboardInterrupt so a killed run checkpoints."""
+
+  def __enter__(self):
+    self._previous = None
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not in the main thread
+      pass
+    return self
+
+  def _handle(self, signum, frame):
+    raise KeyboardInterrupt
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+    return False
+
+
+class SignalsDeferred:
+  """Holds SIGINT and SIGTERM back while a checkpoint is written.
+
+  An interrupt inside orbax's save abandons a half-written temporary
+  folder, and the interrupt handler then saves the same round again (with
+  an older orbax that second save failed, `OSError: Directory not empty`,
+  2 runs in 11; orbax 0.12.8 removes the folder first). Inside this block
+  the two signals are only recorded (Python runs signal handlers in the
+  main thread between bytecodes, so a recording handler never interrupts
+  the save); on leaving it, a recorded signal becomes the
+  KeyboardInterrupt it would have been, after the checkpoint is complete.
+  """
+
+  _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __enter__(self):
+    self._got = None
+    self._previous = {}
+    try:
+      for s in self._SIGNALS:
+        self._previous[s] = signal.signal(s, self._record)
+    except ValueError:  # not in the main thread: nothing to defer
+      self._previous = {}
+    return self
+
+  def _record(self, signum, frame):
+    del frame
+    self._got = signum
+
+  def __exit__(self, exc_type, *exc):
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+    if self._got is not None and exc_type is None:
+      raise KeyboardInterrupt
+    return False
