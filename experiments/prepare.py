@@ -17,7 +17,8 @@ Shakespeare keep every user: the papers' filter (FEMNIST writers with more
 than 100 samples) is the runs' --leaf_min_samples=100, as in the bundled
 configs. Archives go to <data_dir>/downloads (data/downloads), where an
 archive put by hand is used as it is. What each dataset's preparation does
-is described in `fedjax_mr/data/prepare.py`.
+is described in `fedjax_mr/data/prepare.py` and the modules it names
+(`download`, `femnist`, `shakespeare`, `leaf`, `cinic`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from absl import flags
 from absl import logging
 
 from fedjax_mr.core import errors
+from fedjax_mr.data import download
+from fedjax_mr.data import leaf
 from fedjax_mr.data import prepare
 
 from . import cli
@@ -48,7 +51,7 @@ _DATA_DIR = flags.DEFINE_string(
 )
 _TRAIN_FRACTION = flags.DEFINE_float(
   'leaf_train_fraction',
-  prepare.TRAIN_FRACTION,
+  leaf.TRAIN_FRACTION,
   "FEMNIST, Shakespeare: fraction of each user's samples in the training "
   "split (LEAF's --tf; its default).",
 )
@@ -76,6 +79,21 @@ def _names() -> list[str]:
     if names.count(name) > 1:
       cli.fail(f'--datasets: {name} is named twice')
   return names
+
+
+def summary(results: list[prepare.Prepared]) -> str:
+  """One line per dataset: its size, where it is, whether it was already
+  there and the flags of a run that reads it."""
+  width = max(len(r.name) for r in results)
+  lines = []
+  for r in results:
+    flag = f' --data_dir={r.data_dir}' if r.data_dir else ' (no --data_dir)'
+    state = 'already there' if r.skipped else 'prepared'
+    lines.append(
+      f'{r.name:<{width}}  {download.human_size(r.size):>8}  {r.path}  '
+      f'({state}; run with --dataset={r.name}{flag})'
+    )
+  return '\n'.join(lines)
 
 
 def main(argv) -> None:
@@ -108,7 +126,7 @@ def main(argv) -> None:
           )
         )
       except errors.DataError as e:  # the others may still succeed
-        print(f'{name}: failed: {e}')
+        cli.log(f'{name}: failed: {e}')
         failed.append(f'{name}: {e}')
   except KeyboardInterrupt:
     print(
@@ -118,7 +136,7 @@ def main(argv) -> None:
     sys.exit(130)
   if results:
     print('\nDatasets:')
-    print(prepare.summary(results))
+    print(summary(results))
   if failed:
     cli.fail(f'not prepared: {"; ".join(failed)}')
 

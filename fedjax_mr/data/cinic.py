@@ -1,10 +1,10 @@
-"""CINIC-10 from its image-folder layout.
+"""CINIC-10: its archive unpacked, and read from its image-folder layout.
 
-The CINIC-10 archive unpacks to `train/`, `valid/` and `test/`, each with
-one folder per class (the CIFAR-10 class names) of 32×32 PNG images
-(90,000 per split; a few are greyscale and are converted to RGB). Images
-are decoded with Pillow into a uint8 array allocated once, so peak host
-memory is the arrays themselves.
+The CINIC-10 archive (`ARCHIVE`; `unpack`) unpacks to `train/`, `valid/`
+and `test/`, each with one folder per class (the CIFAR-10 class names) of
+32×32 PNG images (90,000 per split; a few are greyscale and are converted
+to RGB). `load_split` decodes the images with Pillow into a uint8 array
+allocated once, so peak host memory is the arrays themselves.
 
 References:
   Darlow et al., "CINIC-10 is not ImageNet or CIFAR-10", arXiv:1810.03505,
@@ -14,11 +14,14 @@ References:
 from __future__ import annotations
 
 import os
+import tarfile
+import zlib
 from typing import Sequence
 
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.data import download
 from fedjax_mr.data import host
 
 # Label = position, as in CIFAR-10.
@@ -35,6 +38,16 @@ CLASSES = (
   'truck',
 )
 IMAGE_SHAPE = (32, 32, 3)
+SPLITS = ('train', 'valid', 'test')
+
+# The URL the CINIC-10 README (github.com/BayesWatch/cinic-10) gives.
+ARCHIVE = download.Source(
+  (
+    'https://datashare.is.ed.ac.uk/bitstream/handle/10283/3192/CINIC-10.tar.gz',
+  ),
+  'CINIC-10.tar.gz',
+)
+SOURCES = (ARCHIVE,)
 
 
 def load_split(
@@ -59,7 +72,7 @@ def load_split(
     folder = os.path.join(root, split)
     if not os.path.isdir(folder):
       raise errors.DataError(
-        f'--data_dir: {root!r} has no {split}/ folder; CINIC-10 unpacks '
+        f'`data_dir`: {root!r} has no {split}/ folder; CINIC-10 unpacks '
         'to train/, valid/ and test/'
       )
     found = sorted(
@@ -97,3 +110,35 @@ def _decode(path: str) -> np.ndarray:
       f'{path}: a CINIC-10 image is 32×32, this one is {size[0]}×{size[1]}'
     )
   return pixels
+
+
+def unpack(path: str, out: str) -> None:
+  """Unpacks the CINIC-10 tarball at `path` into `out` (train/, valid/,
+  test/; a single top folder in the archive is taken away).
+
+  Raises:
+    DataError: the archive is unreadable or unsafe (a member outside
+      `out`), or does not hold the class folders of every split.
+  """
+  try:
+    with tarfile.open(path) as tar:
+      tar.extractall(out, filter='data')
+  except (tarfile.TarError, EOFError, zlib.error) as e:
+    raise errors.DataError(
+      f'{path}: not a readable CINIC-10 archive ({e}); delete it to '
+      'download it anew'
+    ) from None
+  entries = os.listdir(out)
+  if 'train' not in entries and len(entries) == 1:
+    top = os.path.join(out, entries[0])
+    for entry in os.listdir(top):
+      os.replace(os.path.join(top, entry), os.path.join(out, entry))
+    os.rmdir(top)
+  for split in SPLITS:
+    folder = os.path.join(out, split)
+    found = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+    if tuple(found) != CLASSES:
+      raise errors.DataError(
+        f'{path}: {split}/ does not hold the class folders '
+        f'{", ".join(CLASSES)} (found {", ".join(found) or "nothing"})'
+      )

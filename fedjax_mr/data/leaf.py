@@ -1,4 +1,4 @@
-"""LEAF json datasets (FEMNIST, Shakespeare) with their natural clients.
+"""LEAF json datasets (FEMNIST, Shakespeare): the format, read and written.
 
 LEAF's preprocessing (`preprocess.sh` in `leaf/data/<name>`) writes a
 `train/` and a `test/` folder of json files, each::
@@ -17,6 +17,19 @@ writes; any other file is parsed whole) to size the arrays, which are then
 allocated once; the second parses one file at a time and fills them in
 place. Peak host memory is therefore the final arrays plus one parsed file.
 
+Writing (`femnist.convert`, `shakespeare.convert`) is what LEAF's own
+scripts do (`data/utils/split_data.py` of github.com/TalwalkarLab/leaf),
+as if `preprocess.sh` ran with `-s niid`, a sampling fraction (`sf`) of
+1.0, `-k 0`, `-t sample` and a training fraction (`tf`) of 0.9: every user
+is kept (the papers' filter, e.g. FEMNIST writers with more than 100
+samples, is the loader's `leaf_min_samples`, which counts as LEAF's `-k`
+does), and each user's samples are split into training and test at random
+(`train_mask`: LEAF's `random.Random(seed).sample`, so a given `seed` gives
+the split `split_data.py` would give with that seed on the same users in
+the same order). Users are in sorted (FEMNIST) or text (Shakespeare)
+order, not in the file system's order, and not shuffled by `sample.py`
+(a sampling fraction of 1.0 keeps every user, only their order changes).
+
 References:
   Caldas et al., "LEAF: A Benchmark for Federated Settings", 2018.
 """
@@ -26,7 +39,9 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
 from typing import Callable
+from typing import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +56,8 @@ ALL_LETTERS = (
 )
 SEQ_LEN = 80
 FEMNIST_SHAPE = (28, 28, 1)
+# LEAF's default (`split_data.py`): 90 % of each user's samples train.
+TRAIN_FRACTION = 0.9
 
 _UNKNOWN = 255
 _LUT = np.full(256, _UNKNOWN, np.uint8)
@@ -119,7 +136,7 @@ def _load(data_dir: str, min_samples: int, fmt: _Format) -> LeafData:
     folders[split] = split_dir(data_dir, split)
     if folders[split] is None:
       raise errors.DataError(
-        f'--data_dir: no LEAF json files in {data_dir!r}/{split} (nor '
+        f'`data_dir`: no LEAF json files in {data_dir!r}/{split} (nor '
         f'{data_dir!r}/data/{split})'
       )
   files = {
@@ -291,3 +308,44 @@ def _chars_to_ids(ys: list, where: str) -> np.ndarray:
   if any(not isinstance(s, str) or len(s) != 1 for s in ys):
     raise errors.DataError(f'{where}: Shakespeare y must be single characters')
   return _ids(''.join(ys), where).astype(np.int32)
+
+
+# ------------------------------------------------------------------ writing --
+
+
+def train_mask(
+  n: int, fraction: float, rng: random.Random
+) -> np.ndarray | None:
+  """LEAF's `split_data.py` by sample, for one user of `n` samples.
+
+  Returns:
+    `[n]` bool, True for the training samples: `max(1, int(fraction · n))`
+    of them (1 of 2), drawn with `rng.sample` as LEAF draws them; None for
+    a user with fewer than 2 samples, which LEAF drops.
+  """
+  if n < 2:
+    return None
+  k = 1 if n == 2 else max(1, int(fraction * n))
+  mask = np.zeros(n, bool)
+  mask[rng.sample(range(n), k)] = True
+  return mask
+
+
+def write_json(
+  path: str,
+  users: list[str],
+  num_samples: list[int],
+  user_data: Iterator[tuple[str, str, str]],
+) -> None:
+  """Writes a LEAF json file, `users` and `num_samples` first (as LEAF
+  does, so the loader sizes its arrays from the head). `user_data` yields
+  (user, x as json text, y as json text) in the order of `users`."""
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write(f'{{"users": {json.dumps(users)}, ')
+    f.write(f'"num_samples": {json.dumps(num_samples)}, "user_data": {{')
+    for i, (user, x, y) in enumerate(user_data):
+      if user != users[i]:
+        raise AssertionError(f'user {user!r} out of order')
+      f.write(f'{", " if i else ""}{json.dumps(user)}: ')
+      f.write(f'{{"x": {x}, "y": {y}}}')
+    f.write('}}')

@@ -1,13 +1,13 @@
-"""`fedjax_mr.data.prepare` and `experiments.prepare`, offline: tiny
+"""`fedjax_mr.data.prepare` (with `femnist`, `shakespeare`, `leaf`'s
+writing and `cinic.unpack`) and `experiments.prepare`, offline: tiny
 archives in the sources' real formats (NIST SD19 zips of 128×128 PNGs,
 Gutenberg's 1994 text in a zip, the CINIC-10 tarball) go through the real
 conversion and are read back with `datasets.load`; tfds's builder is a fake
-that writes files; `download` is run against a local HTTP server."""
+that writes files. `download` has its own tests (test_download.py)."""
 
 from __future__ import annotations
 
 import hashlib
-import http.server
 import io
 import json
 import os
@@ -16,7 +16,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import threading
 import types
 import zipfile
 
@@ -29,8 +28,11 @@ from fedjax_mr.core import errors
 from fedjax_mr.data import cinic
 from fedjax_mr.data import client_data
 from fedjax_mr.data import datasets
+from fedjax_mr.data import download
+from fedjax_mr.data import femnist
 from fedjax_mr.data import leaf
 from fedjax_mr.data import prepare
+from fedjax_mr.data import shakespeare
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -237,10 +239,6 @@ def _prepare(name, root, files, calls=None, **kw):
   return prepare.prepare(name, str(root), fetch=fetch, log=_quiet, **kw)
 
 
-def _human(size):
-  return prepare._human(size)
-
-
 def _snapshot(root) -> dict:
   out = {}
   for folder, _, names in os.walk(root):
@@ -261,17 +259,17 @@ def test_femnist_labels_are_leafs():
   chars = '0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz'
   folders = [f'{ord(c):x}' for c in chars]
   assert folders[:2] == ['30', '31'] and folders[-1] == '7a'
-  assert [prepare.femnist_label(f) for f in folders] == list(range(62))
+  assert [femnist.label(f) for f in folders] == list(range(62))
   for bad in ('zz', '2f', '3a', '40', '5b', '7b'):
     with pytest.raises(errors.DataError, match='not a NIST class'):
-      prepare.femnist_label(bad)
+      femnist.label(bad)
 
 
 def test_femnist_from_nist_zips_loads_with_writers_as_clients(
   tmp_path, monkeypatch
 ):
   files, expected = write_nist(tmp_path / 'src')
-  monkeypatch.setattr(prepare, 'WRITERS_PER_FILE', 2)  # two json files
+  monkeypatch.setattr(femnist, 'WRITERS_PER_FILE', 2)  # two json files
   calls = []
   result = _prepare('femnist', tmp_path / 'd', files, calls)
   dest = os.path.join(tmp_path, 'd', 'leaf', 'femnist', 'data')
@@ -359,7 +357,7 @@ def test_the_split_is_leafs_seeded_sample():
   rng = random.Random(seed)
   got = []
   for n in sizes:
-    mask = prepare.leaf_train_mask(n, fraction, rng)
+    mask = leaf.train_mask(n, fraction, rng)
     got.append(None if mask is None else np.flatnonzero(mask).tolist())
   assert got == want
   assert [len(g) if g else 0 for g in got] == [0, 1, 2, 9, 51, 0, 4]
@@ -375,18 +373,18 @@ def _windows(line):
 
 def test_shakespeare_plays_and_users_are_leafs():
   text = '\n'.join(SHAKESPEARE_TEXT) + '\n'
-  plays = prepare.shakespeare_plays(text)
+  plays = shakespeare.parse_plays(text)
   assert [title for title, _ in plays] == [
     'THE TRAGEDY OF TESTING',
     'THE COMEDY OF ERRORS',
   ]  # THE LONELY PLAY has one character
   assert list(plays[0][1]) == ['HAMLET', 'OPHELIA', 'GHOST']
-  users = prepare.shakespeare_users(plays)
-  lines = {u: prepare.shakespeare_lines(v) for u, v in users.items()}
+  users = shakespeare.user_lines(plays)
+  lines = {u: shakespeare.clean_lines(v) for u, v in users.items()}
   assert lines == {
     u: [s + '\n' for s in v] for u, v in SHAKESPEARE_USERS.items()
   }
-  xs, ys = prepare.shakespeare_windows(['ab\n'])
+  xs, ys = shakespeare.windows(['ab\n'])
   assert xs == [' ' * 80, ' ' * 79 + 'a', ' ' * 78 + 'ab']
   assert ys == ['a', 'b', '\n']
 
@@ -519,12 +517,6 @@ def test_a_second_run_skips_and_changes_nothing(tmp_path):
     f'{n}: already prepared in {r.path}, skipping' for n, r in zip(names, first)
   ]
   assert _snapshot(tmp_path / 'd') == before
-  text = prepare.summary(second).splitlines()
-  assert text[2].startswith(f'cinic10      {_human(first[2].size):>8}  ')
-  assert text[0].endswith(
-    f'  {first[0].path}  (already there; run with --dataset=femnist '
-    f'--data_dir={first[0].path})'
-  )
 
 
 def test_a_failed_download_leaves_nothing_half_written(tmp_path):
@@ -575,131 +567,12 @@ def test_a_foreign_folder_in_the_way_is_not_overwritten(tmp_path):
 
 
 def test_bad_options():
-  with pytest.raises(errors.ConfigError, match='--datasets'):
+  with pytest.raises(errors.ConfigError, match="^`name`: unknown dataset 'im"):
     prepare.prepare('imagenet', log=_quiet)
-  with pytest.raises(errors.ConfigError, match='--leaf_train_fraction'):
+  with pytest.raises(errors.ConfigError, match='^`train_fraction` must'):
     prepare.prepare('femnist', train_fraction=1.0, log=_quiet)
-  with pytest.raises(errors.ConfigError, match='--leaf_seed'):
+  with pytest.raises(errors.ConfigError, match='^`seed` must'):
     prepare.prepare('femnist', seed=-1, log=_quiet)
-
-
-# ------------------------------------------------------------------ download --
-
-
-@pytest.fixture
-def server():
-  """A local HTTP server of one payload; `mode` changes how it answers."""
-
-  class Handler(http.server.BaseHTTPRequestHandler):
-    payload = bytes(range(256)) * 40_000  # 10.24 MB: several chunks
-    mode = 'ok'  # 'ok', 'no_range', 'truncate', 'missing'
-    ranges: list = []
-
-    def do_GET(self):  # noqa: N802 - the http.server API
-      cls = type(self)
-      if cls.mode == 'missing':
-        self.send_error(404)
-        return
-      asked = self.headers.get('Range')
-      cls.ranges.append(asked)
-      body = cls.payload
-      if asked and cls.mode != 'no_range':
-        start = int(asked.split('=')[1].rstrip('-'))
-        if start >= len(body):
-          self.send_response(416)
-          self.end_headers()
-          return
-        self.send_response(206)
-        body = body[start:]
-      else:
-        self.send_response(200)
-      self.send_header('Content-Length', str(len(body)))
-      self.end_headers()
-      if cls.mode == 'truncate':
-        self.wfile.write(body[: len(body) // 3])
-        self.close_connection = True
-        return
-      self.wfile.write(body)
-
-    def log_message(self, *args):
-      del args
-
-  httpd = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
-  thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-  thread.start()
-  url = f'http://127.0.0.1:{httpd.server_address[1]}/file.bin'
-  yield types.SimpleNamespace(url=url, handler=Handler)
-  httpd.shutdown()
-  httpd.server_close()
-
-
-def test_download_is_checked_and_renamed(tmp_path, server):
-  path = str(tmp_path / 'dl' / 'file.bin')
-  md5 = hashlib.md5(server.handler.payload).hexdigest()
-  out = io.StringIO()
-  prepare.download(server.url, path, md5=md5, progress=out)
-  with open(path, 'rb') as f:
-    assert f.read() == server.handler.payload
-  assert os.listdir(tmp_path / 'dl') == ['file.bin']
-  assert out.getvalue().endswith('\rfile.bin: 100% of 10.2 MB\n')
-
-
-def test_download_resumes_a_part_file(tmp_path, server):
-  path = str(tmp_path / 'file.bin')
-  with open(path + '.part', 'wb') as f:
-    f.write(server.handler.payload[:1000])
-  prepare.download(server.url, path, progress=io.StringIO())
-  assert server.handler.ranges == ['bytes=1000-']
-  with open(path, 'rb') as f:
-    assert f.read() == server.handler.payload
-  # A server that ignores the range sends it all: started again.
-  server.handler.mode = 'no_range'
-  with open(path + '.part', 'wb') as f:
-    f.write(b'stale bytes')
-  os.remove(path)
-  prepare.download(server.url, path, progress=io.StringIO())
-  with open(path, 'rb') as f:
-    assert f.read() == server.handler.payload
-
-
-def test_an_interrupted_download_leaves_only_its_part_file(tmp_path, server):
-  path = str(tmp_path / 'file.bin')
-  server.handler.mode = 'truncate'
-  with pytest.raises(errors.DataError, match='run again to resume'):
-    prepare.download(server.url, path, progress=io.StringIO())
-  assert os.listdir(tmp_path) == ['file.bin.part']
-  third = len(server.handler.payload) // 3
-  assert os.path.getsize(path + '.part') == third
-  server.handler.mode = 'ok'
-  sha = hashlib.sha256(server.handler.payload).hexdigest()
-  prepare.download(server.url, path, sha256=sha, progress=io.StringIO())
-  assert server.handler.ranges[-1] == f'bytes={third}-'
-  assert os.listdir(tmp_path) == ['file.bin']
-
-
-def test_a_checksum_mismatch_keeps_nothing(tmp_path, server):
-  path = str(tmp_path / 'file.bin')
-  with pytest.raises(errors.DataError, match='is not the published 00'):
-    prepare.download(server.url, path, md5='00' * 16, progress=io.StringIO())
-  assert os.listdir(tmp_path) == []
-
-
-def test_unreachable_and_missing_urls(tmp_path, server):
-  path = str(tmp_path / 'file.bin')
-  with pytest.raises(errors.DataError, match='cannot download'):
-    prepare.download('http://127.0.0.1:9/x', path, progress=io.StringIO())
-  server.handler.mode = 'missing'
-  with pytest.raises(errors.DataError, match='HTTP error 404'):
-    prepare.download(server.url, path, progress=io.StringIO())
-  assert os.listdir(tmp_path) == []
-
-
-def test_the_next_url_is_tried(tmp_path, server):
-  source = prepare.Source(('http://127.0.0.1:9/x', server.url), 'file.bin')
-  lines = []
-  path = prepare._fetch(source, str(tmp_path), prepare.download, lines.append)
-  assert path == str(tmp_path / 'file.bin') and os.path.isfile(path)
-  assert lines == [f'  downloading {u}' for u in source.urls]
 
 
 # --------------------------------------------------------------------- tfds --
@@ -761,9 +634,6 @@ def test_tfds_datasets_are_built_as_array_record(tmp_path, fake_tfds):
     'array_record',
   )
   assert result.data_dir == ''
-  assert prepare.summary([result]).endswith(
-    f'{result.path}  (prepared; run with --dataset=cifar100 (no --data_dir))'
-  )
 
 
 def test_a_tfds_dataset_in_another_format_is_named(tmp_path, fake_tfds):
@@ -838,11 +708,12 @@ def test_the_program_prepares_offline_then_skips(tmp_path):
   first = _run(args)
   assert first.returncode == 0, first.stderr
   assert 'Traceback' not in first.stderr
-  for name, where in (
+  places = (
     ('shakespeare', data / 'leaf' / 'shakespeare' / 'data'),
     ('cinic10', data / 'cinic10'),
     ('femnist', data / 'leaf' / 'femnist' / 'data'),
-  ):
+  )
+  for name, where in places:
     summary = first.stdout.split('\nDatasets:\n')[1].splitlines()
     line = next(x for x in summary if x.startswith(name + ' '))
     assert line.endswith(
@@ -852,7 +723,35 @@ def test_the_program_prepares_offline_then_skips(tmp_path):
   second = _run(args)
   assert second.returncode == 0, second.stderr
   assert second.stdout.count('already prepared in') == 3
-  assert second.stdout.count('(already there; run with') == 3
+  # The summary: one line per dataset, names and sizes aligned.
+  summary = second.stdout.split('\nDatasets:\n')[1].splitlines()
+  for line, (name, where) in zip(summary, places):
+    size = download.human_size(prepare.disk_size(where))
+    assert line == (
+      f'{name:<11}  {size:>8}  {where}  (already there; run with '
+      f'--dataset={name} --data_dir={where})'
+    )
+
+
+def test_the_program_says_a_tfds_run_needs_no_data_dir(tmp_path):
+  code = (
+    'import sys\n'
+    'import tensorflow_datasets as tfds\n'
+    'from tests.data import test_prepare\n'
+    f"test_prepare.FakeBuilder.default_dir = '{tmp_path}/tfds'\n"
+    'tfds.builder = test_prepare.FakeBuilder\n'
+    'from fedjax_mr.data import prepare\n'
+    'prepare._has_module = lambda name: True\n'
+    'from experiments import prepare as program\n'
+    "sys.argv = ['prepare', '--datasets=cifar100']\n"
+    'program.entry()\n'
+  )
+  proc = _run(['-c', code])
+  assert proc.returncode == 0, proc.stderr
+  path = tmp_path / 'tfds' / 'cifar100' / '1.0.0'
+  assert proc.stdout.endswith(
+    f'  {path}  (prepared; run with --dataset=cifar100 (no --data_dir))\n'
+  )
 
 
 def test_the_program_without_tensorflow_says_so_in_one_line(tmp_path):
