@@ -45,24 +45,32 @@ class Lock:
     self.release()
 
 
-def _busy(folder: str, flag: str, fd: int) -> errors.ConfigError:
+def _named(folder: str, name: str) -> str:
+  """`folder` as a message names it, `name=folder` in backticks: `name` is
+  the argument or config field that holds it (given as a flag, its dashes
+  are dropped)."""
+  return f'`{name.lstrip("-")}={folder}`'
+
+
+def _busy(folder: str, name: str, fd: int) -> errors.ConfigError:
   try:
     holder = os.pread(fd, 32, 0).decode(errors='replace').strip()
   except OSError:
     holder = ''
   who = f' (pid {holder})' if holder.isdigit() else ''
   return errors.ConfigError(
-    f'{flag}={folder} is in use by another running process{who}; wait for '
-    'it to finish or choose another folder'
+    f'{_named(folder, name)} is in use by another running process{who}; '
+    'wait for it to finish or choose another folder'
   )
 
 
-def check_usable(folder: str, flag: str = '--workdir') -> None:
+def check_usable(folder: str, name: str = 'workdir') -> None:
   """Raises `ConfigError` unless `folder` is, or can be made, a writable
   folder: not a file, not below a file, not on a read-only place.
 
-  Creates nothing.
+  Creates nothing; the message names `folder` as `name` (`acquire`).
   """
+  where = _named(folder, name)
   existing = os.path.abspath(folder)
   while not os.path.exists(existing):
     parent = os.path.dirname(existing)
@@ -71,20 +79,20 @@ def check_usable(folder: str, flag: str = '--workdir') -> None:
     existing = parent
   what = 'it' if existing == os.path.abspath(folder) else existing
   if not os.path.isdir(existing):
-    raise errors.ConfigError(f'{flag}={folder}: {what} is a file, not a folder')
+    raise errors.ConfigError(f'{where}: {what} is a file, not a folder')
   if not os.access(existing, os.W_OK | os.X_OK):
     raise errors.ConfigError(
-      f'{flag}={folder}: {what} is not writable (read-only or no permission)'
+      f'{where}: {what} is not writable (read-only or no permission)'
     )
 
 
-def check_free(folder: str, flag: str = '--workdir') -> None:
+def check_free(folder: str, name: str = 'workdir') -> None:
   """Raises `ConfigError` if `folder` cannot be written (`check_usable`)
   or a live process holds its lock.
 
   Creates nothing (a folder without a lock file is free).
   """
-  check_usable(folder, flag)
+  check_usable(folder, name)
   path = os.path.join(folder, LOCK_FILE)
   try:
     fd = os.open(path, os.O_RDONLY)
@@ -94,18 +102,19 @@ def check_free(folder: str, flag: str = '--workdir') -> None:
     try:
       fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-      raise _busy(folder, flag, fd) from None
+      raise _busy(folder, name, fd) from None
     fcntl.flock(fd, fcntl.LOCK_UN)
   finally:
     os.close(fd)
 
 
-def acquire(folder: str, flag: str = '--workdir') -> Lock:
+def acquire(folder: str, name: str = 'workdir') -> Lock:
   """Creates `folder` if needed and takes its exclusive lock.
 
   Args:
     folder: the output folder.
-    flag: how the user named it, for the message.
+    name: the argument or config field that names it, for the message
+      (`workdir`, written `workdir=<folder>`).
 
   Returns:
     The held `Lock`; keep it for as long as the process writes `folder`.
@@ -120,18 +129,18 @@ def acquire(folder: str, flag: str = '--workdir') -> Lock:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
   except OSError as e:
     raise errors.ConfigError(
-      f'{flag}={folder}: cannot create or lock it ({e.strerror})'
+      f'{_named(folder, name)}: cannot create or lock it ({e.strerror})'
     ) from None
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
-    err = _busy(folder, flag, fd)
+    err = _busy(folder, name, fd)
     os.close(fd)
     raise err from None
   except OSError as e:
     os.close(fd)
     raise errors.ConfigError(
-      f'{flag}={folder}: cannot lock it ({e.strerror})'
+      f'{_named(folder, name)}: cannot lock it ({e.strerror})'
     ) from None
   # The holder's pid, for the message of a refused second process only: a
   # failure to write it changes nothing about the lock.

@@ -37,7 +37,7 @@ Python's json holds ≈ 45 KB per FEMNIST sample (784 float objects; LEAF's
 files hold 100 writers, ≈ 20,000 training samples: ≈ 0.9 GB) and ≈ 0.35 KB
 per Shakespeare sample (LEAF writes one file per split, ≈ 3.8 M training
 samples: ≈ 1.3 GB), measured on synthetic files of that format.
-`--partition=natural` with fewer clients than users copies only the kept
+`partition=natural` with fewer clients than users copies only the kept
 users' examples. On the CPU backend, the device arrays of `ClientData` and
 `EvalData` are one more copy of the training and test sets.
 """
@@ -128,7 +128,7 @@ _SPECS = {
 }
 
 NAMES = tuple(sorted(_SPECS))
-# Datasets with their own clients (--partition=natural).
+# Datasets with their own clients (`partition=natural`).
 NATURAL = tuple(n for n in NAMES if _SPECS[n].source == 'leaf')
 CIFAR100_LABELS = ('fine', 'coarse')
 
@@ -190,22 +190,22 @@ def load(
   """
   if name not in _SPECS:
     raise errors.ConfigError(
-      f'--dataset: unknown dataset {name!r}; choose one of {", ".join(NAMES)}'
+      f'`dataset`: unknown dataset {name!r}; choose one of {", ".join(NAMES)}'
     )
   if cifar100_labels not in CIFAR100_LABELS:
     raise errors.ConfigError(
-      f'--cifar100_labels: unknown value {cifar100_labels!r}; choose one of '
+      f'`cifar100_labels`: unknown value {cifar100_labels!r}; choose one of '
       f'{", ".join(CIFAR100_LABELS)}'
     )
   if leaf_min_samples < 0:
     raise errors.ConfigError(
-      f'--leaf_min_samples must be ≥ 0, got {leaf_min_samples}'
+      f'`leaf_min_samples` must be ≥ 0, got {leaf_min_samples}'
     )
   spec = _SPECS[name]
   if data_dir and not os.path.isdir(data_dir):
-    raise errors.DataError(f'--data_dir: {data_dir!r} is not a readable folder')
+    raise errors.DataError(f'`data_dir`: {data_dir!r} is not a readable folder')
   if data_dir and not os.access(data_dir, os.R_OK | os.X_OK):
-    raise errors.DataError(f'--data_dir: {data_dir!r} is not readable')
+    raise errors.DataError(f'`data_dir`: {data_dir!r} is not readable')
   if spec.source == 'leaf':
     return _load_leaf(name, spec, data_dir, leaf_min_samples)
   if spec.source == 'cinic':
@@ -220,7 +220,7 @@ def load(
 
 
 def natural_clients(dataset: Dataset, num_clients: int, seed: int) -> Dataset:
-  """Keeps `num_clients` of a dataset's own users (`--partition=natural`).
+  """Keeps `num_clients` of a dataset's own users (`partition=natural`).
 
   With fewer clients than users, a seeded uniform subset of users is kept
   (in their original order) and only their examples: the training arrays
@@ -241,16 +241,16 @@ def natural_clients(dataset: Dataset, num_clients: int, seed: int) -> Dataset:
   """
   if dataset.clients is None:
     raise errors.ConfigError(
-      f'--partition=natural: --dataset={dataset.name} has no natural '
+      f'`partition=natural`: `dataset={dataset.name}` has no natural '
       f'clients (those that do: {", ".join(NATURAL)}); use '
-      '--partition=iid or dirichlet'
+      '`partition=iid` or dirichlet'
     )
   users = len(dataset.clients)
   if num_clients > users:
     raise errors.ConfigError(
-      f'--num_clients={num_clients} exceeds the {users} users of '
-      f'--dataset={dataset.name} (after --leaf_min_samples); use at most '
-      f'{users} with --partition=natural'
+      f'`num_clients={num_clients}` exceeds the {users} users of '
+      f'`dataset={dataset.name}` (after `leaf_min_samples`); use at most '
+      f'{users} with `partition=natural`'
     )
   if num_clients == users:
     return dataset
@@ -268,8 +268,8 @@ def natural_clients(dataset: Dataset, num_clients: int, seed: int) -> Dataset:
     test_take = np.concatenate(test_rows).astype(np.int64)
     if not len(test_take):
       raise errors.DataError(
-        f'--partition=natural: the {num_clients} users kept (--seed) have no '
-        'test examples; change --seed or --num_clients'
+        f'`partition=natural`: the {num_clients} users kept (`seed`) have no '
+        'test examples; change `seed` or `num_clients`'
       )
     x_test, y_test = x_test[test_take], y_test[test_take]
     bounds = np.cumsum([0, *(len(r) for r in test_rows)])
@@ -287,10 +287,10 @@ def natural_clients(dataset: Dataset, num_clients: int, seed: int) -> Dataset:
 
 
 def parse_classes(
-  text: str | Sequence[str], num_classes: int, flag: str = '--classes'
+  text: str | Sequence[str], num_classes: int, field: str = 'classes'
 ) -> tuple[int, ...]:
-  """Class ids from a flag value: `'0,1,2'`, `'5-9'` or a mix
-  (`'0-2,7'`), in the order given.
+  """Class ids from a config value: `'0,1,2'`, `'5-9'` or a mix
+  (`'0-2,7'`), in the order given; messages name `field`.
 
   Raises:
     ConfigError: an unparsable item, an id outside `[0, num_classes)`, a
@@ -307,17 +307,17 @@ def parse_classes(
         out.append(int(item))
     except ValueError:
       raise errors.ConfigError(
-        f'{flag}: {item!r} is not a class id or a range a-b'
+        f'`{field}`: {item!r} is not a class id or a range a-b'
       ) from None
   bad = [c for c in out if not 0 <= c < num_classes]
   if bad:
     raise errors.ConfigError(
-      f'{flag}: class {bad[0]} is not in [0, {num_classes})'
+      f'`{field}`: class {bad[0]} is not in [0, {num_classes})'
     )
   if len(set(out)) != len(out):
-    raise errors.ConfigError(f'{flag}: a class is named twice in {out}')
+    raise errors.ConfigError(f'`{field}`: a class is named twice in {out}')
   if len(out) < 2:
-    raise errors.ConfigError(f'{flag}: a task needs ≥ 2 classes, got {out}')
+    raise errors.ConfigError(f'`{field}`: a task needs ≥ 2 classes, got {out}')
   return tuple(out)
 
 
@@ -400,13 +400,13 @@ def _missing_message(name: str, spec: _Spec, data_dir: str | None) -> str:
       f'dataset-fashion-mnist` (they go to {DEFAULT_FASHION_MNIST_DIR}), or '
     )
   elif spec.has_idx:
-    hint = 'pass --data_dir to a folder holding the four IDX files, or '
-  flag = f' --data_dir={data_dir}' if data_dir else ''
+    hint = 'pass `data_dir` to a folder holding the four IDX files, or '
+  place = f', `data_dir={data_dir}`' if data_dir else ''
   return (
     f'dataset {name!r} not found in {where}: {hint}prepare it once with '
-    f'`python -m experiments.prepare --datasets={name}{flag}` (needs '
-    f'TensorFlow: `pip install -e ".[prepare]"`; it runs tensorflow-datasets\' '
-    f'`tfds build {spec.tfds_name} --file_format array_record`)'
+    f'experiments.prepare (`datasets={name}`{place}; needs TensorFlow: '
+    f'`pip install -e ".[prepare]"`; it runs tensorflow-datasets\' '
+    f'`tfds build {spec.tfds_name}` with the array_record file format)'
   )
 
 
@@ -451,11 +451,12 @@ def _load_leaf(
   if not data_dir:
     raise errors.DataError(
       f'dataset {name!r} is read from LEAF json files: prepare them with '
-      f'`python -m experiments.prepare --datasets={name}` and pass '
-      f"--data_dir=data/leaf/{name}/data, or run LEAF's `preprocess.sh` in "
-      f'leaf/data/{name} (e.g. `./preprocess.sh -s niid --sf 1.0 -k 0 -t '
-      f'sample`) and pass --data_dir=leaf/data/{name}/data (the folder '
-      'holding train/ and test/)'
+      f'experiments.prepare (`datasets={name}`) and pass '
+      f"`data_dir=data/leaf/{name}/data`, or run LEAF's `preprocess.sh` in "
+      f'leaf/data/{name} (e.g. `./preprocess.sh -s niid -k 0 -t sample` '
+      'with a sampling fraction `sf` of 1.0) and pass '
+      f'`data_dir=leaf/data/{name}/data` (the folder holding train/ and '
+      'test/)'
     )
   reader = leaf.load_femnist if name == 'femnist' else leaf.load_shakespeare
   data = reader(data_dir, min_samples)
@@ -483,10 +484,10 @@ def _load_cinic(name: str, spec: _Spec, data_dir: str | None) -> Dataset:
   if not data_dir:
     raise errors.DataError(
       'dataset cinic10 is read from its image folders: prepare them with '
-      '`python -m experiments.prepare --datasets=cinic10` and pass '
-      '--data_dir=data/cinic10, or download and unpack CINIC-10 '
+      'experiments.prepare (`datasets=cinic10`) and pass '
+      '`data_dir=data/cinic10`, or download and unpack CINIC-10 '
       '(https://github.com/BayesWatch/cinic-10) and pass '
-      '--data_dir=<folder holding train/, valid/, test/>'
+      '`data_dir=<folder holding train/, valid/, test/>`'
     )
   return _dataset(
     name,

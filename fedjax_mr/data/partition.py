@@ -2,7 +2,7 @@
 
 Every partition is a list of client index arrays into the training set:
 `iid`, `dirichlet`, `dirichlet_equal` and `shards` draw one from a seed;
-`load_file` reads one (`--partition=file`), `save_file` writes one in that
+`load_file` reads one (`partition=file`), `save_file` writes one in that
 format.
 
 References:
@@ -66,7 +66,7 @@ def dirichlet(
   """
   labels = np.asarray(labels)
   if not alpha > 0:
-    raise errors.ConfigError(f'--alpha must be > 0, got {alpha}')
+    raise errors.ConfigError(f'`alpha` must be > 0, got {alpha}')
   _check_counts(len(labels), num_clients, min_size)
   rng = np.random.default_rng(seed)
   m = len(labels)
@@ -103,7 +103,7 @@ def dirichlet(
   raise errors.ConfigError(
     f'Dirichlet partition: no split with ≥ {min_size} examples per client '
     f'after {max_tries} tries (alpha={alpha}, {num_clients} clients); use '
-    'fewer clients or a larger --alpha'
+    'fewer clients or a larger `alpha`'
   )
 
 
@@ -134,7 +134,7 @@ def dirichlet_equal(
   """
   labels = np.asarray(labels)
   if not alpha > 0:
-    raise errors.ConfigError(f'--alpha must be > 0, got {alpha}')
+    raise errors.ConfigError(f'`alpha` must be > 0, got {alpha}')
   _check_counts(len(labels), num_clients, 1)
   rng = np.random.default_rng(seed)
   classes = np.unique(labels)
@@ -200,15 +200,15 @@ def shards(
   labels = np.asarray(labels)
   if shards_per_client < 1:
     raise errors.ConfigError(
-      f'--shards_per_client must be a positive integer, got {shards_per_client}'
+      f'`shards_per_client` must be a positive integer, got {shards_per_client}'
     )
   _check_counts(len(labels), num_clients, 1)
   total = num_clients * shards_per_client
   if total > len(labels):
     raise errors.ConfigError(
-      f'--num_clients={num_clients} × --shards_per_client={shards_per_client}'
-      f' = {total} shards of at least one example need {total} examples; '
-      f'the dataset has {len(labels)}'
+      f'`num_clients={num_clients}` × '
+      f'`shards_per_client={shards_per_client}` = {total} shards of at least '
+      f'one example need {total} examples; the dataset has {len(labels)}'
     )
   pieces = np.array_split(np.argsort(labels, kind='stable'), total)
   perm = np.random.default_rng(seed).permutation(total)
@@ -250,7 +250,7 @@ def load_file(
   num_examples: int | None = None,
   sha256: str = '',
 ) -> tuple[list[np.ndarray], str]:
-  """Reads a partition file (`--partition=file`) and checks it.
+  """Reads a partition file (`partition=file`) and checks it.
 
   The file is JSON: a list with one list of training-example indices per
   client, or an object whose "clients" key holds that list (what
@@ -261,7 +261,7 @@ def load_file(
 
   Args:
     path: the file.
-    num_clients: N, `--num_clients`.
+    num_clients: N, the config's `num_clients`.
     num_examples: M, the size of the training set; None checks everything
       but the upper bound (before the dataset is loaded).
     sha256: if set, the sha256 (hex) the file's bytes must have.
@@ -270,9 +270,22 @@ def load_file(
     The `num_clients` int64 index arrays and the sha256 (hex) of the file.
 
   Raises:
-    ConfigError: one line naming `--partition_file` and what is wrong.
+    ConfigError: one line naming `partition_file` and what is wrong.
   """
-  where = f'--partition_file={path}'
+  where = f'`partition_file={path}`'
+  content, digest = _read_json_file(path, sha256, where)
+  clients = _client_lists(content, num_clients, where)
+  parts = [
+    _client_indices(k, client, num_examples, where)
+    for k, client in enumerate(clients)
+  ]
+  _check_disjoint(parts, where)
+  return parts, digest
+
+
+def _read_json_file(path: str, sha256: str, where: str) -> tuple[object, str]:
+  """The parsed JSON of `path` and the sha256 (hex) of its bytes, which
+  must be `sha256` when that is set; errors begin with `where`."""
   try:
     with open(path, 'rb') as f:
       data = f.read()
@@ -283,13 +296,18 @@ def load_file(
   digest = hashlib.sha256(data).hexdigest()
   if sha256 and digest != sha256:
     raise errors.ConfigError(
-      f'{where}: its sha256 is {digest}, not --partition_sha256={sha256} '
-      '(the file changed; an empty --partition_sha256 takes it as it is)'
+      f'{where}: its sha256 is {digest}, not `partition_sha256={sha256}` '
+      '(the file changed; an empty `partition_sha256` takes it as it is)'
     )
   try:
-    content = json.loads(data)
+    return json.loads(data), digest
   except (ValueError, RecursionError) as e:
     raise errors.ConfigError(f'{where}: not JSON ({e})') from None
+
+
+def _client_lists(content: object, num_clients: int, where: str) -> list:
+  """The list of `num_clients` clients a partition file's JSON holds (the
+  list itself, or its object's "clients")."""
   clients = content
   if isinstance(content, dict):
     if 'clients' not in content:
@@ -306,48 +324,59 @@ def load_file(
     )
   if len(clients) != num_clients:
     raise errors.ConfigError(
-      f'{where}: {len(clients)} clients, but --num_clients={num_clients}; '
-      f'pass --num_clients={len(clients)}'
+      f'{where}: {len(clients)} clients, but `num_clients={num_clients}`; '
+      f'pass `num_clients={len(clients)}`'
+    )
+  return clients
+
+
+def _client_indices(
+  k: int, client: object, num_examples: int | None, where: str
+) -> np.ndarray:
+  """Client `k`'s entry of a partition file as int64 indices: a non-empty
+  list of integers in `[0, num_examples)` (below 2**31 when None)."""
+  if not isinstance(client, list):
+    raise errors.ConfigError(
+      f'{where}: client {k} is {_json_type(client)}, not a list of '
+      'example indices'
+    )
+  if not client:
+    raise errors.ConfigError(
+      f'{where}: client {k} has no examples (each needs at least one)'
+    )
+  for value in client:
+    if type(value) is not int:  # bool is an int subclass
+      raise errors.ConfigError(
+        f'{where}: client {k} holds {json.dumps(value)[:40]}, not an '
+        'integer example index'
+      )
+  low, high = min(client), max(client)
+  if low < 0:
+    raise errors.ConfigError(
+      f'{where}: client {k} holds index {low}; indices start at 0'
     )
   bound = _MAX_INDEX + 1 if num_examples is None else num_examples
-  parts = []
-  for k, client in enumerate(clients):
-    if not isinstance(client, list):
-      raise errors.ConfigError(
-        f'{where}: client {k} is {_json_type(client)}, not a list of '
-        'example indices'
-      )
-    if not client:
-      raise errors.ConfigError(
-        f'{where}: client {k} has no examples (each needs at least one)'
-      )
-    for value in client:
-      if type(value) is not int:  # bool is an int subclass
-        raise errors.ConfigError(
-          f'{where}: client {k} holds {json.dumps(value)[:40]}, not an '
-          'integer example index'
-        )
-    low, high = min(client), max(client)
-    if low < 0:
-      raise errors.ConfigError(
-        f'{where}: client {k} holds index {low}; indices start at 0'
-      )
-    if high >= bound:
-      size = (
-        f'the training set has {num_examples} examples'
-        if num_examples is not None
-        else 'indices are below 2**31'
-      )
-      raise errors.ConfigError(
-        f'{where}: client {k} holds index {high}, out of range ({size})'
-      )
-    parts.append(np.array(client, np.int64))
+  if high >= bound:
+    size = (
+      f'the training set has {num_examples} examples'
+      if num_examples is not None
+      else 'indices are below 2**31'
+    )
+    raise errors.ConfigError(
+      f'{where}: client {k} holds index {high}, out of range ({size})'
+    )
+  return np.array(client, np.int64)
+
+
+def _check_disjoint(parts: list[np.ndarray], where: str) -> None:
+  """Raises ConfigError naming the first index found in two clients, or
+  twice in one."""
   everything = np.concatenate(parts)
   order = np.argsort(everything, kind='stable')
   repeated = np.flatnonzero(np.diff(everything[order]) == 0)
   if repeated.size:
     first, second = order[repeated[0]], order[repeated[0] + 1]
-    owner = np.repeat(np.arange(num_clients), [len(p) for p in parts])
+    owner = np.repeat(np.arange(len(parts)), [len(p) for p in parts])
     a, b = int(owner[first]), int(owner[second])
     index = int(everything[first])
     found = f'twice in client {a}' if a == b else f'in clients {a} and {b}'
@@ -355,7 +384,6 @@ def load_file(
       f'{where}: index {index} is {found}; an example belongs to at most '
       'one client, once'
     )
-  return parts, digest
 
 
 def _json_type(value: object) -> str:
@@ -373,10 +401,10 @@ def _json_type(value: object) -> str:
 
 def _check_counts(num_examples: int, num_clients: int, min_size: int) -> None:
   if num_clients < 1:
-    raise errors.ConfigError(f'--num_clients must be ≥ 1, got {num_clients}')
+    raise errors.ConfigError(f'`num_clients` must be ≥ 1, got {num_clients}')
   if num_clients * min_size > num_examples:
     raise errors.ConfigError(
-      f'--num_clients={num_clients} with at least {min_size} examples each '
+      f'`num_clients={num_clients}` with at least {min_size} examples each '
       f'needs {num_clients * min_size} examples; the dataset has '
       f'{num_examples}'
     )

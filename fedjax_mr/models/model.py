@@ -177,11 +177,11 @@ def get(
 
   Raises:
     ConfigError: unknown name, or a dataset this model cannot take (the
-      message names --model and --dataset).
+      message names the `model` and `dataset` fields).
   """
   if name not in _ZOO:
     raise errors.ConfigError(
-      f'--model: unknown model {name!r}; choose one of {", ".join(NAMES)}'
+      f'`model`: unknown model {name!r}; choose one of {", ".join(NAMES)}'
     )
   entry = _ZOO[name]
   input_shape = tuple(int(d) for d in input_shape)
@@ -194,8 +194,8 @@ def get(
   if not ok:
     given = 'token sequences' if len(input_shape) == 1 else 'examples'
     raise errors.ConfigError(
-      f'--model={name} takes {wants}; --dataset'
-      f'{"=" + dataset if dataset else ""} gives {given} of shape '
+      f'`model={name}` takes {wants}; `dataset'
+      f'{"=" + dataset if dataset else ""}` gives {given} of shape '
       f'{input_shape}'
     )
   if num_classes < 2:

@@ -37,10 +37,10 @@ def test_a_second_process_is_refused_until_the_holder_is_killed(tmp_path):
   try:
     with pytest.raises(errors.ConfigError) as e:
       workdir.check_free(str(folder))
-    assert str(e.value).startswith(f'--workdir={folder} is in use')
+    assert str(e.value).startswith(f'`workdir={folder}` is in use')
     assert f'pid {proc.pid}' in str(e.value)
     with pytest.raises(errors.ConfigError, match='in use'):
-      workdir.acquire(str(folder), '--out')
+      workdir.acquire(str(folder), 'out')
   finally:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -70,8 +70,8 @@ def test_check_free_creates_nothing(tmp_path):
 def test_a_folder_that_cannot_exist_is_one_line(tmp_path):
   (tmp_path / 'file').write_text('x')
   with pytest.raises(errors.ConfigError) as e:
-    workdir.acquire(str(tmp_path / 'file' / 'below'), '--out')
-  assert str(e.value).startswith(f'--out={tmp_path}/file/below: cannot')
+    workdir.acquire(str(tmp_path / 'file' / 'below'), 'out')
+  assert str(e.value).startswith(f'`out={tmp_path}/file/below`: cannot')
   assert '\n' not in str(e.value)
 
 
@@ -125,4 +125,4 @@ def test_compare_refuses_before_running_anything(small_fmnist_dir, tmp_path):
     with pytest.raises(errors.ConfigError) as e:
       compare.run_matrix(runs, trained.append, log=lambda s: None)
   assert trained == []  # not even seed 0 ran
-  assert str(e.value).startswith(f'--workdir={tmp_path}/fedavg/s1 is in use')
+  assert str(e.value).startswith(f'`workdir={tmp_path}/fedavg/s1` is in use')

@@ -154,12 +154,14 @@ def test_idx_from_data_dir(tmp_path):
 
 
 def test_unknown_dataset():
-  with pytest.raises(errors.ConfigError, match='--dataset.*fashion_mnist'):
+  with pytest.raises(
+    errors.ConfigError, match='^`dataset`: unknown.*fashion_mnist'
+  ):
     datasets.load('imagenet')
 
 
 def test_bad_data_dir():
-  with pytest.raises(errors.DataError, match='--data_dir'):
+  with pytest.raises(errors.DataError, match='^`data_dir`: '):
     datasets.load('fashion_mnist', '/nonexistent/folder')
 
 

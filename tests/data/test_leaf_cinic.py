@@ -166,7 +166,7 @@ def test_natural_clients_keeps_a_seeded_subset_and_its_test_data(tmp_path):
   want_test = sum((test[list(test)[k]]['y'] for k in kept), [])
   np.testing.assert_array_equal(sub.y_test, want_test)
   assert datasets.natural_clients(ds, 4, seed=0) is ds
-  with pytest.raises(errors.ConfigError, match='--num_clients=5 exceeds'):
+  with pytest.raises(errors.ConfigError, match='^`num_clients=5` exceeds'):
     datasets.natural_clients(ds, 5, seed=0)
 
 
@@ -334,26 +334,32 @@ def test_cifar10_normalisation_is_half_half():
 
 
 def test_bad_options():
-  with pytest.raises(errors.ConfigError, match='--cifar100_labels'):
+  with pytest.raises(errors.ConfigError, match='^`cifar100_labels`: unknown'):
     datasets.load('cifar100', cifar100_labels='medium')
-  with pytest.raises(errors.ConfigError, match='--leaf_min_samples'):
+  with pytest.raises(errors.ConfigError, match='^`leaf_min_samples` must'):
     datasets.load('femnist', leaf_min_samples=-1)
   with tfds.testing.mock_data(num_examples=4):
     ds = datasets.load('cifar10')
-  with pytest.raises(errors.ConfigError, match='--dataset=cifar10 has no'):
+  with pytest.raises(errors.ConfigError, match='`dataset=cifar10` has no'):
     datasets.natural_clients(ds, 2, seed=0)
 
 
 @pytest.mark.parametrize(
   'changes,message',
   [
-    ({'partition': 'natural'}, '--partition=natural needs a dataset'),
-    ({'leaf_min_samples': 100}, '--leaf_min_samples applies to LEAF'),
-    ({'cifar100_labels': 'coarse'}, '--cifar100_labels=coarse applies to'),
-    ({'cifar100_labels': 'x', 'dataset': 'cifar100'}, '--cifar100_labels'),
-    ({'leaf_min_samples': -1, 'dataset': 'femnist'}, '--leaf_min_samples'),
-    ({'model': 'char_lstm'}, 'char_lstm takes tokens; --dataset=cifar10 gives'),
-    ({'dataset': 'shakespeare'}, 'cnn_cifar takes images; --dataset=shakes'),
+    ({'partition': 'natural'}, '^`partition=natural` needs a dataset'),
+    ({'leaf_min_samples': 100}, '^`leaf_min_samples` applies to LEAF'),
+    ({'cifar100_labels': 'coarse'}, '^`cifar100_labels=coarse` applies to'),
+    ({'cifar100_labels': 'x', 'dataset': 'cifar100'}, '^`cifar100_labels`'),
+    ({'leaf_min_samples': -1, 'dataset': 'femnist'}, '^`leaf_min_samples`'),
+    (
+      {'model': 'char_lstm'},
+      '`model=char_lstm` takes tokens; `dataset=cifar10` gives',
+    ),
+    (
+      {'dataset': 'shakespeare'},
+      '`model=cnn_cifar` takes images; `dataset=shakes',
+    ),
   ],
 )
 def test_config_validation(changes, message):

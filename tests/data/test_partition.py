@@ -72,9 +72,9 @@ def test_dirichlet_cap_limits_largest_client(labels):
 
 
 def test_dirichlet_bad_inputs(labels):
-  with pytest.raises(errors.ConfigError, match='--alpha'):
+  with pytest.raises(errors.ConfigError, match='^`alpha` must'):
     partition.dirichlet(labels, 10, 0.0, seed=0)
-  with pytest.raises(errors.ConfigError, match='--num_clients=700'):
+  with pytest.raises(errors.ConfigError, match='^`num_clients=700`'):
     partition.dirichlet(labels, 700, 0.5, seed=0, min_size=10)
   with pytest.raises(errors.ConfigError, match='no split'):
     partition.dirichlet(labels, 300, 0.01, seed=0, min_size=19, max_tries=3)
@@ -223,11 +223,11 @@ def test_shards_seeded(labels):
 
 
 def test_shards_bad_inputs(labels):
-  with pytest.raises(errors.ConfigError, match='^--shards_per_client must'):
+  with pytest.raises(errors.ConfigError, match='^`shards_per_client` must'):
     partition.shards(labels, 10, 0, seed=0)
   with pytest.raises(
     errors.ConfigError,
-    match=r'^--num_clients=3001 × --shards_per_client=2 = 6002 shards',
+    match=r'^`num_clients=3001` × `shards_per_client=2` = 6002 shards',
   ):
     partition.shards(labels, 3001, 2, seed=0)
 
@@ -270,7 +270,7 @@ _GOOD = json.dumps([[0, 1], [2]])
     ('7', 'expected a list of client index lists'),
     ('{"clients": "0 1"}', 'got a string'),
     ('[]', 'got an empty list'),
-    ('[[0], [1], [2]]', '3 clients, but --num_clients=2; pass --num_clients=3'),
+    ('[[0], [1], [2]]', '3 clients, but `num_clients=2`; pass `num_clients=3`'),
     ('[[0], {"a": 1}]', 'client 1 is an object, not a list'),
     ('[[0], 5]', 'client 1 is a number, not a list'),
     ('[[0], []]', 'client 1 has no examples'),
@@ -300,7 +300,7 @@ def test_file_bad_contents_one_line_naming_it(tmp_path, content, fragment):
   with pytest.raises(errors.ConfigError) as e:
     partition.load_file(str(path), 2, num_examples=10, sha256=sha256)
   message = str(e.value)
-  assert message.startswith(f'--partition_file={path}: '), message
+  assert message.startswith(f'`partition_file={path}`: '), message
   assert fragment in message
   assert '\n' not in message
 
@@ -350,5 +350,5 @@ def test_dirichlet_equal_alpha_controls_the_classes_per_client():
 
 
 def test_dirichlet_equal_bad_inputs():
-  with pytest.raises(errors.ConfigError, match='--alpha'):
+  with pytest.raises(errors.ConfigError, match='^`alpha` must'):
     partition.dirichlet_equal(np.zeros(10, int), 2, 0.0, 0)

@@ -354,7 +354,7 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
     ({'partition': 'file', 'alpha': 0.1}, '`partition_file'),
     (
       {'partition': 'shards', 'alpha': 0.1, 'shards_per_client': 151},
-      '--num_clients=10 × --shards_per_client=151 = 1510 shards',
+      '`num_clients=10` × `shards_per_client=151` = 1510 shards',
     ),
     ({'alpha': 0.0}, '`alpha`'),
     ({'alpha': -1.0}, '`alpha`'),
@@ -367,8 +367,8 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
     ({'lr': -0.1}, '`lr`'),
     ({'momentum': 1.0}, '`momentum`'),
     ({'eval_every': -1}, '`eval_every`'),
-    ({'data_dir': '/nonexistent/dir'}, '--data_dir'),
-    ({'num_clients': 1000, 'clients_per_round': 4}, '--num_clients=1000'),
+    ({'data_dir': '/nonexistent/dir'}, '`data_dir`'),
+    ({'num_clients': 1000, 'clients_per_round': 4}, '`num_clients=1000`'),
     ({'clients_per_round': 1}, '`clients_per_round=1` is fewer than'),
     ({'num_devices': 3}, '`num_devices=3`'),
     ({'client_chunk': -1}, '`client_chunk`'),
@@ -395,7 +395,7 @@ def test_unreadable_data_dir(small_config, tmp_path):
     bad.mkdir()
     bad.chmod(0)
   cfg = dataclasses.replace(small_config, data_dir=str(bad))
-  with pytest.raises(errors.DataError, match='--data_dir'):
+  with pytest.raises(errors.DataError, match='`data_dir`'):
     experiment.train_and_evaluate(cfg, str(tmp_path / 'w'), log=_quiet)
 
 
@@ -528,7 +528,7 @@ def test_file_partition_index_past_the_dataset(small_config, tmp_path):
   with pytest.raises(errors.ConfigError) as e:
     experiment.setup(cfg)
   assert str(e.value) == (
-    f'--partition_file={path}: client 9 holds index 1500, out of range '
+    f'`partition_file={path}`: client 9 holds index 1500, out of range '
     '(the training set has 1500 examples)'
   )
 

@@ -382,7 +382,7 @@ def test_an_unwritable_workdir_is_refused_before_anything(
 
   monkeypatch.setattr(os, 'access', read_only)
   with pytest.raises(
-    errors.ConfigError, match=r'^--workdir=.*: it is not writable'
+    errors.ConfigError, match=r'^`workdir=.*`: it is not writable'
   ):
     experiment.train_and_evaluate(
       dataclasses.replace(cfg, rounds=6), work, log=_quiet

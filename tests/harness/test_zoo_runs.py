@@ -131,7 +131,7 @@ def test_natural_partition_uses_the_leaf_users(data_dirs, tmp_path):
     rounds=1,
   )
   with pytest.raises(
-    errors.ConfigError, match='--num_clients=5 exceeds the 4 users'
+    errors.ConfigError, match='`num_clients=5` exceeds the 4 users'
   ):
     _run(
       dataclasses.replace(cfg, num_clients=5), str(tmp_path / 'a'), data_dirs

@@ -30,10 +30,10 @@ def test_parameter_counts_match_reference(name, classes, shape, count):
 
 
 def test_unknown_model():
-  with pytest.raises(errors.ConfigError, match='--model.*cnn_mnist'):
+  with pytest.raises(errors.ConfigError, match='^`model`: unknown.*cnn_mnist'):
     model_lib.get('resnet1000', 10, (28, 28, 1))
 
 
 def test_incompatible_input():
-  with pytest.raises(errors.ConfigError, match='--model=cnn_mnist'):
+  with pytest.raises(errors.ConfigError, match='^`model=cnn_mnist` takes'):
     model_lib.get('cnn_mnist', 80, (80,))

@@ -199,12 +199,12 @@ def test_vgg_dropout_only_in_training():
 def test_incompatible_pairs_name_model_and_dataset(name, shape, dataset, match):
   with pytest.raises(errors.ConfigError, match=match) as e:
     model_lib.get(name, 10, shape, dataset=dataset)
-  assert f'--model={name}' in str(e.value) and '--dataset' in str(e.value)
+  assert f'`model={name}`' in str(e.value) and '`dataset' in str(e.value)
 
 
 def test_registry_lists_the_zoo():
   assert {'resnet20', 'resnet18', 'vgg16', 'char_lstm'} <= set(model_lib.NAMES)
-  with pytest.raises(errors.ConfigError, match='--model.*resnet20'):
+  with pytest.raises(errors.ConfigError, match='^`model`: unknown.*resnet20'):
     model_lib.get('resnet1000', 10, (32, 32, 3))
 
 
