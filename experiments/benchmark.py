@@ -312,11 +312,8 @@ def _prepare(
   """Compiles one setting's round and evaluation; times its server-side
   work alone."""
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
-  from fedjax_mr.core import types
-  from fedjax_mr.data import client_data
   from fedjax_mr.training import engine
 
   k = FLAGS.clients_per_round
@@ -337,10 +334,41 @@ def _prepare(
   t = time.perf_counter()
   compiled = round_fn.lower(state, data, key).compile()
   compile_s = time.perf_counter() - t
+  server_s = _server_seconds(algorithm, state, data, key)
+  evaluate, test_examples = _evaluation(
+    algorithm, model, multi, data, test_set, key, d, mesh if d > 1 else None
+  )
+  return {
+    'name': name,
+    'setting': setting,
+    'devices': d,
+    'chunk': chunk,
+    'compile_s': compile_s,
+    'server_s': server_s,
+    'step': lambda s: compiled(s, data, key),
+    # Compiled at its first (warm-up) call: FedAvg timed beside another
+    # algorithm is never evaluated.
+    'evaluate': jax.jit(evaluate),
+    'evaluated': 1 + k * multi,
+    'test_examples': test_examples,
+    'state': state,
+    'times': [],
+    'steps': [],
+    'examples': [],
+    'limits': [],
+    'balance': [],
+  }
 
-  # Server-side work alone: sampling (when the algorithm has its own
-  # sampler), dispatch and aggregate on stand-in uploads of the right
-  # layout (the client update's output for K clients, as ones).
+
+def _server_seconds(algorithm, state, data, key):
+  """Seconds of the server-side work of a round alone: sampling (when the
+  algorithm has its own sampler), dispatch and aggregate on stand-in
+  uploads of the right layout (the client update's output for K clients,
+  as ones); the mean of 10 after a warm-up."""
+  import jax
+  import jax.numpy as jnp
+
+  k = FLAGS.clients_per_round
   ids = jnp.arange(k, dtype=jnp.int32)
   one_client = jax.tree.map(lambda x: x[0], state.clients)
   sent = jax.eval_shape(algorithm.dispatch, state.server, ids, state.round, key)
@@ -370,18 +398,29 @@ def _prepare(
   t = time.perf_counter()
   for _ in range(10):
     _block(srv(state, outputs))
-  server_s = (time.perf_counter() - t) / 10
+  return (time.perf_counter() - t) / 10
 
-  # What experiments.run evaluates: the algorithm's model and, for
-  # multi-model algorithms, the K models the next round dispatches, with
-  # the test batches split over the same devices.
+
+def _evaluation(algorithm, model, multi, data, test_set, key, d, mesh):
+  """What experiments.run evaluates: the algorithm's model and, for
+  multi-model algorithms, the K models the next round dispatches, with the
+  test batches split over the same `d` devices (`mesh`, None for one).
+
+  Returns:
+    `(evaluate, test examples)`: `evaluate(state)` (not jitted) gives the
+    evaluations.
+  """
+  from fedjax_mr.core import types
+  from fedjax_mr.data import client_data
+  from fedjax_mr.training import engine
+
+  k = FLAGS.clients_per_round
   x_test, y_test, scale, shift = test_set
   test = client_data.eval_data(
     x_test, y_test, FLAGS.eval_batch_size, scale, shift, num_shards=d
   )
-  eval_mesh = mesh if d > 1 else None
-  evaluate_model = engine.make_evaluate(model, eval_mesh)
-  evaluate_many = engine.make_evaluate_many(model, eval_mesh)
+  evaluate_model = engine.make_evaluate(model, mesh)
+  evaluate_many = engine.make_evaluate_many(model, mesh)
 
   def evaluate(st):
     out = {
@@ -392,26 +431,7 @@ def _prepare(
       out['models'] = evaluate_many(sent.per_client, test)
     return out
 
-  return {
-    'name': name,
-    'setting': setting,
-    'devices': d,
-    'chunk': chunk,
-    'compile_s': compile_s,
-    'server_s': server_s,
-    'step': lambda s: compiled(s, data, key),
-    # Compiled at its first (warm-up) call: FedAvg timed beside another
-    # algorithm is never evaluated.
-    'evaluate': jax.jit(evaluate),
-    'evaluated': 1 + k * multi,
-    'test_examples': len(y_test),
-    'state': state,
-    'times': [],
-    'steps': [],
-    'examples': [],
-    'limits': [],
-    'balance': [],
-  }
+  return evaluate, len(y_test)
 
 
 def _bench_sizes(
@@ -450,37 +470,57 @@ def _bench_sizes(
     torch_loop.round(m['client_ids'].tolist())  # warm-up
   torch_times = []
   for i in range(FLAGS.rounds):
-    for r in runs:
-      t = time.perf_counter()
-      r['state'], m = r['step'](r['state'])
-      _block(r['state'])
-      r['times'].append(time.perf_counter() - t)
-      r['steps'].append(int(m['num_steps']))
-      r['examples'].append(int(m['num_examples']) * FLAGS.local_epochs)
-      r['balance'].append(_balance(data, m['client_ids'], b, r['devices']))
-    if baseline is not None:
-      t = time.perf_counter()
-      baseline['state'], mb = baseline['step'](baseline['state'])
-      _block(baseline['state'])
-      baseline['times'].append(time.perf_counter() - t)
-      baseline['steps'].append(int(mb['num_steps']))
-    steps = {r['steps'][-1] for r in runs}
-    if len(steps) != 1:
-      raise RuntimeError(f'device settings ran different steps: {steps}')
-    t = time.perf_counter()
-    if FLAGS.limit:
-      limit(steps.pop(), _key(i + 1))
-    lim = time.perf_counter() - t if FLAGS.limit else math.nan
-    for r in runs:
-      r['limits'].append(lim)
-    if torch_loop is not None:
-      pt_s, pt_steps = torch_loop.round(m['client_ids'].tolist())
-      if pt_steps != runs[-1]['steps'][-1]:
-        raise RuntimeError(
-          f'PyTorch took {pt_steps} steps, fedjax_mr {runs[-1]["steps"][-1]}'
-        )
+    pt_s = _timed_round(i, runs, baseline, limit, torch_loop, data, b)
+    if pt_s is not None:
       torch_times.append(pt_s)
-  # Evaluation, timed after the rounds (one warm-up, then the median of 3).
+  _time_evaluation(runs)
+  return [
+    _figures(r, flops, torch_times, baseline if r is runs[0] else None)
+    for r in runs
+  ]
+
+
+def _timed_round(i, runs, baseline, limit, torch_loop, data, b):
+  """Timed round `i`: once per device setting, then FedAvg beside another
+  algorithm, the limit at that round's steps and the PyTorch round (whose
+  seconds it returns; None without PyTorch). Appends to the runs'
+  records."""
+  for r in runs:
+    t = time.perf_counter()
+    r['state'], m = r['step'](r['state'])
+    _block(r['state'])
+    r['times'].append(time.perf_counter() - t)
+    r['steps'].append(int(m['num_steps']))
+    r['examples'].append(int(m['num_examples']) * FLAGS.local_epochs)
+    r['balance'].append(_balance(data, m['client_ids'], b, r['devices']))
+  if baseline is not None:
+    t = time.perf_counter()
+    baseline['state'], mb = baseline['step'](baseline['state'])
+    _block(baseline['state'])
+    baseline['times'].append(time.perf_counter() - t)
+    baseline['steps'].append(int(mb['num_steps']))
+  steps = {r['steps'][-1] for r in runs}
+  if len(steps) != 1:
+    raise RuntimeError(f'device settings ran different steps: {steps}')
+  t = time.perf_counter()
+  if FLAGS.limit:
+    limit(steps.pop(), _key(i + 1))
+  lim = time.perf_counter() - t if FLAGS.limit else math.nan
+  for r in runs:
+    r['limits'].append(lim)
+  if torch_loop is None:
+    return None
+  pt_s, pt_steps = torch_loop.round(m['client_ids'].tolist())
+  if pt_steps != runs[-1]['steps'][-1]:
+    raise RuntimeError(
+      f'PyTorch took {pt_steps} steps, fedjax_mr {runs[-1]["steps"][-1]}'
+    )
+  return pt_s
+
+
+def _time_evaluation(runs):
+  """Each run's evaluation seconds, timed after the rounds (one warm-up,
+  then the median of 3), as `eval_s`."""
   for r in runs:
     _block(r['evaluate'](r['state']))
     evals = []
@@ -489,55 +529,54 @@ def _bench_sizes(
       _block(r['evaluate'](r['state']))
       evals.append(time.perf_counter() - t)
     r['eval_s'] = statistics.median(evals)
-  out = []
-  for r in runs:
-    times, steps = r['times'], r['steps']
-    round_s = statistics.median(times)
-    out.append(
-      {
-        'setting': r['setting'],
-        'devices': r['devices'],
-        'chunk': r['chunk'],
-        'compile_s': r['compile_s'],
-        'round_s': round_s,
-        'times': times,
-        'steps': statistics.median(steps),
-        'limit_s': statistics.median(r['limits']),
-        'ratio': statistics.median(
-          [t / lim for t, lim in zip(times, r['limits'])]
-        ),
-        'samples_per_s': statistics.median(
-          [e / t for e, t in zip(r['examples'], times)]
-        ),
-        'gflops': statistics.median(
-          [flops * st / t / 1e9 for st, t in zip(steps, times)]
-        ),
-        'server_pct': 100 * r['server_s'] / round_s,
-        'eval_s': r['eval_s'],
-        'evaluated': r['evaluated'],
-        'test_examples': r['test_examples'],
-        'eval_pct': 100 * r['eval_s'] / (FLAGS.eval_every * round_s),
-        'balance': statistics.median(r['balance']),
-        'pytorch_s': statistics.median(torch_times) if torch_times else None,
-        'pytorch_ratio': statistics.median(
-          [t / p for t, p in zip(times, torch_times)]
-        )
-        if torch_times
-        else None,
-        'fedavg_ratio': statistics.median(
-          (t / st) / (tb / sb)
-          for t, st, tb, sb in zip(
-            times, steps, baseline['times'], baseline['steps']
-          )
-        )
-        if baseline is not None and r is runs[0]
-        else None,
-        'fedavg_s': statistics.median(baseline['times'])
-        if baseline is not None and r is runs[0]
-        else None,
-      }
+
+
+def _figures(r, flops, torch_times, baseline):
+  """The figures of run `r`: medians over its timed rounds; ratios to the
+  PyTorch rounds `torch_times` (if any) and to FedAvg's `baseline` run
+  (None: not compared)."""
+  times, steps = r['times'], r['steps']
+  round_s = statistics.median(times)
+  return {
+    'setting': r['setting'],
+    'devices': r['devices'],
+    'chunk': r['chunk'],
+    'compile_s': r['compile_s'],
+    'round_s': round_s,
+    'times': times,
+    'steps': statistics.median(steps),
+    'limit_s': statistics.median(r['limits']),
+    'ratio': statistics.median([t / lim for t, lim in zip(times, r['limits'])]),
+    'samples_per_s': statistics.median(
+      [e / t for e, t in zip(r['examples'], times)]
+    ),
+    'gflops': statistics.median(
+      [flops * st / t / 1e9 for st, t in zip(steps, times)]
+    ),
+    'server_pct': 100 * r['server_s'] / round_s,
+    'eval_s': r['eval_s'],
+    'evaluated': r['evaluated'],
+    'test_examples': r['test_examples'],
+    'eval_pct': 100 * r['eval_s'] / (FLAGS.eval_every * round_s),
+    'balance': statistics.median(r['balance']),
+    'pytorch_s': statistics.median(torch_times) if torch_times else None,
+    'pytorch_ratio': statistics.median(
+      [t / p for t, p in zip(times, torch_times)]
     )
-  return out
+    if torch_times
+    else None,
+    'fedavg_ratio': statistics.median(
+      (t / st) / (tb / sb)
+      for t, st, tb, sb in zip(
+        times, steps, baseline['times'], baseline['steps']
+      )
+    )
+    if baseline is not None
+    else None,
+    'fedavg_s': statistics.median(baseline['times'])
+    if baseline is not None
+    else None,
+  }
 
 
 def _balance(data, client_ids, b, d):
@@ -612,17 +651,9 @@ def _check_flags():
     cli.fail(str(e))
 
 
-def main(argv):
-  cli.no_arguments(argv)
-  _check_flags()
-  from fedjax_mr.core import errors
-  from fedjax_mr.harness import distributed
-
-  k = FLAGS.clients_per_round
-  distributed.initialize(host_devices=FLAGS.host_devices, clients_per_round=k)
-  import jax
-
-  n_dev = len(jax.devices())
+def _settings(k, n_dev):
+  """The (sizes, devices) settings to time, from --matrix, --sizes and
+  --num_devices; refuses more devices than K or than there are."""
   if FLAGS.matrix:
     runs = [
       (sizes, dev) for sizes in ('equal', 'dirichlet') for dev in ('1', 'all')
@@ -635,18 +666,42 @@ def main(argv):
       cli.fail(
         f'--num_devices={d}: need at most K={k} and at most the {n_dev} devices'
       )
-  try:
-    ds, model, opt, variables, data, parts, algorithms = _setup(
-      {s for s, _ in runs}
+  return runs
+
+
+def _setting_line(r):
+  """One setting's figures as one line."""
+  return (
+    f'[{r["setting"]}, {r["devices"]} device(s), chunk {r["chunk"]}] '
+    f'compile {r["compile_s"]:.2f}s | round {r["round_s"]:.3f}s '
+    f'({r["steps"]:.0f} steps) | '
+    + (
+      f'limit {r["limit_s"]:.3f}s | round/limit {r["ratio"]:.3f} | '
+      if FLAGS.limit
+      else 'limit not timed | '
     )
-  except errors.UserError as e:
-    cli.fail(str(e))
-  print(
-    f'{FLAGS.algorithm}, {FLAGS.model} on {FLAGS.dataset}: K={k} of '
-    f'N={FLAGS.num_clients}, E={FLAGS.local_epochs}, B={FLAGS.batch_size}; '
-    f'{n_dev} {jax.devices()[0].platform} device(s), {FLAGS.rounds} timed '
-    'rounds'
+    + f'{r["samples_per_s"]:.0f} samples/s '
+    f'| {r["gflops"]:.1f} GFLOP/s | server {r["server_pct"]:.3f}% of '
+    f'round | evaluation {r["eval_s"]:.3f}s ({r["evaluated"]} '
+    f'model(s), {r["test_examples"]} test examples), '
+    f'{r["eval_pct"]:.1f}% of {FLAGS.eval_every} rounds'
+    + (
+      f' | pytorch {r["pytorch_s"]:.3f}s, round/pytorch '
+      f'{r["pytorch_ratio"]:.3f}'
+      if r['pytorch_s'] is not None
+      else ''
+    )
+    + (
+      f' | fedavg {r["fedavg_s"]:.3f}s, per-step ratio {r["fedavg_ratio"]:.3f}'
+      if r['fedavg_ratio'] is not None
+      else ''
+    )
   )
+
+
+def _bench(runs, ds, model, opt, variables, data, parts, algorithms):
+  """Times every setting of `runs`, size kind by size kind, printing one
+  line per setting; returns their figures in that order."""
   results = []
   for sizes in ('equal', 'dirichlet'):
     devs = [dev for s, dev in runs if s == sizes]
@@ -668,34 +723,13 @@ def main(argv):
       loop,
     ):
       results.append(r)
-      print(
-        f'[{r["setting"]}, {r["devices"]} device(s), chunk {r["chunk"]}] '
-        f'compile {r["compile_s"]:.2f}s | round {r["round_s"]:.3f}s '
-        f'({r["steps"]:.0f} steps) | '
-        + (
-          f'limit {r["limit_s"]:.3f}s | round/limit {r["ratio"]:.3f} | '
-          if FLAGS.limit
-          else 'limit not timed | '
-        )
-        + f'{r["samples_per_s"]:.0f} samples/s '
-        f'| {r["gflops"]:.1f} GFLOP/s | server {r["server_pct"]:.3f}% of '
-        f'round | evaluation {r["eval_s"]:.3f}s ({r["evaluated"]} '
-        f'model(s), {r["test_examples"]} test examples), '
-        f'{r["eval_pct"]:.1f}% of {FLAGS.eval_every} rounds'
-        + (
-          f' | pytorch {r["pytorch_s"]:.3f}s, round/pytorch '
-          f'{r["pytorch_ratio"]:.3f}'
-          if r['pytorch_s'] is not None
-          else ''
-        )
-        + (
-          f' | fedavg {r["fedavg_s"]:.3f}s, per-step ratio '
-          f'{r["fedavg_ratio"]:.3f}'
-          if r['fedavg_ratio'] is not None
-          else ''
-        )
-      )
-  first_ratio = results[0]['ratio']
+      print(_setting_line(r))
+  return results
+
+
+def _print_summary(results, n_dev):
+  """The lines after the settings': device speed-ups, memory, the matmul
+  peaks (measured now) and the first setting's shares and ratios."""
   by = {(r['setting'], r['devices']): r for r in results}
   for sizes in ('equal', 'dirichlet'):
     if (sizes, 1) in by and (sizes, n_dev) in by and n_dev > 1:
@@ -712,21 +746,50 @@ def main(argv):
   print(_memory_line())
   peak32 = _peak_gflops('float32')
   peak16 = _peak_gflops('bfloat16')
+  first = results[0]
   print(
     f'matmul peak: float32 {peak32:.1f} GFLOP/s, bfloat16 {peak16:.1f} '
     f'GFLOP/s (default precision, device 0); the first setting reaches '
-    f'{100 * results[0]["gflops"] / peak32:.1f}% of the float32 peak'
+    f'{100 * first["gflops"] / peak32:.1f}% of the float32 peak'
   )
   print(
-    f'evaluation share: {results[0]["eval_pct"]:.1f}% (once per '
+    f'evaluation share: {first["eval_pct"]:.1f}% (once per '
     f'{FLAGS.eval_every} rounds)'
   )
-  if results[0]['fedavg_ratio'] is not None:
-    print(f'round/fedavg ratio: {results[0]["fedavg_ratio"]:.2f}')
-  if results[0]['pytorch_ratio'] is not None:
-    print(f'round/pytorch ratio: {results[0]["pytorch_ratio"]:.2f}')
+  if first['fedavg_ratio'] is not None:
+    print(f'round/fedavg ratio: {first["fedavg_ratio"]:.2f}')
+  if first['pytorch_ratio'] is not None:
+    print(f'round/pytorch ratio: {first["pytorch_ratio"]:.2f}')
   if FLAGS.limit:
-    print(f'round/limit ratio: {first_ratio:.2f}')
+    print(f'round/limit ratio: {first["ratio"]:.2f}')
+
+
+def main(argv):
+  cli.no_arguments(argv)
+  _check_flags()
+  from fedjax_mr.core import errors
+  from fedjax_mr.harness import distributed
+
+  k = FLAGS.clients_per_round
+  distributed.initialize(host_devices=FLAGS.host_devices, clients_per_round=k)
+  import jax
+
+  n_dev = len(jax.devices())
+  runs = _settings(k, n_dev)
+  try:
+    ds, model, opt, variables, data, parts, algorithms = _setup(
+      {s for s, _ in runs}
+    )
+  except errors.UserError as e:
+    cli.fail(str(e))
+  print(
+    f'{FLAGS.algorithm}, {FLAGS.model} on {FLAGS.dataset}: K={k} of '
+    f'N={FLAGS.num_clients}, E={FLAGS.local_epochs}, B={FLAGS.batch_size}; '
+    f'{n_dev} {jax.devices()[0].platform} device(s), {FLAGS.rounds} timed '
+    'rounds'
+  )
+  results = _bench(runs, ds, model, opt, variables, data, parts, algorithms)
+  _print_summary(results, n_dev)
 
 
 def entry() -> None:

@@ -59,106 +59,143 @@ flags.DEFINE_alias('learning_rate', 'lr')
 _LOCKS = []
 
 
-def main(argv) -> None:
-  cli.no_arguments(argv)
-  logging.set_verbosity(logging.WARNING)  # orbax logs every save
+def _check_flags() -> None:
+  """Refuses bad flag values before anything is loaded."""
   from fedjax_mr import models
+  from fedjax_mr.core import errors
+
+  for flag in (_EPOCHS, _BATCH_SIZE, _PUBLIC_SIZE):
+    if flag.value < 1:
+      raise errors.ConfigError(f'--{flag.name} must be ≥ 1, got {flag.value}')
+  if not (_LEARNING_RATE.value > 0 and math.isfinite(_LEARNING_RATE.value)):
+    raise errors.ConfigError(
+      f'--lr must be finite and > 0, got {_LEARNING_RATE.value}'
+    )
+  if not 0 <= _SEED.value < 2**32:
+    raise errors.ConfigError(f'--seed must be in [0, 2**32), got {_SEED.value}')
+  unknown = [m for m in _MODELS.value if m not in models.NAMES]
+  if unknown:
+    raise errors.ConfigError(
+      f'--models: unknown {", ".join(unknown)}; choose from '
+      f'{", ".join(models.NAMES)}'
+    )
+
+
+def _load_dataset():
+  """The dataset, of the --classes only when given (relabelled), and those
+  classes (None: all)."""
+  from fedjax_mr.data import datasets
+
+  ds = datasets.load(_DATASET.value, _DATA_DIR.value)
+  classes = None
+  if _CLASSES.value:
+    classes = datasets.parse_classes(_CLASSES.value, ds.num_classes)
+    ds = datasets.select_classes(ds, classes)
+  return ds, classes
+
+
+def _public_split(ds, classes):
+  """Takes the pool folder (held until the process ends: one writer per
+  pool) and writes its public split, `public.json`; refuses a folder whose
+  pool was trained on another split.
+
+  Returns:
+    The public examples' indices into `ds.x_train`, and the split as
+    written: {'dataset', 'seed', 'public_size', 'indices', 'classes'}.
+  """
   from fedjax_mr.core import errors
   from fedjax_mr.core import files
   from fedjax_mr.core import workdir as workdir_lib
-  from fedjax_mr.data import datasets
   from fedjax_mr.stitch import pool
 
+  public, _ = pool.split_public(
+    len(ds.y_train), _PUBLIC_SIZE.value, _SEED.value
+  )
+  _LOCKS.append(workdir_lib.acquire(_OUT.value))
+  split_path = os.path.join(_OUT.value, 'public.json')
+  split = {
+    'dataset': ds.name,
+    'seed': _SEED.value,
+    'public_size': _PUBLIC_SIZE.value,
+    'indices': public.tolist(),
+    'classes': None if classes is None else list(classes),
+  }
+  if os.path.exists(split_path):
+    with open(split_path) as f:
+      old = json.load(f)
+    if (
+      old['indices'] != split['indices']
+      or old.get('classes') != (split['classes'])
+    ):
+      raise errors.ConfigError(
+        f'--workdir={_OUT.value} holds a pool trained on another public '
+        'split (--dataset, --public_size, --seed or --classes differ): '
+        'use a new --workdir'
+      )
+  files.write_atomic(split_path, lambda f: json.dump(split, f))
+  return public, split
+
+
+def _pretrain(name: str, ds, x, y, classes) -> None:
+  """Trains the zoo model `name` on the public examples (`x`, `y`), saves
+  it in the pool folder and prints its test accuracy."""
+  from fedjax_mr import models
+  from fedjax_mr.stitch import pool
+
+  model = models.get(name, ds.num_classes, ds.input_shape, dataset=ds.name)
+  t0 = time.perf_counter()
+  variables, losses = pool.pretrain(
+    model,
+    x,
+    y,
+    scale=ds.scale,
+    shift=ds.shift,
+    epochs=_EPOCHS.value,
+    batch_size=_BATCH_SIZE.value,
+    learning_rate=_LEARNING_RATE.value,
+    seed=_SEED.value,
+  )
+  seconds = time.perf_counter() - t0
+  acc = pool.accuracy(
+    model, variables, ds.x_test, ds.y_test, scale=ds.scale, shift=ds.shift
+  )
+  pool.save_model(
+    _OUT.value,
+    name,
+    model,
+    variables,
+    dataset=ds.name,
+    public_size=_PUBLIC_SIZE.value,
+    classes=classes,
+    epochs=_EPOCHS.value,
+    train_loss=losses,
+    test_accuracy=acc,
+    train_seconds=seconds,
+  )
+  print(
+    f'{name}: test accuracy {100 * acc:.2f} % '
+    f'(loss {losses[-1]:.3f}, {seconds:.0f} s)'
+  )
+
+
+def main(argv) -> None:
+  cli.no_arguments(argv)
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save
+  from fedjax_mr.core import errors
+  from fedjax_mr.core import workdir as workdir_lib
+
   try:
-    for flag in (_EPOCHS, _BATCH_SIZE, _PUBLIC_SIZE):
-      if flag.value < 1:
-        raise errors.ConfigError(f'--{flag.name} must be ≥ 1, got {flag.value}')
-    if not (_LEARNING_RATE.value > 0 and math.isfinite(_LEARNING_RATE.value)):
-      raise errors.ConfigError(
-        f'--lr must be finite and > 0, got {_LEARNING_RATE.value}'
-      )
-    if not 0 <= _SEED.value < 2**32:
-      raise errors.ConfigError(
-        f'--seed must be in [0, 2**32), got {_SEED.value}'
-      )
-    unknown = [m for m in _MODELS.value if m not in models.NAMES]
-    if unknown:
-      raise errors.ConfigError(
-        f'--models: unknown {", ".join(unknown)}; choose from '
-        f'{", ".join(models.NAMES)}'
-      )
-    workdir_lib.check_free(_OUT.value, '--workdir')
-    ds = datasets.load(_DATASET.value, _DATA_DIR.value)
-    classes = None
-    if _CLASSES.value:
-      classes = datasets.parse_classes(_CLASSES.value, ds.num_classes)
-      ds = datasets.select_classes(ds, classes)
-    public, _ = pool.split_public(
-      len(ds.y_train), _PUBLIC_SIZE.value, _SEED.value
-    )
-    # Held until the process ends: one writer per pool folder.
-    _LOCKS.append(workdir_lib.acquire(_OUT.value, '--workdir'))
-    split_path = os.path.join(_OUT.value, 'public.json')
-    split = {
-      'dataset': ds.name,
-      'seed': _SEED.value,
-      'public_size': _PUBLIC_SIZE.value,
-      'indices': public.tolist(),
-      'classes': None if classes is None else list(classes),
-    }
-    if os.path.exists(split_path):
-      with open(split_path) as f:
-        old = json.load(f)
-      if (
-        old['indices'] != split['indices']
-        or old.get('classes') != (split['classes'])
-      ):
-        raise errors.ConfigError(
-          f'--workdir={_OUT.value} holds a pool trained on another public '
-          'split (--dataset, --public_size, --seed or --classes differ): '
-          'use a new --workdir'
-        )
-    files.write_atomic(split_path, lambda f: json.dump(split, f))
+    _check_flags()
+    workdir_lib.check_free(_OUT.value)
+    ds, classes = _load_dataset()
+    public, split = _public_split(ds, classes)
     public = public[ds.y_train[public] >= 0]  # --classes
     x, y = ds.x_train[public], ds.y_train[public]
     for name in _MODELS.value:
       if os.path.exists(os.path.join(_OUT.value, name, 'meta.json')):
         print(f'{name}: already saved, skipped')
         continue
-      model = models.get(name, ds.num_classes, ds.input_shape, dataset=ds.name)
-      t0 = time.perf_counter()
-      variables, losses = pool.pretrain(
-        model,
-        x,
-        y,
-        scale=ds.scale,
-        shift=ds.shift,
-        epochs=_EPOCHS.value,
-        batch_size=_BATCH_SIZE.value,
-        learning_rate=_LEARNING_RATE.value,
-        seed=_SEED.value,
-      )
-      seconds = time.perf_counter() - t0
-      acc = pool.accuracy(
-        model, variables, ds.x_test, ds.y_test, scale=ds.scale, shift=ds.shift
-      )
-      pool.save_model(
-        _OUT.value,
-        name,
-        model,
-        variables,
-        dataset=ds.name,
-        public_size=_PUBLIC_SIZE.value,
-        classes=split['classes'],
-        epochs=_EPOCHS.value,
-        train_loss=losses,
-        test_accuracy=acc,
-        train_seconds=seconds,
-      )
-      print(
-        f'{name}: test accuracy {100 * acc:.2f} % '
-        f'(loss {losses[-1]:.3f}, {seconds:.0f} s)'
-      )
+      _pretrain(name, ds, x, y, split['classes'])
   except (errors.ConfigError, errors.DataError) as e:
     cli.fail(str(e))
 
