@@ -90,8 +90,8 @@ def test_file_config_holds_the_content_hash(part_file, tmp_path):
   ]
   with pytest.raises(
     errors.ConfigError,
-    match=rf'^--partition_file={part_file}: its sha256 is {new_sha}, not '
-    rf'--partition_sha256={sha} ',
+    match=rf'^`partition_file={part_file}`: its sha256 is {new_sha}, not '
+    rf'`partition_sha256={sha}` ',
   ):
     config_lib.validate(dataclasses.replace(cfg, rounds=3))
 
@@ -116,12 +116,12 @@ def test_file_config_holds_the_content_hash(part_file, tmp_path):
     ),
     (
       {'partition': 'file', 'partition_file': '{f}', 'num_clients': 4},
-      '--partition_file={f}: 3 clients, but --num_clients=4; pass '
-      '--num_clients=3',
+      '`partition_file={f}`: 3 clients, but `num_clients=4`; pass '
+      '`num_clients=3`',
     ),
     (
       {'partition': 'file', 'partition_file': '{f}.missing'},
-      '--partition_file={f}.missing: cannot read it (No such file or '
+      '`partition_file={f}.missing`: cannot read it (No such file or '
       'directory)',
     ),
   ],
