@@ -6,8 +6,6 @@ import re
 
 import pytest
 
-from fedjax_mr.energy import fleet
-from fedjax_mr.stitch import config as config_lib
 from fedjax_mr.stitch import state as state_lib
 from tests import helpers
 from tests.energy import fake_sysfs
@@ -275,39 +273,3 @@ def test_stitch_without_a_pool_says_how_to_make_one(small_fmnist_dir, tmp_path):
   )
   assert proc.returncode != 0
   assert 'pretrain_zoo' in proc.stderr and 'Traceback' not in proc.stderr
-
-
-def test_the_programs_choices_are_the_librarys():
-  # Read from the source: importing the program would define its flags in
-  # this process.
-  import ast
-
-  from fedjax_mr.stitch import blocks
-  from fedjax_mr.stitch import cka
-  from fedjax_mr.stitch import network
-  from fedjax_mr.stitch import projection
-
-  path = os.path.join(os.path.dirname(helpers.__file__), '..', 'experiments')
-  tree = ast.parse(open(os.path.join(path, 'stitch.py')).read())
-  (node,) = [
-    n
-    for n in tree.body
-    if isinstance(n, ast.Assign)
-    and getattr(n.targets[0], 'id', '') == 'CHOICES'
-  ]
-  choices = ast.literal_eval(node.value)
-  (backends,) = [
-    ast.literal_eval(n.value)
-    for n in tree.body
-    if isinstance(n, ast.Assign)
-    and getattr(n.targets[0], 'id', '') == 'ENERGY_BACKENDS'
-  ]
-  assert tuple(backends) == fleet.BACKENDS
-  assert {k: tuple(v) for k, v in choices.items()} == {
-    'cuts': blocks.CUT_STYLES,
-    'view': cka.VIEWS,
-    'spatial': projection.SPATIAL_POLICIES,
-    'stitch_solver': projection.SOLVERS,
-    'aggregation': config_lib.AGGREGATIONS,
-    'eval': network.EVAL_MODES,
-  }
