@@ -101,7 +101,7 @@ class Hparams:
   distance: str = dataclasses.field(
     default='cosine',
     metadata={
-      'help': 'Distance between client updates for --clusamp_method='
+      'help': 'Distance between client updates for clusamp_method '
       'similarity: cosine (the angle), l1 or l2.',
       'choices': DISTANCES,
     },

@@ -28,7 +28,7 @@ BatchNorm statistics are averaged as in FedAvg.
 
 eps defaults to 1e-3, the value the paper reports for its neural-network
 experiments as we read it (the paper is not among the project's shared
-papers; `--fedexp_epsilon` changes it).
+papers; `fedexp_epsilon` changes it).
 
 References:
   Jhunjhunwala, Wang and Joshi, "FedExP: Speeding Up Federated Averaging

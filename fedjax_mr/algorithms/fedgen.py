@@ -47,7 +47,7 @@ Defaults: the authors' MNIST/EMNIST settings: noise 32, hidden 256,
 generator Adam lr 1e-4 with weight decay 1e-2, 50 generator steps of 32
 samples a round, ensemble alpha 1 and eta 1, generative alpha 10 and beta
 10 with decay 0.98, 32 synthetic samples per local step. (For CIFAR they
-use hidden 512 and noise 64: `--fedgen_hidden_dim`, `--fedgen_noise_dim`.)
+use hidden 512 and noise 64: `fedgen_hidden_dim`, `fedgen_noise_dim`.)
 
 References:
   Zhu, Hong and Zhou, "Data-Free Knowledge Distillation for Heterogeneous
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
+from typing import Callable
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -314,6 +315,184 @@ def generator_optimizer(hp: Hparams) -> optax.GradientTransformation:
   )
 
 
+def generate(
+  generator: Generator,
+  gen_vars: types.Variables,
+  labels: jax.Array,
+  key: jax.Array,
+  noise_dim: int,
+  train: bool = False,
+) -> tuple[jax.Array, jax.Array, Any]:
+  """Representations of `labels` `[S]` from fresh uniform noise.
+
+  Returns:
+    `(z [S, D], eps [S, noise_dim], state)`: `state` is the generator's
+    updated `batch_stats` in training mode (`train`), None otherwise.
+  """
+  eps = jax.random.uniform(key, (labels.shape[0], noise_dim))
+  if train:
+    z, state = generator.apply(
+      gen_vars, eps, labels, train=True, mutable=['batch_stats']
+    )
+    return z, eps, state
+  return generator.apply(gen_vars, eps, labels), eps, None
+
+
+def draw_labels(key: jax.Array, allowed: jax.Array, n: int) -> jax.Array:
+  """`[n]` labels drawn uniformly from those where `allowed` `[C]` > 0."""
+  logits = jnp.where(allowed > 0, 0.0, -jnp.inf)
+  return jax.random.categorical(key, logits, shape=(n,))
+
+
+def init_generator(
+  generator: Generator, noise_dim: int, key: jax.Array
+) -> dict[str, Any]:
+  """The generator's variables (params and batch_stats), drawn from `key`."""
+  gen_vars = generator.init(
+    key, jnp.zeros((1, noise_dim)), jnp.zeros((1,), jnp.int32)
+  )
+  return dict(gen_vars)
+
+
+def _representation_loss(
+  model: Any, generator: Generator, hp: Hparams, ratio: float
+) -> Callable:
+  """The client's loss term on generated representations
+  (`client_regularizer`), in the form `client.make_local_update` takes; its
+  context is `(generator variables, labels held, alpha_t, beta_t, on)`."""
+  noise_dim = int(hp.noise_dim)
+
+  def representation_loss(feats, params, context, batch, key):
+    gen_vars, allowed, alpha, beta, on = context
+    head = {'params': params}
+    logits = model.apply_head(head, feats)
+    k_same, k_labels, k_synth = jax.random.split(key, 3)
+    z_same, _, _ = generate(generator, gen_vars, batch.y, k_same, noise_dim)
+    y_synth = draw_labels(k_labels, allowed, int(hp.synthetic_batch_size))
+    z_synth, _, _ = generate(generator, gen_vars, y_synth, k_synth, noise_dim)
+    reg = client_regularizer(
+      logits,
+      batch.mask,
+      model.apply_head(head, jax.lax.stop_gradient(z_same)),
+      model.apply_head(head, jax.lax.stop_gradient(z_synth)),
+      y_synth,
+      alpha,
+      beta,
+      ratio,
+    )
+    return jnp.where(on, reg, 0.0)
+
+  return representation_loss
+
+
+def train_generator(
+  model: Any,
+  generator: Generator,
+  optimizer: optax.GradientTransformation,
+  hp: Hparams,
+  gen_vars: types.Variables,
+  opt_state: Any,
+  heads: types.Variables,
+  weights: jax.Array,
+  qualified: jax.Array,
+  key: jax.Array,
+) -> tuple[types.Variables, Any, jax.Array, jax.Array]:
+  """`hp.generator_steps` Adam steps of the generator against the K heads.
+
+  Args:
+    model: the classifier (its `apply_head`).
+    generator: the `Generator` module.
+    optimizer: `generator_optimizer(hp)`.
+    hp: the hyper-parameters.
+    gen_vars: the generator's variables to start from.
+    opt_state: the optimizer's state.
+    heads: the K uploaded heads, `{'params': ...}` with leaves `[K, ...]`.
+    weights: `[K, C]` and qualified: `[C]`, from `label_weights`.
+    key: PRNG key; step i uses `fold_in(key, i)`.
+
+  Returns:
+    `(gen_vars, opt_state, teacher, diversity)`: the trained generator,
+    the optimizer's state and the last step's two losses (0 without
+    steps).
+  """
+  noise_dim = int(hp.noise_dim)
+
+  def loss_fn(gen_params, stats, step_key):
+    k_labels, k_noise = jax.random.split(step_key)
+    labels = draw_labels(k_labels, qualified, int(hp.generator_batch_size))
+    z, eps, new_stats = generate(
+      generator,
+      {'params': gen_params, **stats},
+      labels,
+      k_noise,
+      noise_dim,
+      train=True,
+    )
+    logits = jax.vmap(lambda v: model.apply_head(v, z))(heads)
+    teacher = teacher_loss(logits, labels, weights)
+    diversity = diversity_loss(eps, z)
+    loss = hp.ensemble_alpha * teacher + hp.ensemble_eta * diversity
+    return loss, (new_stats, teacher, diversity)
+
+  def step(i, carry):
+    params, stats, opt_state, _ = carry
+    grads, (stats, teacher, diversity) = jax.grad(loss_fn, has_aux=True)(
+      params, stats, jax.random.fold_in(key, i)
+    )
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, dict(stats), opt_state, (teacher, diversity)
+
+  stats = {c: v for c, v in gen_vars.items() if c != 'params'}
+  zero = (jnp.float32(0), jnp.float32(0))
+  params, stats, opt_state, (teacher, diversity) = jax.lax.fori_loop(
+    0,
+    int(hp.generator_steps),
+    step,
+    (gen_vars['params'], stats, opt_state, zero),
+  )
+  return {'params': params, **stats}, opt_state, teacher, diversity
+
+
+def update_generator(
+  model: Any,
+  generator: Generator,
+  optimizer: optax.GradientTransformation,
+  hp: Hparams,
+  state: FedGenState,
+  outputs: types.ClientOutput,
+  key: jax.Array,
+) -> tuple[types.Variables, Any, jax.Array, jax.Array]:
+  """The server's generator training of a round (`train_generator`).
+
+  The label weights come from the uploaded label counts
+  (`outputs.extra`, `[K, C]`), the teachers are the uploaded heads. Until
+  the generator has been trained once (`state.trained`) it starts from
+  fresh weights drawn from `key`; the rest of `key` drives the steps.
+  """
+  weights, qualified = label_weights(outputs.extra)
+  heads = {'params': outputs.variables['params']}
+  k_init, k_train = jax.random.split(key)
+  fresh = init_generator(generator, int(hp.noise_dim), k_init)
+  start = jax.tree.map(
+    lambda old, new: jnp.where(state.trained, old, new),
+    state.generator,
+    fresh,
+  )
+  return train_generator(
+    model,
+    generator,
+    optimizer,
+    hp,
+    start,
+    state.opt_state,
+    heads,
+    weights,
+    qualified,
+    k_train,
+  )
+
+
 def fedgen(
   local: client.LocalTraining,
   clients_per_round: int,
@@ -347,55 +526,17 @@ def fedgen(
   ratio = hp.synthetic_batch_size / local.batch_size
   noise_dim = int(hp.noise_dim)
 
-  def generate(gen_vars, labels, key, train=False):
-    eps = jax.random.uniform(key, (labels.shape[0], noise_dim))
-    if train:
-      z, state = generator.apply(
-        gen_vars, eps, labels, train=True, mutable=['batch_stats']
-      )
-      return z, eps, state
-    return generator.apply(gen_vars, eps, labels), eps, None
-
-  def draw_labels(key, allowed, n):
-    logits = jnp.where(allowed > 0, 0.0, -jnp.inf)
-    return jax.random.categorical(key, logits, shape=(n,))
-
-  def representation_loss(feats, params, context, batch, key):
-    gen_vars, allowed, alpha, beta, on = context
-    head = {'params': params}
-    logits = model.apply_head(head, feats)
-    k_same, k_labels, k_synth = jax.random.split(key, 3)
-    z_same, _, _ = generate(gen_vars, batch.y, k_same)
-    y_synth = draw_labels(k_labels, allowed, int(hp.synthetic_batch_size))
-    z_synth, _, _ = generate(gen_vars, y_synth, k_synth)
-    reg = client_regularizer(
-      logits,
-      batch.mask,
-      model.apply_head(head, jax.lax.stop_gradient(z_same)),
-      model.apply_head(head, jax.lax.stop_gradient(z_synth)),
-      y_synth,
-      alpha,
-      beta,
-      ratio,
-    )
-    return jnp.where(on, reg, 0.0)
-
   update = client.make_local_update(
-    local, representation_loss=representation_loss
+    local,
+    representation_loss=_representation_loss(model, generator, hp, ratio),
   )
-
-  def init_generator(key):
-    gen_vars = generator.init(
-      key, jnp.zeros((1, noise_dim)), jnp.zeros((1,), jnp.int32)
-    )
-    return dict(gen_vars)
 
   def init(variables):
     # `init` has no key: this fixes the state's layout, and round 0's
     # aggregate draws the generator's actual initial weights from the
     # run's key before it first trains it (clients do not use it in round
     # 0).
-    gen_vars = init_generator(jax.random.key(0))
+    gen_vars = init_generator(generator, noise_dim, jax.random.key(0))
     return FedGenState(
       params=variables,
       generator=gen_vars,
@@ -418,51 +559,10 @@ def fedgen(
     counts = label_counts(data, client_id, num_classes)
     return out._replace(extra=counts), client_state
 
-  def train_generator(gen_vars, opt_state, heads, weights, qualified, key):
-    def loss_fn(gen_params, stats, step_key):
-      k_labels, k_noise = jax.random.split(step_key)
-      labels = draw_labels(k_labels, qualified, int(hp.generator_batch_size))
-      z, eps, new_stats = generate(
-        {'params': gen_params, **stats}, labels, k_noise, train=True
-      )
-      logits = jax.vmap(lambda v: model.apply_head(v, z))(heads)
-      teacher = teacher_loss(logits, labels, weights)
-      diversity = diversity_loss(eps, z)
-      loss = hp.ensemble_alpha * teacher + hp.ensemble_eta * diversity
-      return loss, (new_stats, teacher, diversity)
-
-    def step(i, carry):
-      params, stats, opt_state, _ = carry
-      grads, (stats, teacher, diversity) = jax.grad(loss_fn, has_aux=True)(
-        params, stats, jax.random.fold_in(key, i)
-      )
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
-      return params, dict(stats), opt_state, (teacher, diversity)
-
-    stats = {c: v for c, v in gen_vars.items() if c != 'params'}
-    zero = (jnp.float32(0), jnp.float32(0))
-    params, stats, opt_state, (teacher, diversity) = jax.lax.fori_loop(
-      0,
-      int(hp.generator_steps),
-      step,
-      (gen_vars['params'], stats, opt_state, zero),
-    )
-    return {'params': params, **stats}, opt_state, teacher, diversity
-
   def aggregate(state, outputs, client_ids, round_index, key):
     del client_ids
-    weights, qualified = label_weights(outputs.extra)
-    heads = {'params': outputs.variables['params']}
-    k_init, k_train = jax.random.split(key)
-    fresh = init_generator(k_init)
-    start = jax.tree.map(
-      lambda old, new: jnp.where(state.trained, old, new),
-      state.generator,
-      fresh,
-    )
-    gen_vars, opt_state, teacher, diversity = train_generator(
-      start, state.opt_state, heads, weights, qualified, k_train
+    gen_vars, opt_state, teacher, diversity = update_generator(
+      model, generator, optimizer, hp, state, outputs, key
     )
     mean = fedavg.server_aggregate(outputs, weighted)
     bytes_ = (

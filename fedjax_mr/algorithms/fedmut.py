@@ -167,6 +167,39 @@ class FedMutState(NamedTuple):
   server_state: Any = ()
 
 
+def advance(
+  state: FedMutState,
+  global_params: types.Variables,
+  round_index: jax.Array,
+  *,
+  num_models: int,
+  beta0: float,
+  bound: float,
+) -> tuple[FedMutState, dict[str, jax.Array]]:
+  """The rest of FedMut's `aggregate`: a function of the new global model
+  (the mean, or the server optimizer's step toward it) and the state
+  only.
+
+  Returns:
+    The next state (`server_state` left to the caller) and the metrics
+    'delta_norm', 'beta' and 'bytes_communicated' (`num_models` models
+    down and up).
+  """
+  sq = sum(
+    jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
+    for a, b in zip(
+      jax.tree.leaves(global_params), jax.tree.leaves(state.params)
+    )
+  )
+  k = int(num_models)
+  metrics = {
+    'delta_norm': jnp.sqrt(jnp.asarray(sq, jnp.float32)),
+    'beta': beta_schedule(round_index, beta0, bound),
+    'bytes_communicated': jnp.float32(2 * k * tree.nbytes(global_params)),
+  }
+  return FedMutState(params=global_params, prev_params=state.params), metrics
+
+
 def fedmut(
   local: client.LocalTraining,
   clients_per_round: int,
@@ -248,21 +281,6 @@ def fedmut(
       )
     )
 
-  def advance(state, global_params, round_index):
-    """The rest of `aggregate`: a function of the mean and the state only."""
-    sq = sum(
-      jnp.sum(jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)))
-      for a, b in zip(
-        jax.tree.leaves(global_params), jax.tree.leaves(state.params)
-      )
-    )
-    metrics = {
-      'delta_norm': jnp.sqrt(jnp.asarray(sq, jnp.float32)),
-      'beta': beta_schedule(round_index, beta0, bound),
-      'bytes_communicated': jnp.float32(2 * k * tree.nbytes(global_params)),
-    }
-    return FedMutState(params=global_params, prev_params=state.params), metrics
-
   def aggregate(state, outputs, client_ids, round_index, key):
     del client_ids, key
     weights = outputs.num_examples if weighted else None
@@ -270,7 +288,9 @@ def fedmut(
     global_vars, server_state = optimizers.server_step(
       server, state.server_state, state.params, mean
     )
-    new, metrics = advance(state, global_vars, round_index)
+    new, metrics = advance(
+      state, global_vars, round_index, num_models=k, beta0=beta0, bound=bound
+    )
     return new._replace(server_state=server_state), metrics
 
   return types.Algorithm(
@@ -284,8 +304,8 @@ def fedmut(
 
 @dataclasses.dataclass(frozen=True)
 class Hparams:
-  """FedMut's hyper-parameters (flags `--fedmut_<field>`; the grouping is
-  FedMR's flag `--fedmr_grouping`)."""
+  """FedMut's hyper-parameters (config fields `fedmut_<field>`; the
+  grouping is FedMR's field `fedmr_grouping`)."""
 
   alpha: float = dataclasses.field(
     default=4.0,

@@ -34,7 +34,7 @@ gives it; networks with global pooling keep their parameters. At
 K distinct clients uniformly from the eligible ones (the engine's uniform
 draw over their list, so with every client eligible FT-Full samples what
 FedAvg samples); fewer than K eligible clients is a configuration error
-naming --clients_per_round. The metric 'eligible_clients' reports their
+naming `clients_per_round`. The metric 'eligible_clients' reports their
 number every round.
 
 Measured on XLA:CPU at the reference setting with 10 classes (other
@@ -457,8 +457,8 @@ def _eligible_for(
     raise errors.ArgumentError(
       'clients_per_round',
       f'must be at most {len(eligible)}: only {len(eligible)} of '
-      f'{setting.num_clients} clients have a memory budget (--ft_budgets_gb='
-      f'{hp.budgets_gb}, --ft_budget_fractions={hp.budget_fractions}) that '
+      f'{setting.num_clients} clients have a memory budget (`ft_budgets_gb='
+      f'{hp.budgets_gb}`, `ft_budget_fractions={hp.budget_fractions}`) that '
       f"holds {what}'s training step ({memory / budgets_lib.GB:.3g} GB "
       f'measured at {at}, batch {hp.reference_batch})',
     )

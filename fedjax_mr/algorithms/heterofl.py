@@ -474,6 +474,100 @@ def assign_rates(
 # The algorithm.
 
 
+def apply_masks(params: types.PyTree, mask: types.PyTree) -> types.PyTree:
+  """`params` times their `masks` (zero outside a sub-model), in each
+  leaf's dtype."""
+  return jax.tree.map(lambda p, m: (p * m).astype(p.dtype), params, mask)
+
+
+def present_labels(
+  data: client_data_lib.ClientData, client_id: jax.Array, num_classes: int
+) -> jax.Array:
+  """`[C]` bool: the classes of client `client_id`'s training examples
+  (the logits HeteroFL's masked loss keeps)."""
+  row = data.indices[client_id]
+  real = jnp.arange(data.max_size) < data.sizes[client_id]
+  present = jnp.zeros((num_classes,), jnp.int32)
+  return present.at[data.y[row]].max(real.astype(jnp.int32)) > 0
+
+
+def server_update(
+  state: HeteroFLState,
+  outputs: types.ClientOutput,
+  index: jax.Array,
+  lay: types.PyTree,
+  rates: Sequence[float],
+  weighted: bool,
+) -> tuple[HeteroFLState, dict[str, jax.Array]]:
+  """HeteroFL's aggregation of a round.
+
+  Args:
+    state: the server state.
+    outputs: the K clients' uploads (masked sub-models; queried BatchNorm
+      statistics in `extra` for models with BatchNorm).
+    index: `[K]` the clients' indices into `rates`.
+    lay: `layout` of the global params.
+    rates: the width rates.
+    weighted: weight holders by numbers of examples (else plain).
+
+  Returns:
+    The new state (every entry the mean over its holders,
+    `aggregate_masked`; the statistics the example-weighted mean of the
+    queries) and the metrics 'bytes_communicated' and 'mean_rate'.
+  """
+  client_masks = jax.vmap(lambda i: masks(lay, rates, i))(index)
+  weights = (
+    outputs.num_examples if weighted else jnp.ones_like(outputs.num_examples)
+  )
+  params = aggregate_masked(
+    state.params['params'],
+    outputs.variables['params'],
+    client_masks,
+    weights,
+  )
+  new = {**state.params, 'params': params}
+  queried = state.queried
+  if 'batch_stats' in state.params:
+    stats = tree.weighted_mean(outputs.extra, outputs.num_examples)
+    queried = {**state.params, 'batch_stats': stats}
+    new = {**new, 'batch_stats': stats}
+  sent = sum(
+    jnp.sum(m, axis=tuple(range(1, m.ndim))) * p.dtype.itemsize
+    for m, p in zip(
+      jax.tree.leaves(client_masks), jax.tree.leaves(state.params['params'])
+    )
+  )
+  metrics = {
+    'bytes_communicated': (2.0 * jnp.sum(sent)).astype(jnp.float32),
+    'mean_rate': jnp.mean(jnp.asarray(rates, jnp.float32)[index]),
+  }
+  return HeteroFLState(params=new, queried=queried), metrics
+
+
+def init_state(variables: types.Variables) -> HeteroFLState:
+  """HeteroFL's state before round 0; models with BatchNorm evaluate the
+  initial statistics (a copy) until the first query."""
+  variables = jax.tree.map(jnp.asarray, variables)
+  queried = {}
+  if 'batch_stats' in variables:
+    queried = jax.tree.map(jnp.copy, variables)
+  return HeteroFLState(params=variables, queried=queried)
+
+
+def _checked_rates(
+  rates: Sequence[float], client_rates: Sequence[int]
+) -> tuple[tuple[float, ...], np.ndarray]:
+  """`rates` as floats, each in (0, 1], and `client_rates` as int32
+  indices into them; raises naming the argument otherwise."""
+  rates = tuple(float(r) for r in rates)
+  if not rates or not all(0 < r <= 1 for r in rates):
+    raise errors.ArgumentError('rates', f'must be in (0, 1], got {rates}')
+  client_rates = np.asarray(client_rates, np.int32)
+  if client_rates.min() < 0 or client_rates.max() >= len(rates):
+    raise ValueError('client_rates must index rates')
+  return rates, client_rates
+
+
 def heterofl(
   local: client.LocalTraining,
   clients_per_round: int,
@@ -506,12 +600,7 @@ def heterofl(
   k = int(clients_per_round)
   if k < 1:
     raise ValueError(f'clients_per_round must be >= 1, got {k}')
-  rates = tuple(float(r) for r in rates)
-  if not rates or not all(0 < r <= 1 for r in rates):
-    raise errors.ArgumentError('rates', f'must be in (0, 1], got {rates}')
-  client_rates = np.asarray(client_rates, np.int32)
-  if client_rates.min() < 0 or client_rates.max() >= len(rates):
-    raise ValueError('client_rates must index rates')
+  rates, client_rates = _checked_rates(rates, client_rates)
   model = local.model
   num_classes = model.num_classes
   # The evaluated model: the largest sub-model any client trains.
@@ -527,17 +616,7 @@ def heterofl(
     # The sub-model of the largest assigned rate, without the scaler (the
     # identity at evaluation); the whole model when a client has rate 1.
     mask = masks(lay_of(variables['params']), rates, jnp.int32(top))
-    params = jax.tree.map(
-      lambda p, m: (p * m).astype(p.dtype), variables['params'], mask
-    )
-    return {**variables, 'params': params}
-
-  def init(variables):
-    variables = jax.tree.map(jnp.asarray, variables)
-    queried = {}
-    if 'batch_stats' in variables:
-      queried = jax.tree.map(jnp.copy, variables)
-    return HeteroFLState(params=variables, queried=queried)
+    return {**variables, 'params': apply_masks(variables['params'], mask)}
 
   def dispatch(state, client_ids, round_index, key):
     del client_ids, round_index, key
@@ -549,10 +628,7 @@ def heterofl(
     lay = lay_of(variables['params'])
     index = rate_table[client_id]
     if masked_loss:
-      row = data.indices[client_id]
-      real = jnp.arange(data.max_size) < data.sizes[client_id]
-      present = jnp.zeros((num_classes,), jnp.int32)
-      labels = present.at[data.y[row]].max(real.astype(jnp.int32)) > 0
+      labels = present_labels(data, client_id, num_classes)
     else:
       labels = jnp.ones((num_classes,), jnp.bool_)
     update = client.make_local_update(
@@ -560,10 +636,7 @@ def heterofl(
     )
     info = {'rate_index': index, 'labels': labels}
     out = update({**variables, _INFO: info}, data, client_id, key)
-    mask = masks(lay, rates, index)
-    params = jax.tree.map(
-      lambda p, m: (p * m).astype(p.dtype), out.variables['params'], mask
-    )
+    params = apply_masks(out.variables['params'], masks(lay, rates, index))
     extra = ()
     if 'batch_stats' in variables:
       extra = query_statistics(
@@ -576,39 +649,13 @@ def heterofl(
     del round_index, key
     lay = lay_of(state.params['params'])
     index = jnp.asarray(client_rates)[client_ids]
-    client_masks = jax.vmap(lambda i: masks(lay, rates, i))(index)
-    weights = (
-      outputs.num_examples if weighted else jnp.ones_like(outputs.num_examples)
-    )
-    params = aggregate_masked(
-      state.params['params'],
-      outputs.variables['params'],
-      client_masks,
-      weights,
-    )
-    new = {**state.params, 'params': params}
-    queried = state.queried
-    if 'batch_stats' in state.params:
-      stats = tree.weighted_mean(outputs.extra, outputs.num_examples)
-      queried = {**state.params, 'batch_stats': stats}
-      new = {**new, 'batch_stats': stats}
-    sent = sum(
-      jnp.sum(m, axis=tuple(range(1, m.ndim))) * p.dtype.itemsize
-      for m, p in zip(
-        jax.tree.leaves(client_masks), jax.tree.leaves(state.params['params'])
-      )
-    )
-    metrics = {
-      'bytes_communicated': (2.0 * jnp.sum(sent)).astype(jnp.float32),
-      'mean_rate': jnp.mean(jnp.asarray(rates, jnp.float32)[index]),
-    }
-    return HeteroFLState(params=new, queried=queried), metrics
+    return server_update(state, outputs, index, lay, rates, weighted)
 
   def evaluated(state):
     return largest(state.queried if state.queried else state.params)
 
   return types.Algorithm(
-    init,
+    init_state,
     dispatch,
     client_update,
     aggregate,

@@ -13,7 +13,7 @@ same inputs:
 The representation is the output of a projection head (a two-layer MLP,
 256 outputs) that sits between the network's body and its output layer,
 as in the paper: `fedjax_mr.models.projection.with_projection`, applied to
-the model by the experiment programs (`--moon_projection_dim`; 0 uses the
+the model by the experiment programs (`moon_projection_dim`; 0 uses the
 input of the model's own last layer instead, for an unchanged network).
 z comes from the training forward pass itself (no second pass); z_glob and
 z_prev from inference-mode passes of the two frozen models, as in the

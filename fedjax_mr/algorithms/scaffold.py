@@ -173,6 +173,87 @@ def control_update(
   )
 
 
+def zero_controls(variables: types.Variables) -> types.PyTree:
+  """Zero controls: float32 zeros shaped like `variables['params']`."""
+  return jax.tree.map(
+    lambda p: jnp.zeros(p.shape, jnp.float32), variables['params']
+  )
+
+
+def client_control(
+  c_i: types.PyTree,
+  c: types.PyTree,
+  x: types.PyTree,
+  y: types.PyTree,
+  num_steps: jax.Array,
+  learning_rate: float,
+  storage: jnp.dtype,
+) -> tuple[types.PyTree, types.PyTree]:
+  """A client's new control as stored and its upload dc_i.
+
+  Args:
+    c_i: the client's control (float32).
+    c, x, y, num_steps, learning_rate: as for `control_update`.
+    storage: the dtype the controls are stored in.
+
+  Returns:
+    `(stored, delta)`: c_i+ (`control_update`) in `storage`, and dc_i, the
+    stored value minus c_i in float32 (so the server's c stays the mean of
+    the stored controls).
+  """
+  new = control_update(c_i, c, x, y, num_steps, learning_rate)
+  stored = jax.tree.map(lambda v: v.astype(storage), new)
+  delta = jax.tree.map(lambda s, old: s.astype(jnp.float32) - old, stored, c_i)
+  return stored, delta
+
+
+def server_update(
+  server: optax.GradientTransformation,
+  state: ScaffoldState,
+  outputs: types.ClientOutput,
+  clients_per_round: int,
+  num_clients: int,
+  weighted: bool,
+) -> tuple[ScaffoldState, dict[str, jax.Array]]:
+  """SCAFFOLD's aggregation: the `server` step on x - mean_i y_i (the
+  mean by examples with `weighted`; BatchNorm statistics become that
+  mean) and c <- c + (K / N) mean_i dc_i; metrics 'bytes_communicated'
+  and 'control_norm'."""
+  k, n = clients_per_round, num_clients
+  weights = outputs.num_examples if weighted else None
+  mean = tree.weighted_mean(outputs.variables, weights)
+  params, server_state = optimizers.server_step(
+    server, state.server_state, state.params['params'], mean['params']
+  )
+  dc = tree.weighted_mean(outputs.extra)
+  control = jax.tree.map(lambda c, d: c + (k / n) * d, state.control, dc)
+  metrics = {
+    'bytes_communicated': jnp.float32(
+      2 * k * (tree.nbytes(state.params) + tree.nbytes(state.control))
+    ),
+    'control_norm': jnp.sqrt(
+      sum(jnp.sum(jnp.square(c)) for c in jax.tree.leaves(control))
+    ),
+  }
+  new_params = {**mean, 'params': params}
+  new = ScaffoldState(new_params, control, server_state)
+  return new, metrics
+
+
+def _sgd_of(local: client.LocalTraining) -> tuple[float, float]:
+  """The clients' SGD learning rate and momentum; raises `ArgumentError`
+  naming `optimizer` for any other optimizer."""
+  hp = optimizers.sgd_hparams(local.optimizer)
+  if hp is None:
+    got = optimizers.describe(local.optimizer)
+    raise errors.ArgumentError(
+      'optimizer',
+      "must be sgd for SCAFFOLD's control update (it needs the clients' "
+      f'learning rate and momentum), got {got}',
+    )
+  return hp
+
+
 def scaffold(
   local: client.LocalTraining,
   clients_per_round: int,
@@ -210,36 +291,21 @@ def scaffold(
     raise ValueError(f'clients_per_round must be >= 1, got {k}')
   if n < k:
     raise ValueError(f'num_clients must be >= clients_per_round, got {n}')
-  hp = optimizers.sgd_hparams(local.optimizer)
-  if hp is None:
-    got = optimizers.describe(local.optimizer)
-    raise errors.ArgumentError(
-      'optimizer',
-      "must be sgd for SCAFFOLD's control update (it needs the clients' "
-      f'learning rate and momentum), got {got}',
-    )
-  lr, momentum = hp
+  lr, momentum = _sgd_of(local)
   beta = momentum if control_steps == 'effective' else 0.0
   server = server_optimizer or optimizers.sgd(1.0)
   storage = jnp.dtype(control_dtype)
   update = client.make_local_update(local, grad_correction=corrected_gradient)
 
-  def zeros_like_params(variables):
-    return jax.tree.map(
-      lambda p: jnp.zeros(p.shape, jnp.float32), variables['params']
-    )
-
   def init(variables):
     return ScaffoldState(
       params=variables,
-      control=zeros_like_params(variables),
+      control=zero_controls(variables),
       server_state=server.init(variables['params']),
     )
 
   def init_client_state(variables):
-    return jax.tree.map(
-      lambda c: c.astype(storage), zeros_like_params(variables)
-    )
+    return jax.tree.map(lambda c: c.astype(storage), zero_controls(variables))
 
   def dispatch(state, client_ids, round_index, key):
     del client_ids, round_index, key
@@ -250,40 +316,20 @@ def scaffold(
     variables, c = shared
     c_i = jax.tree.map(lambda v: v.astype(jnp.float32), c_i)
     out = update(variables, data, client_id, key, (c_i, c))
-    new = control_update(
+    stored, delta = client_control(
       c_i,
       c,
       variables['params'],
       out.variables['params'],
       effective_steps(out.num_steps, beta),
       lr,
-    )
-    stored = jax.tree.map(lambda v: v.astype(storage), new)
-    delta = jax.tree.map(
-      lambda s, old: s.astype(jnp.float32) - old, stored, c_i
+      storage,
     )
     return out._replace(extra=delta), stored
 
   def aggregate(state, outputs, client_ids, round_index, key):
     del client_ids, round_index, key
-    weights = outputs.num_examples if weighted else None
-    mean = tree.weighted_mean(outputs.variables, weights)
-    params, server_state = optimizers.server_step(
-      server, state.server_state, state.params['params'], mean['params']
-    )
-    dc = tree.weighted_mean(outputs.extra)
-    control = jax.tree.map(lambda c, d: c + (k / n) * d, state.control, dc)
-    metrics = {
-      'bytes_communicated': jnp.float32(
-        2 * k * (tree.nbytes(state.params) + tree.nbytes(state.control))
-      ),
-      'control_norm': jnp.sqrt(
-        sum(jnp.sum(jnp.square(c)) for c in jax.tree.leaves(control))
-      ),
-    }
-    new_params = {**mean, 'params': params}
-    new = ScaffoldState(new_params, control, server_state)
-    return new, metrics
+    return server_update(server, state, outputs, k, n, weighted)
 
   return types.Algorithm(
     init,

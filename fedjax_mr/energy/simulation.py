@@ -23,6 +23,7 @@ with the seed.
 
 import math
 from typing import Any
+from typing import Callable
 from typing import NamedTuple
 from typing import Sequence
 
@@ -258,6 +259,91 @@ def _round_energy(
   return round_time, energy
 
 
+def _time_factors(
+  num_clients: int,
+  model_error: float,
+  time_factors: Sequence[float] | None,
+  seed: int,
+) -> Sequence[float]:
+  """Each client's true time over its predicted time (see `simulate`)."""
+  if time_factors is None:
+    rng = np.random.default_rng(seed)
+    return 1 + model_error * rng.uniform(-1, 1, size=num_clients)
+  if len(time_factors) != num_clients:
+    raise ValueError('time_factors needs one factor per client')
+  return list(time_factors)
+
+
+def _base_times(
+  devices: Sequence[SimClient], works: Sequence[float], work_unit: str
+) -> list[float]:
+  """Each client's time at configuration 0 on its own device."""
+  base = []
+  for c, w in zip(devices, works):
+    if work_unit == 'seconds':
+      t0 = coordinator.reference_time_s(c.profile, base_time_s=w)
+    else:
+      t0 = coordinator.reference_time_s(c.profile, num_samples=w)
+    base.append(t0 / c.speed)
+  return base
+
+
+def _deadline(
+  deadline_mode: str,
+  default_round: float,
+  prev_times: Sequence[float] | None,
+  deadline_factors: Sequence[float] | None,
+  r: int,
+) -> float | None:
+  """Round `r`'s deadline for the coordinators (see `simulate`); None:
+  none yet (the first round of mode 'previous')."""
+  if deadline_mode == 'oracle':
+    return default_round
+  if prev_times is None:
+    return None
+  factor = deadline_factors[r] if deadline_factors is not None else 1.0
+  return coordinator.server_deadline(prev_times) * factor
+
+
+def _coordinated(
+  devices: Sequence[SimClient],
+  ids: Sequence[int],
+  base: Sequence[float],
+  true_time: Callable[[int, int], float],
+  scale: list[float],
+  deadline: float | None,
+  margin: float,
+  alpha: float,
+) -> tuple[list[int], list[float]]:
+  """One round under the coordinators: each participant j picks its
+  configuration against `deadline` (the fastest without one), runs it for
+  `true_time(j, k)` and updates its feedback `scale[ids[j]]` in place.
+
+  Returns:
+    (chosen configurations, true times), per participant.
+  """
+  chosen, times = [], []
+  for j, c in enumerate(devices):
+    i = ids[j]
+    if deadline is None:
+      k = c.profile.fastest
+      predicted = base[j] * scale[i] / c.profile.speedup[k]
+    else:
+      choice = coordinator.choose_config(
+        c.profile,
+        deadline,
+        base_time_s=base[j],
+        time_scale=scale[i],
+        margin=margin,
+      )
+      k, predicted = choice.index, choice.time_s
+    t = true_time(j, k)
+    scale[i] = coordinator.update_time_scale(scale[i], predicted, t, alpha)
+    chosen.append(k)
+    times.append(t)
+  return chosen, times
+
+
 def simulate(
   workloads: Sequence[Sequence[float]],
   clients: Sequence[SimClient],
@@ -309,13 +395,7 @@ def simulate(
     client_ids = [list(range(len(w))) for w in workloads]
   if len(client_ids) != len(workloads):
     raise ValueError('client_ids and workloads must have one entry per round')
-  if time_factors is None:
-    rng = np.random.default_rng(seed)
-    bias = 1 + model_error * rng.uniform(-1, 1, size=len(clients))
-  elif len(time_factors) != len(clients):
-    raise ValueError('time_factors needs one factor per client')
-  else:
-    bias = list(time_factors)
+  bias = _time_factors(len(clients), model_error, time_factors, seed)
   scale = [1.0] * len(clients)  # The coordinators' feedback state.
 
   rounds = []
@@ -324,13 +404,7 @@ def simulate(
     if len(ids) != len(works):
       raise ValueError(f'round {r}: {len(ids)} clients, {len(works)} workloads')
     devices = [clients[i] for i in ids]
-    base = []  # Each client's time at config 0 on its own device.
-    for c, w in zip(devices, works):
-      if work_unit == 'seconds':
-        t0 = coordinator.reference_time_s(c.profile, base_time_s=w)
-      else:
-        t0 = coordinator.reference_time_s(c.profile, num_samples=w)
-      base.append(t0 / c.speed)
+    base = _base_times(devices, works, work_unit)
 
     def true_time(j, k):
       return base[j] * bias[ids[j]] / devices[j].profile.speedup[k]
@@ -341,32 +415,12 @@ def simulate(
       devices, fastest, default_times
     )
 
-    if deadline_mode == 'oracle':
-      deadline = default_round
-    elif prev_times is None:
-      deadline = None
-    else:
-      factor = deadline_factors[r] if deadline_factors is not None else 1.0
-      deadline = coordinator.server_deadline(prev_times) * factor
-    chosen, times = [], []
-    for j, c in enumerate(devices):
-      i = ids[j]
-      if deadline is None:
-        k = fastest[j]
-        predicted = base[j] * scale[i] / c.profile.speedup[k]
-      else:
-        choice = coordinator.choose_config(
-          c.profile,
-          deadline,
-          base_time_s=base[j],
-          time_scale=scale[i],
-          margin=margin,
-        )
-        k, predicted = choice.index, choice.time_s
-      t = true_time(j, k)
-      scale[i] = coordinator.update_time_scale(scale[i], predicted, t, alpha)
-      chosen.append(k)
-      times.append(t)
+    deadline = _deadline(
+      deadline_mode, default_round, prev_times, deadline_factors, r
+    )
+    chosen, times = _coordinated(
+      devices, ids, base, true_time, scale, deadline, margin, alpha
+    )
     coord_round, coord_energy = _round_energy(devices, chosen, times)
     prev_times = times
     rounds.append(

@@ -173,6 +173,80 @@ def _gather(tree: Any, ids: jax.Array) -> Any:
   return jax.tree.map(lambda x: x[ids], tree)
 
 
+def _shard_clients(train_clients: Callable, mesh: jax.sharding.Mesh):
+  """`train_clients(shared, per_client, client_state, ids, keys, data)`
+  with the client axis split over the devices of `mesh` (the shared part
+  and the data replicated)."""
+  spec = jax.sharding.PartitionSpec(mesh.axis_names[0])
+  replicated = jax.sharding.PartitionSpec()
+  return jax.shard_map(
+    train_clients,
+    mesh=mesh,
+    in_specs=(replicated, spec, spec, spec, spec, replicated),
+    out_specs=spec,
+    check_vma=False,
+  )
+
+
+def _run_sharded(
+  sharded_train: Callable,
+  sent: types.Dispatch,
+  client_state: Any,
+  ids: jax.Array,
+  keys: jax.Array,
+  data: client_data_lib.ClientData,
+  shards: int,
+) -> tuple[types.ClientOutput, Any]:
+  """The K clients' updates over `shards` devices (`_shard_clients`),
+  balanced by `balanced_order`; outputs and new client states `[K, ...]`
+  in sampling order.
+
+  When D does not divide K the client axis is filled up with empty
+  clients, whose outputs are dropped.
+  """
+  k = ids.shape[0]
+  # Empty clients that fill the client axis up to a multiple of D.
+  fill = -k % shards
+  run_ids, run_data = ids, data
+  if fill:
+    # Client id N (one past the last) is an empty client: its row
+    # of indices is zeros and its size 0. The per-client inputs of the
+    # filling entries are copies of client 0's (never used).
+    run_ids = jnp.concatenate([ids, jnp.full((fill,), data.num_clients)])
+    run_data = data.replace(
+      indices=jnp.concatenate([data.indices, jnp.zeros_like(data.indices[:1])]),
+      sizes=jnp.concatenate([data.sizes, jnp.zeros_like(data.sizes[:1])]),
+    )
+  first = jnp.concatenate([jnp.arange(k), jnp.zeros((fill,), jnp.int32)])
+  perm = balanced_order(run_data.sizes[run_ids], shards)
+  outputs, client_state = sharded_train(
+    sent.shared,
+    _gather(sent.per_client, first[perm]),
+    _gather(client_state, first[perm]),
+    run_ids[perm],
+    keys[first[perm]],
+    run_data,
+  )
+  inverse = jnp.argsort(perm)[:k]
+  return _gather((outputs, client_state), inverse)
+
+
+def _round_metrics(
+  outputs: types.ClientOutput, ids: jax.Array
+) -> dict[str, jax.Array]:
+  """The engine's own metrics of a round (see `make_round_fn`)."""
+  n = outputs.num_examples.astype(jnp.float32)
+  return {
+    'train_loss': jnp.sum(n * outputs.loss) / jnp.sum(n),
+    'num_examples': jnp.sum(outputs.num_examples),
+    'num_steps': jnp.sum(outputs.num_steps),
+    'client_ids': ids,
+    'client_examples': outputs.num_examples,
+    'client_steps': outputs.num_steps,
+    'client_loss': outputs.loss,
+  }
+
+
 def make_round_fn(
   algorithm: types.Algorithm,
   *,
@@ -220,8 +294,6 @@ def make_round_fn(
       f'clients_per_round={algorithm.clients_per_round}'
     )
   shards = 1 if mesh is None else mesh.devices.size
-  # Empty clients that fill the client axis up to a multiple of D.
-  fill = -k % shards
   sample = sampler_of(algorithm, k)
   update = algorithm.client_update
 
@@ -233,16 +305,7 @@ def make_round_fn(
     )
 
   if shards > 1:
-    axis = mesh.axis_names[0]
-    spec = jax.sharding.PartitionSpec(axis)
-    replicated = jax.sharding.PartitionSpec()
-    sharded_train = jax.shard_map(
-      train_clients,
-      mesh=mesh,
-      in_specs=(replicated, spec, spec, spec, spec, replicated),
-      out_specs=spec,
-      check_vma=False,
-    )
+    sharded_train = _shard_clients(train_clients, mesh)
 
   def round_fn(state, data, key):
     k_sample, k_dispatch, k_clients, k_aggregate = round_keys(key, state.round)
@@ -255,30 +318,9 @@ def make_round_fn(
         sent.shared, sent.per_client, client_state, ids, keys, data
       )
     else:
-      run_ids, run_data = ids, data
-      if fill:
-        # Client id N (one past the last) is an empty client: its row
-        # of indices is zeros and its size 0. The per-client inputs of the
-        # filling entries are copies of client 0's (never used).
-        run_ids = jnp.concatenate([ids, jnp.full((fill,), data.num_clients)])
-        run_data = data.replace(
-          indices=jnp.concatenate(
-            [data.indices, jnp.zeros_like(data.indices[:1])]
-          ),
-          sizes=jnp.concatenate([data.sizes, jnp.zeros_like(data.sizes[:1])]),
-        )
-      first = jnp.concatenate([jnp.arange(k), jnp.zeros((fill,), jnp.int32)])
-      perm = balanced_order(run_data.sizes[run_ids], shards)
-      outputs, client_state = sharded_train(
-        sent.shared,
-        _gather(sent.per_client, first[perm]),
-        _gather(client_state, first[perm]),
-        run_ids[perm],
-        keys[first[perm]],
-        run_data,
+      outputs, client_state = _run_sharded(
+        sharded_train, sent, client_state, ids, keys, data, shards
       )
-      inverse = jnp.argsort(perm)[:k]
-      outputs, client_state = _gather((outputs, client_state), inverse)
     clients = jax.tree.map(
       lambda all_, new: all_.at[ids].set(new.astype(all_.dtype)),
       state.clients,
@@ -287,17 +329,7 @@ def make_round_fn(
     server_state, server_metrics = algorithm.aggregate(
       state.server, outputs, ids, state.round, k_aggregate
     )
-    n = outputs.num_examples.astype(jnp.float32)
-    metrics = {
-      'train_loss': jnp.sum(n * outputs.loss) / jnp.sum(n),
-      'num_examples': jnp.sum(outputs.num_examples),
-      'num_steps': jnp.sum(outputs.num_steps),
-      'client_ids': ids,
-      'client_examples': outputs.num_examples,
-      'client_steps': outputs.num_steps,
-      'client_loss': outputs.loss,
-      **server_metrics,
-    }
+    metrics = {**_round_metrics(outputs, ids), **server_metrics}
     new_state = RoundState(
       round=state.round + 1, server=server_state, clients=clients
     )
