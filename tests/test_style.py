@@ -1,0 +1,71 @@
+"""House rules a reader relies on (../shared/STYLE.md): the library speaks
+of its arguments, not of the programs' flags, and no function runs past
+a screen or two."""
+
+import ast
+import io
+import pathlib
+import re
+import tokenize
+
+REPO = pathlib.Path(__file__).parent.parent
+PACKAGE = REPO / 'fedjax_mr'
+
+# A command-line flag: two dashes, then a lower-case word. XLA's own flags
+# (`XLA_FLAGS=--xla_...`, which a user sets in the environment) are not
+# ours, so they are not the programs' vocabulary leaking in.
+_FLAG = re.compile(r'(?<![\w-])--(?!xla_)[a-z][a-z0-9_]*')
+
+MAX_FUNCTION_LINES = 100
+
+
+def _flag_lines(path: pathlib.Path):
+  """(line, text) of each string or comment of `path` that names a flag."""
+  tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+  for token in tokens:
+    if token.type in (tokenize.STRING, tokenize.COMMENT) or (
+      token.type.__class__ is int
+      and tokenize.tok_name.get(token.type, '').startswith('FSTRING')
+    ):
+      if _FLAG.search(token.string):
+        yield token.start[0], token.string.strip().splitlines()[0][:70]
+
+
+def test_the_library_names_arguments_not_flags():
+  # Library errors and messages name their argument or config field in
+  # backticks; experiments/cli.py renders the programs' flags (issue 39).
+  found = [
+    f'{path.relative_to(REPO)}:{line}: {text}'
+    for path in sorted(PACKAGE.rglob('*.py'))
+    for line, text in _flag_lines(path)
+  ]
+  assert not found, '\n'.join(found)
+
+
+def test_the_check_finds_a_flag_where_there_is_one(tmp_path):
+  path = tmp_path / 'm.py'
+  path.write_text(
+    'x = "pass --rounds=5"\n'
+    "y = f'{z} --lr'\n"
+    '# see --workdir\n'
+    'w = "XLA_FLAGS=--xla_cpu_x a-b -- c"\n'
+  )
+  assert [line for line, _ in _flag_lines(path)] == [1, 2, 3]
+
+
+def _long_functions(path: pathlib.Path):
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      lines = node.end_lineno - node.lineno + 1
+      if lines > MAX_FUNCTION_LINES:
+        yield node.name, node.lineno, lines
+
+
+def test_no_function_is_longer_than_100_lines():
+  found = [
+    f'{path.relative_to(REPO)}:{line}: {name} ({lines} lines)'
+    for folder in (PACKAGE, REPO / 'experiments', REPO / 'scripts')
+    for path in sorted(folder.rglob('*.py'))
+    for name, line, lines in _long_functions(path)
+  ]
+  assert not found, '\n'.join(found)
