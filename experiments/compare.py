@@ -100,7 +100,7 @@ def main(argv) -> None:
     variants += [compare.parse_variant(v) for v in _VARIANT.value]
     if not variants or not seeds:
       raise errors.ConfigError('--variants and --seeds must not be empty')
-    workdir_lib.check_usable(out, '--workdir')
+    workdir_lib.check_usable(out)
     base = run_flags.config_from_flags()
     runs = compare.configs(base, variants, seeds, out)
     title = compare.setting_title(base)

@@ -92,12 +92,12 @@ def main(argv) -> None:
   if not os.path.isdir(workdir):
     raise errors.ConfigError(f'--workdir={workdir}: no such folder')
   output = _OUTPUT.value or os.path.join(workdir, 'landscape')
-  workdir_lib.check_free(output, '--output')
+  workdir_lib.check_free(output, 'output')
   run = experiment.load_run(workdir, _ROUND.value or None)
   data = landscape.examples(
     run.config, _SPLIT.value, _NUM_EXAMPLES.value, _SEED.value
   )
-  with workdir_lib.acquire(output, '--output'):
+  with workdir_lib.acquire(output, 'output'):
     grid = landscape.compute(
       run,
       data,

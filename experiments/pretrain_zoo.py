@@ -136,13 +136,26 @@ def _public_split(ds, classes):
   return public, split
 
 
-def _pretrain(name: str, ds, x, y, classes) -> None:
-  """Trains the zoo model `name` on the public examples (`x`, `y`), saves
-  it in the pool folder and prints its test accuracy."""
+def _model(name: str, ds):
+  """The zoo model `name` for the dataset `ds`; one that cannot take its
+  examples is refused naming --models (before anything is written)."""
   from fedjax_mr import models
+  from fedjax_mr.core import errors
+
+  try:
+    return models.get(name, ds.num_classes, ds.input_shape, dataset=ds.name)
+  except errors.ConfigError as e:
+    # This program's flag is --models (several), not run's --model.
+    raise errors.ConfigError(
+      str(e).replace(f'`model={name}`', f'--models: {name}')
+    ) from None
+
+
+def _pretrain(name: str, model, ds, x, y, classes) -> None:
+  """Trains `model` (the zoo model `name`) on the public examples (`x`,
+  `y`), saves it in the pool folder and prints its test accuracy."""
   from fedjax_mr.stitch import pool
 
-  model = models.get(name, ds.num_classes, ds.input_shape, dataset=ds.name)
   t0 = time.perf_counter()
   variables, losses = pool.pretrain(
     model,
@@ -188,6 +201,7 @@ def main(argv) -> None:
     _check_flags()
     workdir_lib.check_free(_OUT.value)
     ds, classes = _load_dataset()
+    zoo = {name: _model(name, ds) for name in _MODELS.value}
     public, split = _public_split(ds, classes)
     public = public[ds.y_train[public] >= 0]  # --classes
     x, y = ds.x_train[public], ds.y_train[public]
@@ -195,7 +209,7 @@ def main(argv) -> None:
       if os.path.exists(os.path.join(_OUT.value, name, 'meta.json')):
         print(f'{name}: already saved, skipped')
         continue
-      _pretrain(name, ds, x, y, split['classes'])
+      _pretrain(name, zoo[name], ds, x, y, split['classes'])
   except (errors.ConfigError, errors.DataError) as e:
     cli.fail(str(e))
 

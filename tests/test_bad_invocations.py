@@ -204,6 +204,9 @@ CASES = {
     (['--learning_rate=nan'], '--lr'),  # its earlier name
     (['--seed=-1'], '--seed'),
     (['--models=bogus'], '--models'),
+    # A model that cannot take the dataset's examples: refused before the
+    # workdir is made.
+    (['--models=char_lstm'], '--models: char_lstm takes token sequences'),
     (['--dataset=bogus'], '--dataset'),
     (['--workdir=README.md'], '--workdir=README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),

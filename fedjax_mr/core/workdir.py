@@ -47,9 +47,8 @@ class Lock:
 
 def _named(folder: str, name: str) -> str:
   """`folder` as a message names it, `name=folder` in backticks: `name` is
-  the argument or config field that holds it (given as a flag, its dashes
-  are dropped)."""
-  return f'`{name.lstrip("-")}={folder}`'
+  the argument or config field that holds it."""
+  return f'`{name}={folder}`'
 
 
 def _busy(folder: str, name: str, fd: int) -> errors.ConfigError:
