@@ -47,17 +47,13 @@ def config_from_flags() -> config_lib.ExperimentConfig:
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  from fedjax_mr.harness import distributed
   from fedjax_mr.harness import experiment
 
   with cli.training_errors('re-run with the same --workdir to resume'):
-    config = config_from_flags()
-    # Every flag is checked before the distributed runtime starts (a bad
-    # --coordinator_address would otherwise wait for a coordinator).
-    config_lib.validate(config)
-    # Before any JAX computation: host devices and the distributed runtime.
-    distributed.initialize_for(config)
-    experiment.train_and_evaluate(config, log=cli.log)
+    # Checks every flag (before the distributed runtime starts: a bad
+    # --coordinator_address would otherwise wait for a coordinator), sets
+    # up the devices, then runs or resumes.
+    experiment.train_and_evaluate(config_from_flags(), log=cli.log)
 
 
 def entry() -> None:

@@ -163,6 +163,7 @@ def build_algorithm(
   config: config_lib.ExperimentConfig,
   model: model_lib.Model,
   variables: types.Variables,
+  hparams: Any = None,
 ) -> types.Algorithm:
   """The algorithm named by `config.algorithm`, from the registry.
 
@@ -172,6 +173,8 @@ def build_algorithm(
     variables: the initial model variables as `model.init` returns them
       (their key order is the model's layer order, which FedMR-p's segments
       follow).
+    hparams: the algorithm's hyper-parameters as `config_lib.validate`
+      returned them; None: read from `config` (and checked).
 
   Raises:
     ConfigError: a hyper-parameter that does not fit the model, named by
@@ -195,7 +198,8 @@ def build_algorithm(
     ),
   )
   try:
-    return entry.factory(setting, config_lib.hparams(config))
+    hp = config_lib.hparams(config) if hparams is None else hparams
+    return entry.factory(setting, hp)
   except errors.ArgumentError as e:
     raise config_lib.as_config_error(config.algorithm, e) from None
 

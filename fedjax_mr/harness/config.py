@@ -450,16 +450,24 @@ def energy_mixes(config: ExperimentConfig) -> list[str]:
   return [m.strip() for m in config.energy_mix.split(';') if m.strip()]
 
 
-def validate(config: ExperimentConfig) -> None:
-  """Raises `ConfigError` naming the first bad field (in backticks) and
-  what it allows."""
+def validate(config: ExperimentConfig) -> Any:
+  """Checks every field of `config` once.
+
+  Returns:
+    The algorithm's hyper-parameters, validated (what `hparams` returns),
+    so that a caller builds the run from them without checking again.
+
+  Raises:
+    ConfigError: naming the first bad field (in backticks) and what it
+      allows.
+  """
   _check_values(config)
   _check_run(config)
   client_optimizer(config)
   _check_optimizer_fields(config)
   server_optimizer(config)
   _check_data(config)
-  _check_algorithm_fields(config)
+  return _check_algorithm_fields(config)
 
 
 # The fields that must be ≥ 1, and those that must be ≥ 0.
@@ -759,15 +767,16 @@ def hparams(config: ExperimentConfig) -> Any:
   return hp
 
 
-def _check_algorithm_fields(config: ExperimentConfig) -> None:
+def _check_algorithm_fields(config: ExperimentConfig) -> Any:
   """The algorithms' own fields: each one of its choices and, away from
-  its default, read by `algorithm`; then `hparams`' checks."""
+  its default, read by `algorithm`; then `hparams`' checks. Returns the
+  hyper-parameters."""
   fields = registry.all_flags()
   defaults = {name: f.default for name, (f, _) in fields.items()}
   for name, (f, users) in fields.items():
     _check_choice(name, config.options[name], f.metadata.get('choices'))
     _check_owned(config, 'algorithm', {name: users}, defaults)
-  hparams(config)
+  return hparams(config)
 
 
 def multi_model(config: ExperimentConfig) -> bool:

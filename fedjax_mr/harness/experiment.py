@@ -77,7 +77,14 @@ def setup(config: config_lib.ExperimentConfig) -> build.Experiment:
   Raises:
     UserError: bad config or data (the message names the config field).
   """
-  config_lib.validate(config)
+  return _setup(config, config_lib.validate(config))
+
+
+def _setup(
+  config: config_lib.ExperimentConfig, hparams: Any
+) -> build.Experiment:
+  """`setup` of a validated `config` whose algorithm's hyper-parameters
+  are `hparams`."""
   mesh = distributed.mesh_for(config)
   dataset = build.load_dataset(config)
   model = model_lib.get(
@@ -86,9 +93,7 @@ def setup(config: config_lib.ExperimentConfig) -> build.Experiment:
     dataset.input_shape,
     dataset=config.dataset,
   )
-  model = registry.model_for(
-    config.algorithm, model, config_lib.hparams(config)
-  )
+  model = registry.model_for(config.algorithm, model, hparams)
   parts = build.make_partition(config, dataset.y_train, dataset.clients)
   data = client_data_lib.from_partition(
     dataset.x_train, dataset.y_train, parts, dataset.scale, dataset.shift
@@ -105,7 +110,7 @@ def setup(config: config_lib.ExperimentConfig) -> build.Experiment:
   variables = model.init(jax.random.fold_in(key, _INIT))
   if config.init_from:
     variables = build.pretrained_variables(config, model, variables)
-  algorithm = build.build_algorithm(config, model, variables)
+  algorithm = build.build_algorithm(config, model, variables, hparams)
   state = engine.init_state(algorithm, variables, len(parts))
   data, test, state = distributed.replicate((data, test, state), mesh)
   return build.Experiment(
@@ -150,11 +155,14 @@ def train_and_evaluate(
     NonFiniteError: the train loss became non-finite; the metrics written
       so far and the last checkpoint are kept.
   """
-  config_lib.validate(config)
+  hparams = config_lib.validate(config)
+  # The devices the command line would give, before anything asks JAX
+  # which process this is (that would fix its devices).
+  distributed.initialize_for(config)
   workdir = workdir or config.workdir or config.default_workdir()
   # Refuse another run's workdir before loading anything.
   resume.check_workdir(config, workdir)
-  return run(setup(config), workdir, log=log, on_round=on_round)
+  return run(_setup(config, hparams), workdir, log=log, on_round=on_round)
 
 
 def run(
