@@ -86,12 +86,7 @@ def _load_dataset():
   classes (None: all)."""
   from fedjax_mr.data import datasets
 
-  ds = datasets.load(_DATASET.value, _DATA_DIR.value)
-  classes = None
-  if _CLASSES.value:
-    classes = datasets.parse_classes(_CLASSES.value, ds.num_classes)
-    ds = datasets.select_classes(ds, classes)
-  return ds, classes
+  return datasets.load_task(_DATASET.value, _DATA_DIR.value, _CLASSES.value)
 
 
 def _public_split(ds, classes):

@@ -321,6 +321,22 @@ def parse_classes(
   return tuple(out)
 
 
+def load_task(
+  name: str, data_dir: str | None, classes: str | Sequence[str] = ''
+) -> tuple[Dataset, tuple[int, ...] | None]:
+  """`(dataset, class ids)`: dataset `name` (from `data_dir`), reduced to
+  the `classes` (a `parse_classes` value) when given, else whole (None).
+
+  Raises:
+    ConfigError, DataError: as `load` and `parse_classes`.
+  """
+  dataset = load(name, data_dir)
+  if not classes:
+    return dataset, None
+  ids = parse_classes(classes, dataset.num_classes)
+  return select_classes(dataset, ids), ids
+
+
 def select_classes(dataset: Dataset, classes: Sequence[int]) -> Dataset:
   """The task of `classes` only, relabelled `0..len(classes) − 1` in the
   given order (a transfer setting: the pool learns one part of the

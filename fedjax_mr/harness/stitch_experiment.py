@@ -185,12 +185,7 @@ class Setup(NamedTuple):
 
 def load_dataset(config: config_lib.StitchConfig) -> tuple[Any, Any]:
   """`(dataset, classes)`: the dataset, with `classes` only if set."""
-  ds = datasets.load(config.dataset, config.data_dir)
-  classes = None
-  if config.classes:
-    classes = datasets.parse_classes(config.classes, ds.num_classes)
-    ds = datasets.select_classes(ds, classes)
-  return ds, classes
+  return datasets.load_task(config.dataset, config.data_dir, config.classes)
 
 
 def load_models(

@@ -230,3 +230,16 @@ def test_select_classes_relabels_in_order_and_keeps_train_indices():
   # Test examples of classes 2, 1 only, relabelled 2 → 0, 1 → 1.
   np.testing.assert_array_equal(sub.x_test.ravel(), [1, 2])
   np.testing.assert_array_equal(sub.y_test, [0, 1])
+
+
+def test_load_task_is_load_then_select_classes(tmp_path):
+  with tfds.testing.mock_data(num_examples=12):
+    whole, none = datasets.load_task('mnist', str(tmp_path))
+    task, ids = datasets.load_task('mnist', str(tmp_path), '3,0-1')
+    with pytest.raises(errors.ConfigError, match='`classes`: class 10'):
+      datasets.load_task('mnist', str(tmp_path), '9-10')
+  assert none is None and whole.num_classes == 10
+  assert ids == (3, 0, 1) and task.num_classes == 3
+  expected = datasets.select_classes(whole, ids)
+  np.testing.assert_array_equal(task.y_train, expected.y_train)
+  np.testing.assert_array_equal(task.y_test, expected.y_test)
