@@ -513,7 +513,7 @@ def test_file_partition_runs_and_resumes_only_with_the_same_file(
     **{**cfg.to_dict(), 'partition_sha256': ''}
   )
   with pytest.raises(
-    errors.ConfigError, match=rf"--partition_sha256='{sha}' there"
+    errors.ConfigError, match=rf"`partition_sha256='{sha}'` there"
   ):
     experiment.train_and_evaluate(changed, work, log=_quiet)
 
