@@ -214,7 +214,7 @@ class Hparams:
 def label_counts(data: Any, client_id: jax.Array, num_classes: int):
   """`[C]` float32: how many of client `client_id`'s examples carry each
   label."""
-  row = data.indices[client_id]
+  row = data.row(client_id)
   real = jnp.arange(row.shape[0]) < data.sizes[client_id]
   onehot = jax.nn.one_hot(data.y[row], num_classes, dtype=jnp.float32)
   return jnp.sum(onehot * real[:, None], axis=0)

@@ -351,7 +351,7 @@ def query_statistics(
   """
   n_max = data.max_size
   b = min(batch_size, n_max)
-  row = jnp.concatenate([data.indices[client_id], jnp.zeros((b,), jnp.int32)])
+  row = jnp.concatenate([data.row(client_id), jnp.zeros((b,), jnp.int32)])
   n = data.sizes[client_id]
   key = jax.random.key(0)
   stats = variables['batch_stats']
@@ -485,7 +485,7 @@ def present_labels(
 ) -> jax.Array:
   """`[C]` bool: the classes of client `client_id`'s training examples
   (the logits HeteroFL's masked loss keeps)."""
-  row = data.indices[client_id]
+  row = data.row(client_id)
   real = jnp.arange(data.max_size) < data.sizes[client_id]
   present = jnp.zeros((num_classes,), jnp.int32)
   return present.at[data.y[row]].max(real.astype(jnp.int32)) > 0

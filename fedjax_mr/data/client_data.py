@@ -1,9 +1,14 @@
-"""Client data on the device: every example once, plus index rows.
+"""Client data on the device: every example once, plus index lists.
 
-A `ClientData` holds the whole training set (storage dtype) and, for each
-of the N clients, a row of indices into it padded to the largest client
-size, with the true sizes. Local training gathers batches through these
-rows, so no example is ever copied per client.
+A `ClientData` holds the whole training set (storage dtype) and the N
+clients' index lists laid end to end (`offsets`, `flat`: Σ sizes entries,
+not N × the largest size), with the true sizes. Local training gathers
+batches through these lists, so no example is ever copied per client.
+
+Local training reads client data only through `num_clients`, `max_size`,
+`sizes`, `batch(client_id, positions)` and `with_empty_client()`; any
+pytree with these (the generated `fedjax_mr.data.synthetic` clients) can
+stand in for a `ClientData`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from fedjax_mr.data import host
 
@@ -25,27 +31,78 @@ class ClientData:
   Attributes:
     x: `[M, ...]` all training examples (storage dtype).
     y: `[M]` int32 labels.
-    indices: `[N, n_max]` int32; row k lists client k's examples, padded with
-      0 past `sizes[k]`.
+    offsets: `[N]` int32; client k's examples are
+      `flat[offsets[k] : offsets[k] + sizes[k]]`.
+    flat: `[Σ sizes + max_size]` int32, the N index lists end to end,
+      followed by `max_size` zeros so that every client's padded row
+      (`row`) is one in-bounds slice.
     sizes: `[N]` int32 true client sizes.
+    max_size: the largest client size (static).
     scale: model input is `x * scale + shift` (static).
     shift: see `scale`.
   """
 
   x: jax.Array
   y: jax.Array
-  indices: jax.Array
+  offsets: jax.Array
+  flat: jax.Array
   sizes: jax.Array
+  max_size: int = flax.struct.field(pytree_node=False, default=1)
   scale: float = flax.struct.field(pytree_node=False, default=1.0)
   shift: float = flax.struct.field(pytree_node=False, default=0.0)
 
   @property
   def num_clients(self) -> int:
-    return self.indices.shape[0]
+    return self.sizes.shape[0]
 
   @property
-  def max_size(self) -> int:
-    return self.indices.shape[1]
+  def num_examples(self) -> int:
+    """M, the examples held (assigned to a client or not)."""
+    return self.x.shape[0]
+
+  def row(self, client_id: jax.Array) -> jax.Array:
+    """`[max_size]` int32: client `client_id`'s example indices, followed
+    by other entries (indices of other clients' examples, or 0) past its
+    size."""
+    return lax.dynamic_slice(
+      self.flat, (self.offsets[client_id],), (self.max_size,)
+    )
+
+  def batch(
+    self, client_id: jax.Array, positions: jax.Array
+  ) -> tuple[jax.Array, jax.Array]:
+    """Model inputs (float32, normalised) and labels of the examples at
+    `positions` (`[b]`, each in `[0, max_size)`) of client `client_id`'s
+    list; entries at positions past its size are other examples, for the
+    caller to mask."""
+    idx = self.row(client_id)[positions]
+    return normalize(self.x[idx], self.scale, self.shift), self.y[idx]
+
+  def with_empty_client(self) -> ClientData:
+    """The same clients and one more, id N, with no examples."""
+    return self.replace(
+      offsets=jnp.concatenate([self.offsets, jnp.zeros((1,), jnp.int32)]),
+      sizes=jnp.concatenate([self.sizes, jnp.zeros((1,), jnp.int32)]),
+    )
+
+
+def layout(parts: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+  """`(offsets [N], flat [Σ sizes + max size], sizes [N])`, int32 host
+  arrays, of a partition's index lists (see `ClientData`)."""
+  sizes = np.array([len(p) for p in parts], np.int64)
+  if len(parts) == 0 or sizes.min() < 1:
+    raise ValueError('every client needs at least one example')
+  total = int(sizes.sum())
+  if total + int(sizes.max()) >= 2**31:
+    raise ValueError(
+      f'the partition lists {total} examples; at most 2**31 - 1 fit int32 '
+      'indices'
+    )
+  offsets = np.zeros(len(parts), np.int64)
+  np.cumsum(sizes[:-1], out=offsets[1:])
+  flat = np.zeros(total + int(sizes.max()), np.int32)
+  flat[:total] = np.concatenate(parts)
+  return offsets.astype(np.int32), flat, sizes.astype(np.int32)
 
 
 def from_partition(
@@ -56,17 +113,14 @@ def from_partition(
   shift: float = 0.0,
 ) -> ClientData:
   """Builds `ClientData` from host arrays and a partition (index lists)."""
-  sizes = np.array([len(p) for p in parts], np.int32)
-  if sizes.min() < 1:
-    raise ValueError('every client needs at least one example')
-  rows = np.zeros((len(parts), int(sizes.max())), np.int32)
-  for k, p in enumerate(parts):
-    rows[k, : len(p)] = p
+  offsets, flat, sizes = layout(parts)
   return ClientData(
     x=host.to_device(x),
     y=host.to_device(y, np.int32),
-    indices=jnp.asarray(rows),
+    offsets=jnp.asarray(offsets),
+    flat=jnp.asarray(flat),
     sizes=jnp.asarray(sizes),
+    max_size=int(sizes.max()),
     scale=float(scale),
     shift=float(shift),
   )

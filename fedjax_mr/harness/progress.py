@@ -35,7 +35,7 @@ def announce(
   config, data, test = experiment.config, experiment.data, experiment.test
   num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
   log(
-    f'{config.algorithm} on {config.dataset} ({int(data.x.shape[0])} train '
+    f'{config.algorithm} on {config.dataset} ({int(data.num_examples)} train '
     f'/ {int(jax.numpy.sum(test.mask))} test), {config.model} '
     f'({num_params:,} parameters), {data.num_clients} clients '
     f'({config.partition}), {config.clients_per_round} per round, '
@@ -44,7 +44,7 @@ def announce(
   unassigned = (experiment.partition or {}).get('unassigned', 0)
   if unassigned:
     log(
-      f'note: {unassigned} of {int(data.x.shape[0])} training examples are '
+      f'note: {unassigned} of {int(data.num_examples)} training examples are '
       f'in no client (`partition={config.partition}`)'
     )
   num_devices, platform = mapping['devices'], mapping['platform']

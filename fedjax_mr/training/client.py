@@ -201,7 +201,6 @@ def train_steps(
   optimizer = local.optimizer
   n_max = data.max_size
   b = min(local.batch_size, n_max)  # no client fills a larger batch
-  row = data.indices[client_id]
   n = data.sizes[client_id]
   steps_per_epoch = (n + b - 1) // b
   params = variables['params']
@@ -217,9 +216,8 @@ def train_steps(
       start = j * b
       pos = lax.dynamic_slice(perm, (start,), (b,))
       mask = (start + jnp.arange(b) < n).astype(jnp.float32)
-      idx = row[pos]
-      x = client_data_lib.normalize(data.x[idx], data.scale, data.shift)
-      batch = Batch(x, data.y[idx], mask)
+      x, y = data.batch(client_id, pos)
+      batch = Batch(x, y, mask)
       skey = jax.random.fold_in(ekey, j)
       grads, new_state, total = step_grads(params, state, batch, skey)
       updates, opt_state = optimizer.update(grads, opt_state, params)

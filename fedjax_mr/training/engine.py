@@ -209,14 +209,11 @@ def _run_sharded(
   fill = -k % shards
   run_ids, run_data = ids, data
   if fill:
-    # Client id N (one past the last) is an empty client: its row
-    # of indices is zeros and its size 0. The per-client inputs of the
-    # filling entries are copies of client 0's (never used).
+    # Client id N (one past the last) is an empty client: its size is 0.
+    # The per-client inputs of the filling entries are copies of client
+    # 0's (never used).
     run_ids = jnp.concatenate([ids, jnp.full((fill,), data.num_clients)])
-    run_data = data.replace(
-      indices=jnp.concatenate([data.indices, jnp.zeros_like(data.indices[:1])]),
-      sizes=jnp.concatenate([data.sizes, jnp.zeros_like(data.sizes[:1])]),
-    )
+    run_data = data.with_empty_client()
   first = jnp.concatenate([jnp.arange(k), jnp.zeros((fill,), jnp.int32)])
   perm = balanced_order(run_data.sizes[run_ids], shards)
   outputs, client_state = sharded_train(

@@ -108,7 +108,7 @@ def test_one_block_step_by_hand():
     start, (), (), data, jnp.int32(0), jax.random.key(1)
   )
   p = start['params']
-  row = data.indices[0][:5]
+  row = data.row(0)[:5]
   x = client_data_lib.normalize(data.x[row], data.scale, data.shift)
   x = x.reshape(5, -1)
   y = data.y[row]

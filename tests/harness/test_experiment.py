@@ -418,8 +418,9 @@ def _flags(cfg, workdir):
 
 def _client_rows(exp):
   """Each client's example indices, as the device data holds them."""
-  rows, sizes = np.asarray(exp.data.indices), np.asarray(exp.data.sizes)
-  return [rows[k, :n].tolist() for k, n in enumerate(sizes)]
+  flat, offsets = np.asarray(exp.data.flat), np.asarray(exp.data.offsets)
+  sizes = np.asarray(exp.data.sizes)
+  return [flat[o : o + n].tolist() for o, n in zip(offsets, sizes)]
 
 
 def test_shards_partition_runs(small_config, tmp_path):

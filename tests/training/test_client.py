@@ -95,10 +95,15 @@ def test_padding_examples_have_no_effect():
   # the padding entries now point at another client's data.
   x2 = jnp.concatenate([data.x[3:], data.x[:3]])
   y2 = jnp.concatenate([data.y[3:], data.y[:3]])
-  rows = jnp.array([[10, 11, 12] + [0] * 7, list(range(10))], jnp.int32)
-  data2 = client_data_lib.ClientData(
-    x2, y2, rows, data.sizes, data.scale, data.shift
+  data2 = client_data_lib.from_partition(
+    np.asarray(x2),
+    np.asarray(y2),
+    [np.arange(10, 13), np.arange(10)],
+    data.scale,
+    data.shift,
   )
+  # Client 0's row runs on into client 1's list (other examples).
+  assert data2.row(0).tolist() == [10, 11, 12, *range(7)]
   out2 = update(variables, data2, jnp.int32(0), jax.random.key(0))
   helpers.assert_close(out1.variables, out2.variables, rtol=1e-6)
 
