@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.models import cnn
+from fedjax_mr.models import logistic
 from fedjax_mr.models import lstm
 from fedjax_mr.models import resnet
 from fedjax_mr.models import vgg
@@ -134,7 +135,9 @@ class Model(NamedTuple):
 
 class _Entry(NamedTuple):
   module: type[nn.Module]
-  takes: str  # 'images' ([H, W, C]) or 'tokens' ([T] integer ids)
+  # 'images' ([H, W, C]), 'tokens' ([T] integer ids) or 'vectors' ([D]
+  # float features)
+  takes: str
   min_size: int = 0  # images: smallest H and W
 
 
@@ -150,13 +153,15 @@ _ZOO = {
   ),
   'vgg16': _Entry(vgg.VGG16, 'images', 8),
   'char_lstm': _Entry(lstm.CharLSTM, 'tokens'),
+  'logistic': _Entry(logistic.Logistic, 'vectors'),
 }
 
 NAMES = tuple(sorted(_ZOO))
 
 
 def input_kind(name: str) -> str:
-  """What model `name` takes: 'images' (`[H, W, C]`) or 'tokens' (`[T]`)."""
+  """What model `name` takes: 'images' (`[H, W, C]`), 'tokens' (`[T]`) or
+  'vectors' (`[D]` features)."""
   return _ZOO[name].takes
 
 
@@ -172,7 +177,8 @@ def get(
   Args:
     name: one of `NAMES`.
     num_classes: C (for `char_lstm` also the vocabulary size).
-    input_shape: one example's shape: `(H, W, C)` images or `(T,)` tokens.
+    input_shape: one example's shape: `(H, W, C)` images, `(T,)` tokens or
+      `(D,)` vectors.
     dataset: the dataset's name, for error messages only.
 
   Raises:
@@ -188,6 +194,9 @@ def get(
   if entry.takes == 'images':
     ok = len(input_shape) == 3 and min(input_shape[:2]) >= entry.min_size
     wants = f'images of shape (H, W, C) with H, W ≥ {entry.min_size}'
+  elif entry.takes == 'vectors':
+    ok = len(input_shape) == 1
+    wants = 'vectors of shape (D,)'
   else:
     ok = len(input_shape) == 1
     wants = 'token sequences of shape (T,)'
@@ -202,7 +211,7 @@ def get(
     raise errors.ConfigError(
       f'a classifier needs ≥ 2 classes, got {num_classes}'
     )
-  dtype = jnp.float32 if entry.takes == 'images' else jnp.int32
+  dtype = jnp.int32 if entry.takes == 'tokens' else jnp.float32
   return Model(
     name, entry.module(num_classes=num_classes), input_shape, num_classes, dtype
   )

@@ -1,5 +1,5 @@
-"""ResNet-20/18, VGG-16 and the char LSTM: counts, BatchNorm state, dropout,
-registry errors."""
+"""ResNet-20/18, VGG-16, the char LSTM and logistic regression: counts,
+BatchNorm state, dropout, registry errors."""
 
 import flax.linen as nn
 import jax
@@ -32,6 +32,7 @@ def _abstract(m):
     ('vgg16', 10, (32, 32, 3), 33_646_666, 8_448),
     ('vgg16', 62, (28, 28, 1), 33_858_558, 8_448),
     ('char_lstm', 80, (80,), 819_920, 0),
+    ('logistic', 10, (60,), 610, 0),
   ],
 )
 def test_parameter_counts(name, classes, shape, count, stats):
@@ -194,6 +195,7 @@ def test_vgg_dropout_only_in_training():
     ('vgg16', (80,), 'shakespeare', 'takes images'),
     ('cnn_cifar', (80,), 'shakespeare', 'takes images'),
     ('resnet18', (4, 4, 3), '', r'H, W ≥ 8'),
+    ('logistic', (28, 28, 1), 'fashion_mnist', 'takes vectors.*fashion_'),
   ],
 )
 def test_incompatible_pairs_name_model_and_dataset(name, shape, dataset, match):
@@ -202,8 +204,20 @@ def test_incompatible_pairs_name_model_and_dataset(name, shape, dataset, match):
   assert f'`model={name}`' in str(e.value) and '`dataset' in str(e.value)
 
 
+def test_logistic_regression_by_hand():
+  m = model_lib.get('logistic', 3, (4,))
+  assert m.input_dtype == jnp.float32
+  v = m.init(jax.random.key(0))
+  w, b = v['params']['Dense_0']['kernel'], v['params']['Dense_0']['bias']
+  x = jax.random.normal(jax.random.key(1), (5, 4))
+  helpers.assert_close(m.apply_eval(v, x), x @ w + b, rtol=1e-6)
+  np.testing.assert_array_equal(m.apply_features(v, x), x)
+
+
 def test_registry_lists_the_zoo():
-  assert {'resnet20', 'resnet18', 'vgg16', 'char_lstm'} <= set(model_lib.NAMES)
+  assert {'resnet20', 'resnet18', 'vgg16', 'char_lstm', 'logistic'} <= set(
+    model_lib.NAMES
+  )
   with pytest.raises(errors.ConfigError, match='^`model`: unknown.*resnet20'):
     model_lib.get('resnet1000', 10, (32, 32, 3))
 
@@ -220,6 +234,7 @@ def test_registry_lists_the_zoo():
     ('resnet18_w16', 10, (8, 8, 1), 128, 'linear'),
     ('vgg16', 10, (8, 8, 3), 4096, 'fc2'),
     ('char_lstm', 12, (5,), 256, 'fc'),
+    ('logistic', 10, (60,), 60, 'Dense_0'),
   ],
 )
 def test_split_at_the_head_is_the_whole_network(
