@@ -364,9 +364,12 @@ def _server_seconds(algorithm, state, data, key):
   """Seconds of the server-side work of a round alone: sampling (when the
   algorithm has its own sampler), dispatch and aggregate on stand-in
   uploads of the right layout (the client update's output for K clients,
-  as ones); the mean of 10 after a warm-up."""
+  as ones, or their sums for an algorithm that needs only sums); the mean
+  of 10 after a warm-up."""
   import jax
   import jax.numpy as jnp
+
+  from fedjax_mr.core import types
 
   k = FLAGS.clients_per_round
   ids = jnp.arange(k, dtype=jnp.int32)
@@ -384,7 +387,15 @@ def _server_seconds(algorithm, state, data, key):
     ids[0],
     key,
   )[0]
-  outputs = jax.tree.map(lambda s: jnp.ones((k, *s.shape), s.dtype), upload)
+  if algorithm.contribution is None:
+    outputs = jax.tree.map(lambda s: jnp.ones((k, *s.shape), s.dtype), upload)
+  else:
+    # The server sees only the sums (the clients add as they finish).
+    total = jax.eval_shape(algorithm.contribution, upload)
+    outputs = types.Sums(
+      jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), total),
+      *(jnp.ones((k,), s.dtype) for s in upload[1:4]),
+    )
 
   def server_only(st, out):
     if algorithm.sampler is not None:

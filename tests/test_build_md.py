@@ -58,11 +58,12 @@ def fedclip(tmp_path, monkeypatch):
   sys.modules.pop('fedclip_entry', None)
 
 
-def test_clip_updates_by_hand(fedclip):
+def test_clip_update_by_hand(fedclip):
   g = {'w': jnp.array([0.0, 0.0])}
-  clients = {'w': jnp.array([[3.0, 4.0], [0.3, 0.4]])}  # norms 5 and 0.5
-  out = fedclip.clip_updates(g, clients, 1.0)
-  helpers.assert_close(out['w'], [[0.6, 0.8], [0.3, 0.4]], rtol=1e-6)
+  far = fedclip.clip_update(g, {'w': jnp.array([3.0, 4.0])}, 1.0)  # norm 5
+  near = fedclip.clip_update(g, {'w': jnp.array([0.3, 0.4])}, 1.0)  # 0.5
+  helpers.assert_close(far['w'], [0.6, 0.8], rtol=1e-6)
+  helpers.assert_close(near['w'], [0.3, 0.4], rtol=1e-6)
 
 
 def test_the_example_runs_through_the_experiment(

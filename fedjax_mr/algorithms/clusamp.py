@@ -354,7 +354,9 @@ def clustered_sampling(
     return draw(k_draw, r)
 
   def aggregate(state, outputs, client_ids, round_index, key):
-    new, metrics = base.aggregate(state, outputs, client_ids, round_index, key)
+    new, metrics = types.aggregate_stacked(
+      base, state, outputs, client_ids, round_index, key
+    )
     updates = state.updates
     if similar:
       # A client drawn twice keeps its later update.

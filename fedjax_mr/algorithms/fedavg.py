@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -51,6 +52,28 @@ def server_aggregate(
   """The (example-weighted or plain) mean of the K uploaded models."""
   weights = outputs.num_examples if weighted else None
   return tree.weighted_mean(outputs.variables, weights)
+
+
+def mean_contribution(
+  output: types.ClientOutput, weighted: bool
+) -> dict[str, Any]:
+  """One client's part of the (example-weighted or plain) mean: its
+  weight w (n or 1) and w times its model, in float32."""
+  w = output.num_examples.astype(jnp.float32) if weighted else jnp.float32(1)
+  return {
+    'weight': w,
+    'models': jax.tree.map(
+      lambda x: w * x.astype(jnp.float32), output.variables
+    ),
+  }
+
+
+def mean_of(total: dict[str, Any], like: types.Variables) -> types.Variables:
+  """The mean from summed `mean_contribution`s, each leaf in the dtype of
+  `like`'s (the global model's)."""
+  return jax.tree.map(
+    lambda m, v: (m / total['weight']).astype(v.dtype), total['models'], like
+  )
 
 
 def server_update(
@@ -90,7 +113,8 @@ def fedavg(
 
   Returns:
     An `Algorithm` whose server state is a `FedAvgState`; the global model
-    is sent once as the dispatch's shared part. Metrics:
+    is sent once as the dispatch's shared part, and the server needs only
+    sums (`contribution`: `mean_contribution`). Metrics:
     'bytes_communicated'.
   """
   k = int(clients_per_round)
@@ -106,15 +130,20 @@ def fedavg(
     del client_ids, round_index, key
     return types.Dispatch(shared=state.params)
 
-  def aggregate(state, outputs, client_ids, round_index, key):
+  def aggregate(state, sums, client_ids, round_index, key):
     del client_ids, round_index, key
-    mean = server_aggregate(outputs, weighted)
+    mean = mean_of(sums.total, state.params)
     return server_update(server, state, mean), {
       'bytes_communicated': round_bytes(state.params, k)
     }
 
   return types.Algorithm(
-    init, dispatch, client.trains_shared(update), aggregate, clients_per_round=k
+    init,
+    dispatch,
+    client.trains_shared(update),
+    aggregate,
+    clients_per_round=k,
+    contribution=lambda output: mean_contribution(output, weighted),
   )
 
 

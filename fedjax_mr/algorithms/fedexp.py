@@ -122,7 +122,16 @@ def step_size(
     mean = jax.tree.map(
       lambda d: jnp.tensordot(weights, d.astype(jnp.float32), axes=1), deltas
     )
-  ratio = jnp.sum(weights * per_client) / (2 * (_sq_norm(mean) + epsilon))
+  return extrapolation(jnp.sum(weights * per_client), mean, epsilon)
+
+
+def extrapolation(
+  spread: jax.Array, mean: types.PyTree, epsilon: float
+) -> jax.Array:
+  """eta_g = max(1, spread / (2 (||mean||^2 + eps))), from `spread` =
+  sum_i p_i ||Delta_i||^2 and the mean update `mean` = sum_i p_i Delta_i
+  (what the server needs: a sum over clients and the mean)."""
+  ratio = spread / (2 * (_sq_norm(mean) + epsilon))
   return jnp.maximum(jnp.float32(1), ratio)
 
 
@@ -163,23 +172,33 @@ def fedexp(
     del client_ids, round_index, key
     return types.Dispatch(shared=state.params)
 
-  def aggregate(state, outputs, client_ids, round_index, key):
-    del client_ids, round_index, key
-    n = outputs.num_examples.astype(jnp.float32)
-    weights = n / jnp.sum(n) if weighted else jnp.full((k,), 1.0 / k)
-    mean = fedavg.server_aggregate(outputs, weighted)
-    w = state.params['params']
-    deltas = jax.tree.map(
-      lambda wi, g: g.astype(jnp.float32) - wi.astype(jnp.float32),
-      outputs.variables['params'],
-      w,
+  def client_update(shared, per_client, client_state, data, client_id, key):
+    out, client_state = base.client_update(
+      shared, per_client, client_state, data, client_id, key
     )
+    delta = jax.tree.map(
+      lambda wi, g: g.astype(jnp.float32) - wi.astype(jnp.float32),
+      out.variables['params'],
+      shared['params'],
+    )
+    return out._replace(extra=_sq_norm(delta)), client_state
+
+  def contribution(output):
+    part = fedavg.mean_contribution(output, weighted)
+    return {**part, 'sq_norms': part['weight'] * output.extra}
+
+  def aggregate(state, sums, client_ids, round_index, key):
+    del client_ids, round_index, key
+    mean = fedavg.mean_of(sums.total, state.params)
+    w = state.params['params']
     mean_delta = jax.tree.map(
       lambda m, g: g.astype(jnp.float32) - m.astype(jnp.float32),
       mean['params'],
       w,
     )
-    eta = step_size(deltas, weights, epsilon, mean_delta)
+    # sum_i p_i ||Delta_i||^2, p_i the weights of the mean.
+    spread = sums.total['sq_norms'] / sums.total['weight']
+    eta = extrapolation(spread, mean_delta, epsilon)
     target = jax.tree.map(
       lambda m, g: (m + (eta - 1) * (m - g)).astype(m.dtype), mean['params'], w
     )
@@ -204,10 +223,11 @@ def fedexp(
   return types.Algorithm(
     init,
     dispatch,
-    base.client_update,
+    client_update,
     aggregate,
     evaluated=evaluated,
     clients_per_round=k,
+    contribution=contribution,
   )
 
 

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import errors
 from fedjax_mr.core import grouping as grouping_lib
 from fedjax_mr.core import tree
@@ -281,10 +282,9 @@ def fedmut(
       )
     )
 
-  def aggregate(state, outputs, client_ids, round_index, key):
+  def aggregate(state, sums, client_ids, round_index, key):
     del client_ids, key
-    weights = outputs.num_examples if weighted else None
-    mean = tree.weighted_mean(outputs.variables, weights)
+    mean = fedavg.mean_of(sums.total, state.params)
     global_vars, server_state = optimizers.server_step(
       server, state.server_state, state.params, mean
     )
@@ -299,6 +299,7 @@ def fedmut(
     client.trains_per_client(client.make_local_update(local)),
     aggregate,
     clients_per_round=k,
+    contribution=lambda output: fedavg.mean_contribution(output, weighted),
   )
 
 

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import errors
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
@@ -207,26 +208,36 @@ def client_control(
   return stored, delta
 
 
+def contribution(output: types.ClientOutput, weighted: bool) -> dict[str, Any]:
+  """One client's part of SCAFFOLD's sums: FedAvg's mean of the models
+  (`fedavg.mean_contribution`) and its control delta dc_i (float32)."""
+  return {
+    **fedavg.mean_contribution(output, weighted),
+    'controls': jax.tree.map(lambda d: d.astype(jnp.float32), output.extra),
+  }
+
+
 def server_update(
   server: optax.GradientTransformation,
   state: ScaffoldState,
-  outputs: types.ClientOutput,
+  sums: types.Sums,
   clients_per_round: int,
   num_clients: int,
-  weighted: bool,
 ) -> tuple[ScaffoldState, dict[str, jax.Array]]:
-  """SCAFFOLD's aggregation: the `server` step on x - mean_i y_i (the
-  mean by examples with `weighted`; BatchNorm statistics become that
-  mean) and c <- c + (K / N) mean_i dc_i; metrics 'bytes_communicated'
-  and 'control_norm'."""
+  """SCAFFOLD's aggregation from the round's summed `contribution`s: the
+  `server` step on x - mean_i y_i (the mean by examples with `weighted`;
+  BatchNorm statistics become that mean) and c <- c + (K / N) mean_i
+  dc_i; metrics 'bytes_communicated' and 'control_norm'."""
   k, n = clients_per_round, num_clients
-  weights = outputs.num_examples if weighted else None
-  mean = tree.weighted_mean(outputs.variables, weights)
+  mean = fedavg.mean_of(sums.total, state.params)
   params, server_state = optimizers.server_step(
     server, state.server_state, state.params['params'], mean['params']
   )
-  dc = tree.weighted_mean(outputs.extra)
-  control = jax.tree.map(lambda c, d: c + (k / n) * d, state.control, dc)
+  control = jax.tree.map(
+    lambda c, d: c + (k / n) * (d / k).astype(c.dtype),
+    state.control,
+    sums.total['controls'],
+  )
   metrics = {
     'bytes_communicated': jnp.float32(
       2 * k * (tree.nbytes(state.params) + tree.nbytes(state.control))
@@ -327,9 +338,9 @@ def scaffold(
     )
     return out._replace(extra=delta), stored
 
-  def aggregate(state, outputs, client_ids, round_index, key):
+  def aggregate(state, sums, client_ids, round_index, key):
     del client_ids, round_index, key
-    return server_update(server, state, outputs, k, n, weighted)
+    return server_update(server, state, sums, k, n)
 
   return types.Algorithm(
     init,
@@ -338,6 +349,7 @@ def scaffold(
     aggregate,
     init_client_state=init_client_state,
     clients_per_round=k,
+    contribution=lambda output: contribution(output, weighted),
   )
 
 

@@ -13,6 +13,12 @@ closes over its hyper-parameters (one module per algorithm in
   client_state[ids] = the K new client states               # [N, ...]
   server_state, metrics = aggregate(server_state, outputs, ids, round, key)
 
+An algorithm whose server needs only sums over the round's clients
+declares `contribution(output_k)`, what one client adds; `aggregate` then
+receives `Sums` (the summed contributions and the K clients' scalars)
+instead of the K stacked outputs, and the engine adds contributions up as
+clients finish, so a round never holds the K trained models at once.
+
 All functions are pure and jit-compatible; how the K client updates are
 mapped over devices is the engine's business, never the algorithm's.
 """
@@ -69,6 +75,23 @@ class Dispatch(NamedTuple):
   per_client: PyTree = ()
 
 
+class Sums(NamedTuple):
+  """What `aggregate` receives when the algorithm declares a
+  `contribution`: the round's clients summed, and their scalars.
+
+  Attributes:
+    total: the sum over the round's K clients of `contribution(output_k)`.
+    num_examples: `[K]` int32, as `ClientOutput.num_examples`.
+    loss: `[K]` float32, as `ClientOutput.loss`.
+    num_steps: `[K]` int32, as `ClientOutput.num_steps`.
+  """
+
+  total: PyTree
+  num_examples: jax.Array
+  loss: jax.Array
+  num_steps: jax.Array
+
+
 # sampler(key, round, server_state, data) -> [K] int32 distinct client ids.
 Sampler = Callable[[jax.Array, jax.Array, Any, Any], jax.Array]
 
@@ -96,7 +119,8 @@ class Algorithm(NamedTuple):
       persistent state (`()` when the algorithm keeps none).
     aggregate: `aggregate(state, outputs, client_ids, round, key) ->
       (state, metrics)`; `outputs` is a `ClientOutput` with leaves
-      `[K, ...]`; `metrics` is a dict of scalars and always holds
+      `[K, ...]`, or `Sums` when the algorithm declares a `contribution`;
+      `metrics` is a dict of scalars and always holds
       'bytes_communicated' (down- and upload of the round, float32).
     init_client_state: optional, `init_client_state(variables) -> one
       client's persistent state`; the engine stacks it N times (leaves
@@ -111,6 +135,12 @@ class Algorithm(NamedTuple):
     clients_per_round: the K the factory built the algorithm for (every
       factory sets it); the engine refuses a round of another K. None:
       any K.
+    contribution: optional, `contribution(output) -> pytree`: what ONE
+      client's `ClientOutput` adds to the sums `aggregate` receives
+      (`Sums.total`); float32 leaves. The engine sums as clients finish
+      (a carried sum on each device, then one sum over the devices), so
+      the round holds a few models, not K. None: `aggregate` receives
+      the K stacked outputs.
   """
 
   init: Callable[[Variables], Any]
@@ -124,6 +154,37 @@ class Algorithm(NamedTuple):
   sampler: Sampler | None = None
   evaluated: Callable[[Any], Variables] | None = None
   clients_per_round: int | None = None
+  contribution: Callable[[ClientOutput], PyTree] | None = None
+
+
+def sum_outputs(
+  contribution: Callable[[ClientOutput], PyTree], outputs: ClientOutput
+) -> Sums:
+  """`Sums` of K stacked outputs (leaves `[K, ...]`): what `aggregate`
+  receives for them, summed all at once (the engine sums as clients
+  finish; the two agree up to the order of float32 additions)."""
+  parts = jax.vmap(contribution)(outputs)
+  return Sums(
+    total=jax.tree.map(lambda c: c.sum(axis=0), parts),
+    num_examples=outputs.num_examples,
+    loss=outputs.loss,
+    num_steps=outputs.num_steps,
+  )
+
+
+def aggregate_stacked(
+  algorithm: Algorithm,
+  state: Any,
+  outputs: ClientOutput,
+  client_ids: jax.Array,
+  round_index: jax.Array,
+  key: jax.Array,
+) -> tuple[Any, dict[str, Any]]:
+  """`algorithm.aggregate` of K stacked outputs, summed first when the
+  algorithm declares a `contribution` (see `sum_outputs`)."""
+  if algorithm.contribution is not None:
+    outputs = sum_outputs(algorithm.contribution, outputs)
+  return algorithm.aggregate(state, outputs, client_ids, round_index, key)
 
 
 def evaluated_model(algorithm: Algorithm, state: Any) -> Variables:

@@ -146,6 +146,89 @@ def map_clients(fn: Callable, xs: Any, chunk: int) -> Any:
   return lax.map(lambda a: fn(*a), xs, batch_size=chunk if chunk > 1 else None)
 
 
+def _add(a: Any, b: Any) -> Any:
+  return jax.tree.map(jnp.add, a, b)
+
+
+def stream_clients(
+  fn: Callable,
+  contribution: Callable[[types.ClientOutput], Any],
+  xs: Any,
+  chunk: int,
+  valid: jax.Array | None = None,
+) -> tuple[types.Sums, Any]:
+  """Runs `fn` over the leading axis of `xs` (as `map_clients`) and sums
+  the clients' contributions as they finish.
+
+  Clients run in vmapped chunks of `chunk` (1: one after another), the
+  chunks one after another (`lax.scan`) with the running sum carried:
+  memory holds one chunk of trained models and the sum, never all K.
+
+  Args:
+    fn: `fn(*x) -> (ClientOutput, client_state)` for one client.
+    contribution: what one client's output adds (`Algorithm.contribution`).
+    xs: a tuple of trees with leaves `[K, ...]`.
+    chunk: clients vmapped at once (≥ 1).
+    valid: optional `[K]` bool; clients where it is False (the engine's
+      filling clients) add zeros.
+
+  Returns:
+    `(Sums, client_states)`: the sum over the K clients and their scalars
+    (`[K]` each, in the order of `xs`), and their new states `[K, ...]`.
+  """
+  k = jax.tree.leaves(xs)[0].shape[0]
+  chunk = max(1, min(int(chunk), k))
+  if valid is None:
+    valid = jnp.ones((k,), bool)
+
+  def one(x, ok):
+    out, state = fn(*x)
+    part = jax.tree.map(
+      lambda c: jnp.where(ok, c, jnp.zeros_like(c)), contribution(out)
+    )
+    scalars = (out.num_examples, out.loss, out.num_steps)
+    return part, scalars, state
+
+  def group(x, ok):
+    if chunk == 1:
+      return one(jax.tree.map(lambda a: a[0], x), ok[0])
+    part, scalars, state = jax.vmap(one)(x, ok)
+    return jax.tree.map(lambda c: c.sum(axis=0), part), scalars, state
+
+  def split(tree, start, stop, rows):
+    return jax.tree.map(
+      lambda a: a[start:stop].reshape(rows, -1, *a.shape[1:]), tree
+    )
+
+  full, rest = divmod(k, chunk)
+  shape = jax.eval_shape(
+    group, jax.tree.map(lambda a: a[:chunk], xs), valid[:chunk]
+  )
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape[0])
+
+  def step(total, args):
+    part, scalars, state = group(*args)
+    return _add(total, part), (scalars, state)
+
+  total, ys = lax.scan(
+    step,
+    zeros,
+    (split(xs, 0, full * chunk, full), split(valid, 0, full * chunk, full)),
+  )
+  flat = (lambda a: a.reshape(-1, *a.shape[2:])) if chunk > 1 else None
+  if flat is not None:
+    ys = jax.tree.map(flat, ys)
+  if rest:
+    tail = jax.tree.map(lambda a: a[full * chunk :], (xs, valid))
+    part, scalars, state = jax.vmap(one)(*tail)
+    total = _add(total, jax.tree.map(lambda c: c.sum(axis=0), part))
+    ys = jax.tree.map(
+      lambda a, b: jnp.concatenate([a, b]), ys, (scalars, state)
+    )
+  (num_examples, loss, num_steps), states = ys
+  return types.Sums(total, num_examples, loss, num_steps), states
+
+
 def balanced_order(sizes: jax.Array, num_shards: int) -> jax.Array:
   """Orders K clients so that `[num_shards, K / num_shards]` rows balance.
 
@@ -173,17 +256,32 @@ def _gather(tree: Any, ids: jax.Array) -> Any:
   return jax.tree.map(lambda x: x[ids], tree)
 
 
-def _shard_clients(train_clients: Callable, mesh: jax.sharding.Mesh):
-  """`train_clients(shared, per_client, client_state, ids, keys, data)`
-  with the client axis split over the devices of `mesh` (the shared part
-  and the data replicated)."""
-  spec = jax.sharding.PartitionSpec(mesh.axis_names[0])
+def _shard_clients(
+  train_clients: Callable, mesh: jax.sharding.Mesh, summed: bool
+):
+  """`train_clients(shared, per_client, client_state, ids, keys, valid,
+  data)` with the client axis split over the devices of `mesh` (the
+  shared part and the data replicated). With `summed`, the first output
+  is a `Sums` whose `total` each device holds for its own clients; it is
+  summed over the mesh (one `psum`) and comes back replicated."""
+  axis = mesh.axis_names[0]
+  spec = jax.sharding.PartitionSpec(axis)
   replicated = jax.sharding.PartitionSpec()
+
+  def body(*args):
+    out, states = train_clients(*args)
+    if summed:
+      out = out._replace(total=lax.psum(out.total, axis))
+    return out, states
+
+  out_specs = spec
+  if summed:
+    out_specs = (types.Sums(replicated, spec, spec, spec), spec)
   return jax.shard_map(
-    train_clients,
+    body,
     mesh=mesh,
-    in_specs=(replicated, spec, spec, spec, spec, replicated),
-    out_specs=spec,
+    in_specs=(replicated, spec, spec, spec, spec, spec, replicated),
+    out_specs=out_specs,
     check_vma=False,
   )
 
@@ -196,13 +294,13 @@ def _run_sharded(
   keys: jax.Array,
   data: client_data_lib.ClientData,
   shards: int,
-) -> tuple[types.ClientOutput, Any]:
+) -> tuple[Any, Any]:
   """The K clients' updates over `shards` devices (`_shard_clients`),
-  balanced by `balanced_order`; outputs and new client states `[K, ...]`
-  in sampling order.
+  balanced by `balanced_order`; outputs (stacked `ClientOutput`, or
+  `Sums`) and new client states `[K, ...]` in sampling order.
 
   When D does not divide K the client axis is filled up with empty
-  clients, whose outputs are dropped.
+  clients, whose outputs are dropped (and add nothing to sums).
   """
   k = ids.shape[0]
   # Empty clients that fill the client axis up to a multiple of D.
@@ -215,6 +313,7 @@ def _run_sharded(
     run_ids = jnp.concatenate([ids, jnp.full((fill,), data.num_clients)])
     run_data = data.with_empty_client()
   first = jnp.concatenate([jnp.arange(k), jnp.zeros((fill,), jnp.int32)])
+  valid = jnp.arange(k + fill) < k
   perm = balanced_order(run_data.sizes[run_ids], shards)
   outputs, client_state = sharded_train(
     sent.shared,
@@ -222,14 +321,18 @@ def _run_sharded(
     _gather(client_state, first[perm]),
     run_ids[perm],
     keys[first[perm]],
+    valid[perm],
     run_data,
   )
   inverse = jnp.argsort(perm)[:k]
+  if isinstance(outputs, types.Sums):
+    scalars = _gather(outputs[1:], inverse)
+    return types.Sums(outputs.total, *scalars), _gather(client_state, inverse)
   return _gather((outputs, client_state), inverse)
 
 
 def _round_metrics(
-  outputs: types.ClientOutput, ids: jax.Array
+  outputs: types.ClientOutput | types.Sums, ids: jax.Array
 ) -> dict[str, jax.Array]:
   """The engine's own metrics of a round (see `make_round_fn`)."""
   n = outputs.num_examples.astype(jnp.float32)
@@ -250,6 +353,7 @@ def make_round_fn(
   clients_per_round: int,
   client_chunk: int = 1,
   mesh: jax.sharding.Mesh | None = None,
+  stream: bool = True,
 ) -> Callable[
   [RoundState, client_data_lib.ClientData, jax.Array],
   tuple[RoundState, dict[str, jax.Array]],
@@ -264,6 +368,11 @@ def make_round_fn(
   its per-client part and the gathered per-client state travel with the
   client axis.
 
+  An algorithm that declares a `contribution` is streamed: each device
+  adds its clients' contributions up as they finish (`stream_clients`),
+  then one sum over the mesh, so the round holds O(devices × chunk)
+  trained models rather than K; `aggregate` receives the `Sums`.
+
   Args:
     algorithm: the algorithm.
     clients_per_round: K; must be the algorithm's own when it has one.
@@ -276,6 +385,9 @@ def make_round_fn(
       clients (no examples, so no local steps) whose outputs are dropped
       before aggregation. The mesh may span several processes
       (`jax.distributed`); the data and the state are then replicated.
+    stream: False stacks the K outputs and sums them at once
+      (`types.aggregate_stacked`) even for an algorithm with a
+      `contribution`: the reference the streamed round is tested against.
 
   Returns:
     `round_fn(state, data, key) -> (state, metrics)`; metrics: `train_loss`
@@ -293,16 +405,21 @@ def make_round_fn(
   shards = 1 if mesh is None else mesh.devices.size
   sample = sampler_of(algorithm, k)
   update = algorithm.client_update
+  summed = stream and algorithm.contribution is not None
 
-  def train_clients(shared, per_client, client_state, ids, keys, data):
-    return map_clients(
-      lambda p, s, c, ck: update(shared, p, s, data, c, ck),
-      (per_client, client_state, ids, keys),
-      client_chunk,
-    )
+  def train_clients(shared, per_client, client_state, ids, keys, valid, data):
+    def run(p, s, c, ck):
+      return update(shared, p, s, data, c, ck)
+
+    xs = (per_client, client_state, ids, keys)
+    if summed:
+      return stream_clients(
+        run, algorithm.contribution, xs, client_chunk, valid
+      )
+    return map_clients(run, xs, client_chunk)
 
   if shards > 1:
-    sharded_train = _shard_clients(train_clients, mesh)
+    sharded_train = _shard_clients(train_clients, mesh, summed)
 
   def round_fn(state, data, key):
     k_sample, k_dispatch, k_clients, k_aggregate = round_keys(key, state.round)
@@ -312,7 +429,7 @@ def make_round_fn(
     client_state = _gather(state.clients, ids)
     if shards == 1:
       outputs, client_state = train_clients(
-        sent.shared, sent.per_client, client_state, ids, keys, data
+        sent.shared, sent.per_client, client_state, ids, keys, None, data
       )
     else:
       outputs, client_state = _run_sharded(
@@ -323,9 +440,14 @@ def make_round_fn(
       state.clients,
       client_state,
     )
-    server_state, server_metrics = algorithm.aggregate(
-      state.server, outputs, ids, state.round, k_aggregate
-    )
+    if summed:
+      server_state, server_metrics = algorithm.aggregate(
+        state.server, outputs, ids, state.round, k_aggregate
+      )
+    else:
+      server_state, server_metrics = types.aggregate_stacked(
+        algorithm, state.server, outputs, ids, state.round, k_aggregate
+      )
     metrics = {**_round_metrics(outputs, ids), **server_metrics}
     new_state = RoundState(
       round=state.round + 1, server=server_state, clients=clients

@@ -9,6 +9,8 @@ devices.
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import flax.linen as nn
 import jax
@@ -152,7 +154,9 @@ def check_server_side(
   leaves = jax.tree.leaves(state)
   assert len({id(x) for x in leaves}) == len(leaves), 'state shares a buffer'
   dispatch = jax.jit(algorithm.dispatch)
-  aggregate = jax.jit(algorithm.aggregate, donate_argnums=0)
+  aggregate = jax.jit(
+    functools.partial(types.aggregate_stacked, algorithm), donate_argnums=0
+  )
   history = []
   for r in range(rounds):
     k_dispatch, k_train, k_aggregate, k_ids = jax.random.split(
@@ -306,7 +310,7 @@ def run_by_hand(
     state before round 0 and after every round.
   """
   dispatch = jax.jit(algorithm.dispatch)
-  aggregate = jax.jit(algorithm.aggregate)
+  aggregate = jax.jit(functools.partial(types.aggregate_stacked, algorithm))
   state = algorithm.init(variables)
   dispatched, states = [], [state]
   ids = jnp.arange(num_models, dtype=jnp.int32)

@@ -65,8 +65,8 @@ def test_dispatch_shares_one_model_and_state_exposes_params():
     loss=jnp.zeros(4),
     num_steps=jnp.ones(4, jnp.int32),
   )
-  new, metrics = server.aggregate(
-    state, out, ids, jnp.int32(0), jax.random.key(0)
+  new, metrics = types.aggregate_stacked(
+    server, state, out, ids, jnp.int32(0), jax.random.key(0)
   )
   helpers.assert_close(new.params['params']['w'], [26 / 8] * 3)
   # 4 models of 3 float32 down and up.

@@ -12,13 +12,24 @@ from tests import helpers
 from tests.algorithms import contract
 
 
-def _outputs(models, sizes):
+def _outputs(models, sizes, start=None):
+  """Stacked uploads; FedExP's clients also upload ||w_t - w_i||^2 (from
+  `start`, the model they were sent)."""
   k = len(sizes)
+  extra = ()
+  if start is not None:
+    extra = jnp.array(
+      [
+        float(jnp.sum(jnp.square(models['params']['w'][i] - start)))
+        for i in range(k)
+      ]
+    )
   return types.ClientOutput(
     variables=models,
     num_examples=jnp.array(sizes, jnp.int32),
     loss=jnp.zeros((k,)),
     num_steps=jnp.ones((k,), jnp.int32),
+    extra=extra,
   )
 
 
@@ -35,8 +46,11 @@ def test_one_server_update_by_hand():
   }
   alg = fedexp.fedexp(contract.LOCAL, 2, epsilon=1e-3)
   state = alg.init(start)
-  new, metrics = jax.jit(alg.aggregate)(
-    state, _outputs(models, [3, 9]), jnp.arange(2), 0, jax.random.key(0)
+  uploads = _outputs(models, [3, 9], start['params']['w'])
+  # What the clients upload beside their models: |D_1|^2 = 1, |D_2|^2 = 1.04.
+  helpers.assert_close(uploads.extra, [1.0, 1.04], rtol=1e-6)
+  new, metrics = jax.jit(lambda *a: types.aggregate_stacked(alg, *a))(
+    state, uploads, jnp.arange(2), 0, jax.random.key(0)
   )
   eta = 1.02 / (2 * 0.011)
   helpers.assert_close(metrics['global_lr'], eta, rtol=1e-5)
@@ -53,8 +67,13 @@ def test_one_server_update_by_hand():
   # Weighted by examples (3 and 9): D = (0.5, -0.15), |D|^2 = 0.2725,
   # sum p |D_i|^2 = 0.25 + 0.75 * 1.04 = 1.03; eta = 1.03 / 0.547.
   weighted = fedexp.fedexp(contract.LOCAL, 2, weighted=True)
-  new, metrics = weighted.aggregate(
-    state, _outputs(models, [3, 9]), jnp.arange(2), 0, jax.random.key(0)
+  new, metrics = types.aggregate_stacked(
+    weighted,
+    state,
+    uploads,
+    jnp.arange(2),
+    0,
+    jax.random.key(0),
   )
   eta = 1.03 / (2 * (0.2725 + 1e-3))
   helpers.assert_close(metrics['global_lr'], eta, rtol=1e-5)

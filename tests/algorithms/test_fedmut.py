@@ -222,8 +222,8 @@ def test_rounds_mutate_after_round0_with_the_schedule():
   trained = {
     'w': jnp.array([[1.5, -1.0], [2.0, -0.5], [1.0, 0.0], [1.5, -0.5]])
   }
-  state, metrics = server.aggregate(
-    state, outputs_of(trained), IDS, 0, jax.random.key(1)
+  state, metrics = types.aggregate_stacked(
+    server, state, outputs_of(trained), IDS, 0, jax.random.key(1)
   )
   # New global: mean (1.5, -0.5); previous: init; delta (0.5, 0.5).
   chex.assert_trees_all_equal(state.params, {'w': jnp.array([1.5, -0.5])})
@@ -237,8 +237,8 @@ def test_rounds_mutate_after_round0_with_the_schedule():
   # Global (2, -0.5) after round 1, delta (0.5, 0); round 2 uses
   # beta_1 = 0.375: coefficients {1, -0.625}.
   trained = tree.broadcast({'w': jnp.array([2.0, -0.5])}, K)
-  state, metrics = server.aggregate(
-    state, outputs_of(trained), IDS, 1, jax.random.key(3)
+  state, metrics = types.aggregate_stacked(
+    server, state, outputs_of(trained), IDS, 1, jax.random.key(3)
   )
   helpers.assert_close(metrics['beta'], 0.375)
   out = server.dispatch(state, IDS, 2, jax.random.key(4)).per_client
@@ -249,8 +249,13 @@ def test_rounds_mutate_after_round0_with_the_schedule():
 def test_aggregate_sees_only_the_mean():
   server = fedmut.fedmut(contract.LOCAL, K, alpha=2.0)
   state = server.init(jax.tree.map(lambda g: g - 1.0, GLOBAL))
-  state, _ = server.aggregate(
-    state, outputs_of(tree.broadcast(PREV, K)), IDS, 0, jax.random.key(0)
+  state, _ = types.aggregate_stacked(
+    server,
+    state,
+    outputs_of(tree.broadcast(PREV, K)),
+    IDS,
+    0,
+    jax.random.key(0),
   )
   base = jax.tree.map(
     lambda g, d: (
@@ -266,8 +271,8 @@ def test_aggregate_sees_only_the_mean():
     tree.weighted_mean(base), tree.weighted_mean(other)
   )
   key = jax.random.key(1)
-  a = server.aggregate(state, outputs_of(base), IDS, 1, key)
-  b = server.aggregate(state, outputs_of(other), IDS, 1, key)
+  a = types.aggregate_stacked(server, state, outputs_of(base), IDS, 1, key)
+  b = types.aggregate_stacked(server, state, outputs_of(other), IDS, 1, key)
   chex.assert_trees_all_equal(a, b)
   chex.assert_trees_all_equal(
     server.dispatch(a[0], IDS, 2, key).per_client,
@@ -277,8 +282,11 @@ def test_aggregate_sees_only_the_mean():
   weighted = fedmut.fedmut(contract.LOCAL, K, weighted=True)
   counts = (1, 1, 2, 4)
   perm = jnp.array([3, 1, 0, 2])
-  a = weighted.aggregate(state, outputs_of(base, counts), IDS, 1, key)
-  b = weighted.aggregate(
+  a = types.aggregate_stacked(
+    weighted, state, outputs_of(base, counts), IDS, 1, key
+  )
+  b = types.aggregate_stacked(
+    weighted,
     state,
     outputs_of(
       jax.tree.map(lambda x: x[perm], base), np.array(counts)[np.array(perm)]

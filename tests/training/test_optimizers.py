@@ -9,7 +9,7 @@ import pytest
 
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.core import errors
-from fedjax_mr.core import tree
+from fedjax_mr.core import types
 from fedjax_mr.training import optimizers
 from tests import helpers
 from tests.algorithms import contract
@@ -109,10 +109,12 @@ def test_only_trainable_parameters_step_and_batch_statistics_average():
   outputs = contract.fake_outputs(
     contract.models_sent(sent, 3), jax.random.key(1)
   )
-  new, _ = algorithm.aggregate(
-    state, outputs, ids, jnp.int32(0), jax.random.key(2)
+  new, _ = types.aggregate_stacked(
+    algorithm, state, outputs, ids, jnp.int32(0), jax.random.key(2)
   )
-  mean = tree.weighted_mean(outputs.variables, outputs.num_examples)
+  mean = fedavg.mean_of(
+    types.sum_outputs(algorithm.contribution, outputs).total, state.params
+  )
   helpers.tree_equal(new.params['batch_stats'], mean['batch_stats'])
   moved = jax.tree.map(
     lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))),
@@ -142,13 +144,17 @@ def test_fedavg_with_server_sgd_at_rate_one_is_the_plain_mean():
       outputs = contract.fake_outputs(
         contract.models_sent(sent, 4), jax.random.key(10 + r)
       )
-      state, _ = jax.jit(algorithm.aggregate)(
-        state, outputs, ids, jnp.int32(r), jax.random.key(r)
-      )
-      helpers.tree_equal(
-        state.params,
-        tree.weighted_mean(outputs.variables, outputs.num_examples),
-      )
+
+      # The mean and the aggregate in one jitted function (the same sums,
+      # added in the same order): the server step at rate 1 must hand the
+      # mean on unchanged.
+      def both(state, outputs, r, algorithm=algorithm):
+        sums = types.sum_outputs(algorithm.contribution, outputs)
+        new, _ = algorithm.aggregate(state, sums, ids, r, jax.random.key(0))
+        return new, fedavg.mean_of(sums.total, state.params)
+
+      state, mean = jax.jit(both)(state, outputs, jnp.int32(r))
+      helpers.tree_equal(state.params, mean)
 
 
 @pytest.mark.slow
