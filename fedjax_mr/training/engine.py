@@ -347,6 +347,16 @@ def _round_metrics(
   }
 
 
+def _check_k(algorithm: types.Algorithm, clients_per_round: int) -> int:
+  k = int(clients_per_round)
+  if algorithm.clients_per_round not in (None, k):
+    raise ValueError(
+      f'clients_per_round={k}, but the algorithm was built for '
+      f'clients_per_round={algorithm.clients_per_round}'
+    )
+  return k
+
+
 def make_round_fn(
   algorithm: types.Algorithm,
   *,
@@ -396,16 +406,12 @@ def make_round_fn(
     `client_steps` and `client_loss` (each `[K]`, in sampling order; see
     `PER_CLIENT_METRICS`), and the algorithm's own metrics.
   """
-  k = int(clients_per_round)
-  if algorithm.clients_per_round not in (None, k):
-    raise ValueError(
-      f'clients_per_round={k}, but the algorithm was built for '
-      f'clients_per_round={algorithm.clients_per_round}'
-    )
+  k = _check_k(algorithm, clients_per_round)
   shards = 1 if mesh is None else mesh.devices.size
   sample = sampler_of(algorithm, k)
   update = algorithm.client_update
   summed = stream and algorithm.contribution is not None
+  _aggregate_stacked = functools.partial(types.aggregate_stacked, algorithm)
 
   def train_clients(shared, per_client, client_state, ids, keys, valid, data):
     def run(p, s, c, ck):
@@ -440,14 +446,10 @@ def make_round_fn(
       state.clients,
       client_state,
     )
-    if summed:
-      server_state, server_metrics = algorithm.aggregate(
-        state.server, outputs, ids, state.round, k_aggregate
-      )
-    else:
-      server_state, server_metrics = types.aggregate_stacked(
-        algorithm, state.server, outputs, ids, state.round, k_aggregate
-      )
+    aggregate = algorithm.aggregate if summed else _aggregate_stacked
+    server_state, server_metrics = aggregate(
+      state.server, outputs, ids, state.round, k_aggregate
+    )
     metrics = {**_round_metrics(outputs, ids), **server_metrics}
     new_state = RoundState(
       round=state.round + 1, server=server_state, clients=clients
