@@ -17,6 +17,10 @@ Sources:
     also give each user's examples: `Dataset.clients`, the natural partition.
   * The CINIC-10 image folders (`fedjax_mr.data.cinic`).
 
+`synthetic` is a name here too, but nothing is loaded: its clients and
+examples are generated on demand (`fedjax_mr.data.synthetic`), and `load`
+refuses it.
+
 Peak host memory while loading. Every array is allocated once at its final
 size and filled in place (N × H × W × C bytes, plus 4 bytes per label; full
 datasets):
@@ -54,6 +58,7 @@ from fedjax_mr.core import errors
 from fedjax_mr.data import cinic
 from fedjax_mr.data import host
 from fedjax_mr.data import leaf
+from fedjax_mr.data import synthetic
 
 DEFAULT_FASHION_MNIST_DIR = '/usr/share/datasets/fashion-mnist'
 
@@ -127,9 +132,11 @@ _SPECS = {
   'shakespeare': _Spec('leaf', '', len(leaf.ALL_LETTERS), 1.0, 0.0),
 }
 
-NAMES = tuple(sorted(_SPECS))
-# Datasets with their own clients (`partition=natural`).
-NATURAL = tuple(n for n in NAMES if _SPECS[n].source == 'leaf')
+# Generated on demand, never loaded (`fedjax_mr.data.synthetic`).
+SYNTHETIC = synthetic.NAME
+NAMES = tuple(sorted((*_SPECS, SYNTHETIC)))
+# Datasets with their own users (`partition=natural`).
+NATURAL = tuple(n for n in NAMES if n in _SPECS and _SPECS[n].source == 'leaf')
 CIFAR100_LABELS = ('fine', 'coarse')
 
 
@@ -152,12 +159,15 @@ def _dataset(name: str, spec: _Spec, train, test, **natural) -> Dataset:
 def tfds_name(name: str) -> str:
   """The tensorflow-datasets name `name` is read under ('' for the LEAF
   and CINIC-10 datasets)."""
-  spec = _SPECS[name]
-  return spec.tfds_name if spec.source == 'tfds' else ''
+  spec = _SPECS.get(name)
+  return spec.tfds_name if spec and spec.source == 'tfds' else ''
 
 
 def input_kind(name: str) -> str:
-  """'tokens' for `[T]` integer sequences (shakespeare), else 'images'."""
+  """'tokens' for `[T]` integer sequences (shakespeare), 'vectors' for
+  `[D]` features (synthetic), else 'images'."""
+  if name == SYNTHETIC:
+    return 'vectors'
   return 'tokens' if name == 'shakespeare' else 'images'
 
 
@@ -188,6 +198,11 @@ def load(
     DataError: the data is missing or unreadable; the message says how to
       get it.
   """
+  if name == SYNTHETIC:
+    raise errors.ConfigError(
+      f'`dataset={name}` is generated on demand, not loaded '
+      '(fedjax_mr.data.synthetic); it has no stored training set'
+    )
   if name not in _SPECS:
     raise errors.ConfigError(
       f'`dataset`: unknown dataset {name!r}; choose one of {", ".join(NAMES)}'

@@ -69,9 +69,10 @@ TEST_CLIENTS = 1000
 TEST_EXAMPLES = 10_000
 TEST_FRACTION = 0.2
 
-# fold_in tags: the data key of a seed, and the streams of one client.
-_DATA = 0x53594E  # 'SYN'
-# The two streams of a client's key (never drawn from itself).
+# fold_in tag of the data key of a seed ('SYN').
+_DATA = 0x53594E
+# fold_in tags of the two streams of a client's key (never drawn from
+# itself).
 _PARAMETERS, _EXAMPLES = 0, 1
 # A client's parameters as one draw: u_k, B_k, then W_k, b_k and v_k.
 _SPLITS = (

@@ -2,8 +2,10 @@
 builds it from, out of an `ExperimentConfig`.
 
 The dataset (`load_dataset`), the clients' partition (`make_partition`),
-the algorithm from the registry (`build_algorithm`) and pretrained
-starting variables (`pretrained_variables`, the config's `init_from`).
+both as the clients' data and the test set (`load_clients`; generated for
+`dataset=synthetic`), the algorithm from the registry (`build_algorithm`)
+and pretrained starting variables (`pretrained_variables`, the config's
+`init_from`).
 Each raises `ConfigError` naming the config field at fault.
 """
 
@@ -23,6 +25,7 @@ from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
+from fedjax_mr.data import synthetic
 from fedjax_mr.harness import config as config_lib
 from fedjax_mr.harness import registry
 from fedjax_mr.models import model as model_lib
@@ -39,7 +42,8 @@ class Experiment(NamedTuple):
       checkpoints, devices).
     model: the model.
     algorithm: the federated algorithm.
-    data: the clients' training data (`ClientData`, on the devices).
+    data: the clients' training data (`ClientData`, or `SyntheticData`
+      for `dataset=synthetic`; on the devices).
     test: the test set (`EvalData`, on the devices).
     state: the initial `RoundState` (on the devices).
     key: the run key; round r uses `fold_in(key, r)`.
@@ -51,13 +55,84 @@ class Experiment(NamedTuple):
   config: config_lib.ExperimentConfig
   model: model_lib.Model
   algorithm: types.Algorithm
-  data: client_data_lib.ClientData
+  data: client_data_lib.ClientData | synthetic.SyntheticData
   test: client_data_lib.EvalData
   state: engine.RoundState
   key: jax.Array
   mesh: jax.sharding.Mesh
   client_sizes: list[int]
   partition: dict[str, Any] | None = None
+
+
+class Clients(NamedTuple):
+  """The clients' training data and the test set of a run (`load_clients`).
+
+  Attributes:
+    data: `ClientData` on the host's default device, or `SyntheticData`.
+    x_test: `[M, ...]` test examples (host, storage dtype).
+    y_test: `[M]` int32 test labels.
+    num_classes: C.
+    input_shape: one example's shape.
+    scale: model input is `x * scale + shift`.
+    shift: see `scale`.
+    sizes: `[N]` every client's number of training examples (host).
+    partition: the partition's summary (partition.json).
+  """
+
+  data: client_data_lib.ClientData | synthetic.SyntheticData
+  x_test: np.ndarray
+  y_test: np.ndarray
+  num_classes: int
+  input_shape: tuple[int, ...]
+  scale: float
+  shift: float
+  sizes: np.ndarray
+  partition: dict[str, Any]
+
+
+def load_clients(config: config_lib.ExperimentConfig) -> Clients:
+  """The dataset and partition of `config` as the clients' data and the
+  test set; for `dataset=synthetic`, `num_clients` generated clients and
+  their held-out test set (`fedjax_mr.data.synthetic`)."""
+  if config.dataset == datasets.SYNTHETIC:
+    data = synthetic.from_seed(
+      config.num_clients,
+      config.synthetic_alpha,
+      config.synthetic_beta,
+      config.seed,
+    )
+    x_test, y_test = synthetic.held_out(data, config.seed)
+    return Clients(
+      data=data,
+      x_test=x_test,
+      y_test=y_test,
+      num_classes=synthetic.NUM_CLASSES,
+      input_shape=(synthetic.NUM_FEATURES,),
+      scale=1.0,
+      shift=0.0,
+      sizes=np.asarray(data.sizes),
+      partition=synthetic.summary(
+        data, config.synthetic_alpha, config.synthetic_beta
+      ),
+    )
+  dataset = load_dataset(config)
+  parts = make_partition(config, dataset.y_train, dataset.clients)
+  data = client_data_lib.from_partition(
+    dataset.x_train, dataset.y_train, parts, dataset.scale, dataset.shift
+  )
+  return Clients(
+    data=data,
+    x_test=dataset.x_test,
+    y_test=dataset.y_test,
+    num_classes=dataset.num_classes,
+    input_shape=dataset.input_shape,
+    scale=dataset.scale,
+    shift=dataset.shift,
+    sizes=np.array([len(p) for p in parts], np.int64),
+    partition=partition_lib.summary(
+      parts, dataset.y_train, dataset.num_classes
+    ),
+  )
 
 
 def load_dataset(config: config_lib.ExperimentConfig) -> datasets.Dataset:

@@ -400,6 +400,8 @@ _TITLE_FIELDS = {
   'shards_per_client',
   'partition_file',
   'partition_sha256',
+  'synthetic_alpha',
+  'synthetic_beta',
   'num_clients',
   'clients_per_round',
   'local_epochs',
@@ -428,6 +430,8 @@ def setting_title(config: config_lib.ExperimentConfig) -> str:
     'shards': f'shards s={c.shards_per_client}',
     'file': f'file {c.partition_sha256[:8]}',
   }.get(c.partition, c.partition)
+  if c.dataset == 'synthetic':
+    part = f'α={c.synthetic_alpha:g}, β={c.synthetic_beta:g}'
   title = (
     f'{c.dataset} {c.model}, {part}, K={c.clients_per_round} of '
     f'{c.num_clients}, E={c.local_epochs}, B={c.batch_size}, lr={c.lr:g}, '

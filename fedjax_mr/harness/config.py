@@ -47,6 +47,16 @@ PARTITION_FIELDS = {
   'partition_file': ('file',),
   'partition_sha256': ('file',),
 }
+# The fields that some datasets alone read, and those datasets.
+DATASET_FIELDS = {
+  'synthetic_alpha': ('synthetic',),
+  'synthetic_beta': ('synthetic',),
+}
+# The algorithms that read the clients' stored examples (`ClientData`'s
+# index lists and arrays), which generated clients (`dataset=synthetic`)
+# do not have: FedGen counts every client's labels, HeteroFL's static
+# BatchNorm and label masks read its examples.
+STORED_DATA_ALGORITHMS = ('fedgen', 'heterofl')
 # The fields that some optimizers alone read, and those optimizers.
 CLIENT_OPTIMIZER_FIELDS = {
   'momentum': ('sgd',),
@@ -97,6 +107,18 @@ def _natural_names():
   return datasets.NATURAL
 
 
+def _models_taking(kind: str) -> list[str]:
+  from fedjax_mr.models import model
+
+  return [m for m in model.NAMES if model.input_kind(m) == kind]
+
+
+def _synthetic():
+  from fedjax_mr.data import synthetic
+
+  return synthetic
+
+
 def _model_names():
   from fedjax_mr.models import model
 
@@ -142,6 +164,18 @@ class ExperimentConfig:
     'LEAF datasets (femnist, shakespeare) only: keep the users with more '
     "than this many samples (train + test); 0 keeps all. The FedMR paper's "
     'FEMNIST setting: 100.',
+  )
+  synthetic_alpha: float = _field(
+    1.0,
+    'dataset=synthetic only: alpha, how much the clients label alike '
+    "inputs differently: client k's weights W_k and bias b_k have entries "
+    '~ N(u_k, 1), u_k ~ N(0, alpha^2). Li et al.: 0, 0.5 or 1.',
+  )
+  synthetic_beta: float = _field(
+    1.0,
+    "dataset=synthetic only: beta, how much the clients' inputs differ: "
+    "client k's inputs have mean v_k, whose entries are ~ N(B_k, 1), "
+    'B_k ~ N(0, beta^2). Li et al.: 0, 0.5 or 1.',
   )
   classes: str = _field(
     '',
@@ -283,7 +317,8 @@ class ExperimentConfig:
     '',
     'Output folder (metrics, checkpoints, plots); a run there resumes. '
     'Default: runs/<algorithm>-<dataset>-<model>-<partition>-s<seed> '
-    '(<partition>: e.g. dirichlet0.1, shards2, file-<sha256[:8]>).',
+    '(<partition>: e.g. dirichlet0.1, shards2, file-<sha256[:8]>; for '
+    'dataset=synthetic alpha<a>_beta<b>).',
     run_only=True,
   )
   checkpoint_every: int = _field(
@@ -387,7 +422,9 @@ class ExperimentConfig:
 
   def default_workdir(self) -> str:
     part = self.partition
-    if part in ('dirichlet', 'dirichlet_equal'):
+    if self.dataset == 'synthetic':
+      part = f'alpha{self.synthetic_alpha:g}_beta{self.synthetic_beta:g}'
+    elif part in ('dirichlet', 'dirichlet_equal'):
       part += f'{self.alpha:g}'
     elif part == 'shards':
       part += f'{self.shards_per_client}'
@@ -566,6 +603,9 @@ def _check_run(config: ExperimentConfig) -> None:
 
 def _check_data(config: ExperimentConfig) -> None:
   """The partition and its fields, the model against the dataset."""
+  _check_owned(config, 'dataset', DATASET_FIELDS)
+  if config.dataset == _synthetic().NAME:
+    _check_synthetic(config)
   if config.partition in PARTITION_FIELDS['alpha'] and not (
     config.alpha > 0 and math.isfinite(config.alpha)
   ):
@@ -584,9 +624,10 @@ def _check_data(config: ExperimentConfig) -> None:
   _check_partition_file(config)
   gives, takes = _input_kinds(config.dataset, config.model)
   if gives != takes:
+    fits = _models_taking(gives)
     raise errors.ConfigError(
       f'`model={config.model}` takes {takes}; `dataset={config.dataset}` '
-      f'gives {gives}'
+      f'gives {gives} (models that take {gives}: {", ".join(fits)})'
     )
   _check_dataset_fields(config)
 
@@ -609,6 +650,37 @@ def _check_dataset_fields(config: ExperimentConfig) -> None:
     raise errors.ConfigError(
       f'`cifar100_labels={config.cifar100_labels}` applies to '
       f'`dataset=cifar100` only, not `dataset={config.dataset}`'
+    )
+
+
+def _check_synthetic(config: ExperimentConfig) -> None:
+  """`dataset=synthetic`: its rates, and none of the fields that only
+  stored data reads (its clients are generated, `num_clients` of them)."""
+  synthetic = _synthetic()
+  for name in ('synthetic_alpha', 'synthetic_beta'):
+    value = getattr(config, name)
+    if not (math.isfinite(value) and value >= 0):
+      raise errors.ConfigError(f'`{name}` must be finite and ≥ 0, got {value}')
+  limit = (2**31 - 1) // synthetic.MAX_SIZE
+  if config.num_clients > limit:
+    raise errors.ConfigError(
+      f'`num_clients={config.num_clients}`: at most {limit} synthetic '
+      'clients (their example counts must fit int32)'
+    )
+  where = 'does not apply to `dataset=synthetic`, whose clients are generated'
+  defaults = {f.name: f.default for f in base_fields()}
+  if config.partition != defaults['partition']:
+    raise errors.ConfigError(
+      f'`partition={config.partition}` {where} (leave `partition` at its '
+      'default)'
+    )
+  for name in (*PARTITION_FIELDS, 'classes'):
+    if getattr(config, name) != defaults[name]:
+      raise errors.ConfigError(f'`{name}={getattr(config, name)}` {where}')
+  if config.algorithm in STORED_DATA_ALGORITHMS:
+    raise errors.ConfigError(
+      f"`algorithm={config.algorithm}` reads the clients' stored examples; "
+      '`dataset=synthetic` generates them on demand'
     )
 
 

@@ -27,7 +27,6 @@ import jax
 from fedjax_mr.core import errors
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.data import client_data as client_data_lib
-from fedjax_mr.data import partition as partition_lib
 from fedjax_mr.harness import build
 from fedjax_mr.harness import checkpoint
 from fedjax_mr.harness import config as config_lib
@@ -86,24 +85,20 @@ def _setup(
   """`setup` of a validated `config` whose algorithm's hyper-parameters
   are `hparams`."""
   mesh = distributed.mesh_for(config)
-  dataset = build.load_dataset(config)
+  clients = build.load_clients(config)
   model = model_lib.get(
     config.model,
-    dataset.num_classes,
-    dataset.input_shape,
+    clients.num_classes,
+    clients.input_shape,
     dataset=config.dataset,
   )
   model = registry.model_for(config.algorithm, model, hparams)
-  parts = build.make_partition(config, dataset.y_train, dataset.clients)
-  data = client_data_lib.from_partition(
-    dataset.x_train, dataset.y_train, parts, dataset.scale, dataset.shift
-  )
   test = client_data_lib.eval_data(
-    dataset.x_test,
-    dataset.y_test,
+    clients.x_test,
+    clients.y_test,
     config.eval_batch_size,
-    dataset.scale,
-    dataset.shift,
+    clients.scale,
+    clients.shift,
     num_shards=mesh.devices.size,
   )
   key = jax.random.key(config.seed)
@@ -111,8 +106,8 @@ def _setup(
   if config.init_from:
     variables = build.pretrained_variables(config, model, variables)
   algorithm = build.build_algorithm(config, model, variables, hparams)
-  state = engine.init_state(algorithm, variables, len(parts))
-  data, test, state = distributed.replicate((data, test, state), mesh)
+  state = engine.init_state(algorithm, variables, len(clients.sizes))
+  data, test, state = distributed.replicate((clients.data, test, state), mesh)
   return build.Experiment(
     config=config,
     model=model,
@@ -122,10 +117,8 @@ def _setup(
     state=state,
     key=jax.random.fold_in(key, _ROUNDS),
     mesh=mesh,
-    client_sizes=[len(p) for p in parts],
-    partition=partition_lib.summary(
-      parts, dataset.y_train, dataset.num_classes
-    ),
+    client_sizes=clients.sizes.tolist(),
+    partition=clients.partition,
   )
 
 

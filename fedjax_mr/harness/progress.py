@@ -10,6 +10,7 @@ from typing import Mapping
 import jax
 import numpy as np
 
+from fedjax_mr.data import datasets
 from fedjax_mr.harness import build
 from fedjax_mr.harness import distributed
 from fedjax_mr.harness import records
@@ -34,13 +35,16 @@ def announce(
   """
   config, data, test = experiment.config, experiment.data, experiment.test
   num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
-  log(
-    f'{config.algorithm} on {config.dataset} ({int(data.num_examples)} train '
-    f'/ {int(jax.numpy.sum(test.mask))} test), {config.model} '
-    f'({num_params:,} parameters), {data.num_clients} clients '
-    f'({config.partition}), {config.clients_per_round} per round, '
-    f'{config.rounds} rounds'
-  )
+  if config.dataset == datasets.SYNTHETIC:
+    log(_synthetic_line(experiment, num_params))
+  else:
+    log(
+      f'{config.algorithm} on {config.dataset} ({int(data.num_examples)} '
+      f'train / {int(jax.numpy.sum(test.mask))} test), {config.model} '
+      f'({num_params:,} parameters), {data.num_clients} clients '
+      f'({config.partition}), {config.clients_per_round} per round, '
+      f'{config.rounds} rounds'
+    )
   unassigned = (experiment.partition or {}).get('unassigned', 0)
   if unassigned:
     log(
@@ -59,6 +63,22 @@ def announce(
   note = distributed.reproducibility_note(platform, num_devices)
   if note:
     log(note)
+
+
+def _synthetic_line(experiment: build.Experiment, num_params: int) -> str:
+  """`announce`'s first line for generated clients: α, β, N and the mean
+  client size."""
+  config, test = experiment.config, experiment.test
+  sizes = np.asarray(experiment.client_sizes, np.int64)
+  return (
+    f'{config.algorithm} on synthetic(α={config.synthetic_alpha:g}, '
+    f'β={config.synthetic_beta:g}): {len(sizes):,} clients generated on '
+    f'demand, {sizes.mean():.2f} examples each on average '
+    f'({sizes.min()}..{sizes.max()}; {sizes.sum():,} train / '
+    f'{int(jax.numpy.sum(test.mask)):,} test), {config.model} '
+    f'({num_params:,} parameters), {config.clients_per_round:,} per round, '
+    f'{config.rounds} rounds'
+  )
 
 
 class Timer:

@@ -120,3 +120,7 @@ def test_the_title_states_the_setting_and_what_differs(tmp_path):
   title = compare.setting_title(c)
   assert title.startswith('fashion_mnist cnn_mnist, iid, K=4 of 10')
   assert title.endswith(', min_client_size=3, weighting=uniform')
+  c = _config(dataset='synthetic', model='logistic', synthetic_beta=0.5)
+  assert compare.setting_title(c).startswith(
+    'synthetic logistic, α=1, β=0.5, K=4 of 10, E=1'
+  )

@@ -176,3 +176,91 @@ def test_compare_variants_pass_the_new_partitions(part_file, tmp_path):
       [0],
       '/o',
     )
+
+
+def _synthetic(**changes):
+  values = dict(dataset='synthetic', model='logistic', num_clients=1000)
+  values.update(changes)
+  return config_lib.ExperimentConfig(**values)
+
+
+def test_synthetic_fields_define_the_run_and_its_workdir():
+  cfg = _synthetic(num_clients=10**6, clients_per_round=10**4)
+  config_lib.validate(cfg)
+  assert cfg.synthetic_alpha == cfg.synthetic_beta == 1.0
+  assert cfg.default_workdir() == (
+    'runs/fedavg-synthetic-logistic-alpha1_beta1-s0'
+  )
+  half = dataclasses.replace(cfg, synthetic_alpha=0.5, synthetic_beta=0.0)
+  config_lib.validate(half)
+  assert half.default_workdir().endswith('-alpha0.5_beta0-s0')
+  assert half.identity()['synthetic_alpha'] == 0.5
+  # Resuming with other rates is another run; a saved config from before
+  # these fields had their defaults.
+  assert config_lib.config_diffs(half, cfg.to_dict()) == [
+    '`synthetic_alpha=1.0` there, 0.5 here',
+    '`synthetic_beta=1.0` there, 0.0 here',
+  ]
+  older = {
+    k: v for k, v in cfg.to_dict().items() if not k.startswith('synthetic_')
+  }
+  assert config_lib.config_diffs(cfg, older) == []
+
+
+@pytest.mark.parametrize(
+  'changes,message',
+  [
+    (
+      {'dataset': 'fashion_mnist', 'model': 'cnn_mnist', 'synthetic_beta': 0},
+      '`synthetic_beta=0` applies to `dataset=synthetic` only, not '
+      '`dataset=fashion_mnist`',
+    ),
+    (
+      {'model': 'cnn_mnist'},
+      '`model=cnn_mnist` takes images; `dataset=synthetic` gives vectors '
+      '(models that take vectors: logistic)',
+    ),
+    ({'synthetic_alpha': -1.0}, '`synthetic_alpha` must be finite and ≥ 0'),
+    (
+      {'synthetic_beta': float('inf')},
+      '`synthetic_beta` must be finite and ≥ 0',
+    ),
+    (
+      {'partition': 'iid'},
+      '`partition=iid` does not apply to `dataset=synthetic`, whose clients '
+      'are generated (leave `partition` at its default)',
+    ),
+    (
+      {'alpha': 0.5},
+      '`alpha=0.5` does not apply to `dataset=synthetic`, whose clients are '
+      'generated',
+    ),
+    (
+      {'classes': '0-4'},
+      '`classes=0-4` does not apply to `dataset=synthetic`, whose clients '
+      'are generated',
+    ),
+    (
+      {'algorithm': 'heterofl'},
+      "`algorithm=heterofl` reads the clients' stored examples; "
+      '`dataset=synthetic` generates them on demand',
+    ),
+    (
+      {'num_clients': 2 * 10**7},
+      '`num_clients=20000000`: at most 10737418 synthetic clients',
+    ),
+  ],
+)
+def test_synthetic_refusals_name_the_field(changes, message):
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(_synthetic(**changes))
+  assert str(e.value).startswith(message)
+
+
+def test_logistic_takes_no_images():
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(_config(model='logistic'))
+  assert str(e.value).startswith(
+    '`model=logistic` takes vectors; `dataset=fashion_mnist` gives images '
+    '(models that take images: cnn_cifar,'
+  )
