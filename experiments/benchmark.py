@@ -431,7 +431,7 @@ def _evaluation(algorithm, model, multi, data, test_set, key, d, mesh):
     x_test, y_test, FLAGS.eval_batch_size, scale, shift, num_shards=d
   )
   evaluate_model = engine.make_evaluate(model, mesh)
-  evaluate_many = engine.make_evaluate_many(model, mesh)
+  evaluate_many = engine.make_evaluate_dispatched(model, algorithm, mesh)
 
   def evaluate(st):
     out = {
@@ -439,7 +439,7 @@ def _evaluation(algorithm, model, multi, data, test_set, key, d, mesh):
     }
     if multi:
       sent = engine.next_dispatch(algorithm, st, data, key, k)
-      out['models'] = evaluate_many(sent.per_client, test)
+      out['models'] = evaluate_many(sent, test)
     return out
 
   return evaluate, len(y_test)

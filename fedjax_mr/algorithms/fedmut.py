@@ -138,9 +138,45 @@ def mutate(
   References:
     Hu et al., FedMut, Algorithm 2 and Eq. 2.
   """
+  coeffs = mutation_rows(
+    key, global_params, num_models=num_models, beta=beta, grouping=grouping
+  )
+  return jax.vmap(
+    lambda row: mutated(
+      global_params, prev_global_params, row, alpha=alpha, grouping=grouping
+    )
+  )(coeffs)
+
+
+def mutation_rows(
+  key: jax.Array,
+  global_params: types.PyTree,
+  *,
+  num_models: int,
+  beta: jax.Array | float = 0.0,
+  grouping: grouping_lib.Grouping = 'leaf',
+) -> jax.Array:
+  """`[K, G]` float32: row j holds model j's coefficient for each of the G
+  layers (groups) of `global_params`, as `mutate` draws them."""
   layers = grouping_lib.layer_groups(global_params, grouping=grouping)
-  k = int(num_models)
-  coeffs = _coefficients(grouping_lib.layer_keys(key, layers), k, beta)
+  coeffs = _coefficients(
+    grouping_lib.layer_keys(key, layers), int(num_models), beta
+  )
+  return coeffs.T
+
+
+def mutated(
+  global_params: types.PyTree,
+  prev_global_params: types.PyTree,
+  row: jax.Array,
+  *,
+  alpha: float,
+  grouping: grouping_lib.Grouping = 'leaf',
+) -> types.PyTree:
+  """ONE mutated model: layer l is w_l + alpha * row[l] * (w_l - w_prev_l),
+  in float32, returned in each leaf's dtype; `row` is a row of
+  `mutation_rows`. Row j gives model j of `mutate`, bit for bit."""
+  layers = grouping_lib.layer_groups(global_params, grouping=grouping)
   flat, treedef = jax.tree.flatten(global_params)
   prev, prev_def = jax.tree.flatten(prev_global_params)
   if prev_def != treedef:
@@ -150,8 +186,7 @@ def mutate(
     for i in layer.leaves:
       w = flat[i].astype(jnp.float32)
       delta = w - prev[i].astype(jnp.float32)
-      v = coeffs[g].reshape((k,) + (1,) * w.ndim)
-      out[i] = (w[None] + alpha * v * delta[None]).astype(flat[i].dtype)
+      out[i] = (w + alpha * row[g] * delta).astype(flat[i].dtype)
   return jax.tree.unflatten(treedef, out)
 
 
@@ -270,17 +305,24 @@ def fedmut(
   def dispatch(state, client_ids, round_index, key):
     del client_ids
     beta = beta_schedule(jnp.maximum(round_index - 1, 0), beta0, bound)
-    return types.Dispatch(
-      per_client=mutate(
-        key,
-        state.params,
-        state.prev_params,
-        num_models=k,
-        alpha=alpha,
-        beta=beta,
-        grouping=grouping,
-      )
+    # The global models once, and each client's coefficients: client j
+    # builds mutated model j itself (`client_model`), so the round never
+    # holds the K mutated models at once.
+    rows = mutation_rows(
+      key, state.params, num_models=k, beta=beta, grouping=grouping
     )
+    return types.Dispatch(
+      shared=(state.params, state.prev_params), per_client=rows
+    )
+
+  def client_model(shared, row):
+    return mutated(*shared, row, alpha=alpha, grouping=grouping)
+
+  local_update = client.make_local_update(local)
+
+  def client_update(shared, row, client_state, data, client_id, key):
+    out = local_update(client_model(shared, row), data, client_id, key)
+    return out, client_state
 
   def aggregate(state, sums, client_ids, round_index, key):
     del client_ids, key
@@ -296,10 +338,11 @@ def fedmut(
   return types.Algorithm(
     init,
     dispatch,
-    client.trains_per_client(client.make_local_update(local)),
+    client_update,
     aggregate,
     clients_per_round=k,
     contribution=lambda output: fedavg.mean_contribution(output, weighted),
+    client_model=client_model,
   )
 
 

@@ -141,6 +141,11 @@ class Algorithm(NamedTuple):
       (a carried sum on each device, then one sum over the devices), so
       the round holds a few models, not K. None: `aggregate` receives
       the K stacked outputs.
+    client_model: optional, `client_model(shared, per_client_k) ->
+      variables`: the model client k starts from, where the dispatch sends
+      less than the model itself (FedMut: the global models once and each
+      client's mutation coefficients). None: row k of `per_client` is the
+      model. See `dispatched_models`.
   """
 
   init: Callable[[Variables], Any]
@@ -155,6 +160,17 @@ class Algorithm(NamedTuple):
   evaluated: Callable[[Any], Variables] | None = None
   clients_per_round: int | None = None
   contribution: Callable[[ClientOutput], PyTree] | None = None
+  client_model: Callable[[PyTree, PyTree], Variables] | None = None
+
+
+def dispatched_models(algorithm: Algorithm, sent: Dispatch) -> Variables:
+  """The K models a multi-model dispatch (FedMR's, FedMut's) starts its
+  clients from, stacked (leaves `[K, ...]`)."""
+  if algorithm.client_model is None:
+    return sent.per_client
+  return jax.vmap(lambda row: algorithm.client_model(sent.shared, row))(
+    sent.per_client
+  )
 
 
 def sum_outputs(

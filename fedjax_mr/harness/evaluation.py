@@ -59,17 +59,21 @@ def make_evaluators(experiment: build.Experiment) -> Evaluators:
   )
   if not config_lib.multi_model(config):
     return Evaluators(server=server, local=None)
-  evaluate_many = engine.make_evaluate_many(experiment.model, eval_mesh)
+
+  evaluate_dispatched = engine.make_evaluate_dispatched(
+    experiment.model, algorithm, eval_mesh
+  )
 
   # The K different models the next round dispatches (recombined or
   # mutated), each on the whole test set.
-  def next_models(s, d):
-    return engine.next_dispatch(
+  def evaluate_next(s, d, t):
+    sent = engine.next_dispatch(
       algorithm, s, d, experiment.key, config.clients_per_round
-    ).per_client
+    )
+    return evaluate_dispatched(sent, t)
 
   local = jax.jit(
-    lambda s, d, t: evaluate_many(next_models(s, d), t),
+    evaluate_next,
     out_shardings=distributed.replicated(mesh),
   )
   return Evaluators(server=server, local=local)

@@ -107,8 +107,9 @@ def next_dispatch(
   """Exactly what `round_fn(state, data, key)` sends its clients next.
 
   The same sampling and dispatch keys as the round. For FedMR the
-  `per_client` part holds the recombined models, for FedMut the mutated
-  ones; diagnostics evaluate them.
+  `per_client` part holds the recombined models, for FedMut each client's
+  mutation coefficients (`types.dispatched_models` builds the models);
+  diagnostics evaluate them (`make_evaluate_dispatched`).
   """
   k_sample, k_dispatch, _, _ = round_keys(key, state.round)
   ids = sampler_of(algorithm, clients_per_round)(
@@ -531,3 +532,23 @@ def make_evaluate_many(
   """
   evaluate = make_evaluate(model, mesh)
   return lambda stacked, data: lax.map(lambda v: evaluate(v, data), stacked)
+
+
+def make_evaluate_dispatched(
+  model: model_lib.Model,
+  algorithm: types.Algorithm,
+  mesh: jax.sharding.Mesh | None = None,
+) -> Callable[[types.Dispatch, client_data_lib.EvalData], dict[str, jax.Array]]:
+  """Like `make_evaluate_many`, for the K models a dispatch starts its
+  clients from (`types.dispatched_models`): each is built (FedMut's from
+  the coefficients) and evaluated in its turn, so memory stays that of one
+  model. Returns `{'accuracy': [K], 'loss': [K]}`."""
+  evaluate = make_evaluate(model, mesh)
+  model_of = algorithm.client_model or (lambda shared, row: row)
+
+  def evaluate_dispatched(sent, data):
+    return lax.map(
+      lambda row: evaluate(model_of(sent.shared, row), data), sent.per_client
+    )
+
+  return evaluate_dispatched

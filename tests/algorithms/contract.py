@@ -68,10 +68,15 @@ def local_training(model=None, lr=0.1) -> client.LocalTraining:
 LOCAL = local_training()
 
 
-def models_sent(sent: types.Dispatch, k: int) -> types.Variables:
-  """The K models a dispatch starts its clients from: its per-client part,
-  or its shared model (the first item when the shared part is a tuple)."""
-  if sent.per_client != ():
+def models_sent(
+  sent: types.Dispatch, k: int, algorithm: types.Algorithm | None = None
+) -> types.Variables:
+  """The K models a dispatch starts its clients from: its per-client part
+  (or the models `algorithm.client_model` builds from it), or its shared
+  model (the first item when the shared part is a tuple)."""
+  if jax.tree.leaves(sent.per_client):
+    if algorithm is not None:
+      return types.dispatched_models(algorithm, sent)
     return sent.per_client
   shared = sent.shared[0] if isinstance(sent.shared, tuple) else sent.shared
   return tree.broadcast(shared, k)
@@ -166,9 +171,9 @@ def check_server_side(
     round_index = jnp.int32(r)
     sent = dispatch(state, ids, round_index, k_dispatch)
     assert isinstance(sent, types.Dispatch)
-    if sent.per_client != ():
+    if jax.tree.leaves(sent.per_client):
       chex.assert_tree_shape_prefix(sent.per_client, (num_models,))
-    models = models_sent(sent, num_models)
+    models = models_sent(sent, num_models, algorithm)
     _same_layout(models, variables, (num_models,))
     chex.assert_trees_all_equal(
       sent, dispatch(state, ids, round_index, k_dispatch)
@@ -317,7 +322,7 @@ def run_by_hand(
   for r in range(rounds):
     k_d, k_t, k_a = jax.random.split(jax.random.key(seed * 100 + r), 3)
     sent = dispatch(state, ids, jnp.int32(r), k_d)
-    models = models_sent(sent, num_models)
+    models = models_sent(sent, num_models, algorithm)
     state, _ = aggregate(
       state, fake_outputs(models, k_t), ids, jnp.int32(r), k_a
     )

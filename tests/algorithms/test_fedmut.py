@@ -216,7 +216,9 @@ def test_rounds_mutate_after_round0_with_the_schedule():
   init = {'w': jnp.array([1.0, -1.0])}
   state = server.init(init)
   chex.assert_trees_all_equal(
-    server.dispatch(state, IDS, 0, jax.random.key(0)).per_client,
+    types.dispatched_models(
+      server, server.dispatch(state, IDS, 0, jax.random.key(0))
+    ),
     tree.broadcast(init, K),
   )
   trained = {
@@ -231,7 +233,9 @@ def test_rounds_mutate_after_round0_with_the_schedule():
   helpers.assert_close(metrics['delta_norm'], np.sqrt(0.5))
   helpers.assert_close(metrics['beta'], 0.5)
   # Dispatch of round 1 uses beta_0 = 0.5: mean = w + 2 * 0.25 * delta.
-  out = server.dispatch(state, IDS, 1, jax.random.key(2)).per_client
+  out = types.dispatched_models(
+    server, server.dispatch(state, IDS, 1, jax.random.key(2))
+  )
   helpers.assert_close(np.mean(out['w'], 0), [1.75, -0.25])
   helpers.assert_close(np.sort(out['w'][:, 0]), [1.0, 1.0, 2.5, 2.5])
   # Global (2, -0.5) after round 1, delta (0.5, 0); round 2 uses
@@ -241,7 +245,9 @@ def test_rounds_mutate_after_round0_with_the_schedule():
     server, state, outputs_of(trained), IDS, 1, jax.random.key(3)
   )
   helpers.assert_close(metrics['beta'], 0.375)
-  out = server.dispatch(state, IDS, 2, jax.random.key(4)).per_client
+  out = types.dispatched_models(
+    server, server.dispatch(state, IDS, 2, jax.random.key(4))
+  )
   helpers.assert_close(np.sort(out['w'][:, 0]), [1.375, 1.375, 3, 3])
   np.testing.assert_array_equal(out['w'][:, 1], -0.5)
 
@@ -275,8 +281,8 @@ def test_aggregate_sees_only_the_mean():
   b = types.aggregate_stacked(server, state, outputs_of(other), IDS, 1, key)
   chex.assert_trees_all_equal(a, b)
   chex.assert_trees_all_equal(
-    server.dispatch(a[0], IDS, 2, key).per_client,
-    server.dispatch(b[0], IDS, 2, key).per_client,
+    types.dispatched_models(server, server.dispatch(a[0], IDS, 2, key)),
+    types.dispatched_models(server, server.dispatch(b[0], IDS, 2, key)),
   )
   # Weighted: the same holds when rows move with their example counts.
   weighted = fedmut.fedmut(contract.LOCAL, K, weighted=True)
