@@ -236,6 +236,25 @@ def advance(
   return FedMutState(params=global_params, prev_params=state.params), metrics
 
 
+def _client_side(
+  local: client.LocalTraining, alpha: float, grouping: grouping_lib.Grouping
+):
+  """`(client_model, client_update)`: client k builds its mutated model
+  from the shared (global, previous global) models and its row of
+  coefficients, then trains it."""
+
+  def client_model(shared, row):
+    return mutated(*shared, row, alpha=alpha, grouping=grouping)
+
+  local_update = client.make_local_update(local)
+
+  def client_update(shared, row, client_state, data, client_id, key):
+    out = local_update(client_model(shared, row), data, client_id, key)
+    return out, client_state
+
+  return client_model, client_update
+
+
 def fedmut(
   local: client.LocalTraining,
   clients_per_round: int,
@@ -253,11 +272,10 @@ def fedmut(
   server optimizer other than the default SGD at rate 1, the new global
   variables are its step toward the mean (`optimizers.server_step`; on
   every variable, BatchNorm statistics included, as FedMut treats them
-  alike). The
-  mutated models are made by `dispatch` from the state: round r mutates the
-  global model of round r - 1 with beta_{r-1}, so the mutation made after
-  round t uses beta_t (t from 0). In round 0 the previous global is the
-  initial model itself, delta = 0, and all K models equal it.
+  alike). Round r mutates the global model of round r - 1 with
+  beta_{r-1} (the mutation made after round t uses beta_t, t from 0); in
+  round 0 the previous global is the initial model, delta = 0, and all K
+  models equal it. Client k builds mutated model k from the dispatch.
 
   FedMut touches only the aggregate, never an individual client model: the
   next state and every later dispatch depend on the clients' models only
@@ -315,14 +333,7 @@ def fedmut(
       shared=(state.params, state.prev_params), per_client=rows
     )
 
-  def client_model(shared, row):
-    return mutated(*shared, row, alpha=alpha, grouping=grouping)
-
-  local_update = client.make_local_update(local)
-
-  def client_update(shared, row, client_state, data, client_id, key):
-    out = local_update(client_model(shared, row), data, client_id, key)
-    return out, client_state
+  client_model, client_update = _client_side(local, alpha, grouping)
 
   def aggregate(state, sums, client_ids, round_index, key):
     del client_ids, key
