@@ -83,6 +83,11 @@ def dirichlet(
       rng.shuffle(idx)
       p = rng.dirichlet(np.full(num_clients, alpha))
       p = np.where(sizes < cap, p, 0.0)
+      if not p.sum() > 0:
+        # A very small alpha puts all the mass (or, underflowing, none) on
+        # clients that are already full: this try fails.
+        sizes[:] = 0
+        break
       p = p / p.sum()
       cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
       counts = np.diff(np.concatenate([[0], cuts, [len(idx)]]))

@@ -80,6 +80,18 @@ def test_dirichlet_bad_inputs(labels):
     partition.dirichlet(labels, 300, 0.01, seed=0, min_size=19, max_tries=3)
 
 
+@pytest.mark.parametrize('alpha', [0.003, 1e-300])
+@pytest.mark.parametrize('seed', range(3))
+def test_dirichlet_tiny_alpha_fails_in_one_named_error(alpha, seed):
+  # Dir(alpha) with alpha this small gives (nearly) all of a class to one
+  # client, or underflows to no mass at all: 10 classes cannot give 20
+  # clients 10 examples each. This used to crash (NaN proportions, then
+  # "repeats may not contain negative values").
+  labels = np.repeat(np.arange(10), 20)
+  with pytest.raises(errors.ConfigError, match='larger `alpha`'):
+    partition.dirichlet(labels, 20, alpha, seed=seed, max_tries=200)
+
+
 def test_summary(labels):
   parts = [np.array([0, 1, 600]), np.array([5999])]
   s = partition.summary(parts, labels, 10)
