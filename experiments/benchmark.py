@@ -4,6 +4,8 @@ r"""Benchmarks a federated round against the hardware limit.
   python -m experiments.benchmark --matrix        # devices × sizes
   python -m experiments.benchmark --num_clients=10000 --clients_per_round=1000
   python -m experiments.benchmark --algorithm=scaffold   # against FedAvg
+  python -m experiments.benchmark --dataset=synthetic --model=logistic \
+    --num_clients=1000000 --clients_per_round=10000 --local_epochs=1
 
 For one setting it prints: compile time; steady-state seconds per round
 (median over --rounds after a warm-up, `block_until_ready`); the *limit* —
@@ -23,9 +25,32 @@ a different number) and by the PyTorch round, and with several device
 settings the rounds of each setting alternate, so ratios and speed-ups
 compare runs made seconds apart. Then the float32 and bfloat16 matmul peak
 of device 0 (large jitted products, measured in the same process) and the
-first setting's fraction of the float32 peak. The last lines are
+first setting's fraction of the float32 peak; the first setting's
+per-client overhead, `per-client overhead: X ms/client (Y% of the
+round)`: what a round costs beyond its limit, (round − limit) / K, and
+that as a share of the round (both the median over the timed rounds,
+each round against the limit timed right after it). The last lines are
 `evaluation share: X.X%`, `round/pytorch ratio: X.XX` (with PyTorch) and
 `round/limit ratio: X.XX` for the first setting.
+
+`--dataset=synthetic` (with `--model=logistic`) benchmarks at scale:
+Synthetic(α, β) (`fedjax_mr.data.synthetic`; `--synthetic_alpha`,
+`--synthetic_beta`, seed 0), N clients generated on demand with their own
+lognormal sizes (the size setting is `lognormal`; `--sizes` and `--alpha`
+do not apply) and their held-out test set, as `experiments.run` builds
+them. A round generates each batch's examples as its local step asks for
+them, so its limit does too: the same number of steps of batch B, each
+generating B fresh examples of one client (client 0, positions following
+on from a random start) with `SyntheticData.batch`, the round's
+generator. The limit thus pays the per-example cost of generation (a
+normal draw per feature, the labelling model's product) and, once, that
+client's parameters; it leaves out what the round pays per client: the
+sampling of K of N, dispatch and the sum, drawing each client's
+parameters (W_k, b_k, v_k: 672 normals, XLA hoists them out of the step
+loop, so once per client), the per-epoch permutation (uniform draws and
+an argsort over the largest client size) and each client's loop and
+optimizer setup. That is the per-client overhead. There is no PyTorch
+loop for generated clients.
 
 `--algorithm` times another algorithm of the registry (its hyper-parameter
 flags as in `experiments.run`) on the same clients, and FedAvg beside it on
@@ -98,6 +123,23 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
   'eval_batch_size', 500, 'Test batch size (as experiments.run).'
 )
+
+
+def _define_dataset_flags() -> list[str]:
+  """The flags of the config fields that only some datasets read
+  (Synthetic's α and β), with the help of `experiments.run`'s. Returns
+  their names."""
+  from fedjax_mr.harness import config as config_lib
+
+  names = []
+  for f in config_lib.base_fields():
+    if f.name in config_lib.DATASET_FIELDS:
+      cli.define_flag(f.name, f, f.metadata['help'])
+      names.append(f.name)
+  return names
+
+
+DATASET_FLAGS = _define_dataset_flags()
 ALGORITHM_FLAGS = cli.define_algorithm_flags()
 FLAGS = flags.FLAGS
 
@@ -108,19 +150,57 @@ def _block(x):
   return jax.block_until_ready(x)
 
 
+def _synthetic() -> bool:
+  """Whether the clients are generated (`--dataset=synthetic`)."""
+  from fedjax_mr.data import datasets
+
+  return FLAGS.dataset == datasets.SYNTHETIC
+
+
+def _size_kinds() -> tuple[str, ...]:
+  """The client-size settings: equal and Dirichlet shares of a stored
+  dataset, or the generated clients' own lognormal sizes."""
+  return ('lognormal',) if _synthetic() else ('equal', 'dirichlet')
+
+
 def _setup(sizes):
+  """The model, its optimizer and initial variables, the clients of each
+  size setting of `sizes` (`{setting: ClientData or SyntheticData}`), the
+  test set `(x, y, scale, shift)`, what the PyTorch loop reads (`(dataset,
+  {setting: partition})`, None for generated clients) and the timed
+  algorithms."""
   import jax
   import optax
 
+  from fedjax_mr.models import model as model_lib
+
+  options = cli.algorithm_options(ALGORITHM_FLAGS)
+  if _synthetic():
+    data, test_set, num_classes, input_shape = _generated_clients(options)
+    stored = None
+  else:
+    ds, parts, data = _stored_clients(sizes)
+    test_set = (ds.x_test, ds.y_test, ds.scale, ds.shift)
+    num_classes, input_shape = ds.num_classes, ds.input_shape
+    stored = (ds, parts)
+  base = model_lib.get(FLAGS.model, num_classes, input_shape)
+  opt = optax.sgd(0.01, momentum=0.9)
+  variables = base.init(jax.random.key(0))
+  # The requested algorithm with its flags; FedAvg beside it with none.
+  algorithms = {FLAGS.algorithm: _algorithm(FLAGS.algorithm, base, options)}
+  if FLAGS.algorithm != 'fedavg':
+    algorithms['fedavg'] = _algorithm('fedavg', base, {})
+  return base, opt, variables, data, test_set, stored, algorithms
+
+
+def _stored_clients(sizes):
+  """`(dataset, {setting: partition}, {setting: ClientData})` of a stored
+  dataset split over N clients, for each size setting of `sizes`."""
   from fedjax_mr.data import client_data
   from fedjax_mr.data import datasets
   from fedjax_mr.data import partition
-  from fedjax_mr.models import model as model_lib
 
   ds = datasets.load(FLAGS.dataset, FLAGS.data_dir or None)
-  base = model_lib.get(FLAGS.model, ds.num_classes, ds.input_shape)
-  opt = optax.sgd(0.01, momentum=0.9)
-  variables = base.init(jax.random.key(0))
   n = FLAGS.num_clients
   # The papers' minimum of 10 examples per client, relaxed when N is so
   # large that the average client holds fewer than 20.
@@ -136,12 +216,23 @@ def _setup(sizes):
     k: client_data.from_partition(ds.x_train, ds.y_train, p, ds.scale, ds.shift)
     for k, p in parts.items()
   }
-  # The requested algorithm with its flags; FedAvg beside it with none.
-  options = cli.algorithm_options(ALGORITHM_FLAGS)
-  algorithms = {FLAGS.algorithm: _algorithm(FLAGS.algorithm, base, options)}
-  if FLAGS.algorithm != 'fedavg':
-    algorithms['fedavg'] = _algorithm('fedavg', base, {})
-  return ds, base, opt, variables, data, parts, algorithms
+  return ds, parts, data
+
+
+def _generated_clients(options):
+  """`({'lognormal': SyntheticData}, test set, classes, input shape)`:
+  Synthetic(α, β)'s N clients and held-out test set as `experiments.run`
+  builds them (`build.load_clients`, `options`: the algorithm's flags)."""
+  from fedjax_mr.harness import build
+
+  clients = build.load_clients(_config(FLAGS.algorithm, options))
+  test_set = (clients.x_test, clients.y_test, clients.scale, clients.shift)
+  return (
+    {'lognormal': clients.data},
+    test_set,
+    clients.num_classes,
+    clients.input_shape,
+  )
 
 
 def _algorithm(name, base, options):
@@ -177,6 +268,7 @@ def _config(name, options):
     batch_size=FLAGS.batch_size,
     lr=0.01,
     momentum=0.9,
+    **{name: FLAGS[name].value for name in DATASET_FLAGS},
     **options,
   )
 
@@ -186,17 +278,15 @@ def _limit_fn(model, opt, variables, data, b):
 
   Returns:
     `(run, flops)`: `run(steps, key)` trains `steps` steps of batch `b`
-    on the shuffled dataset from a random start and blocks until done;
-    `flops` is XLA's cost analysis of one step.
+    from a random start on what `_limit_batches` reads and blocks until
+    done; `flops` is XLA's cost analysis of one step.
   """
   import jax
   import jax.numpy as jnp
   import optax
   from jax import lax
 
-  from fedjax_mr.data import client_data
-
-  m = data.x.shape[0]
+  inputs, batch, m = _limit_batches(data, b)
 
   def loss_fn(params, x, y):
     logits, _ = model.apply_train({'params': params}, x, jax.random.key(0))
@@ -209,29 +299,20 @@ def _limit_fn(model, opt, variables, data, b):
     updates, opt_state = opt.update(g, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
-  def train(params, x_all, y_all, start, steps):
+  def train(params, inputs, start, steps):
     def step(i, carry):
       params, opt_state = carry
-      at = (start + i * b) % (m - b + 1)
-      x = lax.dynamic_slice_in_dim(x_all, at, b)
-      x = client_data.normalize(x, data.scale, data.shift)
-      return train_step(
-        params, opt_state, x, lax.dynamic_slice_in_dim(y_all, at, b)
-      )
+      return train_step(params, opt_state, *batch(inputs, start + i * b))
 
     # A run-time step count, like the clients' exact step counts.
     return lax.fori_loop(0, steps, step, (params, opt.init(params)))[0]
 
   fn = jax.jit(train)
   params = variables['params']
-  # The fastest input pipeline: the dataset shuffled once, outside the
-  # timing, and read in contiguous batches.
-  perm = jax.random.permutation(jax.random.key(0), m)
-  x_all, y_all = _block((data.x[perm], data.y[perm]))
 
   def run(steps, key):
     start = jax.random.randint(key, (), 0, m)
-    _block(fn(params, x_all, y_all, start, jnp.int32(steps)))
+    _block(fn(params, inputs, start, jnp.int32(steps)))
 
   x = jnp.zeros((b, *model.input_shape), jnp.float32)
   y = jnp.zeros((b,), jnp.int32)
@@ -245,6 +326,45 @@ def _limit_fn(model, opt, variables, data, b):
     cost = cost[0]
   flops = float(cost.get('flops', 0.0)) if cost else 0.0
   return run, flops
+
+
+def _limit_batches(data, b):
+  """What the limit trains on, read the fastest way.
+
+  Stored clients (`ClientData`): their whole training set, shuffled once
+  outside the timing and read in contiguous batches (the step's offset
+  wrapped around). Generated clients (`SyntheticData`): client 0's
+  examples at the `b` positions from the step's offset on, generated as
+  the round generates every batch (`SyntheticData.batch`; its parameters
+  are loop-invariant, drawn once).
+
+  Returns:
+    `(inputs, batch, m)`: the arrays the jitted loop takes,
+    `batch(inputs, offset) -> (x [b, ...] normalised, y [b])` and the
+    range `[0, m)` of a random start.
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+
+  from fedjax_mr.data import client_data
+
+  if _synthetic():
+    # Positions up to m + steps × b stay far below 2**31.
+    return data, lambda d, at: d.batch(jnp.int32(0), at + jnp.arange(b)), 2**20
+  m = data.x.shape[0]
+
+  def batch(inputs, offset):
+    x_all, y_all = inputs
+    at = offset % (m - b + 1)
+    x = lax.dynamic_slice_in_dim(x_all, at, b)
+    x = client_data.normalize(x, data.scale, data.shift)
+    return x, lax.dynamic_slice_in_dim(y_all, at, b)
+
+  # The fastest input pipeline: the dataset shuffled once, outside the
+  # timing, and read in contiguous batches.
+  perm = jax.random.permutation(jax.random.key(0), m)
+  return _block((data.x[perm], data.y[perm])), batch, m
 
 
 def _peak_gflops(dtype_name):
@@ -558,6 +678,12 @@ def _figures(r, flops, torch_times, baseline):
     'steps': statistics.median(steps),
     'limit_s': statistics.median(r['limits']),
     'ratio': statistics.median([t / lim for t, lim in zip(times, r['limits'])]),
+    'overhead_s': statistics.median(
+      [t - lim for t, lim in zip(times, r['limits'])]
+    ),
+    'overhead_pct': statistics.median(
+      [100 * (t - lim) / t for t, lim in zip(times, r['limits'])]
+    ),
     'samples_per_s': statistics.median(
       [e / t for e, t in zip(r['examples'], times)]
     ),
@@ -660,17 +786,22 @@ def _check_flags():
     config_lib.hparams(config)
   except errors.UserError as e:
     cli.fail(str(e))
+  for name in ('sizes', 'alpha'):
+    if _synthetic() and FLAGS[name].present:
+      cli.fail(
+        f'--{name} sets the shares of a stored dataset; --dataset=synthetic '
+        'clients have their own lognormal sizes'
+      )
 
 
 def _settings(k, n_dev):
   """The (sizes, devices) settings to time, from --matrix, --sizes and
   --num_devices; refuses more devices than K or than there are."""
   if FLAGS.matrix:
-    runs = [
-      (sizes, dev) for sizes in ('equal', 'dirichlet') for dev in ('1', 'all')
-    ]
+    runs = [(sizes, dev) for sizes in _size_kinds() for dev in ('1', 'all')]
   else:
-    runs = [(FLAGS.sizes, str(FLAGS.num_devices or 'all'))]
+    sizes = _size_kinds()[0] if _synthetic() else FLAGS.sizes
+    runs = [(sizes, str(FLAGS.num_devices or 'all'))]
   for sizes, dev in runs:
     d = n_dev if dev == 'all' else int(dev)
     if d > min(n_dev, k):
@@ -710,18 +841,23 @@ def _setting_line(r):
   )
 
 
-def _bench(runs, ds, model, opt, variables, data, parts, algorithms):
+def _bench(runs, model, opt, variables, data, test_set, stored, algorithms):
   """Times every setting of `runs`, size kind by size kind, printing one
-  line per setting; returns their figures in that order."""
+  line per setting; returns their figures in that order. `stored`: the
+  dataset and partitions the PyTorch loop reads, None for generated
+  clients (no PyTorch loop)."""
   results = []
-  for sizes in ('equal', 'dirichlet'):
+  if FLAGS.pytorch and stored is None:
+    print('PyTorch reference: none for generated clients (--dataset=synthetic)')
+  for sizes in _size_kinds():
     devs = [dev for s, dev in runs if s == sizes]
     if not devs:
       continue
-    loop = _torch_loop(ds, parts, sizes, variables) if FLAGS.pytorch else None
-    if FLAGS.pytorch and loop is None and sizes == runs[0][0]:
-      print('PyTorch reference: not installed (pip install -e .[bench])')
-    test_set = (ds.x_test, ds.y_test, ds.scale, ds.shift)
+    loop = None
+    if FLAGS.pytorch and stored is not None:
+      loop = _torch_loop(*stored, sizes, variables)
+      if loop is None and sizes == runs[0][0]:
+        print('PyTorch reference: not installed (pip install -e .[bench])')
     for r in _bench_sizes(
       sizes,
       devs,
@@ -742,7 +878,7 @@ def _print_summary(results, n_dev):
   """The lines after the settings': device speed-ups, memory, the matmul
   peaks (measured now) and the first setting's shares and ratios."""
   by = {(r['setting'], r['devices']): r for r in results}
-  for sizes in ('equal', 'dirichlet'):
+  for sizes in _size_kinds():
     if (sizes, 1) in by and (sizes, n_dev) in by and n_dev > 1:
       # Round by round: each pair ran seconds apart on the same clients.
       speedup = statistics.median(
@@ -763,6 +899,7 @@ def _print_summary(results, n_dev):
     f'GFLOP/s (default precision, device 0); the first setting reaches '
     f'{100 * first["gflops"] / peak32:.1f}% of the float32 peak'
   )
+  print(_overhead_line(first))
   print(
     f'evaluation share: {first["eval_pct"]:.1f}% (once per '
     f'{FLAGS.eval_every} rounds)'
@@ -773,6 +910,31 @@ def _print_summary(results, n_dev):
     print(f'round/pytorch ratio: {first["pytorch_ratio"]:.2f}')
   if FLAGS.limit:
     print(f'round/limit ratio: {first["ratio"]:.2f}')
+
+
+def _overhead_line(r):
+  """Run `r`'s per-client overhead: what its round costs beyond the limit,
+  per client and as a share of the round."""
+  if not FLAGS.limit:
+    return 'per-client overhead: not measured (--nolimit)'
+  per_client_ms = 1e3 * r['overhead_s'] / FLAGS.clients_per_round
+  return (
+    f'per-client overhead: {per_client_ms:.3g} ms/client '
+    f'({r["overhead_pct"]:.1f}% of the round)'
+  )
+
+
+def _clients_line(data):
+  """What the generated clients are (`--dataset=synthetic`)."""
+  import numpy as np
+
+  sizes = np.asarray(data.sizes)
+  return (
+    f'Synthetic({FLAGS.synthetic_alpha:g}, {FLAGS.synthetic_beta:g}): '
+    f'{len(sizes)} clients generated on demand, mean size '
+    f'{sizes.mean():.2f}, at most {sizes.max()}; the limit generates its '
+    'examples too (client 0, one batch a step)'
+  )
 
 
 def main(argv):
@@ -788,7 +950,7 @@ def main(argv):
   n_dev = len(jax.devices())
   runs = _settings(k, n_dev)
   try:
-    ds, model, opt, variables, data, parts, algorithms = _setup(
+    model, opt, variables, data, test_set, stored, algorithms = _setup(
       {s for s, _ in runs}
     )
   except errors.UserError as e:
@@ -799,7 +961,11 @@ def main(argv):
     f'{n_dev} {jax.devices()[0].platform} device(s), {FLAGS.rounds} timed '
     'rounds'
   )
-  results = _bench(runs, ds, model, opt, variables, data, parts, algorithms)
+  if stored is None:
+    print(_clients_line(data['lognormal']))
+  results = _bench(
+    runs, model, opt, variables, data, test_set, stored, algorithms
+  )
   _print_summary(results, n_dev)
 
 

@@ -194,6 +194,14 @@ CASES = {
     (['--algorithm=nope'], '--algorithm'),
     (['--fedprox_mu=0.5'], '--fedprox_mu'),
     (['--algorithm=fedgen', '--fedgen_noise_dim=0'], '--fedgen_noise_dim'),
+    (['--dataset=synthetic'], '--model=cnn_mnist'),
+    (['--dataset=synthetic', '--model=logistic', '--sizes=equal'], '--sizes'),
+    (['--dataset=synthetic', '--model=logistic', '--alpha=0.5'], '--alpha'),
+    (
+      ['--dataset=synthetic', '--model=logistic', '--synthetic_beta=-1'],
+      '--synthetic_beta',
+    ),
+    (['--synthetic_alpha=0.5'], '--synthetic_alpha=0.5'),
     (['positional'], 'unexpected arguments'),
   ],
   'experiments.pretrain_zoo': [

@@ -1,5 +1,6 @@
 """The benchmark and experiment programs print figures, reject bad input."""
 
+import math
 import re
 
 import pytest
@@ -7,6 +8,11 @@ import pytest
 from tests import helpers
 
 _run = helpers.run_module
+# The per-client overhead line: (round - limit) / K and its share.
+_OVERHEAD = (
+  r'^per-client overhead: -?[\d.]+(e[+-]\d+)? ms/client '
+  r'\(-?\d+\.\d% of the round\)$'
+)
 
 
 def test_benchmark_prints_its_figures(small_fmnist_dir):
@@ -45,6 +51,7 @@ def test_benchmark_prints_its_figures(small_fmnist_dir):
   else:
     assert re.search(r'^round/pytorch ratio: \d+\.\d\d$', out, re.M)
   assert re.search(r'^round/limit ratio: \d+\.\d\d$', out, re.M)
+  assert re.search(_OVERHEAD, out, re.M)
   assert re.search(r'fedavg [\d.]+s, per-step ratio [\d.]+', out)
   assert re.search(r'^round/fedavg ratio: \d+\.\d\d$', out, re.M)
 
@@ -75,6 +82,40 @@ def test_benchmark_evaluation_share_of_fedmr(small_fmnist_dir):
   assert re.search(
     r'^evaluation share: [\d.]+% \(once per 4 rounds\)$', proc.stdout, re.M
   )
+  assert 'per-client overhead: not measured (--nolimit)' in proc.stdout
+
+
+def test_benchmark_synthetic_prints_the_overhead():
+  # Generated clients, Synthetic(α, β): the round, its limit (generating
+  # its examples too) and the per-client overhead before the last lines.
+  proc = _run(
+    'experiments.benchmark',
+    '--dataset=synthetic',
+    '--model=logistic',
+    '--synthetic_alpha=0.5',
+    '--num_clients=1000',
+    '--clients_per_round=4',
+    '--local_epochs=1',
+    '--rounds=1',
+  )
+  assert proc.returncode == 0, proc.stderr
+  out = proc.stdout
+  assert re.search(r'^Synthetic\(0\.5, 1\): 1000 clients generated', out, re.M)
+  assert 'PyTorch reference: none for generated clients' in out
+  line = re.search(
+    r'^\[lognormal, 1 device\(s\), chunk 1\] .* round ([\d.]+)s '
+    r'\((\d+) steps\) \| limit ([\d.]+)s',
+    out,
+    re.M,
+  )
+  assert line, out
+  round_s, steps, limit_s = map(float, line.groups())
+  assert math.isfinite(round_s) and round_s >= 0 and steps >= 4
+  assert math.isfinite(limit_s) and limit_s >= 0
+  lines = out.splitlines()
+  assert re.match(_OVERHEAD, lines[-3]), out
+  assert lines[-2].startswith('evaluation share: ')
+  assert re.match(r'round/limit ratio: \d+\.\d\d$', lines[-1])
 
 
 def test_benchmark_rejects_bad_devices(small_fmnist_dir):
