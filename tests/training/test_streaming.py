@@ -186,8 +186,8 @@ def test_streamed_round_holds_a_chunk_not_k_models():
   variables = model.init(jax.random.key(0))
   model_bytes = sum(x.nbytes for x in jax.tree.leaves(variables))
 
-  def temp(k, **kw):
-    algorithm = fedavg.fedavg(local, k)
+  def temp(k, make=fedavg.fedavg, **kw):
+    algorithm = make(local, k)
     state = engine.init_state(algorithm, variables)
     fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=k, **kw))
     mem = fn.lower(state, data, jax.random.key(0)).compile().memory_analysis()
@@ -199,3 +199,7 @@ def test_streamed_round_holds_a_chunk_not_k_models():
   assert stacked - streamed >= 0.8 * 64 * model_bytes
   assert temp(64) - temp(16) <= 0.1 * 48 * model_bytes
   assert temp(64, client_chunk=8) - streamed <= 4 * 8 * model_bytes
+  # FedMut sends coefficients, not K mutated models: no growth with K.
+  assert temp(64, fedmut.fedmut) - temp(16, fedmut.fedmut) <= (
+    0.1 * 48 * model_bytes
+  )
