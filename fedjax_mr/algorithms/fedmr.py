@@ -49,6 +49,9 @@ from fedjax_mr.core import tree
 from fedjax_mr.core import types
 from fedjax_mr.training import client
 
+# The largest round index: rounds are counted in int32.
+_MAX_ROUND = 2**31 - 1
+
 
 def permute(
   client_params: types.PyTree,
@@ -188,8 +191,11 @@ def _check_options(
   """Raises `ValueError` for inconsistent arguments of `fedmr`."""
   if k < 1:
     raise ValueError(f'clients_per_round must be >= 1, got {k}')
-  if bound < 0:
-    raise ValueError(f'first_stage_bound must be >= 0, got {bound}')
+  if not 0 <= bound <= _MAX_ROUND:
+    raise ValueError(
+      f'first_stage_bound must be in [0, {_MAX_ROUND}] (rounds are int32), '
+      f'got {bound}'
+    )
   if grouping not in grouping_lib.GROUPINGS:
     raise ValueError(f'grouping must be one of {grouping_lib.GROUPINGS}')
   if num_segments is not None and int(num_segments) < 1:
@@ -430,6 +436,11 @@ class Hparams:
         raise errors.ArgumentError(
           name, f'must be >= 0, got {getattr(self, name)}'
         )
+    if self.first_stage > _MAX_ROUND:
+      # The round index is an int32 in the round state.
+      raise errors.ArgumentError(
+        'first_stage', f'must be <= {_MAX_ROUND}, got {self.first_stage}'
+      )
     if self.grouping not in grouping_lib.GROUPINGS:
       raise errors.ArgumentError(
         'grouping',

@@ -75,8 +75,20 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
         f'`variants`: {item!r} in {spec!r} is not field=value with a field '
         'of the experiment config (a flag of experiments.run)'
       )
+    if key in _SET_PER_RUN:
+      raise errors.ConfigError(
+        f'`variants`: {item!r} in {spec!r}: a variant cannot set {key}; '
+        f'each run takes it from {_SET_PER_RUN[key]}'
+      )
     overrides[key] = _convert(key, fields[key], value, spec)
   return name, overrides
+
+
+# The fields every run of a comparison gets from the comparison itself.
+_SET_PER_RUN = {
+  'seed': '`seeds`',
+  'workdir': '`workdir` (<workdir>/<variant>/s<seed>)',
+}
 
 
 def _convert(name: str, field: dataclasses.Field, value: str, spec: str) -> Any:

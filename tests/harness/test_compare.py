@@ -124,3 +124,13 @@ def test_the_title_states_the_setting_and_what_differs(tmp_path):
   assert compare.setting_title(c).startswith(
     'synthetic logistic, α=1, β=0.5, K=4 of 10, E=1'
   )
+
+
+@pytest.mark.parametrize(
+  'spec,names',
+  [('x:seed=5', '`seeds`'), ('x:lr=0.1,workdir=/tmp/w', '`workdir`')],
+)
+def test_a_variant_cannot_set_what_each_run_gets(spec, names):
+  # These used to reach dataclasses.replace twice ("got multiple values").
+  with pytest.raises(errors.ConfigError, match=f'^`variants`: .*{names}'):
+    compare.parse_variant(spec)
