@@ -195,6 +195,10 @@ def to_json(values: Any, shape: tuple[int, int]) -> list[list[Any]]:
 
 
 SPLITS = ('test', 'train')
+# Bounds checked before anything is computed: the grid's points are held
+# at once (steps² of them), and coordinates must stay plottable.
+MAX_STEPS = 1001
+MAX_EXTENT = 1e6
 
 
 def check_args(
@@ -208,13 +212,16 @@ def check_args(
 ) -> None:
   """Raises `ConfigError` naming (in backticks) a bad argument of `compute`
   or `examples`."""
-  if steps < 3 or steps % 2 == 0:
+  if steps < 3 or steps % 2 == 0 or steps > MAX_STEPS:
     raise errors.ConfigError(
-      f'`steps` must be odd and >= 3 (the model is the middle point), got '
-      f'{steps}'
+      f'`steps` must be odd, >= 3 (the model is the middle point) and <= '
+      f'{MAX_STEPS} (a grid of {MAX_STEPS}² model evaluations), got {steps}'
     )
-  if not (math.isfinite(extent) and extent > 0):
-    raise errors.ConfigError(f'`extent` must be finite and > 0, got {extent}')
+  if not (math.isfinite(extent) and 0 < extent <= MAX_EXTENT):
+    raise errors.ConfigError(
+      f'`extent` must be > 0 and <= {MAX_EXTENT:g} (coordinates are in '
+      f"units of the model's own filter norms), got {extent}"
+    )
   if num_examples < 0:
     raise errors.ConfigError(
       f'`num_examples` must be >= 0 (0: all), got {num_examples}'
