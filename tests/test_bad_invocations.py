@@ -73,6 +73,9 @@ CASES = {
     (['--cifar100_labels=coarse'], '--cifar100_labels'),
     (['--model=char_lstm'], '--model=char_lstm'),
     (['--algorithm=fedprox', '--fedprox_mu=-1'], '--fedprox_mu'),
+    (['--num_devices=1000000000'], '--num_devices'),
+    (['--host_devices=1000000'], '--host_devices'),
+    (['--batch_size=1000000000'], '--batch_size'),
     (['--algorithm=fedmut', '--fedmut_alpha=nan'], '--fedmut_alpha'),
     (
       ['--algorithm=fedmr', '--fedmr_first_stage=3000000000'],

@@ -531,6 +531,19 @@ _NON_NEGATIVE = (
 )
 
 
+# Upper bounds checked before anything allocates: what each value would
+# cost beyond them (XLA's host devices are threads with their own buffers;
+# a batch is allocated whole), and why no real setting comes near.
+# host_devices: distributed.MAX_HOST_DEVICES.
+_AT_MOST = {
+  'host_devices': (256, 'XLA host devices on one CPU host'),
+  'num_devices': (65_536, 'devices in one mesh'),
+  'batch_size': (2**20, 'examples in one batch'),
+  'eval_batch_size': (2**20, 'examples in one batch'),
+  'client_chunk': (2**20, 'clients vmapped at once'),
+}
+
+
 def _check_values(config: ExperimentConfig) -> None:
   """Choices, and sizes and rates in their ranges."""
   for f in base_fields():
@@ -544,6 +557,12 @@ def _check_values(config: ExperimentConfig) -> None:
     if getattr(config, name) < 0:
       raise errors.ConfigError(
         f'`{name}` must be ≥ 0, got {getattr(config, name)}'
+      )
+  for name, (bound, what) in _AT_MOST.items():
+    if getattr(config, name) > bound:
+      raise errors.ConfigError(
+        f'`{name}` must be at most {bound:,} ({what}), got '
+        f'{getattr(config, name):,}'
       )
   check_seed('seed', config.seed)
   if not (

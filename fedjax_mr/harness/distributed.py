@@ -42,6 +42,9 @@ def auto_host_devices(clients_per_round: int) -> int:
   return max(1, min(cores, int(clients_per_round)))
 
 
+MAX_HOST_DEVICES = 256
+
+
 def initialize(
   *,
   host_devices: int = 0,
@@ -64,6 +67,9 @@ def initialize(
     process_id: this process's index.
   """
   n = host_devices or num_devices or auto_host_devices(clients_per_round)
+  # More host devices than this only time-slice one CPU host; a mesh of
+  # `num_devices` beyond it is refused when the mesh is made.
+  n = min(n, MAX_HOST_DEVICES)
   flags = os.environ.get('XLA_FLAGS', '')
   if 'xla_force_host_platform_device_count' not in flags:
     os.environ['XLA_FLAGS'] = (
