@@ -49,9 +49,14 @@ class Hparams:
 def server_aggregate(
   outputs: types.ClientOutput, weighted: bool
 ) -> types.Variables:
-  """The (example-weighted or plain) mean of the K uploaded models."""
-  weights = outputs.num_examples if weighted else None
-  return tree.weighted_mean(outputs.variables, weights)
+  """The (example-weighted or plain) mean of the K uploaded models, all at
+  once: FedAvg's own mean (`mean_contribution` summed, `mean_of`) with
+  the same operations, so an algorithm that reduces to FedAvg matches its
+  stacked round bit for bit."""
+  total = types.sum_outputs(
+    lambda output: mean_contribution(output, weighted), outputs
+  ).total
+  return mean_of(total, jax.tree.map(lambda x: x[0], outputs.variables))
 
 
 def mean_contribution(

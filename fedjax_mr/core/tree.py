@@ -64,11 +64,13 @@ def masked_mean(
   w = w.astype(jnp.float32)
 
   def one(x, g, mask):
+    # Σ share·x / Σ share, as FedAvg's mean (`algorithms.fedavg.mean_of`),
+    # so that every client holding every leaf gives FedAvg's bits.
     share = w * mask
     total = jnp.sum(share)
-    mean = jnp.tensordot(
-      share / jnp.maximum(total, 1e-30), x.astype(jnp.float32), axes=1
-    )
+    shaped = share.reshape((-1,) + (1,) * (x.ndim - 1))
+    summed = jnp.sum(shaped * x.astype(jnp.float32), axis=0)
+    mean = summed / jnp.maximum(total, 1e-30)
     return jnp.where(total > 0, mean, g).astype(g.dtype)
 
   return jax.tree.map(one, client_tree, fallback, masks)

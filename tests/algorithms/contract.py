@@ -107,10 +107,14 @@ def fake_outputs(
 
 def server_params_after(algorithms, model, data, rounds=2, k=4):
   """Each algorithm's server params after `rounds` engine rounds of `k`
-  clients from the same init and keys (for reductions to FedAvg)."""
+  clients from the same init and keys (for reductions to FedAvg). The
+  rounds stack the K uploads (`stream=False`): FedAvg's streamed sum adds
+  the same terms in another order."""
   out = []
   for algorithm in algorithms:
-    fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=k))
+    fn = jax.jit(
+      engine.make_round_fn(algorithm, clients_per_round=k, stream=False)
+    )
     state = engine.init_state(algorithm, model.init(jax.random.key(0)))
     for _ in range(rounds):
       state, _ = fn(state, data, jax.random.key(4))

@@ -287,11 +287,13 @@ def test_aggregate_keeps_untrained_layers_and_counts_bytes():
 @pytest.mark.slow
 def test_whole_model_blocks_are_fedavg():
   # Every client one block holding the whole model (layers_per_block >=
-  # U): FedAvg, through the engine, bit for bit. The same operations in
-  # the same order: the selects on the block range pass values through,
-  # the head reads the network's own representation, the first block uses
-  # the client's key, and the masked mean with every client holding every
-  # leaf is the weighted mean.
+  # U): FedAvg, through the engine. Local training is the same bit for
+  # bit (the selects on the block range pass values through, the head
+  # reads the network's own representation, the first block uses the
+  # client's key); the masked mean with every client holding every leaf is
+  # FedAvg's Σ n·w / Σ n, which XLA may add up in another order than
+  # FedAvg's own sum (1 ULP after round 1; round 2's training carries it
+  # to ~5e-6 relative).
   model = tiny(bn=True)
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
   local = contract.local_training(model)
@@ -300,7 +302,7 @@ def test_whole_model_blocks_are_fedavg():
     fedavg.fedavg(local, 4),
   )
   states = contract.server_params_after(algorithms, model, data)
-  chex.assert_trees_all_equal(states[0], states[1])
+  helpers.assert_close(states[0], states[1], rtol=5e-5, atol=1e-6)
 
 
 def _table(needs):

@@ -31,7 +31,10 @@ def _setting(local, k, n, weighted=True):
 
 def _run(algorithm, variables, data, k, rounds=2, seed=4):
   """`rounds` jitted engine rounds; (server params, metrics of each)."""
-  fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=k))
+  # Stacked (stream=False): FT-Part's mean is FedAvg's stacked one.
+  fn = jax.jit(
+    engine.make_round_fn(algorithm, clients_per_round=k, stream=False)
+  )
   state = engine.init_state(algorithm, variables)
   history = []
   for _ in range(rounds):
