@@ -73,6 +73,14 @@ CASES = {
     (['--cifar100_labels=coarse'], '--cifar100_labels'),
     (['--model=char_lstm'], '--model=char_lstm'),
     (['--algorithm=fedprox', '--fedprox_mu=-1'], '--fedprox_mu'),
+    (
+      ['--algorithm=moon', '--moon_projection_dim=1000000000'],
+      '--moon_projection_dim',
+    ),
+    (
+      ['--algorithm=fedgen', '--fedgen_hidden_dim=1000000000'],
+      '--fedgen_hidden_dim',
+    ),
     (['--num_devices=1000000000'], '--num_devices'),
     (['--host_devices=1000000'], '--host_devices'),
     (['--batch_size=1000000000'], '--batch_size'),

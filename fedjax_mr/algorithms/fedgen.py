@@ -122,6 +122,11 @@ def _at_least_one(name, value):
     raise errors.ArgumentError(name, f'must be an integer >= 1, got {value}')
 
 
+# Upper bounds of the generator's widths and batch sizes.
+MAX_WIDTH = 65_536
+MAX_BATCH = 2**20
+
+
 @dataclasses.dataclass(frozen=True)
 class Hparams:
   """FedGen's generator and its two loss weights on each side."""
@@ -189,6 +194,12 @@ class Hparams:
       'synthetic_batch_size',
     ):
       _at_least_one(name, getattr(self, name))
+      # Bounded before the generator is built or a batch is drawn.
+      bound = MAX_WIDTH if name.endswith('_dim') else MAX_BATCH
+      if getattr(self, name) > bound:
+        raise errors.ArgumentError(
+          name, f'must be at most {bound:,}, got {getattr(self, name):,}'
+        )
     if int(self.generator_steps) != self.generator_steps or (
       self.generator_steps < 0
     ):

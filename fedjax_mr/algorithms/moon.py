@@ -107,10 +107,16 @@ class Hparams:
       raise errors.ArgumentError(
         'temperature', f'must be finite and > 0, got {self.temperature}'
       )
-    if self.projection_dim < 0:
+    if not 0 <= self.projection_dim <= MAX_PROJECTION_DIM:
+      # Bounded before the head is built: its weights grow with it.
       raise errors.ArgumentError(
-        'projection_dim', f'must be >= 0, got {self.projection_dim}'
+        'projection_dim',
+        f'must be in [0, {MAX_PROJECTION_DIM:,}], got {self.projection_dim:,}',
       )
+
+
+# The widest projection head `projection_dim` may ask for.
+MAX_PROJECTION_DIM = 65_536
 
 
 def cosine(a: jax.Array, b: jax.Array) -> jax.Array:
