@@ -179,14 +179,15 @@ def stream_clients(
   """
   k = jax.tree.leaves(xs)[0].shape[0]
   chunk = max(1, min(int(chunk), k))
-  if valid is None:
-    valid = jnp.ones((k,), bool)
+  masked = valid is not None
+  if not masked:
+    valid = jnp.ones((k,), bool)  # carried along, never read
 
   def one(x, ok):
     out, state = fn(*x)
-    part = jax.tree.map(
-      lambda c: jnp.where(ok, c, jnp.zeros_like(c)), contribution(out)
-    )
+    part = contribution(out)
+    if masked:
+      part = jax.tree.map(lambda c: jnp.where(ok, c, jnp.zeros_like(c)), part)
     scalars = (out.num_examples, out.loss, out.num_steps)
     return part, scalars, state
 

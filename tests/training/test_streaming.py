@@ -33,21 +33,26 @@ def _fake_client(x, state, cid, key):
   return out, state + 1
 
 
+def _inputs(k):
+  """`stream_clients`' per-client inputs of K fake clients: models 1..K,
+  no state, ids 0..K-1, keys."""
+  return (
+    jnp.arange(1.0, k + 1.0),
+    jnp.zeros((k,), jnp.int32),
+    jnp.arange(k, dtype=jnp.int32),
+    jax.random.split(jax.random.key(0), k),
+  )
+
+
 @pytest.mark.parametrize('chunk', [1, 2, 3, 5, 8])
 def test_streamed_sum_by_hand(chunk):
   # Five clients: models 1..5 times ones, weights (examples) 1..5, so the
   # weighted sum is 1*1 + 2*2 + ... + 5*5 = 55 and the weights sum to 15;
   # every value is an integer, exact in float32 in any order.
-  xs = (
-    jnp.arange(1.0, 6.0),
-    jnp.zeros((5,), jnp.int32),
-    jnp.arange(5, dtype=jnp.int32),
-    jax.random.split(jax.random.key(0), 5),
-  )
   sums, states = engine.stream_clients(
     _fake_client,
     lambda out: fedavg.mean_contribution(out, weighted=True),
-    xs,
+    _inputs(5),
     chunk,
   )
   np.testing.assert_array_equal(sums.total['models']['params']['w'], [55.0] * 3)
@@ -62,16 +67,10 @@ def test_streamed_sum_by_hand(chunk):
 def test_invalid_clients_add_nothing(chunk):
   # Clients 1 and 3 are filling entries: they add zeros to the sums but
   # keep their rows of scalars (the engine drops those).
-  xs = (
-    jnp.arange(1.0, 5.0),
-    jnp.zeros((4,), jnp.int32),
-    jnp.arange(4, dtype=jnp.int32),
-    jax.random.split(jax.random.key(0), 4),
-  )
   sums, _ = engine.stream_clients(
     _fake_client,
     lambda out: fedavg.mean_contribution(out, weighted=False),
-    xs,
+    _inputs(4),
     chunk,
     valid=jnp.array([True, False, True, False]),
   )
