@@ -355,7 +355,8 @@ class ExperimentConfig:
     0,
     'Clients trained together on each device: 1 = one after another '
     '(fastest on CPU), K/devices = all vmapped (for accelerators), in '
-    'between = vmapped chunks; 0 = 1 on CPU, all on GPU/TPU.',
+    'between = vmapped chunks; 0 = 1 on CPU, all on GPU/TPU up to 1,000 '
+    'a device.',
     run_only=True,
   )
   num_devices: int = _field(
