@@ -64,6 +64,7 @@ computation costs shows in those ratios too.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import resource
@@ -450,18 +451,13 @@ def _prepare(
   chunk = distributed.client_mapping(k, FLAGS.client_chunk, mesh)[
     'client_chunk'
   ]
-  round_fn = jax.jit(
-    engine.make_round_fn(
-      algorithm,
-      clients_per_round=k,
-      client_chunk=chunk,
-      mesh=mesh if d > 1 else None,
-    )
+  # As experiments.run: per-client state in host memory.
+  state = engine.init_state(
+    algorithm, variables, data.num_clients, host_clients=True
   )
-  state = engine.init_state(algorithm, variables, data.num_clients)
   key = jax.random.key(1)
   t = time.perf_counter()
-  compiled = round_fn.lower(state, data, key).compile()
+  step = _compiled_round(algorithm, state, data, key, chunk, mesh, d)
   compile_s = time.perf_counter() - t
   server_s = _server_seconds(algorithm, state, data, key)
   evaluate, test_examples = _evaluation(
@@ -474,7 +470,7 @@ def _prepare(
     'chunk': chunk,
     'compile_s': compile_s,
     'server_s': server_s,
-    'step': lambda s: compiled(s, data, key),
+    'step': lambda s: step(s, data, key),
     # Compiled at its first (warm-up) call: FedAvg timed beside another
     # algorithm is never evaluated.
     'evaluate': jax.jit(evaluate),
@@ -487,6 +483,38 @@ def _prepare(
     'limits': [],
     'balance': [],
   }
+
+
+def _compiled_round(algorithm, state, data, key, chunk, mesh, d):
+  """`step(state, data, key) -> (state, metrics)`, compiled as
+  experiments.run compiles it (without donation): one jitted round, or
+  for per-client state in host memory the jitted sampler and the round
+  on the sampled rows (`engine.make_host_round`)."""
+  import jax
+  import numpy as np
+
+  from fedjax_mr.training import engine
+
+  k = FLAGS.clients_per_round
+  make = functools.partial(
+    engine.make_round_fn,
+    algorithm,
+    clients_per_round=k,
+    client_chunk=chunk,
+    mesh=mesh if d > 1 else None,
+  )
+  if not engine.has_clients(state):
+    return jax.jit(make()).lower(state, data, key).compile()
+  sample = jax.jit(engine.make_sample_fn(algorithm, k))
+  device_state = state.replace(clients=())
+  ids = sample(device_state, data, key)
+  rows = jax.tree.map(lambda a: a[np.asarray(ids)], state.clients)
+  rows_round = (
+    jax.jit(make(client_rows=True))
+    .lower(device_state, data, key, ids, rows)
+    .compile()
+  )
+  return engine.make_host_round(sample, rows_round)
 
 
 def _server_seconds(algorithm, state, data, key):

@@ -14,6 +14,7 @@ and no round's row is skipped (`resume`). `load_run` reads a run back.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -106,8 +107,14 @@ def _setup(
   if config.init_from:
     variables = build.pretrained_variables(config, model, variables)
   algorithm = build.build_algorithm(config, model, variables, hparams)
-  state = engine.init_state(algorithm, variables, len(clients.sizes))
-  data, test, state = distributed.replicate((clients.data, test, state), mesh)
+  # Per-client state stays in host memory; each round moves its K rows.
+  state = engine.init_state(
+    algorithm, variables, len(clients.sizes), host_clients=True
+  )
+  data, test, device_state = distributed.replicate(
+    (clients.data, test, state.replace(clients=())), mesh
+  )
+  state = device_state.replace(clients=state.clients)
   return build.Experiment(
     config=config,
     model=model,
@@ -202,6 +209,7 @@ def _run(
   ckpt, start, state = resume.restore(
     config, workdir, experiment.state, log, primary
   )
+  state = engine.to_host_clients(state)
   os.makedirs(workdir, exist_ok=True)
   if primary:
     records.write_run_files(config, workdir, bool(start), experiment.partition)
@@ -265,19 +273,29 @@ def _run(
 
 
 def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
-  """The experiment's round, jit-compiled with its state donated and its
-  results replicated over the mesh."""
+  """The experiment's round `step(state, data, key) -> (state, metrics)`,
+  jit-compiled with its state donated and its results replicated over
+  the mesh. Per-client state, if any, stays in host memory
+  (`engine.make_host_round`)."""
   mesh = experiment.mesh
-  return jax.jit(
-    engine.make_round_fn(
-      experiment.algorithm,
-      clients_per_round=experiment.config.clients_per_round,
-      client_chunk=chunk,
-      mesh=mesh if mesh.devices.size > 1 else None,
-    ),
-    donate_argnums=0,
+  k = experiment.config.clients_per_round
+  jitted = functools.partial(
+    jax.jit, donate_argnums=0, out_shardings=distributed.replicated(mesh)
+  )
+  make = functools.partial(
+    engine.make_round_fn,
+    experiment.algorithm,
+    clients_per_round=k,
+    client_chunk=chunk,
+    mesh=mesh if mesh.devices.size > 1 else None,
+  )
+  if not engine.has_clients(experiment.state):
+    return jitted(make())
+  sample = jax.jit(
+    engine.make_sample_fn(experiment.algorithm, k),
     out_shardings=distributed.replicated(mesh),
   )
+  return engine.make_host_round(sample, jitted(make(client_rows=True)))
 
 
 class _Loop(NamedTuple):

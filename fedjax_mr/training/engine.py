@@ -15,6 +15,7 @@ from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from fedjax_mr.core import types
@@ -43,6 +44,8 @@ def init_state(
   algorithm: types.Algorithm,
   variables: types.Variables,
   num_clients: int | None = None,
+  *,
+  host_clients: bool = False,
 ) -> RoundState:
   """The state before round 0, from the initial model variables.
 
@@ -54,6 +57,8 @@ def init_state(
     algorithm: the algorithm.
     variables: the initial model.
     num_clients: N; required when the algorithm keeps per-client state.
+    host_clients: keep the per-client state in host memory (numpy arrays,
+      for `make_host_round`) instead of on the default device.
   """
   clients = ()
   if algorithm.init_client_state is not None:
@@ -62,16 +67,38 @@ def init_state(
         'num_clients must be given (>= 1) for an algorithm with per-client '
         f'state, got {num_clients}'
       )
-    one = algorithm.init_client_state(variables)
+    one = jax.device_get(algorithm.init_client_state(variables))
     clients = jax.tree.map(
-      lambda x: jnp.broadcast_to(x, (num_clients, *jnp.shape(x))), one
+      lambda x: np.broadcast_to(x, (num_clients, *np.shape(x))).copy(), one
     )
   state = RoundState(
     round=jnp.zeros((), jnp.int32),
     server=algorithm.init(variables),
-    clients=clients,
+    clients=(),
   )
-  return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+  state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)
+  if not host_clients:
+    clients = jax.tree.map(lambda x: jnp.array(x, copy=True), clients)
+  return state.replace(clients=clients)
+
+
+def has_clients(state: RoundState) -> bool:
+  """Whether `state` holds per-client state."""
+  return bool(jax.tree.leaves(state.clients))
+
+
+def to_host_clients(state: RoundState) -> RoundState:
+  """`state` with its per-client state as writable numpy arrays (copied
+  from the devices where it is not numpy already)."""
+  return state.replace(
+    clients=jax.tree.map(
+      lambda x: x if _writable(x) else np.array(x, copy=True), state.clients
+    )
+  )
+
+
+def _writable(x: Any) -> bool:
+  return isinstance(x, np.ndarray) and x.flags.writeable
 
 
 def round_keys(key: jax.Array, round_index: jax.Array) -> jax.Array:
@@ -359,6 +386,28 @@ def _check_k(algorithm: types.Algorithm, clients_per_round: int) -> int:
   return k
 
 
+def _train_clients(
+  algorithm: types.Algorithm, summed: bool, client_chunk: int
+) -> Callable:
+  """`train_clients(shared, per_client, client_state, ids, keys, valid,
+  data)`: the K clients' updates, their contributions summed as they
+  finish (`stream_clients`) when `summed`, else stacked (`map_clients`)."""
+  update = algorithm.client_update
+
+  def train_clients(shared, per_client, client_state, ids, keys, valid, data):
+    def run(p, s, c, ck):
+      return update(shared, p, s, data, c, ck)
+
+    xs = (per_client, client_state, ids, keys)
+    if summed:
+      return stream_clients(
+        run, algorithm.contribution, xs, client_chunk, valid
+      )
+    return map_clients(run, xs, client_chunk)
+
+  return train_clients
+
+
 def make_round_fn(
   algorithm: types.Algorithm,
   *,
@@ -366,10 +415,8 @@ def make_round_fn(
   client_chunk: int = 1,
   mesh: jax.sharding.Mesh | None = None,
   stream: bool = True,
-) -> Callable[
-  [RoundState, client_data_lib.ClientData, jax.Array],
-  tuple[RoundState, dict[str, jax.Array]],
-]:
+  client_rows: bool = False,
+) -> Callable:
   """Builds one federated round.
 
   The round's keys are `round_keys(key, state.round)`: sampling, dispatch,
@@ -400,41 +447,34 @@ def make_round_fn(
     stream: False stacks the K outputs and sums them at once
       (`types.aggregate_stacked`) even for an algorithm with a
       `contribution`: the reference the streamed round is tested against.
+    client_rows: the per-client state stays outside the round (on the
+      host: `make_host_round`). The round then takes the sampled ids
+      (`make_sample_fn`) and their state rows, and returns the rows'
+      new values.
 
   Returns:
-    `round_fn(state, data, key) -> (state, metrics)`; metrics: `train_loss`
-    (per-example mean over the round's local training), `num_examples`,
-    `num_steps`, the per-client `client_ids`, `client_examples`,
-    `client_steps` and `client_loss` (each `[K]`, in sampling order; see
-    `PER_CLIENT_METRICS`), and the algorithm's own metrics.
+    `round_fn(state, data, key) -> (state, metrics)`, or with
+    `client_rows` `round_fn(state, data, key, ids, rows) -> (state,
+    new_rows, metrics)` (`state.clients` is then `()`; `rows` leaves
+    `[K, ...]`). Metrics: `train_loss` (per-example mean over the round's
+    local training), `num_examples`, `num_steps`, the per-client
+    `client_ids`, `client_examples`, `client_steps` and `client_loss`
+    (each `[K]`, in sampling order; see `PER_CLIENT_METRICS`), and the
+    algorithm's own metrics.
   """
   k = _check_k(algorithm, clients_per_round)
   shards = 1 if mesh is None else mesh.devices.size
   sample = sampler_of(algorithm, k)
-  update = algorithm.client_update
   summed = stream and algorithm.contribution is not None
   _aggregate_stacked = functools.partial(types.aggregate_stacked, algorithm)
-
-  def train_clients(shared, per_client, client_state, ids, keys, valid, data):
-    def run(p, s, c, ck):
-      return update(shared, p, s, data, c, ck)
-
-    xs = (per_client, client_state, ids, keys)
-    if summed:
-      return stream_clients(
-        run, algorithm.contribution, xs, client_chunk, valid
-      )
-    return map_clients(run, xs, client_chunk)
-
+  train_clients = _train_clients(algorithm, summed, client_chunk)
   if shards > 1:
     sharded_train = _shard_clients(train_clients, mesh, summed)
 
-  def round_fn(state, data, key):
-    k_sample, k_dispatch, k_clients, k_aggregate = round_keys(key, state.round)
-    ids = sample(k_sample, state.round, state.server, data)
+  def rows_round(state, data, key, ids, client_state):
+    _, k_dispatch, k_clients, k_aggregate = round_keys(key, state.round)
     sent = algorithm.dispatch(state.server, ids, state.round, k_dispatch)
     keys = jax.random.split(k_clients, k)
-    client_state = _gather(state.clients, ids)
     if shards == 1:
       outputs, client_state = train_clients(
         sent.shared, sent.per_client, client_state, ids, keys, None, data
@@ -443,22 +483,83 @@ def make_round_fn(
       outputs, client_state = _run_sharded(
         sharded_train, sent, client_state, ids, keys, data, shards
       )
-    clients = jax.tree.map(
-      lambda all_, new: all_.at[ids].set(new.astype(all_.dtype)),
-      state.clients,
-      client_state,
-    )
     aggregate = algorithm.aggregate if summed else _aggregate_stacked
     server_state, server_metrics = aggregate(
       state.server, outputs, ids, state.round, k_aggregate
     )
     metrics = {**_round_metrics(outputs, ids), **server_metrics}
-    new_state = RoundState(
-      round=state.round + 1, server=server_state, clients=clients
+    new_state = state.replace(round=state.round + 1, server=server_state)
+    return new_state, client_state, metrics
+
+  if client_rows:
+    return rows_round
+
+  def round_fn(state, data, key):
+    k_sample = round_keys(key, state.round)[0]
+    ids = sample(k_sample, state.round, state.server, data)
+    new_state, rows, metrics = rows_round(
+      state, data, key, ids, _gather(state.clients, ids)
     )
-    return new_state, metrics
+    clients = jax.tree.map(
+      lambda all_, new: all_.at[ids].set(new.astype(all_.dtype)),
+      state.clients,
+      rows,
+    )
+    return new_state.replace(clients=clients), metrics
 
   return round_fn
+
+
+def make_sample_fn(
+  algorithm: types.Algorithm, clients_per_round: int
+) -> Callable[[RoundState, Any, jax.Array], jax.Array]:
+  """`sample(state, data, key) -> ids [K]`: the clients the round of
+  `state` trains, drawn with the round's sampling key as `make_round_fn`
+  draws them (for `client_rows` rounds)."""
+  sample = sampler_of(algorithm, _check_k(algorithm, clients_per_round))
+
+  def sample_fn(state, data, key):
+    k_sample = round_keys(key, state.round)[0]
+    return sample(k_sample, state.round, state.server, data)
+
+  return sample_fn
+
+
+def make_host_round(
+  sample_fn: Callable, rows_round: Callable
+) -> Callable[[RoundState, Any, jax.Array], tuple[RoundState, Any]]:
+  """A round whose per-client state lives in host memory.
+
+  `state.clients` holds numpy arrays `[N, ...]` (`init_state(...,
+  host_clients=True)`, `to_host_clients`). Each call draws the round's
+  ids (`sample_fn`, from `make_sample_fn`), gathers their K rows on the
+  host, runs `rows_round` (`make_round_fn(..., client_rows=True)`, both
+  usually jit-compiled) and writes the new rows back into the same numpy
+  arrays, so only K rows ever reach the devices. The results are those of
+  the device-resident round (the gather and the scatter are exact).
+
+  Returns:
+    `step(state, data, key) -> (state, metrics)`, like `make_round_fn`'s
+    round; `state.clients` of the result are the updated arrays (the
+    argument's own, written in place).
+  """
+
+  def step(state, data, key):
+    clients = state.clients
+    device_state = state.replace(clients=())
+    ids = sample_fn(device_state, data, key)
+    at = np.asarray(jax.device_get(ids))
+    rows = jax.tree.map(lambda a: a[at], clients)
+    device_state, new_rows, metrics = rows_round(
+      device_state, data, key, ids, rows
+    )
+    for a, new in zip(
+      jax.tree.leaves(clients), jax.tree.leaves(jax.device_get(new_rows))
+    ):
+      a[at] = new.astype(a.dtype)
+    return device_state.replace(clients=clients), metrics
+
+  return step
 
 
 def make_evaluate(

@@ -109,6 +109,8 @@ def test_auto_host_devices_one_per_core_at_most_k(monkeypatch):
 def test_default_chunk_is_one_on_cpu_and_bounded_on_accelerators():
   assert distributed.default_chunk('cpu', 10_000) == 1
   assert distributed.default_chunk('gpu', 300) == 300
-  assert distributed.default_chunk('gpu', 10_000) == distributed.ACCELERATOR_CHUNK
+  assert (
+    distributed.default_chunk('gpu', 10_000) == distributed.ACCELERATOR_CHUNK
+  )
   assert distributed.default_chunk('tpu', 1_000) == 1_000
   assert distributed.default_chunk('gpu', 0) == 1
