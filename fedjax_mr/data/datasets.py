@@ -138,6 +138,19 @@ NAMES = tuple(sorted((*_SPECS, SYNTHETIC)))
 # Datasets with their own users (`partition=natural`).
 NATURAL = tuple(n for n in NAMES if n in _SPECS and _SPECS[n].source == 'leaf')
 CIFAR100_LABELS = ('fine', 'coarse')
+# The names figures and tables give the datasets.
+DISPLAY_NAMES = {
+  'cifar10': 'CIFAR-10',
+  'cifar100': 'CIFAR-100',
+  'cinic10': 'CINIC-10',
+  'emnist': 'EMNIST (byclass)',
+  'fashion_mnist': 'Fashion-MNIST',
+  'femnist': 'FEMNIST',
+  'mnist': 'MNIST',
+  'shakespeare': 'Shakespeare',
+  'svhn_cropped': 'SVHN',
+  SYNTHETIC: 'Synthetic',
+}
 
 
 def _dataset(name: str, spec: _Spec, train, test, **natural) -> Dataset:
