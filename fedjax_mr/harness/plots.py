@@ -211,7 +211,10 @@ def curves_figure(runs: Runs, title: str = '') -> Any:
     name: [curve(seeds, p.key, p.scale) for p in panels]
     for name, seeds in runs.items()
   }
-  fig, axes = _grid(len(panels))
+  # Room on the right for a side legend (one method's is inside).
+  fig, axes = _grid(
+    len(panels), 3.0 if 1 < len(runs) <= MAX_SIDE_LEGEND else 0.5
+  )
   colors = dict(zip(runs, _colors(len(runs))))
   cut = False
   for i, (ax, panel) in enumerate(zip(axes, panels)):
@@ -236,14 +239,14 @@ def _panels(runs: Runs) -> tuple[Panel, ...]:
   return PANELS + tuple(p for p in OPTIONAL_PANELS if p.key in logged)
 
 
-def _grid(n: int) -> tuple[Any, np.ndarray]:
+def _grid(n: int, margin: float = 3.0) -> tuple[Any, np.ndarray]:
   """A figure (Agg canvas) and its first `n` axes, in rows of 2 (for 4)
-  or up to 3; the axes beyond `n` are hidden."""
+  or up to 3, `margin` inches wider; the axes beyond `n` are hidden."""
   figure, canvas = _matplotlib()
   ncols = 2 if n == 4 else min(n, 3)
   nrows = -(-n // ncols)
   fig = figure(
-    figsize=(4.4 * ncols + 3, 3.4 * nrows + 0.8), layout='constrained'
+    figsize=(4.4 * ncols + margin, 3.4 * nrows + 0.8), layout='constrained'
   )
   canvas(fig)
   axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
@@ -417,14 +420,18 @@ def log_ticks(low: float, high: float, at_least: int = 4) -> list[float]:
   """The labelled ticks of a log axis from `low` to `high` (> low > 0):
   the coarsest steps of `_LOG_STEPS` (powers of ten; and 3 times them;
   1, 2, 5 times them; ...) that put `at_least` ticks in the range, else
-  the finest."""
+  evenly spaced round numbers."""
   decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)))
   for subs in _LOG_STEPS:
     ticks = [float(f'{m * 10.0**e:.6g}') for e in decades for m in subs]
     ticks = [t for t in ticks if low <= t <= high]
     if len(ticks) >= at_least:
-      break
-  return ticks
+      return ticks
+  # Less than a factor 1.5 or so: evenly spaced round numbers.
+  from matplotlib import ticker
+
+  even = ticker.MaxNLocator(at_least + 1).tick_values(low, high)
+  return [float(f'{t:.6g}') for t in even if low <= t <= high]
 
 
 def plot_curves(runs: Runs, path: str, title: str = '') -> None:

@@ -247,6 +247,8 @@ def test_log_ticks_label_four_or_more_plain_values():
   assert plots.log_ticks(0.3, 3.5) == [0.3, 0.5, 0.7, 1, 1.5, 2, 3]
   assert plots.log_ticks(0.05, 20) == [0.1, 0.3, 1, 3, 10]
   assert plots.log_ticks(0.01, 50) == [0.01, 0.1, 1, 10]
+  # Under a factor of about 1.7: evenly spaced round numbers.
+  assert plots.log_ticks(1.65, 2.83) == [1.75, 2, 2.25, 2.5, 2.75]
 
 
 def test_one_methods_legend_is_inside_its_accuracy_panel():
