@@ -161,12 +161,34 @@ def expand_flagfiles(
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with flagfiles found as `expand_flagfiles`
-  finds them and parse errors as one line."""
+  finds them, parse errors as one line, and exit code 0 after the help
+  that `--help`, `--helpshort` and `--helpfull` ask for (absl exits 1)."""
   argv = [argv[0], *expand_flagfiles(argv[1:])]
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     fail(str(e))
+  except SystemExit as e:
+    # Parsing exits only when a help flag has printed what it asked for.
+    sys.exit(0 if e.code == 1 else e.code)
+
+
+def adopt_program_help(program: str) -> None:
+  """Gives the running script the help of the program module `program`.
+
+  absl's help prints the docstring of `__main__` and (`--helpshort`) the
+  key flags of the module named `sys.argv[0]`. Under `python -m
+  experiments.run` that is the program; under a console script
+  (`fedjax-mr-run`) it is a generated wrapper with neither, so the
+  wrapper takes the program's docstring and key flags.
+  """
+  module = sys.modules[program]
+  main = sys.modules['__main__']
+  if module is main:
+    return
+  main.__doc__ = module.__doc__
+  for flag in flags.FLAGS.get_key_flags_for_module(program):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
 
 def no_arguments(argv: list[str]) -> None:
@@ -213,6 +235,7 @@ def run(main: Callable[[list[str]], object]) -> None:
   input and unwritable files (`guarded`), and the library's warnings in
   the program's words (`render`)."""
   warnings.showwarning = _show_warning
+  adopt_program_help(main.__module__)
   app.run(guarded(main), flags_parser=parse_flags)
 
 

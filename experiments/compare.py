@@ -85,7 +85,9 @@ def main(argv) -> None:
   from fedjax_mr.harness import compare
   from fedjax_mr.harness import distributed
   from fedjax_mr.harness import experiment
+  from fedjax_mr.harness import provenance
 
+  started = provenance.collect(with_devices=False)  # results.json's
   with cli.training_errors('re-run the same command to resume'):
     try:
       seeds = [int(s) for s in _SEEDS.value]
@@ -111,11 +113,11 @@ def main(argv) -> None:
     names = [name for name, _ in variants]
     if _TABLE.value == 'these':
       summary = compare.summarize(
-        out, names, seeds, last=_LAST.value, title=title
+        out, names, seeds, last=_LAST.value, title=title, started=started
       )
     else:
       summary = compare.summarize(
-        out, last=_LAST.value, title=title, first=names
+        out, last=_LAST.value, title=title, first=names, started=started
       )
     print(compare.table(summary, title=title))
     print(f'curves: {out}/{compare.CURVES_FILE}')

@@ -15,10 +15,13 @@ take. Preparing a tfds dataset needs TensorFlow (`pip install
 'fedjax_mr[prepare]'`); the others need nothing more. FEMNIST and
 Shakespeare keep every user: the papers' filter (FEMNIST writers with more
 than 100 samples) is the runs' --leaf_min_samples=100, as in the bundled
-configs. Archives go to <data_dir>/downloads (data/downloads), where an
-archive put by hand is used as it is. What each dataset's preparation does
-is described in `fedjax_mr/data/prepare.py` and the modules it names
-(`download`, `femnist`, `shakespeare`, `leaf`, `cinic`).
+configs. Archives go to <data_dir>/downloads (data/downloads; tfds's own
+to <data_dir>/downloads/tfds), where an archive put by hand under its
+published name (cifar-10-binary.tar.gz, ...; a failure names it) is used
+as it is. A failed dataset leaves no folder it created behind. What each
+dataset's preparation does is described in `fedjax_mr/data/prepare.py`
+and the modules it names (`download`, `femnist`, `shakespeare`, `leaf`,
+`cinic`).
 """
 
 from __future__ import annotations
@@ -126,8 +129,11 @@ def main(argv) -> None:
           )
         )
       except errors.DataError as e:  # the others may still succeed
-        cli.log(f'{name}: failed: {e}')
-        failed.append(f'{name}: {e}')
+        # The reason once, in the error line at the end.
+        cli.log(f'{name}: failed (why: see the error at the end)')
+        failed.append(
+          str(e) if str(e).startswith(f'{name}: ') else f'{name}: {e}'
+        )
   except KeyboardInterrupt:
     print(
       '\ninterrupted; run again to go on (downloads resume where they stopped)',

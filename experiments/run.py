@@ -3,8 +3,11 @@ r"""Runs one federated training experiment.
   python -m experiments.run --flagfile=experiments/configs/default.flags
   python -m experiments.run --partition=iid --rounds=20 --workdir=/tmp/iid
 
-Every flag is a field of `fedjax_mr.harness.config.ExperimentConfig`;
-`--helpfull` lists them. Re-running with the same `--workdir` resumes.
+Every flag is a field of `fedjax_mr.harness.config.ExperimentConfig`:
+`--helpshort` lists the common ones, `--helpfull` also each algorithm's
+hyper-parameters (`--fedprox_mu`, `--fedmr_first_stage`, ...; each names
+the algorithms that read it). Re-running with the same `--workdir`
+resumes. Installed, the program is the console script `fedjax-mr-run`.
 """
 
 from __future__ import annotations
@@ -27,9 +30,8 @@ def _define_flags() -> None:
       help_text += f' One of: {", ".join(allowed)}.'
     cli.define_flag(f.name, f, help_text)
     flags.declare_key_flag(f.name)  # listed by --helpshort
-  # The algorithms' hyper-parameters, from the registry.
-  for name in cli.define_algorithm_flags():
-    flags.declare_key_flag(name)
+  # The algorithms' hyper-parameters, from the registry (--helpfull).
+  cli.define_algorithm_flags()
 
 
 _define_flags()

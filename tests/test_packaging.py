@@ -148,3 +148,36 @@ def test_the_installed_program_runs_a_bundled_config_from_elsewhere(
   assert 'round 1/1' in proc.stdout
   config = open(work / 'config.json').read()
   assert '"rounds": 1' in config and '"algorithm": "fedavg"' in config
+
+
+def test_the_installed_programs_print_their_help_from_elsewhere(
+  installed, tmp_path
+):
+  _, site = installed
+  env = {**os.environ, 'PYTHONPATH': str(site), 'TF_CPP_MIN_LOG_LEVEL': '2'}
+
+  def helps(script, flag):
+    proc = subprocess.run(
+      [site / 'bin' / script, flag],
+      cwd=tmp_path,
+      env=env,
+      capture_output=True,
+      text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+  for script, start, own in [
+    ('fedjax-mr-run', 'Runs one federated training experiment.', 'rounds'),
+    ('fedjax-mr-compare', 'Runs several algorithm variants', 'variants'),
+    ('fedjax-mr-stitch', 'FedStitch on a dataset with a pool', 'pool'),
+  ]:
+    out = helps(script, '--helpshort')
+    # The program's description and its flags, under the script's name
+    # (absl gave `USAGE: .../fedjax-mr-run [flags]` and exit code 1).
+    assert out.startswith(start), out
+    assert f'\n{site / "bin" / script}:\n' in out
+    assert f'\n  --{own}:' in out and '--logtostderr' not in out
+  full = helps('fedjax-mr-run', '--helpfull')
+  assert full.startswith('Runs one federated training experiment.')
+  assert '  --fedprox_mu:' in full and '  --[no]logtostderr:' in full

@@ -185,3 +185,48 @@ def test_compare_summarize_only_without_runs_says_so(tmp_path, table, says):
     f'error: --workdir={tmp_path}/nothing_here: {says}'
   )
   assert proc.stderr.rstrip().endswith('nothing to summarize')
+
+
+def _programs():
+  """The programs of experiments/ (those with a console script)."""
+  import os
+
+  folder = os.path.join(os.path.dirname(helpers.__file__), '..', 'experiments')
+  return sorted(
+    name[: -len('.py')]
+    for name in os.listdir(folder)
+    if name.endswith('.py')
+    and 'def entry()' in open(os.path.join(folder, name)).read()
+  )
+
+
+def _docstring_start(program):
+  import ast
+  import os
+
+  path = os.path.join(
+    os.path.dirname(helpers.__file__), '..', 'experiments', program + '.py'
+  )
+  return ast.get_docstring(ast.parse(open(path).read())).split('\n')[0]
+
+
+@pytest.mark.parametrize('program', _programs())
+def test_helpshort_prints_the_programs_description_and_own_flags(program):
+  proc = _run(f'experiments.{program}', '--helpshort')
+  assert proc.returncode == 0, proc.stderr
+  out = proc.stdout
+  assert out.startswith(_docstring_start(program))
+  # The program's own flags under its heading, not absl's (--logtostderr).
+  heading = re.search(rf'^\S*experiments/{program}\.py:$', out, re.M)
+  assert heading and out[heading.end() :].startswith('\n  --'), out
+  assert '--logtostderr' not in out and '--helpfull' in out
+
+
+def test_run_helpshort_leaves_the_algorithms_flags_to_helpfull():
+  short = _run('experiments.run', '--helpshort')
+  full = _run('experiments.run', '--helpfull')
+  assert short.returncode == full.returncode == 0
+  assert '  --rounds:' in short.stdout and '  --fedprox_mu:' not in short.stdout
+  assert len(short.stdout.splitlines()) < 250  # 111 flags: 445 lines
+  assert full.stdout.startswith('Runs one federated training experiment.')
+  assert '  --fedprox_mu:' in full.stdout

@@ -40,3 +40,20 @@ def test_ci_runs_the_readme_test_command():
     ci = f.read()
   assert commands[1] in ci.splitlines()
   assert 'experiments.compare' in commands[0]
+
+
+def test_the_readme_says_how_to_install_tensorboard():
+  import tomllib
+
+  text = ' '.join(_readme().split())
+  extra = re.search(
+    r"`\.venv/bin/pip install -e '\.\[(\w+)\]'`, then "
+    r'`\.venv/bin/tensorboard --logdir runs/default`',
+    text,
+  )
+  assert extra, 'no TensorBoard instruction'
+  with open(os.path.join(REPO, 'pyproject.toml'), 'rb') as f:
+    extras = tomllib.load(f)['project']['optional-dependencies']
+  assert any(r.startswith('tensorboard>') for r in extras[extra.group(1)]), (
+    extras
+  )

@@ -48,7 +48,9 @@ users' examples. On the CPU backend, the device arrays of `ClientData` and
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 from typing import NamedTuple
 from typing import Sequence
 
@@ -138,6 +140,19 @@ NAMES = tuple(sorted((*_SPECS, SYNTHETIC)))
 # Datasets with their own users (`partition=natural`).
 NATURAL = tuple(n for n in NAMES if n in _SPECS and _SPECS[n].source == 'leaf')
 CIFAR100_LABELS = ('fine', 'coarse')
+# The names figures and tables give the datasets.
+DISPLAY_NAMES = {
+  'cifar10': 'CIFAR-10',
+  'cifar100': 'CIFAR-100',
+  'cinic10': 'CINIC-10',
+  'emnist': 'EMNIST (byclass)',
+  'fashion_mnist': 'Fashion-MNIST',
+  'femnist': 'FEMNIST',
+  'mnist': 'MNIST',
+  'shakespeare': 'Shakespeare',
+  'svhn_cropped': 'SVHN',
+  SYNTHETIC: 'Synthetic',
+}
 
 
 def _dataset(name: str, spec: _Spec, train, test, **natural) -> Dataset:
@@ -449,13 +464,29 @@ def _load_tfds(
   splits = {}
   for split in ('train', 'test'):
     try:
-      source = tfds.data_source(
-        spec.tfds_name, split=split, data_dir=data_dir, download=False
-      )
+      with _tfds_warnings_off():
+        source = tfds.data_source(
+          spec.tfds_name, split=split, data_dir=data_dir, download=False
+        )
     except Exception:  # noqa: BLE001 - tfds raises many types for "missing".
       raise errors.DataError(_missing_message(name, spec, data_dir)) from None
     splits[split] = _read_source(source, label_key)
   return _dataset(name, spec, splits['train'], splits['test'])
+
+
+@contextlib.contextmanager
+def _tfds_warnings_off() -> Iterator[None]:
+  """absl's log at ERROR and above only: tensorflow-datasets warns of each
+  folder it looks into ('Variant folder ... has no dataset_info.json')
+  before the loader says in one line what is missing."""
+  from absl import logging as absl_logging
+
+  level = absl_logging.get_verbosity()
+  absl_logging.set_verbosity(min(level, absl_logging.ERROR))
+  try:
+    yield
+  finally:
+    absl_logging.set_verbosity(level)
 
 
 def _read_source(

@@ -21,8 +21,12 @@ without, the tfds data dir is tensorflow-datasets' default
 (`~/tensorflow_datasets`, or `$TFDS_DATA_DIR`) and <root> is `data` in the
 working folder (the bundled configs' `data_dir=data/leaf/...`). Archives
 are downloaded to `<root>/downloads` (`download`; tfds keeps its own in
-`<tfds data dir>/downloads`); an archive already there is used as it is, so
-a machine without internet access can be given them by hand.
+`<root>/downloads/tfds`); an archive already in `<root>/downloads` under
+its published name (tfds's `cifar-10-binary.tar.gz`, ...: a failure names
+them) is used as it is, so a machine without internet access can be given
+them by hand. A failed tfds preparation removes the folders it created
+(no `~/tensorflow_datasets` is left behind), and draws no progress bars
+unless stderr is a terminal.
 
 The LEAF and CINIC-10 folders are written as `<folder>.partial` and renamed
 when complete (tfds does the same with its own), so a failed run leaves
@@ -42,6 +46,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import sys
 from typing import Callable
 from typing import Iterator
 from typing import NamedTuple
@@ -68,6 +73,10 @@ TFDS_NEEDS = {
   'importlib_resources': 'importlib_resources',
 }
 EXTRA_HINT = "pip install 'fedjax_mr[prepare]'"
+# The folder below the downloads where tensorflow-datasets keeps its own
+# (files named by tfds, and what it extracts).
+TFDS_DOWNLOADS = 'tfds'
+
 # The archives of each dataset that is not a tfds one.
 SOURCES = {
   'femnist': femnist.SOURCES,
@@ -204,7 +213,7 @@ def prepare(
   if seed < 0:
     raise errors.ConfigError(f'`seed` must be ≥ 0, got {seed}')
   if name in TFDS:
-    return _prepare_tfds(name, data_dir, log)
+    return _prepare_tfds(name, data_dir, keep_downloads, log)
   dest = destination(name, data_dir)
   if _is_prepared(name, dest):
     log(f'{name}: already prepared in {dest}, skipping')
@@ -233,7 +242,9 @@ def prepare(
   return Prepared(name, dest, dest, False, size)
 
 
-def _prepare_tfds(name: str, data_dir: str, log) -> Prepared:
+def _prepare_tfds(
+  name: str, data_dir: str, keep_downloads: bool, log
+) -> Prepared:
   builder = tfds_builder(name, data_dir)
   path = str(builder.data_dir)
   run_dir = os.path.expanduser(data_dir) if data_dir else ''
@@ -250,17 +261,73 @@ def _prepare_tfds(name: str, data_dir: str, log) -> Prepared:
     return Prepared(name, path, run_dir, True, disk_size(path))
   check_requirements([name], data_dir)
   log(f'{name}: preparing {path} (tfds build {datasets.tfds_name(name)})')
+  downloads = os.path.join(root_dir(data_dir), download.DOWNLOADS)
   try:
-    builder.download_and_prepare(file_format='array_record')
+    with _removed_on_failure(path, os.path.join(downloads, TFDS_DOWNLOADS)):
+      _tfds_build(builder, downloads)
   except Exception as e:  # noqa: BLE001 - tfds raises many types (network, IO)
-    reason = ' '.join(str(e).split())[:300]
+    reason = ' '.join(str(e).split())
+    reason = reason if len(reason) <= 160 else reason[:157] + '...'
     raise errors.DataError(
       f'{name}: tensorflow-datasets could not prepare it ({type(e).__name__}: '
-      f'{reason}); run again once that is fixed'
+      f'{reason}); run again once that is fixed, or, without internet '
+      f'access, put {_archives(builder)} in {downloads} by hand'
     ) from None
+  if not keep_downloads:
+    shutil.rmtree(os.path.join(downloads, TFDS_DOWNLOADS), ignore_errors=True)
   size = disk_size(path)
   log(f'{name}: prepared in {path} ({download.human_size(size)})')
   return Prepared(name, path, run_dir, False, size)
+
+
+def _tfds_build(builder, downloads: str) -> None:
+  """`tfds build` as array_record: tfds's own downloads in
+  `<downloads>/tfds`, an archive put in `downloads` by hand (under its
+  own name, `_archives`) used as it is; no progress bars unless stderr is
+  a terminal (captured, they are lines of escape codes)."""
+  import tensorflow_datasets as tfds
+
+  if not sys.stderr.isatty():
+    tfds.disable_progress_bar()
+  builder.download_and_prepare(
+    download_dir=os.path.join(downloads, TFDS_DOWNLOADS),
+    download_config=tfds.download.DownloadConfig(manual_dir=downloads),
+    file_format='array_record',
+  )
+
+
+def _archives(builder) -> str:
+  """The archives a tfds builder downloads, as 'name (from url)', or 'its
+  archives' when tfds cannot say (its checksums need the prepare extra)."""
+  try:
+    infos = builder.url_infos or {}
+  except Exception:  # noqa: BLE001 - a missing package, an unreadable file
+    infos = {}
+  named = [
+    f'{i.filename} (from {url})' for url, i in infos.items() if i.filename
+  ]
+  return ' and '.join(named) or 'its archives (under the names tfds gives them)'
+
+
+@contextlib.contextmanager
+def _removed_on_failure(*paths: str) -> Iterator[None]:
+  """Removes, when the block fails, the folders of `paths` (and the
+  missing folders above them) that the block created: a failed
+  preparation leaves no `~/tensorflow_datasets` or empty downloads
+  folder behind."""
+  created = []
+  for path in paths:
+    path, top = os.path.abspath(path), None
+    while not os.path.exists(path):
+      top, path = path, os.path.dirname(path)
+    if top is not None:
+      created.append(top)
+  try:
+    yield
+  except BaseException:
+    for top in created:
+      shutil.rmtree(top, ignore_errors=True)
+    raise
 
 
 def _is_prepared(name: str, dest: str) -> bool:

@@ -27,6 +27,7 @@ import numpy as np
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
 from fedjax_mr.core import workdir as workdir_lib
+from fedjax_mr.data import datasets
 from fedjax_mr.harness import config as config_lib
 from fedjax_mr.harness import metrics_io
 from fedjax_mr.harness import plots
@@ -211,6 +212,7 @@ def summarize(
   last: int = 10,
   title: str = '',
   first: Sequence[str] = (),
+  started: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
   """Reads the runs under `out`; writes results.json, results.md, curves.png.
 
@@ -223,6 +225,9 @@ def summarize(
     last: final accuracy = mean of the last `last` evaluations.
     title: the table's and figure's title.
     first: see `variants`.
+    started: results.json's provenance record, collected when the command
+      that writes the table started (`provenance.collect`: its
+      `start_time` is then the command's); None: collected now.
 
   Returns:
     `{'variants': {name: {'per_seed': {seed: acc}, 'mean', 'std', 'rounds',
@@ -270,8 +275,7 @@ def summarize(
       'evals': evals,
       'diverged': diverged,
     }
-    label = registry.display_name(name)
-    curves[name if label in curves else label] = plotted
+    curves[name] = plotted
   if not results:
     which = (f' of variants {", ".join(variants)}' if variants else '') + (
       f' with seeds {", ".join(map(str, seeds))}' if seeds else ''
@@ -280,16 +284,33 @@ def summarize(
       f'`workdir={out}`: no runs{which} there; nothing to summarize'
     )
   summary = {'variants': results, 'last': last}
-  # Who wrote the table (each run's own config.json records the devices
-  # and versions it ran with).
-  written = {**summary, 'provenance': provenance.collect(with_devices=False)}
+  # Who wrote the table, from when (each run's own config.json records the
+  # devices and versions it ran with).
+  written = {
+    **summary,
+    'provenance': started or provenance.collect(with_devices=False),
+  }
   files.write_atomic(
     os.path.join(out, RESULTS_FILE), lambda f: json.dump(written, f, indent=2)
   )
   text = table(summary, title=title)
   files.write_atomic(os.path.join(out, TABLE_FILE), lambda f: f.write(text))
+  labels = display_names(curves)
+  curves = {labels[name]: rows for name, rows in curves.items()}
   plots.plot_curves(curves, os.path.join(out, CURVES_FILE), title=title)
   return summary
+
+
+def display_names(variants: Sequence[str]) -> dict[str, str]:
+  """{variant: its name in the figure and table}: `registry.display_name`
+  ('FedAvg', a custom variant's own name), followed by the variant's name
+  where an earlier variant has that display name ('FedAvg (FedAvg)' for a
+  custom variant named so after `fedavg`)."""
+  names = {}
+  for name in variants:
+    label = registry.display_name(name)
+    names[name] = f'{label} ({name})' if label in names.values() else label
+  return names
 
 
 def _evals(summary: Mapping[str, Any]) -> str:
@@ -305,17 +326,19 @@ def _evals(summary: Mapping[str, Any]) -> str:
 
 
 def table(summary: Mapping[str, Any], title: str = '') -> str:
-  """A markdown table: variant, final accuracy (mean ± std), seeds, rounds.
+  """A markdown table: method (the figure's name of each variant:
+  `display_names`), final accuracy (mean ± std), seeds, rounds.
 
   The header says how many evaluations each final accuracy averages (the
   last `last`, fewer for a run that has fewer).
   """
   lines = [f'### {title}', ''] if title else []
   lines += [
-    f'| variant | final accuracy, % (mean of the last {_evals(summary)} '
+    f'| method | final accuracy, % (mean of the last {_evals(summary)} '
     'evaluations; ± std over seeds) | seeds | rounds |',
     '|---|---|---|---|',
   ]
+  labels = display_names(summary['variants'])
   for name, r in summary['variants'].items():
     diverged = r.get('diverged', {})
     if r['n']:
@@ -325,7 +348,7 @@ def table(summary: Mapping[str, Any], title: str = '') -> str:
     if diverged:
       stops = ', '.join(f'seed {s} at round {t}' for s, t in diverged.items())
       acc = f'{acc} (diverged: {stops})' if r['n'] else f'diverged: {stops}'
-    lines.append(f'| {name} | {acc} | {r["n"]} | {r["rounds"]} |')
+    lines.append(f'| {labels[name]} | {acc} | {r["n"]} | {r["rounds"]} |')
   return '\n'.join(lines) + '\n'
 
 
@@ -366,7 +389,7 @@ def run_matrix(
   for i, (name, seed, config) in enumerate(runs):
     left = sum(max(0, c.rounds - done(c)) for _, _, c in runs[i:])
     line = f'[{i + 1}/{len(runs)}] {name} seed {seed} in {config.workdir}'
-    line += f'; {left} rounds left in the matrix'
+    line += f'; {rounds(left)} left in the matrix'
     if trained and left:
       pace = (time.monotonic() - start) / trained
       line += f', ETA {_duration(left * pace)} ({pace:.1f} s/round so far)'
@@ -391,6 +414,11 @@ def run_matrix(
     else:
       trained += max(0, done(config) - before)
   return diverged
+
+
+def rounds(n: int) -> str:
+  """`1 round`, `20 rounds`."""
+  return f'{n} round' + ('' if n == 1 else 's')
 
 
 def _duration(seconds: float) -> str:
@@ -430,24 +458,54 @@ _TITLE_FIELDS = {
 }
 
 
+# The names figures and tables give the zoo's models.
+MODEL_NAMES = {
+  'char_lstm': 'char-LSTM',
+  'cnn_cifar': 'CNN (CIFAR)',
+  'cnn_fedavg': 'CNN (FedAvg)',
+  'cnn_femnist': 'CNN (FEMNIST)',
+  'cnn_mnist': 'CNN (MNIST)',
+  'logistic': 'logistic regression',
+  'resnet18': 'ResNet-18',
+  'resnet18_w16': 'ResNet-18 (width 16)',
+  'resnet20': 'ResNet-20',
+  'vgg16': 'VGG-16',
+}
+
+
 def setting_title(config: config_lib.ExperimentConfig) -> str:
-  """The setting a comparison ran: dataset, model, partition (α),
-  clients, E, B, lr, momentum, rounds, and every other field that defines
-  the run and differs from its default (an algorithm's own fields excepted:
-  they belong to the variants)."""
+  """The setting a comparison ran, in the figures' names: dataset, model,
+  partition (α), clients, E, B, lr, momentum, rounds, and every other
+  field that defines the run and differs from its default (an algorithm's
+  own fields excepted: they belong to the variants).
+
+  E.g. 'Fashion-MNIST, CNN (MNIST), Dir(α = 0.1), K = 10 of 100, E = 5,
+  B = 50, lr = 0.01, momentum = 0.9, 100 rounds'.
+  """
   c = config
   part = {
-    'dirichlet': f'dirichlet α={c.alpha:g}',
-    'dirichlet_equal': f'dirichlet_equal α={c.alpha:g}',
-    'shards': f'shards s={c.shards_per_client}',
-    'file': f'file {c.partition_sha256[:8]}',
+    'dirichlet': f'Dir(α = {c.alpha:g})',
+    'dirichlet_equal': f'Dir(α = {c.alpha:g}), equal sizes',
+    'shards': f'{c.shards_per_client} shards per client',
+    'file': f'partition file {c.partition_sha256[:8]}',
+    'iid': 'IID',
+    'natural': 'LEAF users as clients',
   }.get(c.partition, c.partition)
-  if c.dataset == 'synthetic':
-    part = f'α={c.synthetic_alpha:g}, β={c.synthetic_beta:g}'
-  title = (
-    f'{c.dataset} {c.model}, {part}, K={c.clients_per_round} of '
-    f'{c.num_clients}, E={c.local_epochs}, B={c.batch_size}, lr={c.lr:g}, '
-    f'momentum={c.momentum:g}, {c.rounds} rounds'
+  data = datasets.DISPLAY_NAMES.get(c.dataset, c.dataset)
+  if c.dataset == datasets.SYNTHETIC:
+    data = f'{data}(α = {c.synthetic_alpha:g}, β = {c.synthetic_beta:g})'
+    part = ''
+  title = ', '.join(
+    x
+    for x in (
+      data,
+      MODEL_NAMES.get(c.model, c.model),
+      part,
+      f'K = {c.clients_per_round} of {c.num_clients}',
+      f'E = {c.local_epochs}, B = {c.batch_size}, lr = {c.lr:g}',
+      f'momentum = {c.momentum:g}, {rounds(c.rounds)}',
+    )
+    if x
   )
   defaults = config_lib.ExperimentConfig()
   extra = [

@@ -211,13 +211,16 @@ def curves_figure(runs: Runs, title: str = '') -> Any:
     name: [curve(seeds, p.key, p.scale) for p in panels]
     for name, seeds in runs.items()
   }
-  fig, axes = _grid(len(panels))
+  # Room on the right for a side legend (one method's is inside).
+  fig, axes = _grid(
+    len(panels), 3.0 if 1 < len(runs) <= MAX_SIDE_LEGEND else 0.5
+  )
   colors = dict(zip(runs, _colors(len(runs))))
   cut = False
   for i, (ax, panel) in enumerate(zip(axes, panels)):
     column = {name: c[i] for name, c in curves.items()}
     cut |= _draw_panel(ax, panel, column, colors)
-  _legend(fig, runs, curves, colors)
+  _legend(fig, axes, runs, curves, colors)
   lines = [line for line in (title, '; '.join(_notes(curves, cut))) if line]
   if lines:
     fig.suptitle('\n'.join(lines))
@@ -236,14 +239,14 @@ def _panels(runs: Runs) -> tuple[Panel, ...]:
   return PANELS + tuple(p for p in OPTIONAL_PANELS if p.key in logged)
 
 
-def _grid(n: int) -> tuple[Any, np.ndarray]:
+def _grid(n: int, margin: float = 3.0) -> tuple[Any, np.ndarray]:
   """A figure (Agg canvas) and its first `n` axes, in rows of 2 (for 4)
-  or up to 3; the axes beyond `n` are hidden."""
+  or up to 3, `margin` inches wider; the axes beyond `n` are hidden."""
   figure, canvas = _matplotlib()
   ncols = 2 if n == 4 else min(n, 3)
   nrows = -(-n // ncols)
   fig = figure(
-    figsize=(4.4 * ncols + 3, 3.4 * nrows + 0.8), layout='constrained'
+    figsize=(4.4 * ncols + margin, 3.4 * nrows + 0.8), layout='constrained'
   )
   canvas(fig)
   axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
@@ -264,11 +267,9 @@ def _draw_panel(
   drawn = np.concatenate([np.zeros(0), *drawn])
   for name, c in column.items():
     _draw_curve(ax, c, colors[name], ceiling)
-  _axis(ax, panel, drawn)
-  if panel.log and drawn.size and drawn.max() > ceiling:
-    ax.set_ylim(top=ceiling)
-    return True
-  return False
+  cut = bool(panel.log and drawn.size and drawn.max() > ceiling)
+  _axis(ax, panel, drawn, ceiling if cut else None)
+  return cut
 
 
 def _draw_curve(ax: Any, c: Curve, color: Any, ceiling: float) -> None:
@@ -310,11 +311,16 @@ def _draw_curve(ax: Any, c: Curve, color: Any, ceiling: float) -> None:
 
 
 def _legend(
-  fig: Any, runs: Runs, curves: Mapping[str, list[Curve]], colors: Mapping
+  fig: Any,
+  axes: np.ndarray,
+  runs: Runs,
+  curves: Mapping[str, list[Curve]],
+  colors: Mapping,
 ) -> None:
   """One entry per method (dashed when no seed finished, × when one
-  diverged), beside the panels, or below them in columns when there are
-  more than `MAX_SIDE_LEGEND`."""
+  diverged): a single method's inside its first panel (`axes[0]`),
+  several beside the panels, or below them in columns when there are more
+  than `MAX_SIDE_LEGEND`."""
   from matplotlib.lines import Line2D
 
   handles, labels = [], []
@@ -334,7 +340,9 @@ def _legend(
       )
     )
     labels.append(legend_label(name, seeds))
-  if len(handles) <= MAX_SIDE_LEGEND:
+  if len(handles) == 1:  # one method: inside the accuracy panel
+    axes[0].legend(handles, labels, loc='best', fontsize='small')
+  elif len(handles) <= MAX_SIDE_LEGEND:
     fig.legend(handles, labels, loc='outside right center', fontsize='small')
   else:
     fig.legend(
@@ -369,10 +377,13 @@ def loss_ceiling(column: Sequence[Curve], decades: float = 1.0) -> float:
   return max(refs) * 10**decades if refs else math.inf
 
 
-def _axis(ax: Any, panel: Panel, values: np.ndarray) -> None:
+def _axis(
+  ax: Any, panel: Panel, values: np.ndarray, top: float | None = None
+) -> None:
   """Labels, integer rounds and a grid; for a loss panel whose `values`
-  (the curves drawn, bands left out) are positive, a log scale with plain
-  numbers, its bottom just below the lowest curve."""
+  (the curves drawn, bands left out) are positive, a log scale (said in
+  the axis label) from just below the lowest curve to `top` (default: just
+  above the highest), labelled in plain numbers (`log_ticks`)."""
   from matplotlib import ticker
 
   ax.set_xlabel('round')
@@ -383,17 +394,44 @@ def _axis(ax: Any, panel: Panel, values: np.ndarray) -> None:
   ax.grid(alpha=0.3)
   if not (panel.log and values.size and values.min() > 0):
     return
+  low = values.min() / 1.3
+  high = values.max() * 1.1 if top is None else top
   ax.set_yscale('log')
-  ax.set_ylim(bottom=values.min() / 1.3)
-
-  def minor(v, _):
-    # 2, 3 and 5 times a power of ten, when the axis spans about a decade.
-    low, high = ax.get_ylim()
-    return f'{v:g}' if high / low < 15 and f'{v:.0e}'[0] in '235' else ''
-
+  ax.set_ylim(low, high)
+  ax.set_ylabel(f'{panel.label} (log scale)')
+  ax.yaxis.set_major_locator(ticker.FixedLocator(log_ticks(low, high)))
   ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f'{v:g}'))
-  ax.yaxis.set_minor_formatter(ticker.FuncFormatter(minor))
+  ax.yaxis.set_minor_locator(ticker.LogLocator(subs='all'))
+  ax.yaxis.set_minor_formatter(ticker.NullFormatter())
   ax.grid(alpha=0.1, which='minor')
+
+
+# Labelled ticks per decade of a log axis, coarsest first.
+_LOG_STEPS = (
+  (1.0,),
+  (1.0, 3.0),
+  (1.0, 2.0, 5.0),
+  (1.0, 1.5, 2.0, 3.0, 5.0, 7.0),
+  (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0),
+)
+
+
+def log_ticks(low: float, high: float, at_least: int = 4) -> list[float]:
+  """The labelled ticks of a log axis from `low` to `high` (> low > 0):
+  the coarsest steps of `_LOG_STEPS` (powers of ten; and 3 times them;
+  1, 2, 5 times them; ...) that put `at_least` ticks in the range, else
+  evenly spaced round numbers."""
+  decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)))
+  for subs in _LOG_STEPS:
+    ticks = [float(f'{m * 10.0**e:.6g}') for e in decades for m in subs]
+    ticks = [t for t in ticks if low <= t <= high]
+    if len(ticks) >= at_least:
+      return ticks
+  # Less than a factor 1.5 or so: evenly spaced round numbers.
+  from matplotlib import ticker
+
+  even = ticker.MaxNLocator(at_least + 1).tick_values(low, high)
+  return [float(f'{t:.6g}') for t in even if low <= t <= high]
 
 
 def plot_curves(runs: Runs, path: str, title: str = '') -> None:

@@ -3,6 +3,7 @@ round (loss, accuracies, elapsed time, rounds/s, ETA) and a summary."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 from typing import Callable
 from typing import Mapping
@@ -12,8 +13,11 @@ import numpy as np
 
 from fedjax_mr.data import datasets
 from fedjax_mr.harness import build
+from fedjax_mr.harness import checkpoint
+from fedjax_mr.harness import compare
 from fedjax_mr.harness import distributed
 from fedjax_mr.harness import records
+from fedjax_mr.harness import tensorboard
 from fedjax_mr.training import engine
 
 
@@ -43,7 +47,7 @@ def announce(
       f'train / {int(jax.numpy.sum(test.mask))} test), {config.model} '
       f'({num_params:,} parameters), {data.num_clients} clients '
       f'({config.partition}), {config.clients_per_round} per round, '
-      f'{config.rounds} rounds'
+      f'{compare.rounds(config.rounds)}'
     )
   unassigned = (experiment.partition or {}).get('unassigned', 0)
   if unassigned:
@@ -77,7 +81,7 @@ def _synthetic_line(experiment: build.Experiment, num_params: int) -> str:
     f'({sizes.min()}..{sizes.max()}; {sizes.sum():,} train / '
     f'{int(jax.numpy.sum(test.mask)):,} test), {config.model} '
     f'({num_params:,} parameters), {config.clients_per_round:,} per round, '
-    f'{config.rounds} rounds'
+    f'{compare.rounds(config.rounds)}'
   )
 
 
@@ -110,7 +114,12 @@ class Timer:
       else ''
     )
     if 'local_accuracy_mean' in row:
-      acc += f' | K models {row["local_accuracy_mean"]:.4f}'
+      # The FedMR family keeps K models; the next round dispatches them.
+      k = len(row.get('client_ids', ())) or 'K'
+      acc += (
+        f" | next round's {k} models: mean test acc "
+        f'{row["local_accuracy_mean"]:.4f}'
+      )
     return (
       f'round {r}/{self.total} | train loss {row["train_loss"]:.4f}{acc} | '
       f'elapsed {self.elapsed:.1f}s | {self.rate():.2f} rounds/s | '
@@ -120,7 +129,7 @@ class Timer:
   def summary(self, history: list[dict[str, Any]], workdir: str) -> str:
     evals = [r for r in history if 'test_accuracy' in r]
     lines = [
-      f'done: {self.total} rounds; this process ran '
+      f'done: {compare.rounds(self.total)}; this process ran '
       f'{self.total - self.start} in {self.elapsed:.1f}s'
     ]
     if self.first is not None:
@@ -136,9 +145,28 @@ class Timer:
         f'{last["test_loss"]:.4f}) at round {last["round"]}; best '
         f'{best["test_accuracy"]:.4f} at round {best["round"]}'
       )
-    lines.append(
-      f'workdir {workdir}: {records.METRICS_FILE}, {records.CLIENTS_FILE}, '
-      f'{records.CONFIG_FILE}, {records.PARTITION_FILE}, '
-      f'{records.CURVE_FILE}, checkpoints/'
-    )
+    lines.append(f'workdir {workdir}: {", ".join(written_files(workdir))}')
     return '\n'.join(lines)
+
+
+# What a run's workdir holds when it is done, in the summary's order.
+RUN_FILES = (
+  records.METRICS_FILE,
+  records.CLIENTS_FILE,
+  records.CONFIG_FILE,
+  records.PARTITION_FILE,
+  records.CURVE_FILE,
+  tensorboard.FOLDER + '/',
+  checkpoint.FOLDER + '/',
+)
+
+
+def written_files(workdir: str) -> list[str]:
+  """The files and folders of `RUN_FILES` that `workdir` holds (folders
+  with a trailing /): partition.json only for a partitioned dataset,
+  tensorboard/ only with `tensorboard`."""
+  return [
+    name
+    for name in RUN_FILES
+    if os.path.exists(os.path.join(workdir, name.rstrip('/')))
+  ]

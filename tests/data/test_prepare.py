@@ -582,12 +582,17 @@ class FakeBuilder:
   """tfds's builder as `prepare` uses it; prepared = its files exist."""
 
   calls: list = []
+  downloads: list = []  # (download_dir, manual_dir) of each build
   default_dir = ''
 
   def __init__(self, name, data_dir=None):
     self.name = name
     self.root = data_dir or self.default_dir
     self.data_dir = os.path.join(self.root, *name.split('/'), '1.0.0')
+    archive = name.replace('/', '_') + '.tar.gz'
+    self.url_infos = {
+      f'https://example.org/{archive}': types.SimpleNamespace(filename=archive)
+    }
 
   def is_prepared(self):
     return os.path.exists(os.path.join(self.data_dir, 'dataset_info.json'))
@@ -598,8 +603,12 @@ class FakeBuilder:
       fmt = json.load(f)['fileFormat']
     return types.SimpleNamespace(file_format=types.SimpleNamespace(value=fmt))
 
-  def download_and_prepare(self, *, file_format):
+  def download_and_prepare(
+    self, *, file_format, download_dir=None, download_config=None
+  ):
     self.calls.append((self.name, self.root, file_format))
+    manual = download_config.manual_dir if download_config else None
+    self.downloads.append((download_dir, manual))
     os.makedirs(self.data_dir)
     with open(os.path.join(self.data_dir, 'dataset_info.json'), 'w') as f:
       json.dump({'fileFormat': str(file_format)}, f)
@@ -610,6 +619,7 @@ class FakeBuilder:
 @pytest.fixture
 def fake_tfds(tmp_path, monkeypatch):
   FakeBuilder.calls = []
+  FakeBuilder.downloads = []
   FakeBuilder.default_dir = str(tmp_path / 'tfds_default')
   monkeypatch.setattr(tfds, 'builder', FakeBuilder)
   monkeypatch.setattr(prepare, '_has_module', lambda name: True)
@@ -644,14 +654,55 @@ def test_a_tfds_dataset_in_another_format_is_named(tmp_path, fake_tfds):
 
 
 def test_a_tfds_failure_is_one_line(tmp_path, fake_tfds, monkeypatch):
-  def fail(self, *, file_format):
-    raise ConnectionError('Max retries exceeded\nwith url: cifar')
+  def fail(self, **kwargs):
+    os.makedirs(os.path.join(self.data_dir + '.incomplete', 'x'))
+    os.makedirs(kwargs['download_dir'])
+    raise ConnectionError('Max retries exceeded\nwith url: cifar ' + 'x' * 300)
 
   monkeypatch.setattr(FakeBuilder, 'download_and_prepare', fail)
+  monkeypatch.chdir(tmp_path)
   with pytest.raises(errors.DataError) as e:
-    prepare.prepare('cifar10', str(tmp_path), log=_quiet)
-  assert 'ConnectionError: Max retries exceeded with url' in str(e.value)
-  assert '\n' not in str(e.value)
+    prepare.prepare('cifar10', log=_quiet)
+  message = str(e.value)
+  assert 'ConnectionError: Max retries exceeded with url' in message
+  assert '\n' not in message and len(message) < 500
+  # Where a hand-downloaded archive goes: the folder tfds is told to look in.
+  assert message.endswith(
+    'put cifar10.tar.gz (from https://example.org/cifar10.tar.gz) in '
+    'data/downloads by hand'
+  )
+  # Nothing it created is left: not tfds's default data dir (the user's
+  # ~/tensorflow_datasets), not data/downloads.
+  assert not os.path.exists(fake_tfds.default_dir)
+  assert os.listdir(tmp_path) == []
+  # What existed before stays.
+  os.makedirs(tmp_path / 'data' / 'downloads' / 'mine')
+  os.makedirs(os.path.join(fake_tfds.default_dir, 'mnist'))
+  with pytest.raises(errors.DataError):
+    prepare.prepare('cifar10', log=_quiet)
+  assert os.listdir(fake_tfds.default_dir) == ['mnist']
+  assert os.listdir(tmp_path / 'data' / 'downloads') == ['mine']
+
+
+def test_tfds_downloads_go_beside_the_others_and_bars_only_to_a_terminal(
+  tmp_path, fake_tfds, monkeypatch
+):
+  disabled = []
+  monkeypatch.setattr(tfds, 'disable_progress_bar', lambda: disabled.append(1))
+  monkeypatch.setattr(sys.stderr, 'isatty', lambda: False)
+  prepare.prepare('cifar10', str(tmp_path / 'd'), log=_quiet)
+  downloads = str(tmp_path / 'd' / 'downloads')
+  assert fake_tfds.downloads == [(os.path.join(downloads, 'tfds'), downloads)]
+  assert disabled == [1]
+  monkeypatch.setattr(sys.stderr, 'isatty', lambda: True)
+  prepare.prepare('cifar100', str(tmp_path / 'd'), log=_quiet)
+  assert disabled == [1]
+  # --nokeep_downloads: tfds's own downloads go too.
+  os.makedirs(os.path.join(downloads, 'tfds', 'extracted'))
+  prepare.prepare(
+    'emnist', str(tmp_path / 'd'), keep_downloads=False, log=_quiet
+  )
+  assert os.listdir(downloads) == []
 
 
 def test_missing_tensorflow_is_said_before_anything_starts(
@@ -794,3 +845,76 @@ def test_the_program_goes_on_past_a_failed_dataset(tmp_path):
   assert 'not a readable zip archive' in lines[0]
   assert f'  {data / "cinic10"}  (prepared; run with' in proc.stdout
   assert not os.path.exists(data / 'leaf' / 'shakespeare' / 'data')
+
+
+def test_the_program_offline_leaves_no_tfds_folder_and_names_the_archive(
+  tmp_path,
+):
+  # tfds's default data dir is below $HOME; its download fails as offline.
+  home = tmp_path / 'home'
+  os.makedirs(home)
+  code = (
+    'import os, sys\n'
+    'import tensorflow_datasets as tfds\n'
+    'from tests.data import test_prepare\n'
+    'B = test_prepare.FakeBuilder\n'
+    "B.default_dir = os.path.expanduser('~/tensorflow_datasets')\n"
+    'def offline(self, **kwargs):\n'
+    "  os.makedirs(self.data_dir + '.incomplete')\n"
+    "  raise ConnectionError('Max retries exceeded with url: ' + self.name)\n"
+    'B.download_and_prepare = offline\n'
+    'tfds.builder = B\n'
+    'from fedjax_mr.data import prepare\n'
+    'prepare._has_module = lambda name: True\n'
+    'from experiments import prepare as program\n'
+    "sys.argv = ['prepare', '--datasets=cifar10,cifar100']\n"
+    'program.entry()\n'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', code],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'PYTHONPATH': REPO, 'HOME': str(home)},
+  )
+  assert proc.returncode == 2
+  # One error line, each dataset's reason once, with where its archive goes.
+  (line,) = proc.stderr.splitlines()
+  assert line.startswith('error: not prepared: cifar10: tensorflow-datasets ')
+  for name in ('cifar10', 'cifar100'):
+    assert line.count(f'url: {name})') == 1
+    assert (
+      f'put {name}.tar.gz (from https://example.org/{name}.tar.gz) in '
+      'data/downloads by hand'
+    ) in line
+  assert proc.stdout.count('failed (why: see the error at the end)') == 2
+  assert os.listdir(home) == [] and os.listdir(tmp_path) == ['home']
+
+
+def test_a_run_of_a_missing_tfds_dataset_says_only_its_error(tmp_path):
+  home = tmp_path / 'home'
+  os.makedirs(home)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'experiments.run',
+      '--dataset=cifar10',
+      '--model=cnn_cifar',
+      f'--workdir={tmp_path / "w"}',
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, 'HOME': str(home), 'TF_CPP_MIN_LOG_LEVEL': '2'},
+  )
+  assert proc.returncode == 2
+  # No tensorflow-datasets warning ('Variant folder ... has no
+  # dataset_info.json') before it.
+  (line,) = proc.stderr.splitlines()
+  assert line.startswith(
+    "error: dataset 'cifar10' not found in ~/tensorflow_datasets: prepare it"
+  )
+  assert os.listdir(home) == []

@@ -1,6 +1,7 @@
 """experiments.compare's library side: variants' flags, the table of a
 folder, the matrix's ETA and the title of a setting."""
 
+import json
 import os
 
 import pytest
@@ -86,6 +87,37 @@ def test_the_table_covers_every_run_of_the_folder(tmp_path):
   assert 'mean of the last 2 evaluations' in compare.table(summary)
 
 
+def test_table_and_figure_name_the_variants_alike(tmp_path, monkeypatch):
+  out = str(tmp_path)
+  for name in ('fedavg', 'fedmr_2stage20', 'my_fedavg'):
+    _write(out, name, 0, [0.1, 0.2])
+  drawn = {}
+  monkeypatch.setattr(
+    compare.plots, 'plot_curves', lambda runs, *_, **__: drawn.update(runs)
+  )
+  started = {'start_time': '2026-11-26T01:00:00+00:00'}
+  compare.summarize(out, ['fedavg', 'fedmr_2stage20'], last=2, started=started)
+  assert list(drawn) == ['FedAvg', 'FedMR (first_stage=20)']
+  lines = (tmp_path / compare.TABLE_FILE).read_text().splitlines()
+  assert lines[0].startswith('| method | final accuracy')
+  assert lines[2:] == [
+    '| FedAvg | 15.00 | 1 | 2 |',
+    '| FedMR (first_stage=20) | 15.00 | 1 | 2 |',
+  ]
+  # results.json keeps the variants' names, and the command's start.
+  with open(os.path.join(out, compare.RESULTS_FILE)) as f:
+    written = json.load(f)
+  assert list(written['variants']) == ['fedavg', 'fedmr_2stage20']
+  assert written['provenance'] == started
+  # A custom variant keeps its own name; one named like a display name
+  # that an earlier variant has is told apart by its variant name.
+  assert compare.display_names(['fedavg', 'my_fedavg', 'FedAvg']) == {
+    'fedavg': 'FedAvg',
+    'my_fedavg': 'my_fedavg',
+    'FedAvg': 'FedAvg (FedAvg)',
+  }
+
+
 def test_the_matrix_says_how_long_it_has_left(tmp_path):
   base = _config(rounds=4)
   runs = compare.configs(
@@ -112,18 +144,27 @@ def test_the_matrix_says_how_long_it_has_left(tmp_path):
 
 def test_the_title_states_the_setting_and_what_differs(tmp_path):
   c = _config(lr=0.05, momentum=0.5, rounds=100)
+  # In the names the figures give the dataset, model and partition.
   assert compare.setting_title(c) == (
-    'fashion_mnist cnn_mnist, dirichlet α=0.5, K=4 of 10, E=1, B=50, '
-    'lr=0.05, momentum=0.5, 100 rounds'
+    'Fashion-MNIST, CNN (MNIST), Dir(α = 0.5), K = 4 of 10, E = 1, B = 50, '
+    'lr = 0.05, momentum = 0.5, 100 rounds'
   )
-  c = _config(partition='iid', weighting='uniform', min_client_size=3)
+  c = _config(partition='iid', weighting='uniform', min_client_size=3, rounds=1)
   title = compare.setting_title(c)
-  assert title.startswith('fashion_mnist cnn_mnist, iid, K=4 of 10')
-  assert title.endswith(', min_client_size=3, weighting=uniform')
+  assert title.startswith('Fashion-MNIST, CNN (MNIST), IID, K = 4 of 10')
+  assert ', 1 round, min_client_size=3, weighting=uniform' in title
   c = _config(dataset='synthetic', model='logistic', synthetic_beta=0.5)
   assert compare.setting_title(c).startswith(
-    'synthetic logistic, α=1, β=0.5, K=4 of 10, E=1'
+    'Synthetic(α = 1, β = 0.5), logistic regression, K = 4 of 10, E = 1'
   )
+
+
+def test_every_dataset_and_model_has_a_display_name():
+  from fedjax_mr.data import datasets
+  from fedjax_mr.models import model
+
+  assert set(datasets.DISPLAY_NAMES) == set(datasets.NAMES)
+  assert set(compare.MODEL_NAMES) == set(model.NAMES)
 
 
 @pytest.mark.parametrize(

@@ -85,8 +85,13 @@ def test_curves_figure_draws_percent_bands_and_diverged_marks():
   acc, test_loss, train_loss = fig.axes[:3]
   assert len([ax for ax in fig.axes if ax.get_visible()]) == 3  # no cosine
   assert acc.get_ylabel() == 'test accuracy (%)'
-  assert test_loss.get_ylabel() == 'test loss'
+  assert test_loss.get_ylabel() == 'test loss (log scale)'
   assert train_loss.get_yscale() == 'log'
+  # Plain numbers on the log axis, from 0.35 / 1.3 (the lowest mean) to the
+  # ceiling 20 (seed 2's 40 is cut off): powers of ten and three times them.
+  labels = [t.get_text() for t in train_loss.get_yticklabels()]
+  assert labels == ['0.3', '1', '3', '10'], labels
+  assert not [t for t in train_loss.get_yticklabels(minor=True) if t.get_text()]
   # FedAvg's mean in percent, its diverged seed dashed up to round 2 and
   # marked there with ×.
   lines = _lines(acc)
@@ -155,8 +160,8 @@ def test_the_cosine_panel_appears_when_logged_and_many_legends_go_below():
   fig.canvas.draw()
   assert [ax.get_ylabel() for ax in fig.axes] == [
     'test accuracy (%)',
-    'test loss',
-    'train loss',
+    'test loss (log scale)',
+    'train loss (log scale)',
     'mean pairwise cosine of the K models',
   ]
   helpers.assert_close(_lines(fig.axes[3])[0].get_ydata(), [0.9, 0.8])
@@ -235,3 +240,24 @@ def test_more_than_ten_methods_get_distinct_colours_dark_shades_first():
   assert plots._colors(3) == [
     matplotlib.colormaps['tab10'](i) for i in range(3)
   ]
+
+
+def test_log_ticks_label_four_or_more_plain_values():
+  assert plots.log_ticks(0.25, 0.6) == [0.25, 0.3, 0.4, 0.5, 0.6]
+  assert plots.log_ticks(0.3, 3.5) == [0.3, 0.5, 0.7, 1, 1.5, 2, 3]
+  assert plots.log_ticks(0.05, 20) == [0.1, 0.3, 1, 3, 10]
+  assert plots.log_ticks(0.01, 50) == [0.01, 0.1, 1, 10]
+  # Under a factor of about 1.7: evenly spaced round numbers.
+  assert plots.log_ticks(1.65, 2.83) == [1.75, 2, 2.25, 2.5, 2.75]
+
+
+def test_one_methods_legend_is_inside_its_accuracy_panel():
+  fig = plots.curves_figure({'FedAvg': {0: SEEDS[0]}}, 'the setting')
+  fig.canvas.draw()
+  assert not fig.legends
+  legend = fig.axes[0].get_legend()
+  assert [t.get_text() for t in legend.get_texts()] == ['FedAvg']
+  inside = fig.axes[0].get_window_extent()
+  box = legend.get_window_extent()
+  assert inside.x0 <= box.x0 and box.x1 <= inside.x1
+  assert inside.y0 <= box.y0 and box.y1 <= inside.y1
