@@ -1,9 +1,15 @@
-"""Atomic, keep-N checkpoints of the round state (orbax)."""
+"""Atomic, keep-N checkpoints of the round state (orbax), each proving its
+content: a sha256 of its arrays and metadata, computed from the values
+before the write and saved in the same atomic save (`digest`), is checked
+on restore; a checkpoint that does not match or does not read is skipped
+for the newest intact one (`Checkpointer.find`)."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -11,8 +17,10 @@ import sys
 import time
 from typing import Any
 from typing import Callable
+from typing import NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
@@ -20,15 +28,52 @@ from fedjax_mr.core import errors
 
 # The folder of a workdir that holds the checkpoints.
 FOLDER = 'checkpoints'
+# The key of a checkpoint's metadata that holds its `digest`.
+DIGEST_KEY = 'sha256'
+# orbax's file of a checkpoint's metadata, in the checkpoint's folder
+# (written into the temporary folder before the rename that completes a
+# save: it is part of the atomic save).
+_STEP_METADATA = '_CHECKPOINT_METADATA'
+
+
+def digest(state: Any, metadata: dict[str, Any]) -> str:
+  """The sha256 (hex) of `state`'s arrays and of `metadata` (JSON-able).
+
+  Each leaf, in tree order, adds its path, dtype, shape and bytes (random
+  keys their key data); `metadata` adds its sorted JSON. Restored arrays
+  have the bytes that were saved, so a restore recomputes the same digest.
+  """
+  h = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
+  leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+  for path, leaf in leaves:
+    a = _host_array(leaf)
+    h.update(f'{jax.tree_util.keystr(path)}|{a.dtype.str}|{a.shape}'.encode())
+    h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+  return h.hexdigest()
+
+
+def _host_array(leaf: Any) -> np.ndarray:
+  """A leaf's value on the host (a replicated array: one copy of it)."""
+  if isinstance(leaf, jax.Array):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    if not leaf.is_fully_addressable and leaf.is_fully_replicated:
+      leaf = leaf.addressable_data(0)
+  return np.asarray(jax.device_get(leaf))
 
 
 class _OrbaxErrorsQuiet:
-  """Drops orbax's own error log lines while a save runs: a failed write
-  is raised (and reported in one line) by `save` itself."""
+  """Drops orbax's own log lines of `level` and above while a save or a
+  restore runs: a failed write is raised (and reported in one line) by
+  `save` itself, a checkpoint that does not restore is reported in one
+  line by `find`'s caller."""
+
+  def __init__(self, level: int = logging.ERROR):
+    self._level = level
 
   def filter(self, record: logging.LogRecord) -> bool:
     in_orbax = f'{os.sep}orbax{os.sep}' in record.pathname
-    return not (record.levelno >= logging.ERROR and in_orbax)
+    return not (record.levelno >= self._level and in_orbax)
 
   def __enter__(self):
     self._loggers = [absl_logging.get_absl_logger(), logging.getLogger()]
@@ -39,6 +84,24 @@ class _OrbaxErrorsQuiet:
   def __exit__(self, *exc) -> None:
     for logger in self._loggers:
       logger.removeFilter(self)
+
+
+class _StepMetadataQuiet(logging.Filter):
+  """Drops orbax's log lines about a checkpoint's metadata file that does
+  not read: orbax reads it as empty (in its own threads, whenever a
+  manager lists the checkpoints), and `Checkpointer.find` reads it itself
+  and reports such a checkpoint as damaged, in one line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    in_orbax = f'{os.sep}orbax{os.sep}' in record.pathname
+    return not (in_orbax and _STEP_METADATA in record.getMessage())
+
+
+def _quiet_step_metadata() -> None:
+  """Installs `_StepMetadataQuiet` on absl's and the root logger, once."""
+  for logger in (absl_logging.get_absl_logger(), logging.getLogger()):
+    if not any(isinstance(f, _StepMetadataQuiet) for f in logger.filters):
+      logger.addFilter(_StepMetadataQuiet())
 
 
 def _ignore_closed_loop_callbacks() -> None:
@@ -94,16 +157,46 @@ class CheckpointError(errors.UserError):
   """No checkpoint of a workdir restores."""
 
 
+class _Damaged(Exception):
+  """A checkpoint's metadata does not read, or its arrays do not match
+  their digest."""
+
+
+class Found(NamedTuple):
+  """What `Checkpointer.find` found.
+
+  Attributes:
+    round: the newest intact checkpoint's round (at most `at_most`), or
+      None.
+    state: its state (the `like` given to `find` where there is none).
+    metadata: its metadata (`Checkpointer.metadata`).
+    verified: whether it had a digest (checkpoints made before digests
+      have none and are taken as they read).
+    damaged: `(round, reason)` of each newer one that does not restore.
+    later: the rounds of the checkpoints past `at_most` (not read).
+  """
+
+  round: int | None
+  state: Any
+  metadata: dict[str, Any]
+  verified: bool
+  damaged: list[tuple[int, str]]
+  later: list[int]
+
+
 class Checkpointer:
   """Saves and restores round states under `<workdir>/checkpoints/<round>`.
 
   Orbax writes each checkpoint to a temporary folder and renames it when
   complete, so a run killed while saving leaves the previous one intact.
+  Each checkpoint's metadata holds the `digest` of its arrays and metadata,
+  checked when it is restored.
   """
 
   def __init__(self, workdir: str, keep: int = 2):
     self._folder = os.path.abspath(os.path.join(workdir, FOLDER))
     self._keep = keep
+    _quiet_step_metadata()
     self._manager = self._new_manager()
 
   def _new_manager(self) -> ocp.CheckpointManager:
@@ -114,6 +207,13 @@ class Checkpointer:
       ),
     )
 
+  def _reopen(self) -> None:
+    # After a failed restore or a folder moved, the manager can have a
+    # wrong idea of the checkpoints: the next one is read by a fresh one.
+    with contextlib.suppress(Exception), _OrbaxErrorsQuiet(logging.WARNING):
+      self._manager.close()
+    self._manager = self._new_manager()
+
   def latest_round(self) -> int | None:
     """Rounds completed at the newest checkpoint, or None."""
     return self._manager.latest_step()
@@ -122,20 +222,65 @@ class Checkpointer:
     """The rounds of every checkpoint kept, oldest first."""
     return sorted(self._manager.all_steps())
 
+  def find(self, like: Any, at_most: int | None = None) -> Found:
+    """The newest intact checkpoint of a round up to `at_most` (any round:
+    None), read into the structure of `like`; nothing is written or moved.
+
+    A checkpoint is damaged when its metadata or arrays do not read
+    (garbled or truncated files, a missing item folder, an empty round
+    folder) or do not match its digest; the next older one is tried.
+    """
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    later = [s for s in steps if at_most is not None and s > at_most]
+    damaged = []
+    for step in steps[len(later) :]:
+      try:
+        state, meta, verified = self.restore_verified(step, like)
+      except Exception as e:  # noqa: BLE001 (orbax/TensorStore raise many)
+        reason = ' '.join(str(e).split())[:200] or type(e).__name__
+        damaged.append((step, reason))
+        self._reopen()
+        continue
+      return Found(step, state, meta, verified, damaged, later)
+    return Found(None, like, {}, False, damaged, later)
+
+  def settle(
+    self, found: Found, log: Callable[[str], None], move_aside: bool = True
+  ) -> None:
+    """Reports each damaged checkpoint of `found` in one line and, with
+    `move_aside` (the primary process), moves it to
+    `<workdir>/checkpoints_damaged/<round>.<time>` (kept, not deleted) and
+    deletes those past its `at_most` (their rounds are recomputed), so
+    that the run can save those rounds again."""
+    resumed = (
+      f'resuming from round {found.round}'
+      if found.round is not None
+      else 'starting from round 0'
+    )
+    for bad, reason in found.damaged:
+      where = self._damaged_path(bad)
+      if move_aside:
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        shutil.move(self._step_path(bad), where)
+      log(
+        f'checkpoint after round {bad} does not restore ({reason}); '
+        + resumed
+        + (f', the damaged one moved to {where}' if move_aside else '')
+      )
+    if move_aside:
+      for step in found.later:
+        shutil.rmtree(self._step_path(step))
+    if found.damaged or (move_aside and found.later):
+      self._reopen()
+
   def restore_newest(
     self,
     like: Any,
     log: Callable[[str], None],
     move_aside: bool = True,
   ) -> tuple[int | None, Any]:
-    """The newest checkpoint that restores, falling back over damaged ones.
-
-    A checkpoint whose files are damaged (garbled or truncated data, a
-    missing item folder, an empty round folder) does not restore; the next
-    older one is tried. Each one skipped is reported in one line and, with
-    `move_aside` (the primary process), moved to
-    `<workdir>/checkpoints_damaged/<round>.<time>` (kept, not deleted) so
-    that the run can save that round again.
+    """The newest intact checkpoint (`find`), the damaged ones reported
+    and moved aside (`settle`).
 
     Returns:
       `(round, state)`, or `(None, like)` when there is no checkpoint.
@@ -144,41 +289,21 @@ class Checkpointer:
       CheckpointError: checkpoints exist but none restores (nothing is
         moved then: a workdir of another run's layout is not touched).
     """
-    steps = sorted(self._manager.all_steps(), reverse=True)
-    failed = []
-    for step in steps:
-      try:
-        state = self.restore(step, like)
-      except Exception as e:  # noqa: BLE001 (orbax/TensorStore raise many)
-        reason = ' '.join(str(e).split())[:200] or type(e).__name__
-        failed.append((step, reason))
-        # A failed restore can leave the manager with a wrong idea of the
-        # checkpoints' items: the next one is read by a fresh manager.
-        self._manager.close()
-        self._manager = self._new_manager()
-        continue
-      for bad, reason in failed:
-        where = self._damaged_path(bad)
-        if move_aside:
-          os.makedirs(os.path.dirname(where), exist_ok=True)
-          shutil.move(self._step_path(bad), where)
-        log(
-          f'checkpoint after round {bad} does not restore ({reason}); '
-          f'resuming from round {step}'
-          + (f', the damaged one moved to {where}' if move_aside else '')
-        )
-      if failed:
-        self._manager.close()
-        self._manager = self._new_manager()
-      return step, state
-    if failed:
-      step, reason = failed[0]
+    found = self.find(like)
+    self.check_found(found)
+    self.settle(found, log, move_aside)
+    return found.round, found.state
+
+  def check_found(self, found: Found) -> None:
+    """Raises `CheckpointError` if checkpoints were tried and none is
+    intact."""
+    if found.round is None and found.damaged:
+      step, reason = found.damaged[0]
       raise CheckpointError(
         f'no checkpoint in {self._folder} restores (the newest, '
         f'after round {step}: {reason}); if the workdir holds a run of '
         'another setting, pass another `workdir`'
       )
-    return None, like
 
   def _step_path(self, step: int) -> str:
     return os.path.join(self._folder, str(step))
@@ -192,7 +317,8 @@ class Checkpointer:
     self, round_index: int, state: Any, metadata: dict[str, Any] | None = None
   ) -> None:
     """Saves `state` as the checkpoint after `round_index` rounds, with a
-    JSON-able `metadata` dict inside it (the run's config).
+    JSON-able `metadata` dict inside it (the run's config) and their
+    `digest` (under `DIGEST_KEY`).
 
     Raises:
       StorageError: the checkpoint cannot be written (a full disk, a
@@ -203,6 +329,9 @@ class Checkpointer:
     # one by one, and each reports to an event loop that orbax has closed.
     _ignore_closed_loop_callbacks()
     _quiet_aborted_writes(self._folder)
+    metadata = dict(metadata or {})
+    # From the values about to be written, inside the same atomic save.
+    metadata[DIGEST_KEY] = digest(state, metadata)
     try:
       with _OrbaxErrorsQuiet():
         self._manager.save(
@@ -230,19 +359,62 @@ class Checkpointer:
 
   def metadata(self, round_index: int) -> dict[str, Any]:
     """The metadata saved with checkpoint `round_index` ({} for a
-    checkpoint saved without metadata, as older versions saved them)."""
+    checkpoint saved without metadata, as older versions saved them, or
+    whose metadata does not read), its digest left out."""
     try:
-      found = self._manager.metadata(int(round_index)).custom_metadata
-    except Exception:  # noqa: BLE001 (no step metadata file)
+      found = self._read_metadata(round_index)
+    except _Damaged:
       return {}
-    return dict(found or {})
+    found.pop(DIGEST_KEY, None)
+    return found
+
+  def _read_metadata(self, round_index: int) -> dict[str, Any]:
+    """The metadata saved with checkpoint `round_index`, digest included.
+
+    Raises:
+      _Damaged: orbax's metadata file of the checkpoint is missing or is
+        not what orbax writes (orbax itself reads such a file as empty).
+    """
+    path = os.path.join(self._step_path(int(round_index)), _STEP_METADATA)
+    try:
+      with open(path, 'rb') as f:
+        found = json.loads(f.read().decode('utf-8'))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+      raise _Damaged(f'{path} does not read: {e}') from None
+    custom = found.get('custom_metadata') if isinstance(found, dict) else None
+    if not isinstance(custom or {}, dict):
+      raise _Damaged(f'{path} is not a checkpoint metadata file')
+    return dict(custom or {})
 
   def restore(self, round_index: int, like: Any) -> Any:
-    """Restores the checkpoint `round_index` into the structure of `like`."""
+    """Restores the checkpoint `round_index` into the structure of `like`
+    (not verified: see `restore_verified`)."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
-    return self._manager.restore(
-      int(round_index), args=ocp.args.StandardRestore(abstract)
-    )
+    with _OrbaxErrorsQuiet(logging.WARNING):
+      return self._manager.restore(
+        int(round_index), args=ocp.args.StandardRestore(abstract)
+      )
+
+  def restore_verified(
+    self, round_index: int, like: Any
+  ) -> tuple[Any, dict[str, Any], bool]:
+    """`(state, metadata, verified)` of checkpoint `round_index`: the state
+    checked against the digest saved with it (`verified`; a checkpoint
+    made before digests has none and is taken as it reads).
+
+    Raises:
+      _Damaged: the metadata does not read, or the state does not match
+        its digest.
+      Exception: what orbax raises for arrays that do not read.
+    """
+    meta = self._read_metadata(round_index)
+    state = self.restore(round_index, like)
+    expected = meta.pop(DIGEST_KEY, None)
+    if expected is not None and digest(state, meta) != expected:
+      raise _Damaged(
+        f'its arrays or metadata do not match their {DIGEST_KEY} digest'
+      )
+    return state, meta, expected is not None
 
   def close(self) -> None:
     self._manager.close()
