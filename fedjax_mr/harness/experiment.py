@@ -126,6 +126,7 @@ def _setup(
     mesh=mesh,
     client_sizes=clients.sizes.tolist(),
     partition=clients.partition,
+    data_fingerprint=clients.fingerprint,
   )
 
 
@@ -206,19 +207,22 @@ def _run(
   """`run` in every process (only the primary one writes files)."""
   config = experiment.config
   primary = distributed.is_primary()
+  data = experiment.data_fingerprint
   ckpt, start, state = resume.restore(
-    config, workdir, experiment.state, log, primary
+    config, workdir, experiment.state, log, primary, data
   )
   state = engine.to_host_clients(state)
   os.makedirs(workdir, exist_ok=True)
   if primary:
-    records.write_run_files(config, workdir, bool(start), experiment.partition)
+    records.write_run_files(
+      config, workdir, bool(start), experiment.partition, data
+    )
   if ckpt is None:
     ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
   mapping = distributed.client_mapping(
     config.clients_per_round, config.client_chunk, experiment.mesh
   )
-  meta = {'config': config.to_dict(), 'mapping': mapping}
+  meta = {'config': config.to_dict(), 'mapping': mapping, 'data': data}
   if start is not None:
     before = ckpt.metadata(start).get('mapping')
     resume.announce(workdir, start, before, mapping, log)

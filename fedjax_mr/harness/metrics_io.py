@@ -42,6 +42,39 @@ def read_checked(path: str) -> tuple[list[dict[str, Any]], int]:
   return rows, bad
 
 
+def intact_prefix(path: str) -> tuple[int, str]:
+  """How far a records file reads row after row: `(last round, what
+  stops it)`, the second '' when every line reads (or there is no file;
+  an empty one is cut at its start).
+
+  Rows must be JSON objects with an integer 'round', each the round after
+  the one before (the first may be any round: a file can start late); a
+  repeated round is skipped (`truncate` drops it). The first line that
+  does not read, or a round that skips ahead, stops the prefix.
+  """
+  if not os.path.exists(path):
+    return 0, ''
+  last = None
+  with open(path, 'rb') as f:
+    for number, raw in enumerate(f, 1):
+      if not raw.strip():
+        continue
+      try:
+        row = json.loads(raw.decode('utf-8'))
+      except (UnicodeDecodeError, ValueError):
+        row = None
+      r = row.get('round') if isinstance(row, dict) else None
+      if type(r) is not int:
+        after = f'after round {last}' if last else 'first'
+        return last or 0, f'line {number} ({after}) is cut or garbled'
+      if last is not None and r > last + 1:
+        return last, f'line {number} skips from round {last} to {r}'
+      last = r if last is None else max(last, r)
+  if last is None:
+    return 0, 'it holds no rows'
+  return last, ''
+
+
 def write_json(path: str, obj: Any, **dump_kwargs: Any) -> None:
   """Writes `obj` as JSON atomically (`files.write_atomic`): a reader
   (another process of the same run, a resumed run) sees the old file or the

@@ -8,7 +8,10 @@ one to `clients.jsonl` (each sampled client's id, examples, local steps
 and loss, and the K local models' accuracies when evaluated), and the
 metrics row to the TensorBoard events. `Records` writes each round's rows
 once (also when an interrupt lands between them); a resumed run first
-drops the rows past its checkpoint.
+drops the rows past its checkpoint, and a row that does not read makes it
+resume from a checkpoint before that row (`intact_rounds`), so that every
+row is recomputed rather than lost. config.json also holds the
+fingerprint of the data the run loaded (`DATA_KEY`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ CONFIG_FILE = 'config.json'
 # config.json's list of provenance records (see `provenance.collect`).
 PROVENANCE_KEY = 'provenance'
 PARTITION_FILE = 'partition.json'
+# config.json's fingerprint of the data loaded (`build.data_fingerprint`).
+DATA_KEY = 'data'
 CURVE_FILE = 'learning_curve.png'
 
 
@@ -83,15 +88,18 @@ def write_run_files(
   workdir: str,
   resumed: bool,
   partition: dict[str, Any] | None,
+  data: Mapping[str, Any] | None = None,
 ) -> None:
-  """Writes config.json (the config and one provenance record per process
-  that ran or, `resumed`, resumed the run) and partition.json."""
+  """Writes config.json (the config, the fingerprint of the `data` loaded
+  and one provenance record per process that ran or, `resumed`, resumed
+  the run) and partition.json."""
   config_path = os.path.join(workdir, CONFIG_FILE)
   records = _provenance_records(config_path) if resumed else []
   records.append(provenance.collect())
-  metrics_io.write_json(
-    config_path, {**config.to_dict(), PROVENANCE_KEY: records}, indent=2
-  )
+  saved = {**config.to_dict(), PROVENANCE_KEY: records}
+  if data is not None:
+    saved[DATA_KEY] = dict(data)
+  metrics_io.write_json(config_path, saved, indent=2)
   if partition is not None:
     partition_lib.save_summary(os.path.join(workdir, PARTITION_FILE), partition)
 
@@ -107,6 +115,34 @@ def _provenance_records(config_path: str) -> list[dict[str, Any]]:
   if not isinstance(records, list):
     return []
   return [r for r in records if isinstance(r, dict)]
+
+
+def saved_data(config_path: str) -> dict[str, Any] | None:
+  """The data fingerprint of a config.json (None if it has none: a run
+  made before fingerprints, or an unreadable file)."""
+  try:
+    with open(config_path) as f:
+      found = json.load(f).get(DATA_KEY)
+  except (OSError, ValueError, AttributeError):
+    return None
+  return found if isinstance(found, dict) else None
+
+
+def intact_rounds(workdir: str) -> tuple[int | None, str]:
+  """The last round up to which the records of `workdir` read, row after
+  row (`metrics_io.intact_prefix` of metrics.jsonl and clients.jsonl; a
+  missing file does not count), and which row stops them.
+
+  Returns:
+    `(round, reason)`: `(None, '')` when every row reads.
+  """
+  found, why = None, ''
+  for name in (METRICS_FILE, CLIENTS_FILE):
+    path = os.path.join(workdir, name)
+    last, stop = metrics_io.intact_prefix(path)
+    if stop and (found is None or last < found):
+      found, why = last, f'{path}: {stop}'
+  return found, why
 
 
 class Records:

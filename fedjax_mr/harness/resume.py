@@ -1,9 +1,12 @@
 """Resuming a run, and stopping one so that it can resume.
 
-A workdir that holds a checkpoint resumes from it, if it was made with
-the same config (config.json and the copy kept inside the checkpoint
-must agree) and the run is not already past `rounds`; the rounds after it
-are recomputed identically. Ctrl-C or SIGTERM writes the current round's
+A workdir that holds a checkpoint resumes from its newest intact one (a
+damaged one is skipped: `checkpoint.Checkpointer.find`), at or before the
+last intact record row (a cut or garbled row rolls the run back, so that
+the row is recomputed), if it was made with the same config and data
+(config.json and the copies kept inside the checkpoint must agree) and
+the run is not already past `rounds`; the rounds after it are recomputed
+identically. Ctrl-C or SIGTERM writes the current round's
 rows and checkpoints that round on the way out (`TerminationAsInterrupt`,
 `finish_interrupted`), and no signal lands inside a checkpoint's write
 (`SignalsDeferred`); a full disk stops the run with what to do
@@ -46,43 +49,79 @@ def restore(
   state: engine.RoundState,
   log: Callable[[str], None],
   primary: bool,
+  data: Mapping[str, Any] | None = None,
 ) -> tuple[checkpoint.Checkpointer | None, int | None, engine.RoundState]:
-  """The newest checkpoint of `workdir` that restores, if the run may
-  resume from it.
+  """The newest intact checkpoint of `workdir` at or before its last
+  intact record row, if the run may resume from it.
 
-  Nothing is written before (a fresh workdir has no checkpoints folder,
-  and the checkpointer is only made once there is one); the primary
-  process moves a damaged checkpoint aside.
+  A checkpoint that does not restore or does not match its digest is
+  skipped for the next older one (`Checkpointer.find`). A record row that
+  does not read (metrics.jsonl or clients.jsonl, `records.intact_rounds`)
+  rolls the run back to a checkpoint at or before the row before it, so
+  that the rows from there on are recomputed; the checkpoints past it
+  are deleted (the primary process), none left: the run starts over.
+  Nothing is written or moved before the checks (config, data) pass.
 
   Args:
     config: the run.
     workdir: its folder.
     state: the initial state (its layout is the checkpoint's).
-    log: where notes go (a checkpoint that does not restore).
+    log: where notes go (a damaged checkpoint, a roll back).
     primary: whether this process writes the workdir.
+    data: the fingerprint of the data loaded (`build.data_fingerprint`),
+      checked against config.json's and the checkpoint's; None: not
+      checked.
 
   Returns:
     (checkpointer or None, rounds done or None, state): None and the
-    initial state where there is no checkpoint.
+    initial state where there is no checkpoint to resume from.
 
   Raises:
     ConfigError: config.json or the checkpoint was made with another
-      config, or the run is already past `config.rounds`.
+      config or other data, or the run is already past `config.rounds`.
+    CheckpointError: checkpoints exist but none is intact.
   """
   config_path = os.path.join(workdir, records.CONFIG_FILE)
   # Only the primary process reads and writes config.json: the others
   # could find the file the primary has just written for this very run.
   if primary and os.path.exists(config_path):
     config_lib.check_resumable(config, config_path)
+    _check_data(config, workdir, records.saved_data(config_path), data)
   if not os.path.isdir(os.path.join(workdir, checkpoint.FOLDER)):
     return None, None, state
   ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
-  start, state = ckpt.restore_newest(state, log, move_aside=primary)
-  if start is None:
-    return ckpt, None, state
+  intact, why = records.intact_rounds(workdir)
+  found = ckpt.find(state, at_most=intact)
+  ckpt.check_found(found)
+  start = found.round
+  if start is not None:
+    _check_checkpoint(config, workdir, found, data)
+  ckpt.settle(found, log, move_aside=primary)
+  if found.later:
+    log(
+      f'{why}; the rounds from {(start or 0) + 1} on are recomputed, from '
+      + (f'the checkpoint after round {start}' if start else 'the start')
+    )
+  if start is not None and not found.verified:
+    log(
+      f'note: the checkpoint after round {start} has no digest (made by an '
+      'earlier version): it is resumed as it reads, unverified'
+    )
+  return ckpt, start, found.state
+
+
+def _check_checkpoint(
+  config: config_lib.ExperimentConfig,
+  workdir: str,
+  found: checkpoint.Found,
+  data: Mapping[str, Any] | None,
+) -> None:
+  """Refuses the checkpoint `found` if it was made with another config or
+  other data, or the run is past `config.rounds`."""
+  start = found.round
   # The config a checkpoint was made with is kept inside it: config.json
   # alone could be deleted or replaced.
-  saved = ckpt.metadata(start).get('config')
+  saved = found.metadata.get('config')
   diffs = config_lib.config_diffs(config, saved) if saved else []
   if diffs:
     raise errors.ConfigError(
@@ -90,12 +129,33 @@ def restore(
       f'another config ({"; ".join(diffs)}); pass another `workdir` or '
       'the same flags'
     )
+  _check_data(config, workdir, found.metadata.get('data'), data)
   if start > config.rounds:
     raise errors.ConfigError(
       f'`rounds={config.rounds}`: the run in {workdir} is already past it '
       f'({start} rounds done); pass `rounds={start}` or more to resume it'
     )
-  return ckpt, start, state
+
+
+def _check_data(
+  config: config_lib.ExperimentConfig,
+  workdir: str,
+  saved: Mapping[str, Any] | None,
+  data: Mapping[str, Any] | None,
+) -> None:
+  """Refuses to resume the run in `workdir` on data (`data`, a
+  fingerprint) other than those it was made with (`saved`; a run made
+  before fingerprints has none, and is not checked)."""
+  if not saved or data is None or dict(saved) == dict(data):
+    return
+  keys = sorted(set(saved) | set(data))
+  what = [k for k in keys if saved.get(k) != data.get(k)]
+  raise errors.ConfigError(
+    f'`data_dir={config.data_dir}`: the {config.dataset} data loaded from '
+    f'it differ from those the run in {workdir} was made with '
+    f'({", ".join(what)} differ); pass the folder of the same data, or '
+    'another `workdir`'
+  )
 
 
 def announce(

@@ -1,0 +1,357 @@
+"""Nothing silently wrong (issue 41): checkpoints prove their content,
+record rows are recomputed rather than dropped, and the data are part of a
+run's identity."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from fedjax_mr.core import errors
+from fedjax_mr.data import datasets
+from fedjax_mr.harness import build
+from fedjax_mr.harness import checkpoint
+from fedjax_mr.harness import experiment
+from fedjax_mr.harness import metrics_io
+from fedjax_mr.harness import records
+from tests import conftest
+from tests import helpers
+
+
+def _quiet(line):
+  del line
+
+
+def _no_times(rows):
+  return [{k: v for k, v in r.items() if not k.endswith('_s')} for r in rows]
+
+
+def _flip_one_byte(step_dir):
+  """Flips one bit in the middle of the largest array file of a
+  checkpoint (`<step>/default/ocdbt.process_0/d/`)."""
+  d = os.path.join(step_dir, 'default', 'ocdbt.process_0', 'd')
+  path = max((os.path.join(d, n) for n in os.listdir(d)), key=os.path.getsize)
+  data = bytearray(open(path, 'rb').read())
+  data[len(data) // 2] ^= 0x01
+  with open(path, 'wb') as f:
+    f.write(data)
+
+
+# -- the digest, on its own -------------------------------------------------
+
+
+def test_the_digest_sees_every_bit_dtype_shape_and_the_metadata():
+  state = {'a': np.arange(6, dtype=np.float32), 'b': np.zeros((2, 3), np.int8)}
+  ref = checkpoint.digest(state, {'config': {'lr': 0.1}})
+  assert ref == checkpoint.digest(
+    jax.tree.map(np.copy, state), {'config': {'lr': 0.1}}
+  )
+  flipped = state['a'].copy()
+  flipped.view(np.uint8)[5] ^= 1
+  others = [
+    ({**state, 'a': flipped}, {'config': {'lr': 0.1}}),
+    ({**state, 'b': np.zeros((3, 2), np.int8)}, {'config': {'lr': 0.1}}),
+    ({**state, 'b': np.zeros((2, 3), np.uint8)}, {'config': {'lr': 0.1}}),
+    ({'b': state['a'], 'a': state['b']}, {'config': {'lr': 0.1}}),
+    (state, {'config': {'lr': 0.2}}),
+  ]
+  digests = {checkpoint.digest(s, m) for s, m in others}
+  assert len(digests) == len(others) and ref not in digests
+
+
+def _two_checkpoints(tmp_path):
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  like = {'w': jax.numpy.zeros(4096, jax.numpy.float32)}
+  for r in (1, 2):
+    ckpt.save(r, {'w': jax.numpy.arange(4096.0) * r}, {'config': {'r': r}})
+  return ckpt, like
+
+
+def test_a_flipped_byte_is_found_and_the_older_checkpoint_read(tmp_path):
+  ckpt, like = _two_checkpoints(tmp_path)
+  assert ckpt.metadata(2) == {'config': {'r': 2}}  # the digest left out
+  _flip_one_byte(os.path.join(str(tmp_path), checkpoint.FOLDER, '2'))
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  found = ckpt.find(like)
+  assert found.round == 1 and found.verified
+  assert found.metadata == {'config': {'r': 1}}
+  np.testing.assert_array_equal(found.state['w'], np.arange(4096.0))
+  assert found.damaged == [
+    (2, 'its arrays or metadata do not match their sha256 digest')
+  ]
+  # Unchecked, orbax reads the damaged arrays without a word.
+  assert not np.array_equal(ckpt.restore(2, like)['w'], 2 * np.arange(4096.0))
+
+
+def test_checkpoints_without_a_digest_are_read_unverified(tmp_path):
+  # As this project wrote them before digests: the metadata file holds the
+  # config, no digest.
+  ckpt, like = _two_checkpoints(tmp_path)
+  path = os.path.join(
+    str(tmp_path), checkpoint.FOLDER, '2', '_CHECKPOINT_METADATA'
+  )
+  with open(path) as f:
+    saved = json.load(f)
+  del saved['custom_metadata'][checkpoint.DIGEST_KEY]
+  with open(path, 'w') as f:
+    json.dump(saved, f)
+  found = checkpoint.Checkpointer(str(tmp_path)).find(like)
+  assert (found.round, found.verified, found.damaged) == (2, False, [])
+
+
+# -- a run: damaged checkpoints ----------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def finished(small_fmnist_dir, tmp_path_factory):
+  """A finished 4-round run (checkpoints after rounds 2 and 4)."""
+  cfg = helpers.small_config(
+    small_fmnist_dir, rounds=4, checkpoint_every=2, eval_every=2
+  )
+  work = str(tmp_path_factory.mktemp('finished'))
+  res = experiment.train_and_evaluate(cfg, work, log=_quiet)
+  return cfg, work, res
+
+
+def _copy(finished, tmp_path):
+  cfg, work, res = finished
+  copy = str(tmp_path / 'run')
+  shutil.copytree(work, copy)
+  return cfg, copy, res
+
+
+def _matches(work, res, ref):
+  """`work`'s rows and `res`'s state are the reference run's, bit for bit
+  (times aside)."""
+  helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
+  rows = metrics_io.read(os.path.join(work, records.METRICS_FILE))
+  assert _no_times(rows) == _no_times(ref.history)
+  assert [r['round'] for r in rows] == [1, 2, 3, 4]
+  clients = metrics_io.read(os.path.join(work, records.CLIENTS_FILE))
+  assert clients == metrics_io.read(
+    os.path.join(ref.workdir, records.CLIENTS_FILE)
+  )
+
+
+def test_a_flipped_byte_in_the_newest_checkpoint_falls_back(finished, tmp_path):
+  cfg, work, ref = _copy(finished, tmp_path)
+  _flip_one_byte(os.path.join(work, checkpoint.FOLDER, '4'))
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  damaged = [line for line in lines if 'checkpoint after round 4' in line]
+  assert damaged == [
+    'checkpoint after round 4 does not restore (its arrays or metadata do '
+    'not match their sha256 digest); resuming from round 2, the damaged one '
+    f'moved to {os.path.join(work, "checkpoints_damaged", "")}'
+    + os.listdir(os.path.join(work, 'checkpoints_damaged'))[0]
+  ]
+  assert f'resuming {work} after round 2' in lines
+  _matches(work, res, ref)
+
+
+def test_garbled_checkpoint_metadata_does_not_skip_the_config_check(
+  finished, tmp_path
+):
+  # orbax reads a garbled metadata file as empty, which skipped the check
+  # of the config kept in the checkpoint: now the checkpoint is damaged,
+  # and the older one's config refuses the changed `lr`.
+  cfg, work, _ = _copy(finished, tmp_path)
+  os.remove(os.path.join(work, records.CONFIG_FILE))
+  path = os.path.join(work, checkpoint.FOLDER, '4', '_CHECKPOINT_METADATA')
+  with open(path, 'w') as f:
+    f.write('{"custom_metadata": {"config": ')
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^the checkpoint after round 2 .*\(`lr=0\.01` there, 0\.05 here',
+  ):
+    experiment.train_and_evaluate(
+      dataclasses.replace(cfg, lr=0.05), work, log=_quiet
+    )
+  # Nothing moved before the refusal.
+  assert os.path.exists(path)
+
+
+def _flags(cfg, work, data_dir=None, rounds=None):
+  return [
+    f'--data_dir={data_dir or cfg.data_dir}',
+    f'--num_clients={cfg.num_clients}',
+    f'--clients_per_round={cfg.clients_per_round}',
+    f'--alpha={cfg.alpha}',
+    f'--local_epochs={cfg.local_epochs}',
+    f'--rounds={rounds or cfg.rounds}',
+    f'--eval_every={cfg.eval_every}',
+    f'--checkpoint_every={cfg.checkpoint_every}',
+    f'--workdir={work}',
+  ]
+
+
+def test_no_intact_checkpoint_is_one_line_and_exit_2(finished, tmp_path):
+  cfg, work, _ = _copy(finished, tmp_path)
+  for step in ('2', '4'):
+    _flip_one_byte(os.path.join(work, checkpoint.FOLDER, step))
+  proc = helpers.run_module('experiments.run', *_flags(cfg, work))
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.splitlines() == [
+    f'error: no checkpoint in {os.path.join(work, checkpoint.FOLDER)} '
+    'restores (the newest, after round 4: its arrays or metadata do not '
+    'match their sha256 digest); if the workdir holds a run of another '
+    'setting, pass another --workdir'
+  ]
+  assert sorted(os.listdir(os.path.join(work, checkpoint.FOLDER))) == [
+    '2',
+    '4',
+  ]
+
+
+# -- a run: damaged records ---------------------------------------------------
+
+
+def _cut_last_line(path):
+  with open(path, 'rb') as f:
+    data = f.read()
+  start = data.rstrip(b'\n').rfind(b'\n') + 1
+  with open(path, 'wb') as f:
+    f.write(data[: start + (len(data) - start) // 2])
+
+
+def test_a_cut_last_metrics_row_is_recomputed(finished, tmp_path):
+  cfg, work, ref = _copy(finished, tmp_path)
+  path = os.path.join(work, records.METRICS_FILE)
+  _cut_last_line(path)
+  assert [r['round'] for r in metrics_io.read(path)] == [1, 2, 3]
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert (
+    f'{path}: line 4 (after round 3) is cut or garbled; the rounds from 3 on '
+    'are recomputed, from the checkpoint after round 2'
+  ) in lines
+  assert f'resuming {work} after round 2' in lines
+  _matches(work, res, ref)
+  assert checkpoint.Checkpointer(work).all_rounds() == [2, 4]
+
+
+def test_a_garbled_middle_clients_row_is_recomputed(finished, tmp_path):
+  # Row 2 garbled: no checkpoint at or before round 1, the run starts over.
+  cfg, work, ref = _copy(finished, tmp_path)
+  path = os.path.join(work, records.CLIENTS_FILE)
+  with open(path, 'rb') as f:
+    rows = f.read().splitlines(keepends=True)
+  rows[1] = rows[1][:10] + b'\xff\x00garbled' + rows[1][20:]
+  with open(path, 'wb') as f:
+    f.writelines(rows)
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert (
+    f'{path}: line 2 (after round 1) is cut or garbled; the rounds from 1 on '
+    'are recomputed, from the start'
+  ) in lines
+  assert not [line for line in lines if line.startswith('resuming')]
+  _matches(work, res, ref)
+
+
+@pytest.mark.parametrize(
+  'text, expected',
+  [
+    (None, (0, '')),
+    ('', (0, 'it holds no rows')),
+    ('{"round": 1}\n{"round": 2}\n', (2, '')),
+    ('{"round": 5}\n{"round": 6}\n', (6, '')),  # a file that starts late
+    ('{"round": 1}\n{"round": 1}\n{"round": 2}\n', (2, '')),  # repeated
+    (
+      '{"round": 1}\n{"round": 2}\n{"rou',
+      (2, 'line 3 (after round 2) is cut or garbled'),
+    ),
+    (
+      '{"round": 1}\n[1]\n{"round": 3}\n',
+      (1, 'line 2 (after round 1) is cut or garbled'),
+    ),
+    ('{"round": 1}\n{"round": 3}\n', (1, 'line 2 skips from round 1 to 3')),
+    ('{"x": 1}\n{"round": 2}\n', (0, 'line 1 (first) is cut or garbled')),
+  ],
+)
+def test_intact_prefix(tmp_path, text, expected):
+  path = str(tmp_path / 'metrics.jsonl')
+  if text is not None:
+    with open(path, 'w') as f:
+      f.write(text)
+  assert metrics_io.intact_prefix(path) == expected
+
+
+# -- a run: the data ----------------------------------------------------------
+
+
+def _copy_data(small_fmnist_dir, folder, relabel=False):
+  ds = datasets.load('fashion_mnist', small_fmnist_dir)
+  y_train = ds.y_train.copy()
+  if relabel:
+    y_train[7] = (y_train[7] + 1) % 10
+  return conftest.write_idx_dataset(
+    folder, ds.x_train[..., 0], y_train, ds.x_test[..., 0], ds.y_test
+  )
+
+
+def _contents(work):
+  """Every file of `work` and its bytes, but the lock (it holds the pid
+  of the last process that held it)."""
+  return {
+    os.path.join(r, n): open(os.path.join(r, n), 'rb').read()
+    for r, _, names in os.walk(work)
+    for n in names
+    if n != '.lock'
+  }
+
+
+def test_the_data_fingerprint(small_fmnist_dir, tmp_path):
+  ref = build.data_fingerprint(datasets.load('fashion_mnist', small_fmnist_dir))
+  assert (ref['train'], ref['test']) == (1500, 500)
+  same = _copy_data(small_fmnist_dir, str(tmp_path / 'same'))
+  other = _copy_data(small_fmnist_dir, str(tmp_path / 'other'), relabel=True)
+  assert build.data_fingerprint(datasets.load('fashion_mnist', same)) == ref
+  changed = build.data_fingerprint(datasets.load('fashion_mnist', other))
+  assert changed['sha256'] != ref['sha256']
+
+
+def test_a_resume_on_other_data_is_refused(
+  finished, small_fmnist_dir, tmp_path
+):
+  cfg, work, _ = _copy(finished, tmp_path)
+  with open(os.path.join(work, records.CONFIG_FILE)) as f:
+    saved = json.load(f)
+  assert saved[records.DATA_KEY] == build.data_fingerprint(
+    datasets.load('fashion_mnist', small_fmnist_dir)
+  )
+  other = _copy_data(small_fmnist_dir, str(tmp_path / 'other'), relabel=True)
+  before = _contents(work)
+  proc = helpers.run_module(
+    'experiments.run', *_flags(cfg, work, data_dir=other, rounds=5)
+  )
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.splitlines() == [
+    f'error: --data_dir={other}: the fashion_mnist data loaded from it '
+    f'differ from those the run in {work} was made with (sha256 differ); '
+    'pass the folder of the same data, or another --workdir'
+  ]
+  assert _contents(work) == before
+  # Without config.json, the checkpoint's own fingerprint refuses it.
+  os.remove(os.path.join(work, records.CONFIG_FILE))
+  with pytest.raises(errors.ConfigError, match=r'^`data_dir=.*sha256 differ'):
+    experiment.train_and_evaluate(
+      dataclasses.replace(cfg, data_dir=other, rounds=5), work, log=_quiet
+    )
+
+
+def test_the_same_data_elsewhere_resumes(finished, small_fmnist_dir, tmp_path):
+  cfg, work, _ = _copy(finished, tmp_path)
+  moved = _copy_data(small_fmnist_dir, str(tmp_path / 'moved'))
+  lines = []
+  res = experiment.train_and_evaluate(
+    dataclasses.replace(cfg, data_dir=moved, rounds=5), work, log=lines.append
+  )
+  assert lines[0] == f'resuming {work} after round 4'
+  assert [r['round'] for r in res.history] == [1, 2, 3, 4, 5]
+  with open(os.path.join(work, records.CONFIG_FILE)) as f:
+    assert json.load(f)['data_dir'] == moved
