@@ -11,12 +11,15 @@ import gzip
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import experiment
 from tests.data import test_idx_and_datasets as idx_tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,6 +172,24 @@ CASES = {
     (['--data_dir={bad:huge_header}'], 'train-images-idx3-ubyte.gz'),
     (['--data_dir={bad:nan_pixels}'], 'train-images-idx3-ubyte.gz'),
     (['--data_dir={bad:test_shape}'], '/b: test images are (27, 28)'),
+    # A finished run's workdir (`prepared_runs`; issue 41): every checkpoint
+    # with a flipped bit, and the run resumed on relabelled data.
+    (
+      [
+        '--data_dir={bad:tiny_data}',
+        '--partition=iid',
+        '--workdir={bad:tiny_run_damaged}',
+      ],
+      'no checkpoint in',
+    ),
+    (
+      [
+        '--data_dir={bad:tiny_relabelled}',
+        '--partition=iid',
+        '--workdir={bad:tiny_run}',
+      ],
+      '--data_dir=',
+    ),
     (['--rounds=abc'], '--rounds'),
     (['--bogus_flag=1'], 'bogus_flag'),
     (['--flagfile=/nonexistent/x.flags'], '/nonexistent/x.flags'),
@@ -418,14 +439,53 @@ def bad_data(tmp_path_factory):
   return out
 
 
+@pytest.fixture(scope='module')
+def prepared_runs(tmp_path_factory):
+  """{name: a folder}: a finished 1-round run of `experiments.run`'s
+  `BASE` flags with `--partition=iid` on a 20-example IDX folder
+  (`tiny_data`, `tiny_run`), a copy of it whose every checkpoint has a
+  flipped bit (`tiny_run_damaged`), and the data relabelled
+  (`tiny_relabelled`)."""
+  root = tmp_path_factory.mktemp('prepared_runs')
+  out = {
+    'tiny_data': idx_tests.idx_folder(root / 'data'),
+    'tiny_relabelled': idx_tests.idx_folder(
+      root / 'relabelled', y_train=(np.arange(20) + 1) % 10
+    ),
+    'tiny_run': str(root / 'run'),
+    'tiny_run_damaged': str(root / 'damaged'),
+  }
+  config = config_lib.ExperimentConfig(
+    data_dir=out['tiny_data'],
+    partition='iid',
+    num_clients=10,
+    clients_per_round=2,
+    rounds=1,
+    local_epochs=1,
+  )
+  experiment.train_and_evaluate(config, out['tiny_run'], log=lambda _: None)
+  shutil.copytree(out['tiny_run'], out['tiny_run_damaged'])
+  for d, _, names in os.walk(out['tiny_run_damaged']):
+    if d.endswith(os.path.join('ocdbt.process_0', 'd')):
+      path = max((os.path.join(d, n) for n in names), key=os.path.getsize)
+      with open(path, 'r+b') as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 1]))
+  return out
+
+
 def _substitute(arg, scratch, bad_data):
   arg = arg.replace('{S}', scratch)
   return re.sub(r'\{bad:(\w+)\}', lambda m: bad_data[m.group(1)], arg)
 
 
 @pytest.mark.parametrize('program', sorted(CASES))
-def test_bad_invocations(program, tmp_path, bad_data):
+def test_bad_invocations(program, tmp_path, bad_data, request):
   scratch = str(tmp_path / 'out')
+  if program == 'experiments.run':
+    bad_data = {**bad_data, **request.getfixturevalue('prepared_runs')}
   extra = BASE.get(program, [])
   argvs = [
     [_substitute(a, scratch, bad_data) for a in [*extra, *argv]]
