@@ -95,7 +95,10 @@ def restore(
   ckpt.check_found(found)
   start = found.round
   if start is not None:
-    _check_checkpoint(config, workdir, found, data)
+    _check_checkpoint(config, workdir, start, found.metadata, data)
+  # Those past the intact rows are deleted: they must be this run's too.
+  for later in found.later:
+    _check_checkpoint(config, workdir, later, ckpt.metadata(later), data)
   ckpt.settle(found, log, move_aside=primary)
   if found.later:
     log(
@@ -113,15 +116,16 @@ def restore(
 def _check_checkpoint(
   config: config_lib.ExperimentConfig,
   workdir: str,
-  found: checkpoint.Found,
+  start: int,
+  metadata: Mapping[str, Any],
   data: Mapping[str, Any] | None,
 ) -> None:
-  """Refuses the checkpoint `found` if it was made with another config or
-  other data, or the run is past `config.rounds`."""
-  start = found.round
+  """Refuses the checkpoint after round `start` (its `metadata`) if it was
+  made with another config or other data, or the run is past
+  `config.rounds`."""
   # The config a checkpoint was made with is kept inside it: config.json
   # alone could be deleted or replaced.
-  saved = found.metadata.get('config')
+  saved = metadata.get('config')
   diffs = config_lib.config_diffs(config, saved) if saved else []
   if diffs:
     raise errors.ConfigError(
@@ -129,7 +133,7 @@ def _check_checkpoint(
       f'another config ({"; ".join(diffs)}); pass another `workdir` or '
       'the same flags'
     )
-  _check_data(config, workdir, found.metadata.get('data'), data)
+  _check_data(config, workdir, metadata.get('data'), data)
   if start > config.rounds:
     raise errors.ConfigError(
       f'`rounds={config.rounds}`: the run in {workdir} is already past it '

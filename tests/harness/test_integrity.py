@@ -253,6 +253,26 @@ def test_a_garbled_middle_clients_row_is_recomputed(finished, tmp_path):
   _matches(work, res, ref)
 
 
+def test_a_roll_back_deletes_no_checkpoint_of_another_config(
+  finished, tmp_path
+):
+  # The first metrics row cut, config.json gone: the run would start over
+  # and delete checkpoints 2 and 4, which were made with another `lr`.
+  cfg, work, _ = _copy(finished, tmp_path)
+  os.remove(os.path.join(work, records.CONFIG_FILE))
+  path = os.path.join(work, records.METRICS_FILE)
+  with open(path, 'r+b') as f:
+    f.truncate(10)
+  before = _contents(work)
+  with pytest.raises(
+    errors.ConfigError, match=r'^the checkpoint after round 4 .*`lr=0\.01`'
+  ):
+    experiment.train_and_evaluate(
+      dataclasses.replace(cfg, lr=0.05), work, log=_quiet
+    )
+  assert _contents(work) == before
+
+
 @pytest.mark.parametrize(
   'text, expected',
   [
