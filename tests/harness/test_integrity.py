@@ -140,6 +140,11 @@ def _matches(work, res, ref):
 def test_a_flipped_byte_in_the_newest_checkpoint_falls_back(finished, tmp_path):
   cfg, work, ref = _copy(finished, tmp_path)
   _flip_one_byte(os.path.join(work, checkpoint.FOLDER, '4'))
+  # Read back (as experiments.landscape does): the intact round 2, nothing
+  # moved.
+  loaded = experiment.load_run(work)
+  assert loaded.round == 2 and [r['round'] for r in loaded.history] == [1, 2]
+  assert checkpoint.Checkpointer(work).all_rounds() == [2, 4]
   lines = []
   res = experiment.train_and_evaluate(cfg, work, log=lines.append)
   damaged = [line for line in lines if 'checkpoint after round 4' in line]
