@@ -212,6 +212,33 @@ def test_no_intact_checkpoint_is_one_line_and_exit_2(finished, tmp_path):
   ]
 
 
+def _truncate_arrays(step_dir):
+  d = os.path.join(step_dir, 'default', 'ocdbt.process_0', 'd')
+  path = max((os.path.join(d, n) for n in os.listdir(d)), key=os.path.getsize)
+  with open(path, 'r+b') as f:
+    f.truncate(1000)
+
+
+def _garble_metadata(step_dir):
+  with open(os.path.join(step_dir, '_CHECKPOINT_METADATA'), 'w') as f:
+    f.write('{garbled')
+
+
+@pytest.mark.parametrize('damage', [_truncate_arrays, _garble_metadata])
+def test_orbax_says_nothing_of_a_damaged_checkpoint(finished, tmp_path, damage):
+  # orbax raises (a truncated file: ~130 lines of its tracebacks before) or
+  # logs (a metadata file it cannot parse); the user sees the one line.
+  cfg, work, _ = _copy(finished, tmp_path)
+  damage(os.path.join(work, checkpoint.FOLDER, '4'))
+  proc = helpers.run_module('experiments.run', *_flags(cfg, work))
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stderr == ''
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith('checkpoint after round 4 does not restore (')
+  assert 'resuming from round 2, the damaged one moved to' in lines[0]
+  assert lines[1] == f'resuming {work} after round 2'
+
+
 # -- a run: damaged records ---------------------------------------------------
 
 
