@@ -126,6 +126,67 @@ def from_partition(
   )
 
 
+def to_host(data: ClientData) -> ClientData:
+  """`data` with numpy fields (views of CPU device buffers where it can)."""
+  return jax.tree.map(np.asarray, data)
+
+
+def round_capacity(sizes: np.ndarray, clients_per_round: int) -> int:
+  """The most examples `clients_per_round` distinct clients hold: the sum
+  of the largest sizes (the rows of a `gather_round` view)."""
+  k = int(clients_per_round)
+  if k < 1:
+    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  return int(np.sort(np.asarray(sizes, np.int64))[::-1][:k].sum())
+
+
+def gather_round(
+  data: ClientData, ids: np.ndarray, capacity: int
+) -> ClientData:
+  """The view of host data `data` (numpy fields, `to_host`) that a round
+  training clients `ids` reads: their examples only, copied end to end
+  into `[capacity, ...]` (zeros after them), with `offsets` pointing each
+  sampled client at its block; the other clients keep their sizes but
+  point at row 0, and must not be trained on this view. Every batch
+  `batch(c, positions)` of a sampled client `c` equals the full data's at
+  the positions below its size (past it, both give some example, masked
+  by the caller).
+
+  Args:
+    data: the whole training set on the host.
+    ids: `[K]` client ids (repeats allowed: each client's examples are
+      copied once).
+    capacity: rows of the view, at least the sampled clients' examples
+      (`round_capacity`, fixed for a run so the view's shapes are).
+
+  Returns:
+    A `ClientData` of numpy arrays, `max_size`, `scale` and `shift` kept.
+  """
+  unique = np.unique(np.asarray(ids, np.int64))
+  sizes = np.asarray(data.sizes)
+  counts = sizes[unique].astype(np.int64)
+  total = int(counts.sum())
+  if total > capacity:
+    raise ValueError(
+      f'clients {unique.tolist()[:8]} hold {total} examples, more than '
+      f'capacity={capacity}'
+    )
+  starts = np.zeros(len(unique), np.int64)
+  np.cumsum(counts[:-1], out=starts[1:])
+  # Positions in `flat` of the sampled clients' index lists, end to end.
+  where = np.repeat(np.asarray(data.offsets)[unique] - starts, counts)
+  rows = np.asarray(data.flat)[where + np.arange(total)]
+  x = np.zeros((capacity, *data.x.shape[1:]), data.x.dtype)
+  y = np.zeros((capacity,), data.y.dtype)
+  x[:total] = np.asarray(data.x)[rows]
+  y[:total] = np.asarray(data.y)[rows]
+  offsets = np.zeros(sizes.shape, np.int32)
+  offsets[unique] = starts
+  flat = np.zeros(capacity + data.max_size, np.int32)
+  flat[:capacity] = np.arange(capacity, dtype=np.int32)
+  return data.replace(x=x, y=y, offsets=offsets, flat=flat, sizes=sizes)
+
+
 def normalize(x: jax.Array, scale: float, shift: float) -> jax.Array:
   """Model input from stored examples: float32 `x * scale + shift`."""
   if jnp.issubdtype(x.dtype, jnp.integer) and scale == 1.0 and shift == 0.0:

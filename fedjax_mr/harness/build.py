@@ -398,3 +398,48 @@ def _check_pretrained(
       f'{where}: its variables do not have the shapes of '
       f'`model={config.model}` under `algorithm={config.algorithm}`'
     )
+
+
+# The share of the memory the training set may take on the devices under
+# `data_placement=auto` (all CPU host devices share the machine's memory).
+DEVICE_DATA_SHARE = 0.25
+
+
+def _memory_bytes(device: jax.Device) -> int:
+  """What one device can hold: an accelerator's own memory, or for the CPU
+  the machine's (0 when unknown)."""
+  stats = (device.memory_stats() or {}) if device.platform != 'cpu' else {}
+  if 'bytes_limit' in stats:
+    return int(stats['bytes_limit'])
+  try:
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  except (ValueError, OSError, AttributeError):
+    return 0
+
+
+def data_bytes(data: client_data_lib.ClientData) -> int:
+  """Bytes of a stored training set with its index lists."""
+  return sum(int(a.nbytes) for a in (data.x, data.y, data.flat))
+
+
+def data_placement(
+  config: config_lib.ExperimentConfig,
+  data: Any,
+  mesh: jax.sharding.Mesh,
+) -> str:
+  """Where a run keeps its training data: 'device' (whole, on every device
+  of `mesh`), 'host' (in host memory; each round sends its clients'
+  examples) or 'generated' (synthetic clients, nothing stored).
+  `data_placement=auto` picks 'device' while the set takes at most
+  `DEVICE_DATA_SHARE` of the memory (on the CPU, of the machine's, times
+  the devices that each hold a copy), else 'host'."""
+  if not isinstance(data, client_data_lib.ClientData):
+    return 'generated'
+  if config.data_placement != 'auto':
+    return config.data_placement
+  device = mesh.devices.flat[0]
+  copies = mesh.devices.size if device.platform == 'cpu' else 1
+  memory = _memory_bytes(device)
+  if memory and data_bytes(data) * copies > DEVICE_DATA_SHARE * memory:
+    return 'host'
+  return 'device'

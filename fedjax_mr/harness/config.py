@@ -30,6 +30,7 @@ from fedjax_mr.harness import registry
 from fedjax_mr.training import optimizers
 
 WEIGHTINGS = ('auto', 'examples', 'uniform')
+DATA_PLACEMENTS = ('auto', 'device', 'host')
 PARTITIONS = (
   'iid',
   'dirichlet',
@@ -357,6 +358,16 @@ class ExperimentConfig:
     '(fastest on CPU), K/devices = all vmapped (for accelerators), in '
     'between = vmapped chunks; 0 = 1 on CPU, all on GPU/TPU up to 1,000 '
     'a device.',
+    run_only=True,
+  )
+  data_placement: str = _field(
+    'auto',
+    'Where the training set lives: device = whole on every device; host = '
+    "in host memory, each round sending the devices only its clients' "
+    'examples; auto = device while the set (times the devices) takes at '
+    'most a quarter of the memory, else host. Results are the same. '
+    'Generated clients (synthetic) have no stored set.',
+    choices=DATA_PLACEMENTS,
     run_only=True,
   )
   num_devices: int = _field(

@@ -100,7 +100,10 @@ def evaluate_round(
   if evaluators.local is not None and due(
     config.local_eval_every, r, config.rounds
   ):
-    local = jax.device_get(evaluators.local(state, data, test))['accuracy']
+    local = evaluators.local(
+      state.replace(clients=()), engine.round_data(data), test
+    )
+    local = jax.device_get(local)['accuracy']
     row['local_accuracy_mean'] = float(np.mean(local))
     row['local_accuracy_std'] = float(np.std(local))
     clients_row['local_accuracy'] = [float(a) for a in local]

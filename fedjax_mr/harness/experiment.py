@@ -111,9 +111,13 @@ def _setup(
   state = engine.init_state(
     algorithm, variables, len(clients.sizes), host_clients=True
   )
+  on_host = build.data_placement(config, clients.data, mesh) == 'host'
   data, test, device_state = distributed.replicate(
-    (clients.data, test, state.replace(clients=())), mesh
+    (() if on_host else clients.data, test, state.replace(clients=())), mesh
   )
+  if on_host:
+    # Each round sends the devices only its own clients' examples.
+    data = engine.host_data(clients.data, config.clients_per_round)
   state = device_state.replace(clients=state.clients)
   return build.Experiment(
     config=config,
@@ -279,8 +283,8 @@ def _run(
 def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
   """The experiment's round `step(state, data, key) -> (state, metrics)`,
   jit-compiled with its state donated and its results replicated over
-  the mesh. Per-client state, if any, stays in host memory
-  (`engine.make_host_round`)."""
+  the mesh. Per-client state, if any, and training data kept in host
+  memory stay there (`engine.make_host_round`)."""
   mesh = experiment.mesh
   k = experiment.config.clients_per_round
   jitted = functools.partial(
@@ -293,7 +297,8 @@ def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
     client_chunk=chunk,
     mesh=mesh if mesh.devices.size > 1 else None,
   )
-  if not engine.has_clients(experiment.state):
+  host_data = isinstance(experiment.data, engine.HostData)
+  if not engine.has_clients(experiment.state) and not host_data:
     return jitted(make())
   sample = jax.jit(
     engine.make_sample_fn(experiment.algorithm, k),

@@ -11,6 +11,7 @@ from typing import Mapping
 import jax
 import numpy as np
 
+from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.harness import build
 from fedjax_mr.harness import checkpoint
@@ -38,6 +39,9 @@ def announce(
     log: where the lines go.
   """
   config, data, test = experiment.config, experiment.data, experiment.test
+  host_data = isinstance(data, engine.HostData)
+  if host_data:
+    data = data.data
   num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
   if config.dataset == datasets.SYNTHETIC:
     log(_synthetic_line(experiment, num_params))
@@ -62,11 +66,26 @@ def announce(
   log(
     f'{num_devices} {platform} device(s) in {jax.process_count()} '
     f'process(es); {per_device} clients per device, '
-    f'{mapping["client_chunk"]} at a time'
+    f'{mapping["client_chunk"]} at a time; {_placement(experiment)}'
   )
   note = distributed.reproducibility_note(platform, num_devices)
   if note:
     log(note)
+
+
+def _placement(experiment: build.Experiment) -> str:
+  """Where the run keeps its training data, in words."""
+  data = experiment.data
+  if isinstance(data, engine.HostData):
+    mb = build.data_bytes(data.data) / 2**20
+    return (
+      f'training data in host memory ({mb:,.1f} MiB), each round sending '
+      f"its clients' examples (at most {data.capacity:,})"
+    )
+  if isinstance(data, client_data_lib.ClientData):
+    mb = build.data_bytes(data) / 2**20
+    return f'training data on every device ({mb:,.1f} MiB)'
+  return 'training data generated on demand'
 
 
 def _synthetic_line(experiment: build.Experiment, num_params: int) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 from typing import Callable
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -57,8 +58,11 @@ def init_state(
     algorithm: the algorithm.
     variables: the initial model.
     num_clients: N; required when the algorithm keeps per-client state.
-    host_clients: keep the per-client state in host memory (numpy arrays,
-      for `make_host_round`) instead of on the default device.
+    host_clients: keep the per-client state in host memory, for
+      `make_host_round`, instead of on the default device: read-only
+      numpy views of the one initial row, which take no memory until
+      `to_host_clients` (or the first round) writes them out, so a run
+      that resumes never holds the initial state beside the restored one.
   """
   clients = ()
   if algorithm.init_client_state is not None:
@@ -69,7 +73,7 @@ def init_state(
       )
     one = jax.device_get(algorithm.init_client_state(variables))
     clients = jax.tree.map(
-      lambda x: np.broadcast_to(x, (num_clients, *np.shape(x))).copy(), one
+      lambda x: np.broadcast_to(x, (num_clients, *np.shape(x))), one
     )
   state = RoundState(
     round=jnp.zeros((), jnp.int32),
@@ -525,10 +529,52 @@ def make_sample_fn(
   return sample_fn
 
 
+class HostData(NamedTuple):
+  """Training data kept in host memory (`host_data`): each round trains on
+  the view of its sampled clients (`client_data.gather_round`).
+
+  Attributes:
+    data: the whole training set, numpy fields.
+    capacity: rows of every round's view (static, so the round compiles
+      once): the most examples K distinct clients hold.
+    meta: on the devices, what samplers and dispatch read (the clients'
+      sizes; no examples).
+  """
+
+  data: client_data_lib.ClientData
+  capacity: int
+  meta: client_data_lib.ClientData
+
+
+def host_data(
+  data: client_data_lib.ClientData, clients_per_round: int
+) -> HostData:
+  """`data` kept in host memory for rounds of `clients_per_round`
+  clients (`make_host_round`)."""
+  on_host = client_data_lib.to_host(data)
+  meta = on_host.replace(
+    x=np.zeros((0, *on_host.x.shape[1:]), on_host.x.dtype),
+    y=np.zeros((0,), on_host.y.dtype),
+    flat=np.zeros((on_host.max_size,), np.int32),
+  )
+  return HostData(
+    data=on_host,
+    capacity=client_data_lib.round_capacity(on_host.sizes, clients_per_round),
+    meta=jax.tree.map(jnp.asarray, meta),
+  )
+
+
+def round_data(data: Any) -> Any:
+  """What samplers and dispatch read of a run's data: `data` itself, or
+  the `meta` of `HostData`."""
+  return data.meta if isinstance(data, HostData) else data
+
+
 def make_host_round(
   sample_fn: Callable, rows_round: Callable
 ) -> Callable[[RoundState, Any, jax.Array], tuple[RoundState, Any]]:
-  """A round whose per-client state lives in host memory.
+  """A round driven from the host: per-client state in host memory, and
+  training data on the devices or in host memory (`HostData`).
 
   `state.clients` holds numpy arrays `[N, ...]` (`init_state(...,
   host_clients=True)`, `to_host_clients`). Each call draws the round's
@@ -538,18 +584,26 @@ def make_host_round(
   arrays, so only K rows ever reach the devices. The results are those of
   the device-resident round (the gather and the scatter are exact).
 
+  With `HostData` the round gets the view of its own clients' examples
+  (`client_data.gather_round`, `capacity` rows) instead of the whole
+  training set; the results are the same (each sampled client reads the
+  same examples; reads past its size are masked either way).
+
   Returns:
     `step(state, data, key) -> (state, metrics)`, like `make_round_fn`'s
     round; `state.clients` of the result are the updated arrays (the
-    argument's own, written in place).
+    argument's own, written in place, once they are writable: read-only
+    ones are copied first).
   """
 
   def step(state, data, key):
-    clients = state.clients
+    clients = to_host_clients(state).clients
     device_state = state.replace(clients=())
-    ids = sample_fn(device_state, data, key)
+    ids = sample_fn(device_state, round_data(data), key)
     at = np.asarray(jax.device_get(ids))
     rows = jax.tree.map(lambda a: a[at], clients)
+    if isinstance(data, HostData):
+      data = client_data_lib.gather_round(data.data, at, data.capacity)
     device_state, new_rows, metrics = rows_round(
       device_state, data, key, ids, rows
     )

@@ -639,3 +639,51 @@ def test_a_run_started_from_python_gets_the_command_lines_devices(
   ).stdout.split()
   have, mesh, want = map(int, out)
   assert have == mesh == want
+
+
+@pytest.mark.parametrize('algorithm', ['fedavg', 'scaffold'])
+def test_data_in_host_memory_gives_the_same_run(
+  small_config, tmp_path, algorithm
+):
+  """`data_placement=host` (each round sends the devices its clients'
+  examples; SCAFFOLD's controls in host memory too) against the whole
+  set on every device: the same rows and final state, bit for bit, and
+  the first lines say which placement was chosen."""
+  runs = {}
+  for placement in ('device', 'host'):
+    lines = []
+    cfg = dataclasses.replace(
+      small_config, algorithm=algorithm, data_placement=placement, rounds=2
+    )
+    result = experiment.train_and_evaluate(
+      cfg, str(tmp_path / placement), log=lines.append
+    )
+    runs[placement] = (result, lines)
+  (a, lines_a), (b, lines_b) = runs['device'], runs['host']
+  assert any('training data on every device' in x for x in lines_a)
+  assert any('training data in host memory' in x for x in lines_b)
+  drop = lambda rows: [  # noqa: E731
+    {k: v for k, v in r.items() if not k.endswith('_s')} for r in rows
+  ]
+  assert drop(a.history) == drop(b.history)
+  for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  for name in ('clients.jsonl',):
+    assert (
+      open(tmp_path / 'device' / name).read()
+      == open(tmp_path / 'host' / name).read()
+    )
+
+
+def test_auto_placement_keeps_a_small_set_on_the_devices(small_config):
+  from fedjax_mr.harness import build
+
+  ex = experiment.setup(small_config)
+  assert build.data_placement(small_config, ex.data, ex.mesh) == 'device'
+  # A machine whose memory a quarter of which the set exceeds: host.
+  share = build.DEVICE_DATA_SHARE
+  try:
+    build.DEVICE_DATA_SHARE = 1e-9
+    assert build.data_placement(small_config, ex.data, ex.mesh) == 'host'
+  finally:
+    build.DEVICE_DATA_SHARE = share

@@ -43,6 +43,9 @@ def _host_rounds(algorithm, variables, data, k, mesh, rounds=3):
   state = engine.init_state(
     algorithm, variables, len(_SIZES), host_clients=True
   )
+  # Read-only views of the initial row until written out.
+  assert not any(a.flags.writeable for a in jax.tree.leaves(state.clients))
+  state = engine.to_host_clients(state)
   arrays = jax.tree.leaves(state.clients)
   step = engine.make_host_round(
     jax.jit(engine.make_sample_fn(algorithm, k)),
