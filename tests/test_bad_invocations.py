@@ -154,6 +154,16 @@ CASES = {
       ['--partition=file', '--partition_file={bad:partition_duplicate}'],
       'partition_duplicate.json: index 7 is in clients 0 and 8',
     ),
+    # Checked by type and size before reading (/dev/zero read 3.2 GB; a
+    # FIFO waited in open for a writer).
+    (
+      ['--partition=file', '--partition_file=/dev/zero'],
+      '--partition_file=/dev/zero: not a regular file',
+    ),
+    (
+      ['--partition=file', '--partition_file={bad:fifo}'],
+      'fifo: not a regular file',
+    ),
     (
       [
         '--partition=file',
@@ -226,6 +236,7 @@ CASES = {
     (['--num_devices=x'], '--num_devices'),
     (['--num_devices=7'], '--num_devices=7'),
     (['--threads=-1'], '--threads'),
+    (['--threads=1000000'], '--threads must be at most'),
     (['--eval_every=0'], '--eval_every'),
     (['--eval_batch_size=0'], '--eval_batch_size'),
     (['--rounds=abc'], '--rounds'),
@@ -280,6 +291,9 @@ CASES = {
     (['--stitch_solver=lu'], '--stitch_solver'),
     (['--label_map=/nonexistent/map.json'], '/nonexistent/map.json'),
     (['--label_map=README.md'], '--label_map=README.md'),
+    (['--label_map=/dev/zero'], '--label_map=/dev/zero: not a regular file'),
+    (['--num_clients=100000000'], '--num_clients must be at most 1,048,576'),
+    (['--batch_size=1000000000'], '--batch_size must be at most 4,096'),
     # The bundled CIFAR-10 map by name: its ImageNet ids exceed the test
     # pool's 10-class heads; with --classes, the entries of those classes.
     (
@@ -436,6 +450,8 @@ def bad_data(tmp_path_factory):
     out[name] = str(root / f'{name}.json')
     with open(out[name], 'w') as f:
       json.dump(clients, f)
+  out['fifo'] = str(root / 'fifo')
+  os.mkfifo(out['fifo'])
   return out
 
 

@@ -107,6 +107,12 @@ def _sysfs_backend(config: config_lib.StitchConfig) -> fleet.SysfsBackend:
   return fleet.SysfsBackend(dvfs, profile, meter.total_w)
 
 
+# A label map lists, per dataset class (100 at most here), the pool
+# classes that count as it, each of ImageNet's 1,000 at most once: under
+# 1 MB even one id a line. A larger file is not a map, and is not read.
+MAX_LABEL_MAP_BYTES = 2**24
+
+
 def read_label_map(
   config: config_lib.StitchConfig, classes: list[int] | None = None
 ) -> list | None:
@@ -123,14 +129,25 @@ def read_label_map(
     return named if classes is None else [named[c] for c in classes]
   if not config.label_map:
     return None
+  where = f'`label_map={config.label_map}`'
   try:
-    with open(config.label_map) as f:
-      label_map = json.load(f)
-  except (OSError, ValueError) as e:
-    reason = e.strerror if isinstance(e, OSError) else f'not JSON ({e})'
+    data = partition.read_bounded(config.label_map, MAX_LABEL_MAP_BYTES)
+  except ValueError as e:  # a device, a pipe, a folder, a huge file
     raise errors.ConfigError(
-      f'`label_map={config.label_map}`: cannot read it: {reason} (bundled '
-      f'maps: {", ".join(sorted(label_maps.BUNDLED))})'
+      f'{where}: {e} (a label map is a regular JSON file of at most '
+      f'{MAX_LABEL_MAP_BYTES >> 20} MiB)'
+    ) from None
+  except OSError as e:
+    raise errors.ConfigError(
+      f'{where}: cannot read it: {e.strerror or e} (bundled maps: '
+      f'{", ".join(sorted(label_maps.BUNDLED))})'
+    ) from None
+  try:
+    label_map = json.loads(data)
+  except (ValueError, RecursionError) as e:
+    raise errors.ConfigError(
+      f'{where}: cannot read it: not JSON ({e}) (bundled maps: '
+      f'{", ".join(sorted(label_maps.BUNDLED))})'
     ) from None
   if not isinstance(label_map, list):
     raise errors.ConfigError(

@@ -336,9 +336,10 @@ def test_file_sha256_refuses_what_load_file_refuses(tmp_path, monkeypatch):
   # and `load_file` names the problem), never a read of it.
   path = tmp_path / 'p.json'
   path.write_text(_GOOD)
-  assert partition.file_sha256(str(path)) == hashlib.sha256(
-    _GOOD.encode()
-  ).hexdigest()
+  assert (
+    partition.file_sha256(str(path))
+    == hashlib.sha256(_GOOD.encode()).hexdigest()
+  )
   with pytest.raises(OSError, match='/dev/zero: not a regular file'):
     partition.file_sha256('/dev/zero')
   monkeypatch.setattr(partition, 'MAX_FILE_BYTES', len(_GOOD) - 1)
