@@ -175,6 +175,9 @@ CASES = {
     (['--clients_per_round=1', '--num_devices=2'], '--clients_per_round=1'),
     (['--workdir=README.md'], 'README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
+    # A name that is not UTF-8 (a command line's byte 0xff, as Python holds
+    # it): orbax failed on it after round 1, and on every resume.
+    (['--workdir={S}/run\udcff'], 'run\\xff: the name is not valid UTF-8'),
     (['--data_dir=/nonexistent/fmnist'], '/nonexistent/fmnist'),
     # Damaged IDX files (item 11), each named.
     (['--data_dir={bad:labels_200}'], 'train-labels-idx1-ubyte.gz'),
@@ -310,6 +313,7 @@ CASES = {
     ),
     (['--workdir=README.md'], 'README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
+    (['--workdir={S}/run\udcff'], 'run\\xff: the name is not valid UTF-8'),
     (['--energy_mix=bogus'], '--energy_mix'),
     (['--energy_backend=bogus'], '--energy_backend'),
     (['--energy_ms_per_score=0'], '--energy_ms_per_score'),
