@@ -30,6 +30,7 @@ from fedjax_mr.data import datasets
 from fedjax_mr.data import partition
 from fedjax_mr.energy import fleet
 from fedjax_mr.energy import simulation
+from fedjax_mr.harness import resume
 from fedjax_mr.harness import stitch_config as config_lib
 from fedjax_mr.stitch import federated
 from fedjax_mr.stitch import label_maps
@@ -438,8 +439,10 @@ def run_stitching(
   """FedStitch over every client (resuming the workdir's state), the
   coordinators in the loop; then log.jsonl and energy.jsonl."""
   config = s.config
+  saved = []  # the rounds this process finished (each saved when done)
 
   def on_round(state):
+    saved.append(state.log[-1]['round'])
     for line in round_lines(state.log[-1]):
       log(line)
 
@@ -458,6 +461,12 @@ def run_stitching(
     raise errors.UserError(
       f'`energy_backend={config.energy_backend}`: {e}'
     ) from None
+  except KeyboardInterrupt:
+    # The state file is replaced whole after each round, so the one there
+    # is complete; the interrupted round is recomputed identically.
+    if saved:
+      log(f'interrupted: {STATE_FILE} holds the state after round {saved[-1]}')
+    raise
   files.write_atomic(
     os.path.join(config.workdir, 'log.jsonl'),
     lambda f: f.writelines(
@@ -650,7 +659,16 @@ def stitch_and_evaluate(
   Raises:
     UserError: a bad field, file or workdir, or an energy backend that
       failed (the message names the config field).
+    KeyboardInterrupt: Ctrl-C or SIGTERM; a re-run resumes after the last
+      round that ended.
   """
+  with resume.TerminationAsInterrupt():  # SIGTERM ends as Ctrl-C does
+    return _stitch_and_evaluate(config, log)
+
+
+def _stitch_and_evaluate(
+  config: config_lib.StitchConfig, log: Log
+) -> dict[str, Any]:
   s = setup(config, log)
   batch_fn = make_batch_fn(s)
   evaluate = make_evaluate(s)
