@@ -12,13 +12,14 @@ resumes. Installed, the program is the console script `fedjax-mr-run`.
 
 from __future__ import annotations
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 from absl import flags
 from absl import logging
 
 from fedjax_mr.harness import config as config_lib
 from fedjax_mr.harness import registry
-
-from . import cli
 
 
 def _define_flags() -> None:
@@ -49,13 +50,17 @@ def config_from_flags() -> config_lib.ExperimentConfig:
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  from fedjax_mr.harness import experiment
+  config = config_from_flags()
+  with cli.training_errors(
+    're-run with the same --workdir to resume',
+    workdir=config.workdir or config.default_workdir(),
+  ):
+    from fedjax_mr.harness import experiment
 
-  with cli.training_errors('re-run with the same --workdir to resume'):
     # Checks every flag (before the distributed runtime starts: a bad
     # --coordinator_address would otherwise wait for a coordinator), sets
     # up the devices, then runs or resumes.
-    experiment.train_and_evaluate(config_from_flags(), log=cli.log)
+    experiment.train_and_evaluate(config, log=cli.log)
 
 
 def entry() -> None:

@@ -2,11 +2,17 @@
 errors and the library's backticked names rendered as flags."""
 
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from absl import flags
 
 from experiments import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_flagfile_is_replaced_by_its_lines_and_nests_beside_itself(
@@ -111,3 +117,58 @@ def test_fail_and_log_speak_in_flags(capsys):
   assert capsys.readouterr().err == (
     'error: --render_test_only_flag must be ≥ 1, got 0\n'
   )
+
+
+@pytest.mark.parametrize('made', [False, True])
+def test_ctrl_c_before_the_workdir_exists_says_nothing_was_written(
+  tmp_path, capsys, made
+):
+  workdir = tmp_path / 'run'
+  with pytest.raises(SystemExit) as e:
+    with cli.training_errors('re-run to resume', workdir=str(workdir)):
+      if made:
+        workdir.mkdir()
+      raise KeyboardInterrupt
+  assert e.value.code == 130
+  said = capsys.readouterr().err
+  assert said == (
+    'interrupted; re-run to resume\n'
+    if made
+    else 'interrupted during start-up; nothing written\n'
+  )
+
+
+def test_ctrl_c_while_a_program_imports_is_one_line():
+  # Uncaught at the top, as during `python -m experiments.run`'s imports.
+  code = (
+    'import os, signal, time; from experiments import cli; '
+    'os.kill(os.getpid(), signal.SIGINT); time.sleep(30)'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', code],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
+  assert (proc.returncode, proc.stderr) == (
+    130,
+    'interrupted during start-up; nothing written\n',
+  )
+
+
+def test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing(tmp_path):
+  workdir = tmp_path / 'run'
+  proc = subprocess.Popen(
+    [sys.executable, '-m', 'experiments.run', f'--workdir={workdir}'],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  time.sleep(1)  # importing, or loading: the workdir comes seconds later
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 130, err
+  assert err == 'interrupted during start-up; nothing written\n'
+  assert not workdir.exists()
