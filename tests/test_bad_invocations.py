@@ -48,6 +48,8 @@ CASES = {
       ['--num_processes=2', '--process_id=2', '--coordinator_address=h:1'],
       '--process_id',
     ),
+    (['--coordinator_timeout=0'], '--coordinator_timeout must be in'),
+    (['--coordinator_timeout=nan'], '--coordinator_timeout must be in'),
     (['--lr=0'], '--lr'),
     (['--lr=nan'], '--lr'),
     (['--lr=inf'], '--lr'),
