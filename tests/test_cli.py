@@ -2,6 +2,7 @@
 errors and the library's backticked names rendered as flags."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -172,3 +173,35 @@ def test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing(tmp_path):
   assert proc.returncode == 130, err
   assert err == 'interrupted during start-up; nothing written\n'
   assert not workdir.exists()
+
+
+def test_out_of_memory_in_a_run_is_one_line(tmp_path):
+  # XLA's RESOURCE_EXHAUSTED (FedMR at K = 60,000 asked for 31.7 GB) as
+  # the run raises it; the program names --clients_per_round.
+  code = (
+    'import sys, jax\n'
+    'from experiments import run\n'
+    'from fedjax_mr.harness import experiment\n'
+    'def oom(config, log):\n'
+    '  raise jax.errors.JaxRuntimeError(\n'
+    "    'RESOURCE_EXHAUSTED: Out of memory allocating 31700000000 bytes.\\n'\n"
+    "    'more XLA lines')\n"
+    'experiment.train_and_evaluate = oom\n'
+    f"sys.argv = ['run', '--workdir={tmp_path}/w', '--clients_per_round=7']\n"
+    'run.entry()\n'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', code],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 2
+  assert re.fullmatch(
+    r'error: out of memory \(RESOURCE_EXHAUSTED: Out of memory allocating '
+    r'31700000000 bytes\.; this machine has [\d.]+ GiB\): a round of '
+    r'--clients_per_round=7 does not fit; lower it, or --client_chunk '
+    r'\(clients trained at once on a device\)\n',
+    proc.stderr,
+  ), proc.stderr
