@@ -111,7 +111,9 @@ flags.DEFINE_bool(
   'loop); off for large K on accelerators, where it is sequential.',
 )
 flags.DEFINE_integer(
-  'threads', 0, 'PyTorch intra-op threads on the CPU (0: all cores).'
+  'threads',
+  0,
+  'PyTorch intra-op threads on the CPU (0: all cores; at most the cores).',
 )
 flags.DEFINE_string(
   'algorithm', 'fedavg', 'Algorithm to time (a name of the registry).'
@@ -805,6 +807,14 @@ def _check_flags():
   for name in ('client_chunk', 'host_devices', 'threads'):
     if FLAGS[name].value < 0:
       cli.fail(f'--{name} must be ≥ 0, got {FLAGS[name].value}')
+  # More intra-op threads than cores only time-slice them (1,000,000 made
+  # PyTorch crash with a segmentation fault).
+  cores = os.cpu_count() or 1
+  if FLAGS.threads > cores:
+    cli.fail(
+      f"--threads must be at most {cores} (this machine's cores; 0: all), "
+      f'got {FLAGS.threads}'
+    )
   if FLAGS.clients_per_round > FLAGS.num_clients:
     cli.fail(
       f'--clients_per_round={FLAGS.clients_per_round} exceeds '

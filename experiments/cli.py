@@ -34,6 +34,25 @@ from absl import flags
 from fedjax_mr.core import errors
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
+NOTHING_WRITTEN = 'interrupted during start-up; nothing written'
+
+
+def _interrupted_starting(kind, value, traceback) -> None:
+  """`sys.excepthook` while a program imports its modules: Ctrl-C there
+  (seconds: jax, flax, orbax) is one line and exit code 130."""
+  if issubclass(kind, KeyboardInterrupt):
+    sys.stdout.flush()
+    print(NOTHING_WRITTEN, file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)  # an excepthook cannot raise SystemExit
+  _python_excepthook(kind, value, traceback)
+
+
+# The programs import this module before any other of theirs (`isort:
+# split`); `run` puts Python's hook back once the flags are parsed, and
+# `training_errors` speaks for Ctrl-C from there on.
+_python_excepthook = sys.excepthook
+sys.excepthook = _interrupted_starting
 
 
 # `name`, `noname` or `name=value` in backticks.
@@ -73,10 +92,13 @@ def fail(message: str) -> NoReturn:
 
 
 @contextlib.contextmanager
-def training_errors(resume_hint: str):
+def training_errors(resume_hint: str, workdir: str | None = None):
   """What a training program can meet, as one line and an exit code: bad
-  input (2, `fail`), a non-finite loss (3) and Ctrl-C (130, then
-  `resume_hint`: how to resume)."""
+  input (2, `fail`), a non-finite loss (3) and Ctrl-C or SIGTERM (130,
+  then `resume_hint`: how to resume; or, where the run's output folder
+  `workdir` did not exist before and still does not, that nothing was
+  written)."""
+  fresh = workdir is not None and not os.path.exists(workdir)
   try:
     yield
   except errors.UserError as e:
@@ -85,8 +107,11 @@ def training_errors(resume_hint: str):
     print(f'error: {e}', file=sys.stderr)
     sys.exit(3)
   except KeyboardInterrupt:
-    print(f'interrupted; {resume_hint}', file=sys.stderr)
-    sys.exit(130)
+    if fresh and not os.path.exists(workdir):
+      print(NOTHING_WRITTEN, file=sys.stderr)
+    else:
+      print(f'interrupted; {resume_hint}', file=sys.stderr)
+    sys.exit(EXIT_INTERRUPTED)
 
 
 # The flagfiles that come with the package (the papers' settings).
@@ -236,7 +261,13 @@ def run(main: Callable[[list[str]], object]) -> None:
   the program's words (`render`)."""
   warnings.showwarning = _show_warning
   adopt_program_help(main.__module__)
-  app.run(guarded(main), flags_parser=parse_flags)
+
+  def parse_then_python_hook(argv: list[str]) -> list[str]:
+    args = parse_flags(argv)
+    sys.excepthook = _python_excepthook  # see `_interrupted_starting`
+    return args
+
+  app.run(guarded(main), flags_parser=parse_then_python_hook)
 
 
 def define_flag(name: str, f: dataclasses.Field, help_text: str) -> None:

@@ -60,13 +60,14 @@ is the default, so the paper's pool runs with that one flag).
 
 from __future__ import annotations
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 from absl import flags
 from absl import logging
 
 from fedjax_mr.harness import stitch_config as config_lib
 from fedjax_mr.harness import stitch_experiment
-
-from . import cli
 
 
 def _define_flags() -> None:
@@ -98,8 +99,11 @@ def config_from_flags() -> config_lib.StitchConfig:
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore
-  with cli.training_errors('re-run with the same flags to resume'):
-    stitch_experiment.stitch_and_evaluate(config_from_flags(), log=cli.log)
+  config = config_from_flags()
+  with cli.training_errors(
+    're-run with the same flags to resume', workdir=config.workdir
+  ):
+    stitch_experiment.stitch_and_evaluate(config, log=cli.log)
 
 
 def entry() -> None:

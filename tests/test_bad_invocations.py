@@ -48,6 +48,8 @@ CASES = {
       ['--num_processes=2', '--process_id=2', '--coordinator_address=h:1'],
       '--process_id',
     ),
+    (['--coordinator_timeout=0'], '--coordinator_timeout must be in'),
+    (['--coordinator_timeout=nan'], '--coordinator_timeout must be in'),
     (['--lr=0'], '--lr'),
     (['--lr=nan'], '--lr'),
     (['--lr=inf'], '--lr'),
@@ -154,6 +156,16 @@ CASES = {
       ['--partition=file', '--partition_file={bad:partition_duplicate}'],
       'partition_duplicate.json: index 7 is in clients 0 and 8',
     ),
+    # Checked by type and size before reading (/dev/zero read 3.2 GB; a
+    # FIFO waited in open for a writer).
+    (
+      ['--partition=file', '--partition_file=/dev/zero'],
+      '--partition_file=/dev/zero: not a regular file',
+    ),
+    (
+      ['--partition=file', '--partition_file={bad:fifo}'],
+      'fifo: not a regular file',
+    ),
     (
       [
         '--partition=file',
@@ -165,6 +177,9 @@ CASES = {
     (['--clients_per_round=1', '--num_devices=2'], '--clients_per_round=1'),
     (['--workdir=README.md'], 'README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
+    # A name that is not UTF-8 (a command line's byte 0xff, as Python holds
+    # it): orbax failed on it after round 1, and on every resume.
+    (['--workdir={S}/run\udcff'], 'run\\xff: the name is not valid UTF-8'),
     (['--data_dir=/nonexistent/fmnist'], '/nonexistent/fmnist'),
     # Damaged IDX files (item 11), each named.
     (['--data_dir={bad:labels_200}'], 'train-labels-idx1-ubyte.gz'),
@@ -226,6 +241,7 @@ CASES = {
     (['--num_devices=x'], '--num_devices'),
     (['--num_devices=7'], '--num_devices=7'),
     (['--threads=-1'], '--threads'),
+    (['--threads=1000000'], '--threads must be at most'),
     (['--eval_every=0'], '--eval_every'),
     (['--eval_batch_size=0'], '--eval_batch_size'),
     (['--rounds=abc'], '--rounds'),
@@ -280,6 +296,9 @@ CASES = {
     (['--stitch_solver=lu'], '--stitch_solver'),
     (['--label_map=/nonexistent/map.json'], '/nonexistent/map.json'),
     (['--label_map=README.md'], '--label_map=README.md'),
+    (['--label_map=/dev/zero'], '--label_map=/dev/zero: not a regular file'),
+    (['--num_clients=100000000'], '--num_clients must be at most 1,048,576'),
+    (['--batch_size=1000000000'], '--batch_size must be at most 4,096'),
     # The bundled CIFAR-10 map by name: its ImageNet ids exceed the test
     # pool's 10-class heads; with --classes, the entries of those classes.
     (
@@ -296,6 +315,7 @@ CASES = {
     ),
     (['--workdir=README.md'], 'README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
+    (['--workdir={S}/run\udcff'], 'run\\xff: the name is not valid UTF-8'),
     (['--energy_mix=bogus'], '--energy_mix'),
     (['--energy_backend=bogus'], '--energy_backend'),
     (['--energy_ms_per_score=0'], '--energy_ms_per_score'),
@@ -436,6 +456,8 @@ def bad_data(tmp_path_factory):
     out[name] = str(root / f'{name}.json')
     with open(out[name], 'w') as f:
       json.dump(clients, f)
+  out['fifo'] = str(root / 'fifo')
+  os.mkfifo(out['fifo'])
   return out
 
 

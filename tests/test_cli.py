@@ -2,11 +2,18 @@
 errors and the library's backticked names rendered as flags."""
 
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from absl import flags
 
 from experiments import cli
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_flagfile_is_replaced_by_its_lines_and_nests_beside_itself(
@@ -111,3 +118,90 @@ def test_fail_and_log_speak_in_flags(capsys):
   assert capsys.readouterr().err == (
     'error: --render_test_only_flag must be ≥ 1, got 0\n'
   )
+
+
+@pytest.mark.parametrize('made', [False, True])
+def test_ctrl_c_before_the_workdir_exists_says_nothing_was_written(
+  tmp_path, capsys, made
+):
+  workdir = tmp_path / 'run'
+  with pytest.raises(SystemExit) as e:
+    with cli.training_errors('re-run to resume', workdir=str(workdir)):
+      if made:
+        workdir.mkdir()
+      raise KeyboardInterrupt
+  assert e.value.code == 130
+  said = capsys.readouterr().err
+  assert said == (
+    'interrupted; re-run to resume\n'
+    if made
+    else 'interrupted during start-up; nothing written\n'
+  )
+
+
+def test_ctrl_c_while_a_program_imports_is_one_line():
+  # Uncaught at the top, as during `python -m experiments.run`'s imports.
+  code = (
+    'import os, signal, time; from experiments import cli; '
+    'os.kill(os.getpid(), signal.SIGINT); time.sleep(30)'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', code],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
+  assert (proc.returncode, proc.stderr) == (
+    130,
+    'interrupted during start-up; nothing written\n',
+  )
+
+
+def test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing(tmp_path):
+  workdir = tmp_path / 'run'
+  proc = subprocess.Popen(
+    [sys.executable, '-m', 'experiments.run', f'--workdir={workdir}'],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  time.sleep(1)  # importing, or loading: the workdir comes seconds later
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 130, err
+  assert err == 'interrupted during start-up; nothing written\n'
+  assert not workdir.exists()
+
+
+def test_out_of_memory_in_a_run_is_one_line(tmp_path):
+  # XLA's RESOURCE_EXHAUSTED (FedMR at K = 60,000 asked for 31.7 GB) as
+  # the run raises it; the program names --clients_per_round.
+  code = (
+    'import sys, jax\n'
+    'from experiments import run\n'
+    'from fedjax_mr.harness import experiment\n'
+    'def oom(config, log):\n'
+    '  raise jax.errors.JaxRuntimeError(\n'
+    "    'RESOURCE_EXHAUSTED: Out of memory allocating 31700000000 bytes.\\n'\n"
+    "    'more XLA lines')\n"
+    'experiment.train_and_evaluate = oom\n'
+    f"sys.argv = ['run', '--workdir={tmp_path}/w', '--clients_per_round=7']\n"
+    'run.entry()\n'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', code],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 2
+  assert re.fullmatch(
+    r'error: out of memory \(RESOURCE_EXHAUSTED: Out of memory allocating '
+    r'31700000000 bytes\.; this machine has [\d.]+ GiB\): a round of '
+    r'--clients_per_round=7 does not fit; lower it, or --client_chunk '
+    r'\(clients trained at once on a device\)\n',
+    proc.stderr,
+  ), proc.stderr

@@ -3,6 +3,9 @@
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -11,6 +14,7 @@ from tests import helpers
 from tests.energy import fake_sysfs
 
 _run = helpers.run_module
+_LOG = re.compile(r'^[IWEF]\d{4} ')  # absl log lines (not errors)
 
 
 @pytest.fixture(scope='module')
@@ -127,6 +131,57 @@ def test_stitch_runs_evaluates_and_resumes(
   (old / 'state.pkl').write_bytes(b'\x80\x04\x95 whatever')
   refused = _run(*args[:-1], f'--workdir={old}')
   assert refused.returncode == 2 and 'never unpickles' in refused.stderr
+
+
+def test_sigterm_says_so_and_the_run_resumes_to_the_same_networks(
+  small_pool, small_fmnist_dir, tmp_path
+):
+  pool_dir, _ = small_pool
+  args = (
+    'experiments.stitch',
+    f'--pool={pool_dir}',
+    f'--data_dir={small_fmnist_dir}',
+    '--num_clients=6',
+    '--clients_per_round=3',
+    '--rounds_per_selection=2',
+    '--batch_size=32',
+    '--eval_examples=200',
+  )
+  whole = _run(*args, f'--workdir={tmp_path / "whole"}')
+  assert whole.returncode == 0, whole.stderr
+  cut = tmp_path / 'cut'
+  proc = subprocess.Popen(
+    [sys.executable, '-m', *args, f'--workdir={cut}'],
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  lines = []
+  for line in proc.stdout:  # the first round ends, its state is saved
+    lines.append(line)
+    if line.startswith('round   1 '):
+      proc.send_signal(signal.SIGTERM)
+      break
+  out, err = proc.communicate(timeout=300)
+  out = ''.join(lines) + out
+  assert proc.returncode == 130, err
+  said = [x for x in err.splitlines() if x.strip() and not _LOG.match(x)]
+  assert said == ['interrupted; re-run with the same flags to resume']
+  done = re.findall(r'state after round (\d+)', out)
+  assert len(done) == 1 and int(done[0]) >= 1, out
+  assert not (cut / 'results.json').exists()
+  again = _run(*args, f'--workdir={cut}')
+  assert again.returncode == 0, again.stderr
+  first = re.search(r'^round +(\d+) ', again.stdout, re.M)
+  assert first and int(first.group(1)) == int(done[0]) + 1
+  results = [
+    json.load(open(tmp_path / w / 'results.json')) for w in ('whole', 'cut')
+  ]
+  assert results[0]['networks'] and (
+    results[1]['networks'] == results[0]['networks']
+  )
 
 
 def test_transfer_setting_pool_on_five_classes_clients_on_the_others(

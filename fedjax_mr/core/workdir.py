@@ -63,12 +63,29 @@ def _busy(folder: str, name: str, fd: int) -> errors.ConfigError:
   )
 
 
+def _check_utf8(folder: str, name: str) -> None:
+  """Raises `ConfigError` if `folder`'s name is not valid UTF-8 (Python
+  holds such bytes of a command line as lone surrogates). orbax and
+  TensorStore take paths as UTF-8: the first checkpoint, and every
+  resume, would fail after the work of a round."""
+  try:
+    folder.encode('utf-8')
+  except UnicodeEncodeError:
+    shown = os.fsencode(folder).decode('utf-8', 'backslashreplace')
+    raise errors.ConfigError(
+      f'{_named(shown, name)}: the name is not valid UTF-8, and checkpoints '
+      'need UTF-8 paths; choose a UTF-8 name'
+    ) from None
+
+
 def check_usable(folder: str, name: str = 'workdir') -> None:
   """Raises `ConfigError` unless `folder` is, or can be made, a writable
-  folder: not a file, not below a file, not on a read-only place.
+  folder: not a file, not below a file, not on a read-only place, with a
+  name that is valid UTF-8.
 
   Creates nothing; the message names `folder` as `name` (`acquire`).
   """
+  _check_utf8(folder, name)
   where = _named(folder, name)
   existing = os.path.abspath(folder)
   while not os.path.exists(existing):
@@ -122,6 +139,7 @@ def acquire(folder: str, name: str = 'workdir') -> Lock:
     ConfigError: another live process holds the lock, or the folder
       cannot be created or locked (a file, a read-only place, ...).
   """
+  _check_utf8(folder, name)
   path = os.path.join(folder, LOCK_FILE)
   try:
     os.makedirs(folder, exist_ok=True)

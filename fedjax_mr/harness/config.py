@@ -393,6 +393,12 @@ class ExperimentConfig:
   process_id: int = _field(
     0, 'Multi-process runs: index of this process.', run_only=True
   )
+  coordinator_timeout: float = _field(
+    300.0,
+    'Multi-process runs: seconds to wait for every process to join (then '
+    'give up, exit code 2).',
+    run_only=True,
+  )
   options: Mapping[str, Any] = dataclasses.field(
     default_factory=dict,
     metadata={'help': '', 'choices': None, 'run_only': False, 'flag': False},
@@ -621,6 +627,11 @@ def _check_run(config: ExperimentConfig) -> None:
     raise errors.ConfigError(
       f'`process_id` must be in [0, `num_processes={config.num_processes}`),'
       f' got {config.process_id}'
+    )
+  timeout = config.coordinator_timeout
+  if not (0 < timeout <= 86_400):  # nan too
+    raise errors.ConfigError(
+      f'`coordinator_timeout` must be in (0, 86400] seconds, got {timeout}'
     )
   if config.num_processes > 1:
     host, sep, port = config.coordinator_address.rpartition(':')

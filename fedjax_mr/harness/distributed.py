@@ -14,9 +14,13 @@ over clients), and `reproducibility_note` what the backend cannot promise.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import threading
 import warnings
 from typing import Any
+from typing import Callable
 from typing import Mapping
 
 import jax
@@ -43,6 +47,10 @@ def auto_host_devices(clients_per_round: int) -> int:
 
 
 MAX_HOST_DEVICES = 256
+# How long a process waits for all the others to join (JAX's own default;
+# past its timeout, JAX's runtime ends the process from C++, SIGABRT,
+# without a word, so `join` gives up first).
+COORDINATOR_TIMEOUT_S = 300.0
 
 
 def initialize(
@@ -53,6 +61,8 @@ def initialize(
   coordinator_address: str = '',
   num_processes: int = 1,
   process_id: int = 0,
+  coordinator_timeout: float = COORDINATOR_TIMEOUT_S,
+  log: Callable[[str], None] = print,
 ) -> None:
   """Sets up devices and processes; call before any JAX computation.
 
@@ -65,6 +75,12 @@ def initialize(
     coordinator_address: `host:port` of process 0; empty for one process.
     num_processes: number of cooperating processes.
     process_id: this process's index.
+    coordinator_timeout: seconds to wait for every process to join.
+    log: where the line saying what it waits for goes.
+
+  Raises:
+    ConfigError: a bad process setting, or not every process joined within
+      `coordinator_timeout` seconds (see `join`).
   """
   n = host_devices or num_devices or auto_host_devices(clients_per_round)
   # More host devices than this only time-slice one CPU host; a mesh of
@@ -85,11 +101,80 @@ def initialize(
       raise errors.ConfigError(
         f'`process_id` must be in [0, {num_processes}), got {process_id}'
       )
-    jax.distributed.initialize(
-      coordinator_address=coordinator_address,
-      num_processes=num_processes,
-      process_id=process_id,
+    join(
+      coordinator_address, num_processes, process_id, coordinator_timeout, log
     )
+
+
+def join(
+  address: str,
+  num_processes: int,
+  process_id: int,
+  timeout_s: float,
+  log: Callable[[str], None] = print,
+) -> None:
+  """Joins JAX's distributed runtime, saying first what this process waits
+  for; gives up after `timeout_s` seconds.
+
+  `jax.distributed.initialize` waits in C++ until every process has
+  registered (process 0 runs the coordinator), deaf to Ctrl-C, and at its
+  own timeout aborts the process. So it runs in a thread (it releases the
+  GIL) with a day more than ours, and this thread waits for it up to
+  `timeout_s`. A process that gave up (or was interrupted) cannot join
+  again, and ends at once when it exits (`_exit_without_teardown`).
+
+  Raises:
+    ConfigError: not every process joined in time; naming the address,
+      the processes and `coordinator_timeout`.
+  """
+  me = f'process {process_id} of {num_processes}'
+  if process_id == 0:
+    what = f'the {num_processes - 1} other process(es) to join its coordinator'
+  else:
+    what = 'the coordinator (process 0) and every other process'
+  log(f'{me}: waiting up to {timeout_s:g} s for {what} at {address}')
+  done = threading.Event()
+  failed = []
+
+  def connect():
+    try:
+      jax.distributed.initialize(
+        coordinator_address=address,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=int(timeout_s) + 86_400,
+      )
+    except Exception as e:  # noqa: BLE001 - raised in the caller's thread
+      failed.append(e)
+    finally:
+      done.set()
+
+  threading.Thread(target=connect, name='join', daemon=True).start()
+  try:
+    joined = done.wait(timeout_s)
+  except KeyboardInterrupt:  # Ctrl-C works while it waits
+    atexit.register(_exit_without_teardown, 130)
+    raise
+  if not joined:
+    atexit.register(_exit_without_teardown, 2)
+    raise errors.ConfigError(
+      f'{me}: not every process joined `coordinator_address={address}` '
+      f'within `coordinator_timeout={timeout_s:g}` s; start all '
+      f'`num_processes={num_processes}` (process 0 first, reachable at that '
+      'address) or wait longer'
+    )
+  if failed:
+    raise failed[0]
+
+
+def _exit_without_teardown(status: int) -> None:
+  """Ends a process whose `join` gave up, at exit, with `status` (2: a
+  failed start; 130: Ctrl-C) and at once: tearing down JAX's runtime while
+  its join still waits in C++ takes 5 s more and logs the abandoned join
+  in many lines."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status)
 
 
 def backend_started() -> bool:
@@ -117,6 +202,7 @@ def initialize_for(config) -> None:
     coordinator_address=config.coordinator_address,
     num_processes=config.num_processes,
     process_id=config.process_id,
+    coordinator_timeout=config.coordinator_timeout,
   )
 
 

@@ -30,6 +30,7 @@ from fedjax_mr.data import datasets
 from fedjax_mr.data import partition
 from fedjax_mr.energy import fleet
 from fedjax_mr.energy import simulation
+from fedjax_mr.harness import resume
 from fedjax_mr.harness import stitch_config as config_lib
 from fedjax_mr.stitch import federated
 from fedjax_mr.stitch import label_maps
@@ -107,6 +108,12 @@ def _sysfs_backend(config: config_lib.StitchConfig) -> fleet.SysfsBackend:
   return fleet.SysfsBackend(dvfs, profile, meter.total_w)
 
 
+# A label map lists, per dataset class (100 at most here), the pool
+# classes that count as it, each of ImageNet's 1,000 at most once: under
+# 1 MB even one id a line. A larger file is not a map, and is not read.
+MAX_LABEL_MAP_BYTES = 2**24
+
+
 def read_label_map(
   config: config_lib.StitchConfig, classes: list[int] | None = None
 ) -> list | None:
@@ -123,14 +130,25 @@ def read_label_map(
     return named if classes is None else [named[c] for c in classes]
   if not config.label_map:
     return None
+  where = f'`label_map={config.label_map}`'
   try:
-    with open(config.label_map) as f:
-      label_map = json.load(f)
-  except (OSError, ValueError) as e:
-    reason = e.strerror if isinstance(e, OSError) else f'not JSON ({e})'
+    data = partition.read_bounded(config.label_map, MAX_LABEL_MAP_BYTES)
+  except ValueError as e:  # a device, a pipe, a folder, a huge file
     raise errors.ConfigError(
-      f'`label_map={config.label_map}`: cannot read it: {reason} (bundled '
-      f'maps: {", ".join(sorted(label_maps.BUNDLED))})'
+      f'{where}: {e} (a label map is a regular JSON file of at most '
+      f'{MAX_LABEL_MAP_BYTES >> 20} MiB)'
+    ) from None
+  except OSError as e:
+    raise errors.ConfigError(
+      f'{where}: cannot read it: {e.strerror or e} (bundled maps: '
+      f'{", ".join(sorted(label_maps.BUNDLED))})'
+    ) from None
+  try:
+    label_map = json.loads(data)
+  except (ValueError, RecursionError) as e:
+    raise errors.ConfigError(
+      f'{where}: cannot read it: not JSON ({e}) (bundled maps: '
+      f'{", ".join(sorted(label_maps.BUNDLED))})'
     ) from None
   if not isinstance(label_map, list):
     raise errors.ConfigError(
@@ -421,8 +439,10 @@ def run_stitching(
   """FedStitch over every client (resuming the workdir's state), the
   coordinators in the loop; then log.jsonl and energy.jsonl."""
   config = s.config
+  saved = []  # the rounds this process finished (each saved when done)
 
   def on_round(state):
+    saved.append(state.log[-1]['round'])
     for line in round_lines(state.log[-1]):
       log(line)
 
@@ -441,6 +461,12 @@ def run_stitching(
     raise errors.UserError(
       f'`energy_backend={config.energy_backend}`: {e}'
     ) from None
+  except KeyboardInterrupt:
+    # The state file is replaced whole after each round, so the one there
+    # is complete; the interrupted round is recomputed identically.
+    if saved:
+      log(f'interrupted: {STATE_FILE} holds the state after round {saved[-1]}')
+    raise
   files.write_atomic(
     os.path.join(config.workdir, 'log.jsonl'),
     lambda f: f.writelines(
@@ -633,7 +659,16 @@ def stitch_and_evaluate(
   Raises:
     UserError: a bad field, file or workdir, or an energy backend that
       failed (the message names the config field).
+    KeyboardInterrupt: Ctrl-C or SIGTERM; a re-run resumes after the last
+      round that ended.
   """
+  with resume.TerminationAsInterrupt():  # SIGTERM ends as Ctrl-C does
+    return _stitch_and_evaluate(config, log)
+
+
+def _stitch_and_evaluate(
+  config: config_lib.StitchConfig, log: Log
+) -> dict[str, Any]:
   s = setup(config, log)
   batch_fn = make_batch_fn(s)
   evaluate = make_evaluate(s)

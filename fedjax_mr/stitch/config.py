@@ -48,6 +48,17 @@ from fedjax_mr.stitch import projection
 
 AGGREGATIONS = ('rl', 'uniform')
 
+# Bounds checked before anything is built. Every client holds at least one
+# training example, and no training set here has 2**20 (the largest,
+# EMNIST byclass, has 697,932): more clients cannot be partitioned, and a
+# run would first build their weights, devices and index lists (10**8 took
+# 2.6 GB and 103 s to be refused).
+MAX_CLIENTS = 2**20
+# A client's batch goes through every pool block at once, and each CKA
+# holds its activations as float64 rows (B·H·W of them in the default
+# view): at B = 4,096 (64 times the paper's 64) one 32×32×64 map is 2 GiB.
+MAX_BATCH_SIZE = 4096
+
 
 class Config(NamedTuple):
   """FedStitch hyper-parameters (defaults: the paper's where it gives them).
@@ -103,13 +114,27 @@ def _one_of(choices) -> str:
 
 def _rules(config: Config, num_clients: int) -> list[tuple[str, bool, str]]:
   """(field, whether its value is good, what it must be), in check order."""
-  rules = [('num_clients', num_clients >= 1, f'must be ≥ 1, got {num_clients}')]
+  rules = [
+    ('num_clients', num_clients >= 1, f'must be ≥ 1, got {num_clients}'),
+    (
+      'num_clients',
+      num_clients <= MAX_CLIENTS,
+      f'must be at most {MAX_CLIENTS:,} (each client holds a training '
+      f'example), got {num_clients:,}',
+    ),
+  ]
   for name in ('epsilon', 'epsilon_decay', 'reward', 'penalty', 'threshold'):
     value = getattr(config, name)
     rules.append((name, math.isfinite(value), f'must be finite, got {value}'))
   return rules + [
     ('clients_per_round', config.clients_per_round >= 1, 'must be ≥ 1'),
     ('batch_size', config.batch_size >= 2, 'must be ≥ 2'),
+    (
+      'batch_size',
+      config.batch_size <= MAX_BATCH_SIZE,
+      f'must be at most {MAX_BATCH_SIZE:,} (scored at once; the paper '
+      f'takes 64), got {config.batch_size:,}',
+    ),
     ('top_k', config.top_k >= 1, 'must be ≥ 1'),
     ('epsilon', 0 <= config.epsilon <= 1, 'must be in [0, 1]'),
     ('epsilon_decay', 0 < config.epsilon_decay <= 1, 'must be in (0, 1]'),

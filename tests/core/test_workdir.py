@@ -75,6 +75,22 @@ def test_a_folder_that_cannot_exist_is_one_line(tmp_path):
   assert '\n' not in str(e.value)
 
 
+def test_a_name_that_is_not_utf8_is_refused_before_anything_is_made(
+  tmp_path,
+):
+  # b'run\xff' as Python gives it from a command line (surrogateescape).
+  folder = os.fsdecode(os.fsencode(str(tmp_path)) + b'/run\xff')
+  for check in (workdir.check_usable, workdir.check_free, workdir.acquire):
+    with pytest.raises(errors.ConfigError) as e:
+      check(folder, 'out')
+    assert str(e.value) == (
+      f'`out={tmp_path}/run\\xff`: the name is not valid UTF-8, and '
+      'checkpoints need UTF-8 paths; choose a UTF-8 name'
+    )
+  assert os.listdir(tmp_path) == []
+  workdir.check_free(str(tmp_path / 'rün'))  # UTF-8 beyond ASCII is fine
+
+
 def test_two_runs_on_one_workdir(small_fmnist_dir, tmp_path):
   """The second `experiments.run` is refused in one line (exit 2); the
   first one's metrics hold every round once."""

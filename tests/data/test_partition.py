@@ -1,5 +1,6 @@
 import hashlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -275,7 +276,10 @@ _GOOD = json.dumps([[0, 1], [2]])
   'content,fragment',
   [
     (None, 'cannot read it (No such file or directory)'),
-    ('dir', 'cannot read it (Is a directory)'),
+    ('dir', 'not a regular file (a partition file is a regular JSON file'),
+    ('fifo', 'not a regular file'),  # open() would wait for a writer
+    ('/dev/zero', 'not a regular file'),  # read() would never end
+    ('large', 'larger than 8 bytes (a partition file is a regular JSON'),
     ('[[0, 1], [2]', 'not JSON (Expecting'),
     (b'\xff\xfe\x00', 'not JSON ('),
     ('{"users": [[0]]}', 'without a "clients" key'),
@@ -297,11 +301,20 @@ _GOOD = json.dumps([[0, 1], [2]])
     ('sha', 'its sha256 is'),
   ],
 )
-def test_file_bad_contents_one_line_naming_it(tmp_path, content, fragment):
+def test_file_bad_contents_one_line_naming_it(
+  tmp_path, monkeypatch, content, fragment
+):
   path = tmp_path / 'p.json'
   sha256 = ''
   if content == 'dir':
     path.mkdir()
+  elif content == 'fifo':
+    os.mkfifo(path)
+  elif content == '/dev/zero':
+    path = content
+  elif content == 'large':
+    monkeypatch.setattr(partition, 'MAX_FILE_BYTES', 8)
+    path.write_text(_GOOD)  # 13 bytes
   elif content == 'sha':
     path.write_text(_GOOD)
     sha256 = hashlib.sha256(b'something else').hexdigest()
@@ -315,6 +328,31 @@ def test_file_bad_contents_one_line_naming_it(tmp_path, content, fragment):
   assert message.startswith(f'`partition_file={path}`: '), message
   assert fragment in message
   assert '\n' not in message
+
+
+def test_file_sha256_refuses_what_load_file_refuses(tmp_path, monkeypatch):
+  # The config hashes the file before `load_file` checks it: a device or a
+  # large file is an OSError there (the config then leaves the hash empty
+  # and `load_file` names the problem), never a read of it.
+  path = tmp_path / 'p.json'
+  path.write_text(_GOOD)
+  assert (
+    partition.file_sha256(str(path))
+    == hashlib.sha256(_GOOD.encode()).hexdigest()
+  )
+  with pytest.raises(OSError, match='/dev/zero: not a regular file'):
+    partition.file_sha256('/dev/zero')
+  monkeypatch.setattr(partition, 'MAX_FILE_BYTES', len(_GOOD) - 1)
+  with pytest.raises(OSError, match='larger than 12 bytes'):
+    partition.file_sha256(str(path))
+
+
+def test_read_bounded_reads_at_most_the_bound(tmp_path):
+  path = tmp_path / 'f'
+  path.write_bytes(b'abc')
+  assert partition.read_bounded(str(path), 3) == b'abc'
+  with pytest.raises(ValueError, match='larger than 2 bytes'):
+    partition.read_bounded(str(path), 2)
 
 
 def test_file_index_bound_before_the_dataset_is_known(tmp_path):

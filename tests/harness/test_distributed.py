@@ -96,6 +96,49 @@ def test_two_processes_equal_one(small_fmnist_dir, tmp_path):
   )
 
 
+@pytest.mark.parametrize('process_id', [0, 1])
+def test_a_process_alone_says_what_it_waits_for_and_gives_up(
+  small_fmnist_dir, tmp_path, process_id
+):
+  # Process 0 runs the coordinator and waits for process 1; process 1
+  # finds no coordinator. Each says so, then gives up in one line.
+  cfg = helpers.small_config(small_fmnist_dir)
+  port = _free_port()
+  proc = subprocess.run(
+    _cmd(
+      cfg,
+      tmp_path / 'run',
+      host_devices=1,
+      coordinator_address=f'127.0.0.1:{port}',
+      num_processes=2,
+      process_id=process_id,
+      coordinator_timeout=2,
+    ),
+    cwd=REPO,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 2, proc.stderr
+  waits = (
+    'the 1 other process(es) to join its coordinator'
+    if process_id == 0
+    else 'the coordinator (process 0) and every other process'
+  )
+  assert proc.stdout == (
+    f'process {process_id} of 2: waiting up to 2 s for {waits} at '
+    f'127.0.0.1:{port}\n'
+  )
+  assert proc.stderr == (
+    f'error: process {process_id} of 2: not every process joined '
+    f'--coordinator_address=127.0.0.1:{port} within --coordinator_timeout=2 '
+    's; start all --num_processes=2 (process 0 first, reachable at that '
+    'address) or wait longer\n'
+  )
+  assert not (tmp_path / 'run').exists()
+
+
 def test_auto_host_devices_one_per_core_at_most_k(monkeypatch):
   monkeypatch.setattr(os, 'sched_getaffinity', lambda pid: {0, 1, 2, 3})
   assert [distributed.auto_host_devices(k) for k in (1, 2, 3, 10)] == [

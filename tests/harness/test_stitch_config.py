@@ -77,6 +77,8 @@ _BAD = [
   ({'aggregation': 'vote'}, '`aggregation` must be one of'),
   ({'stitch_solver': 'lu'}, '`stitch_solver` must be one of'),
   ({'num_clients': 0}, '`num_clients` must be ≥ 1'),
+  ({'num_clients': 2**20 + 1}, '`num_clients` must be at most 1,048,576'),
+  ({'batch_size': 4097}, '`batch_size` must be at most 4,096'),
   (
     {'clients_per_round': 50, 'num_clients': 20},
     '`clients_per_round=50` exceeds `num_clients=20`',
@@ -115,6 +117,7 @@ def test_validate_names_the_field(fields, message):
 def test_validate_accepts_the_defaults_and_edges():
   config_lib.validate(Config())
   config_lib.validate(Config(partition='iid', local_clients=100))
+  config_lib.validate(Config(num_clients=2**20, batch_size=4096))
   config_lib.validate(
     Config(energy_backend='sysfs', energy_profile='tx2_chained')
   )
@@ -123,3 +126,33 @@ def test_validate_accepts_the_defaults_and_edges():
 def test_every_field_has_help():
   for f in dataclasses.fields(Config):
     assert f.metadata['help'], f.name
+
+
+@pytest.mark.parametrize(
+  'kind,fragment',
+  [
+    ('device', 'not a regular file (a label map is a regular JSON file'),
+    ('folder', 'not a regular file'),
+    ('large', 'larger than 8 bytes'),
+    ('good', None),
+  ],
+)
+def test_label_map_file_is_checked_before_it_is_read(
+  tmp_path, monkeypatch, kind, fragment
+):
+  from fedjax_mr.harness import stitch_experiment
+
+  path = {'device': '/dev/zero', 'folder': str(tmp_path)}.get(kind)
+  if path is None:
+    path = str(tmp_path / 'map.json')
+    with open(path, 'w') as f:
+      f.write('[[1], [2, 3]]')  # 13 bytes
+  if kind == 'large':
+    monkeypatch.setattr(stitch_experiment, 'MAX_LABEL_MAP_BYTES', 8)
+  config = Config(label_map=path)
+  if fragment is None:
+    assert stitch_experiment.read_label_map(config) == [[1], [2, 3]]
+    return
+  with pytest.raises(errors.ConfigError) as e:
+    stitch_experiment.read_label_map(config)
+  assert str(e.value).startswith(f'`label_map={path}`: {fragment}')

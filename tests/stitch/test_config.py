@@ -10,6 +10,7 @@ from fedjax_mr.stitch import config as config_lib
 _CONFIG_ERRORS = [
   ('clients_per_round', 0, '`clients_per_round`'),
   ('batch_size', 1, '`batch_size`'),
+  ('batch_size', config_lib.MAX_BATCH_SIZE + 1, '`batch_size`'),
   ('top_k', 0, '`top_k`'),
   ('epsilon', -0.1, '`epsilon`'),
   ('epsilon', 1.5, '`epsilon`'),
@@ -46,8 +47,14 @@ def test_check_config_accepts_defaults_and_edges():
     config_lib.Config(epsilon=1.0, epsilon_decay=1.0, penalty=0.0, max_depth=2),
     1,
   )
+  config_lib.check_config(
+    config_lib.Config(batch_size=config_lib.MAX_BATCH_SIZE),
+    config_lib.MAX_CLIENTS,
+  )
   with pytest.raises(errors.ConfigError, match='client'):
     config_lib.check_config(config_lib.Config(), 0)
+  with pytest.raises(errors.ConfigError, match='`num_clients` must be at most'):
+    config_lib.check_config(config_lib.Config(), config_lib.MAX_CLIENTS + 1)
 
 
 @pytest.mark.parametrize(
