@@ -1,0 +1,66 @@
+"""Drawing K of N clients uniformly without replacement
+(`engine.sample_clients`, `engine.sample_sparse`)."""
+
+import jax
+import numpy as np
+
+from fedjax_mr.training import engine
+
+
+def _many(n, k, draws=4000):
+  keys = jax.random.split(jax.random.key(11), draws)
+  return np.asarray(jax.vmap(lambda key: engine.sample_sparse(key, n, k))(keys))
+
+
+def test_sparse_ids_are_distinct_and_in_range():
+  ids = _many(1000, 40, draws=200)
+  assert ids.dtype == np.int32 and ids.shape == (200, 40)
+  assert ids.min() >= 0 and ids.max() < 1000
+  assert all(len(set(row)) == 40 for row in ids.tolist())
+
+
+def test_sparse_is_uniform_over_ids_and_positions():
+  """N = 20, K = 4 (8 draws: some repeat): every id appears in about a
+  fifth of the samples, at each of the 4 positions equally often. With
+  4,000 samples each count is Binomial(4000, 1/20) (mean 200, sd 13.8)
+  per position; 6 sd bounds leave no room for a skewed draw."""
+  ids = _many(20, 4)
+  for position in range(4):
+    counts = np.bincount(ids[:, position], minlength=20)
+    assert np.all(np.abs(counts - 200) < 6 * 13.8), counts
+  pairs = np.bincount(ids[:, 0] * 20 + ids[:, 1], minlength=400)
+  assert pairs.reshape(20, 20).diagonal().sum() == 0  # never twice
+
+
+def test_sparse_falls_back_when_the_draws_repeat_too_often():
+  """K = N = 5: the 10 draws miss some id about half the time, and the
+  permutation takes over; every sample is still all five ids."""
+  ids = _many(5, 5, draws=300)
+  assert all(sorted(row) == [0, 1, 2, 3, 4] for row in ids.tolist())
+  # Both paths ran (the draws as sample_sparse makes them).
+  keys = jax.random.split(jax.random.key(11), 300)
+  draws = jax.vmap(
+    lambda key: jax.random.randint(jax.random.split(key)[0], (10,), 0, 5)
+  )(keys)
+  complete = [len(set(row)) == 5 for row in np.asarray(draws).tolist()]
+  assert 0 < sum(complete) < 300
+  for position in range(5):
+    counts = np.bincount(ids[:, position], minlength=5)
+    assert np.all(np.abs(counts - 60) < 6 * 6.9), counts
+
+
+def test_small_populations_keep_their_draws():
+  """Up to DENSE_SAMPLING_MAX clients the ids are those of a random
+  permutation (`jax.random.choice`), as every recorded run drew them."""
+  key = jax.random.key(3)
+  want = jax.random.choice(key, 100, (10,), replace=False)
+  np.testing.assert_array_equal(engine.sample_clients(key, 100, 10), want)
+  big = engine.DENSE_SAMPLING_MAX + 1
+  np.testing.assert_array_equal(
+    engine.sample_clients(key, big, 10), engine.sample_sparse(key, big, 10)
+  )
+  # Many clients a round (more than a quarter of N): the permutation.
+  np.testing.assert_array_equal(
+    engine.sample_clients(key, big, big // 2),
+    jax.random.choice(key, big, (big // 2,), replace=False),
+  )
