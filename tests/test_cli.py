@@ -139,6 +139,13 @@ def test_ctrl_c_before_the_workdir_exists_says_nothing_was_written(
   )
 
 
+def _default_sigint():
+  # A child inherits an ignored SIGINT (a suite started in the background
+  # of a non-interactive shell, as CI may start it), and Python then keeps
+  # ignoring it: Ctrl-C is what these tests send, so restore it.
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_while_a_program_imports_is_one_line():
   # Uncaught at the top, as during `python -m experiments.run`'s imports.
   code = (
@@ -151,6 +158,7 @@ def test_ctrl_c_while_a_program_imports_is_one_line():
     capture_output=True,
     text=True,
     timeout=60,
+    preexec_fn=_default_sigint,
   )
   assert (proc.returncode, proc.stderr) == (
     130,
@@ -166,6 +174,7 @@ def test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing(tmp_path):
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
+    preexec_fn=_default_sigint,
   )
   time.sleep(1)  # importing, or loading: the workdir comes seconds later
   proc.send_signal(signal.SIGINT)

@@ -225,8 +225,10 @@ def test_full_depth_last_exit_without_distillation_is_fedavg():
   )
   states = contract.server_params_after(algorithms, model, data)
   # The multi-exit network rounds differently from the plain one; two
-  # rounds of momentum SGD carry those last bits to ~3e-5 relative.
-  helpers.assert_close(states[0], states[1], rtol=1e-4, atol=1e-5)
+  # rounds of momentum SGD carry those last bits to ~3e-5 relative on AMD
+  # EPYC and to 2.5e-4 (4e-5 absolute, one entry) on Intel Sapphire
+  # Rapids. A wrong aggregate or exit would be off by far more.
+  helpers.assert_close(states[0], states[1], rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.slow
