@@ -87,6 +87,18 @@ CASES = {
       '--fedgen_hidden_dim',
     ),
     (['--num_devices=1000000000'], '--num_devices'),
+    # FedMR keeps every client's model: 1,000 VGG-16s (134 MB each) are
+    # refused before a round is built, on any machine.
+    (
+      [
+        '--algorithm=fedmr',
+        '--model=vgg16',
+        '--partition=iid',
+        '--num_clients=1000',
+        '--clients_per_round=1000',
+      ],
+      '--clients_per_round=1000',
+    ),
     (['--host_devices=1000000'], '--host_devices'),
     (['--batch_size=1000000000'], '--batch_size'),
     (['--algorithm=fedmut', '--fedmut_alpha=nan'], '--fedmut_alpha'),

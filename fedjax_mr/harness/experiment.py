@@ -107,6 +107,7 @@ def _setup(
   if config.init_from:
     variables = build.pretrained_variables(config, model, variables)
   algorithm = build.build_algorithm(config, model, variables, hparams)
+  build.check_round_memory(config, algorithm, variables, mesh)
   # Per-client state stays in host memory; each round moves its K rows.
   state = engine.init_state(
     algorithm, variables, len(clients.sizes), host_clients=True
