@@ -64,6 +64,9 @@ computation costs shows in those ratios too.
 
 from __future__ import annotations
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 import functools
 import math
 import os
@@ -72,8 +75,6 @@ import statistics
 import time
 
 from absl import flags
-
-from . import cli
 
 flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
 flags.DEFINE_string('data_dir', '', 'Dataset folder (see experiments.run).')

@@ -21,6 +21,9 @@ figure).
 
 from __future__ import annotations
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 import functools
 
 from absl import flags
@@ -29,7 +32,6 @@ from absl import logging
 from fedjax_mr.core import errors
 from fedjax_mr.harness import registry
 
-from . import cli
 from . import run as run_flags  # defines the experiment flags
 
 flags.adopt_module_key_flags(run_flags)

@@ -17,14 +17,15 @@ at the centre). The output folder is locked while the program runs.
 
 from __future__ import annotations
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 import os
 
 from absl import flags
 from absl import logging
 
 from fedjax_mr.core import errors
-
-from . import cli
 
 _WORKDIR = flags.DEFINE_string(
   'workdir', None, 'The finished run (its folder, as given to experiments.run).'

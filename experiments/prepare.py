@@ -26,6 +26,9 @@ and the modules it names (`download`, `femnist`, `shakespeare`, `leaf`,
 
 from __future__ import annotations
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 import math
 import sys
 
@@ -36,8 +39,6 @@ from fedjax_mr.core import errors
 from fedjax_mr.data import download
 from fedjax_mr.data import leaf
 from fedjax_mr.data import prepare
-
-from . import cli
 
 _DATASETS = flags.DEFINE_list(
   'datasets',

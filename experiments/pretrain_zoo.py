@@ -17,6 +17,9 @@ for a task the pool never learnt.
 
 from __future__ import annotations
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 import json
 import math
 import os
@@ -24,8 +27,6 @@ import time
 
 from absl import flags
 from absl import logging
-
-from . import cli
 
 _DATASET = flags.DEFINE_string('dataset', 'fashion_mnist', 'Dataset.')
 _DATA_DIR = flags.DEFINE_string('data_dir', None, 'Dataset folder.')

@@ -12,6 +12,9 @@ workload to `fedjax_mr.energy.measure_profile`. Clocks are restored on exit,
 also after an error, Ctrl-C or SIGTERM.
 """
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 import logging
 import sys
 
@@ -19,8 +22,6 @@ from absl import flags
 
 from fedjax_mr import energy
 from fedjax_mr.energy import profiling
-
-from . import cli
 
 CONFIG_SETS = ('sweep', 'tx2_table2', 'tx2_nvpmodel')
 

@@ -105,10 +105,11 @@ the transfer setting):
 
 from __future__ import annotations
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 from absl import flags
 from absl import logging
-
-from . import cli
 
 FIGURES = [
   'table3',

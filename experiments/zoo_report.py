@@ -19,6 +19,9 @@ loaders build, computed, not measured.
 
 from __future__ import annotations
 
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
 import os
 import statistics
 import subprocess
@@ -26,8 +29,6 @@ import sys
 import time
 
 from absl import flags
-
-from . import cli
 
 # (model, input shape, classes): the papers' dataset for each model.
 MODELS = {

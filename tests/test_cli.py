@@ -214,3 +214,28 @@ def test_out_of_memory_in_a_run_is_one_line(tmp_path):
     r'\(clients trained at once on a device\)\n',
     proc.stderr,
   ), proc.stderr
+
+
+def test_every_program_imports_cli_first():
+  # cli's import hook turns Ctrl-C during the program's own (slow) imports
+  # into its one line, so it must come before them.
+  import ast
+  import pathlib
+
+  for path in sorted((pathlib.Path(REPO) / 'experiments').glob('*.py')):
+    source = path.read_text()
+    if 'cli.run(' not in source:
+      continue
+    imports = [
+      node
+      for node in ast.parse(source).body
+      if isinstance(node, (ast.Import, ast.ImportFrom))
+      and not (isinstance(node, ast.ImportFrom) and node.module == '__future__')
+    ]
+    first = next(
+      i
+      for i in imports
+      if not (isinstance(i, ast.Import) and i.names[0].name == 'os')
+    )
+    assert isinstance(first, ast.ImportFrom) and first.level == 1, path.name
+    assert [a.name for a in first.names] == ['cli'], path.name
