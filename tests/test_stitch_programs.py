@@ -43,11 +43,10 @@ def test_pretrain_zoo_saves_a_pool(small_pool):
   assert meta['test_accuracy'] > 0.4
 
 
-def test_stitch_runs_evaluates_and_resumes(
-  small_pool, small_fmnist_dir, tmp_path
-):
+def _small_stitch(small_pool, small_fmnist_dir):
+  """The program and the flags of a small FedStitch run."""
   pool_dir, _ = small_pool
-  args = (
+  return (
     'experiments.stitch',
     f'--pool={pool_dir}',
     f'--data_dir={small_fmnist_dir}',
@@ -55,6 +54,14 @@ def test_stitch_runs_evaluates_and_resumes(
     '--clients_per_round=3',
     '--rounds_per_selection=2',
     '--batch_size=32',
+  )
+
+
+def test_stitch_runs_evaluates_and_resumes(
+  small_pool, small_fmnist_dir, tmp_path
+):
+  args = (
+    *_small_stitch(small_pool, small_fmnist_dir),
     '--eval=both',
     '--knn_reference=300',
     '--local_clients=1',
@@ -136,15 +143,8 @@ def test_stitch_runs_evaluates_and_resumes(
 def test_sigterm_says_so_and_the_run_resumes_to_the_same_networks(
   small_pool, small_fmnist_dir, tmp_path
 ):
-  pool_dir, _ = small_pool
   args = (
-    'experiments.stitch',
-    f'--pool={pool_dir}',
-    f'--data_dir={small_fmnist_dir}',
-    '--num_clients=6',
-    '--clients_per_round=3',
-    '--rounds_per_selection=2',
-    '--batch_size=32',
+    *_small_stitch(small_pool, small_fmnist_dir),
     '--eval_examples=200',
   )
   whole = _run(*args, f'--workdir={tmp_path / "whole"}')
