@@ -106,9 +106,11 @@ def _quiet_step_metadata() -> None:
 
 def _ignore_closed_loop_callbacks() -> None:
   """Drops the "Event loop is closed" errors that the TensorStore callbacks
-  of an aborted orbax save raise (reported through `sys.unraisablehook`,
-  one traceback each, after the save has failed); anything else passes
-  on. Installed once per process."""
+  of an aborted orbax save raise, and the errors of the read coroutines
+  that a failed restore of damaged files leaves behind (both reported
+  through `sys.unraisablehook`, one traceback each, whenever Python
+  collects them, after the save or restore has failed and been reported
+  in one line); anything else passes on. Installed once per process."""
   previous = sys.unraisablehook
   if getattr(previous, 'fedjax_mr_closed_loop', False):
     return
@@ -118,6 +120,9 @@ def _ignore_closed_loop_callbacks() -> None:
     if isinstance(value, RuntimeError) and str(value) == (
       'Event loop is closed'
     ):
+      return
+    code = getattr(unraisable.object, 'cr_code', None)
+    if code is not None and f'{os.sep}orbax{os.sep}' in code.co_filename:
       return
     previous(unraisable)
 
@@ -389,6 +394,7 @@ class Checkpointer:
   def restore(self, round_index: int, like: Any) -> Any:
     """Restores the checkpoint `round_index` into the structure of `like`
     (not verified: see `restore_verified`)."""
+    _ignore_closed_loop_callbacks()
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
     with _OrbaxErrorsQuiet(logging.WARNING):
       return self._manager.restore(

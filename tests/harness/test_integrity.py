@@ -407,3 +407,34 @@ def test_the_same_data_elsewhere_resumes(finished, small_fmnist_dir, tmp_path):
   assert [r['round'] for r in res.history] == [1, 2, 3, 4, 5]
   with open(os.path.join(work, records.CONFIG_FILE)) as f:
     assert json.load(f)['data_dir'] == moved
+
+
+def test_orbax_read_coroutines_left_by_a_failed_restore_are_dropped(
+  monkeypatch,
+):
+  # A restore of a damaged checkpoint fails in one line; the read
+  # coroutines it abandoned report their own errors when collected, later,
+  # through sys.unraisablehook: those are dropped, others are not.
+  import os
+  import sys
+  import types as pytypes
+
+  from fedjax_mr.harness import checkpoint
+
+  seen = []
+  monkeypatch.setattr(sys, 'unraisablehook', seen.append)
+  checkpoint._ignore_closed_loop_callbacks()
+
+  def report(filename):
+    code = pytypes.SimpleNamespace(co_filename=filename)
+    sys.unraisablehook(
+      pytypes.SimpleNamespace(
+        exc_value=Exception('Encountered error while reading array index'),
+        object=pytypes.SimpleNamespace(cr_code=code),
+      )
+    )
+
+  report(os.path.join('site-packages', 'orbax', 'checkpoint', 'x.py'))
+  assert seen == []
+  report(os.path.join('site-packages', 'mine', 'x.py'))
+  assert len(seen) == 1
