@@ -22,7 +22,9 @@ import contextlib
 import dataclasses
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from typing import Any
 from typing import Callable
@@ -53,6 +55,36 @@ def _interrupted_starting(kind, value, traceback) -> None:
 # `training_errors` speaks for Ctrl-C from there on.
 _python_excepthook = sys.excepthook
 sys.excepthook = _interrupted_starting
+
+
+def _deliver_lost_interrupt(previous):
+  """A `sys.unraisablehook` that does not let Ctrl-C be lost. Python runs
+  its SIGINT handler at the next bytecode, which may be inside a garbage-
+  collector callback (jax registers one), a `__del__` or a weakref
+  callback; the KeyboardInterrupt raised there cannot propagate, Python
+  reports it as "Exception ignored" and the program runs on. This hook
+  prints nothing for it and delivers the interrupt again, from another
+  thread, so that it lands once that callback has returned. SIGTERM,
+  which the training loops turn into KeyboardInterrupt, is delivered as
+  itself where Python does not handle SIGINT. Anything else goes to
+  `previous`."""
+
+  def redeliver() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+      if callable(signal.getsignal(signum)):
+        signal.raise_signal(signum)
+        return
+
+  def hook(unraisable) -> None:
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+      threading.Thread(target=redeliver, daemon=True).start()
+      return
+    previous(unraisable)
+
+  return hook
+
+
+sys.unraisablehook = _deliver_lost_interrupt(sys.unraisablehook)
 
 
 # `name`, `noname` or `name=value` in backticks.

@@ -166,6 +166,34 @@ def test_ctrl_c_while_a_program_imports_is_one_line():
   )
 
 
+def test_ctrl_c_inside_a_collector_callback_is_not_lost():
+  # Python runs the SIGINT handler at the next bytecode, which may be in a
+  # gc callback (jax has one) or a __del__: the KeyboardInterrupt is then
+  # "ignored" and the program ran on (CI: a run went on to round 5). Here
+  # a __del__ raises it, as the handler would there.
+  code = (
+    'import gc, time\n'
+    'from experiments import cli\n'
+    'class Finalized:\n'
+    '  def __del__(self):\n'
+    '    raise KeyboardInterrupt\n'
+    'Finalized()\n'
+    'time.sleep(30)\n'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', code],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=60,
+    preexec_fn=_default_sigint,
+  )
+  assert (proc.returncode, proc.stderr) == (
+    130,
+    'interrupted during start-up; nothing written\n',
+  )
+
+
 def test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing(tmp_path):
   workdir = tmp_path / 'run'
   proc = subprocess.Popen(
