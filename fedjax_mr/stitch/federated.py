@@ -38,6 +38,9 @@ from fedjax_mr.stitch import state as state_lib
 
 BatchFn = server.BatchFn
 
+# `run`'s safety bound on the rounds of a run.
+MAX_ROUNDS = 1000
+
 
 def sample_clients(
   config: config_lib.Config, round_: int, population: Sequence[int]
@@ -182,6 +185,21 @@ def _weight_summary(w: np.ndarray) -> dict[str, Any]:
   }
 
 
+def round_limit(config: config_lib.Config, max_rounds: int = MAX_ROUNDS) -> int:
+  """The most rounds `run` can take: (max_depth − 1) × rounds_per_selection,
+  and at most `max_rounds`.
+
+  Every candidate network starts as one start block, and each selection
+  (`rounds_per_selection` rounds) extends it by exactly one block or drops
+  it, so the networks of the s-th selection have depth s. From depth
+  `max_depth` − 1 only end blocks are candidates: after the
+  (max_depth − 1)-th selection every network is finished or dropped, and
+  the run ends. It ends sooner when every network finishes (an end block
+  chosen) or is dropped before.
+  """
+  return min((config.max_depth - 1) * config.rounds_per_selection, max_rounds)
+
+
 def run(
   pool: pool_lib.Pool,
   batch_fn: BatchFn,
@@ -193,7 +211,7 @@ def run(
   state_path: str | None = None,
   identity: Any = None,
   on_round: Callable[[state_lib.State], None] | None = None,
-  max_rounds: int = 1000,
+  max_rounds: int = MAX_ROUNDS,
   energy: fleet_lib.Fleet | None = None,
 ) -> state_lib.State:
   """Runs FedStitch until no candidate network is left.
@@ -213,7 +231,8 @@ def run(
       the state; a state file of another identity is refused
       (`StateFileError`) instead of being resumed.
     on_round: called with the state after every round (logging).
-    max_rounds: a safety bound.
+    max_rounds: a safety bound (`round_limit` gives the most rounds a
+      run can take).
     energy: the clients' local energy coordinators and devices (see
       `run_round`); opened for the run, so a sysfs backend's clocks are
       restored when `run` returns or raises. Their records are part of the

@@ -125,7 +125,9 @@ def test_run_terminates_with_valid_networks(baseline):
   state = baseline
   pool = _pool()
   assert state.live == () and state.finished
-  assert 0 < state.round < 50
+  # (max_depth − 1) selections of rounds_per_selection rounds at most.
+  assert federated.round_limit(CONFIG) == 4
+  assert 0 < state.round <= federated.round_limit(CONFIG)
   x = batch_fn(0, 0)
   for f in state.finished:
     net = f.net
@@ -309,6 +311,7 @@ def test_no_prune_runs_and_greedy_depth_two():
   state = _run(config)
   # From depth 1 only end blocks; one selection.
   assert state.round == CONFIG.rounds_per_selection
+  assert state.round == federated.round_limit(config)
   assert all(f.net.depth == 2 for f in state.finished)
   assert all(f.net.blocks[-1].kind == 'end' for f in state.finished)
 
