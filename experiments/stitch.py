@@ -7,8 +7,10 @@ r"""FedStitch on a dataset with a pool of pre-trained models.
 The clients (`--num_clients`, default 100) hold the dataset's training
 examples that are not in the pool's public split, partitioned IID or by
 Dirichlet(α); `--clients_per_round` (10) take part in each round. Prints
-per-round progress (depth, pool size, selected blocks, client weights) and
-writes, under `--workdir`:
+per-round progress (depth, pool size, selected blocks, client weights, the
+energy configurations chosen, the rounds run of at most (`--max_depth` − 1)
+× `--rounds_per_selection`, the time elapsed and an ETA that bounds the
+rounds left) and writes, under `--workdir`:
 
 * `log.jsonl`: one line per round (participants, their selection times,
   pool sizes, ranks, weight summary, selections);

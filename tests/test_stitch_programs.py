@@ -70,10 +70,23 @@ def test_stitch_runs_evaluates_and_resumes(
   proc = _run(*args)
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
-  assert re.search(r'^round +0 +depth 1 +pool \d+,\d+ ', out, re.M)
+  # At most (max_depth 8 − 1) × 2 rounds; the ETA bounds those left.
+  assert re.search(
+    r'^round +0 +depth 1 +pool \d+,\d+ .* \| 1/≤14 rounds \| elapsed '
+    r'[\d.]+s \| [\d.]+ rounds/s \| ETA ≤ \d+s$',
+    out,
+    re.M,
+  )
+  # Without a deadline every client runs at the highest frequency.
   assert re.search(
     r'^    energy [\d.]+ J \(highest frequency [\d.]+ J\); no deadline yet;'
-    r' configs table2_3_MAXN, ',
+    r' configs table2_3_MAXN ×3$',
+    out,
+    re.M,
+  )
+  assert re.search(
+    r'^Local 1/1 \(client \d+ alone\): best [\d.]+ % of \d+ networks \| '
+    r'elapsed [\d.]+s \| ETA 0s$',
     out,
     re.M,
   )

@@ -13,8 +13,10 @@ config field (in backticks) that the program turns into its flag.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import time
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
@@ -399,9 +401,49 @@ def make_evaluate(s: Setup) -> Callable[[network.Network], dict]:
 # --- The run and its records -------------------------------------------------
 
 
-def round_lines(entry: dict[str, Any]) -> list[str]:
+class Pace(NamedTuple):
+  """Where this process stands in a run, for a progress line's timing.
+
+  Attributes:
+    elapsed_s: seconds since this process began (or resumed) the run.
+    ran: the rounds this process ran (none from before a resume).
+    limit: the most rounds the run can take (`federated.round_limit`).
+  """
+
+  elapsed_s: float
+  ran: int
+  limit: int
+
+
+def pace_text(pace: Pace, done: int) -> str:
+  """`'12/≤35 rounds | elapsed 48.0s | 0.25 rounds/s | ETA ≤ 92s'` after
+  `done` rounds of the run: the elapsed time and rate are this process's
+  (a resumed run counts only its own rounds), and the ETA is the rounds
+  still possible (`pace.limit` − `done`) at the mean round time so far. It
+  bounds the rounds, not their time: a run can end sooner (every network
+  finished), and its rounds get cheaper as the pools shrink, but a round
+  is not promised to be as fast as the mean."""
+  mean = pace.elapsed_s / max(pace.ran, 1)
+  left = max(pace.limit - done, 0)
+  return (
+    f'{done}/≤{pace.limit} rounds | elapsed {pace.elapsed_s:.1f}s | '
+    f'{1 / max(mean, 1e-9):.2f} rounds/s | ETA ≤ {left * mean:.0f}s'
+  )
+
+
+def configs_text(clients: list[dict[str, Any]]) -> str:
+  """The clients' energy configurations, each once with its count, most
+  frequent first (ties: first seen), e.g. `'table2_3_MAXN ×7, table2_2
+  ×3'`."""
+  counts = collections.Counter(c['config'] for c in clients)
+  return ', '.join(f'{name} ×{n}' for name, n in counts.most_common())
+
+
+def round_lines(entry: dict[str, Any], pace: Pace | None = None) -> list[str]:
   """A round's progress lines: depth, pool sizes, selection time, client
-  weights; its energy; the blocks selected."""
+  weights, and with `pace` how far the run is (`pace_text`); its energy,
+  with the configurations chosen and how many clients chose each (every
+  client's is in energy.jsonl); the blocks selected."""
   w = entry['weights']
   lines = [
     f'round {entry["round"]:3d}  depth {entry["depth"]}  pool '
@@ -410,6 +452,8 @@ def round_lines(entry: dict[str, Any]) -> list[str]:
     f'{w["effective_clients"]:.1f} clients, max {w["max"]:.2f}×, min '
     f'{w["min"]:.2f}×'
   ]
+  if pace is not None:  # log entries count rounds from 0
+    lines[0] += ' | ' + pace_text(pace, entry['round'] + 1)
   en = entry.get('energy')
   if en is not None:
     met = [c['met'] for c in en['clients']]
@@ -422,7 +466,7 @@ def round_lines(entry: dict[str, Any]) -> list[str]:
         else f'deadline {en["deadline_s"]:.2f} s, met by {sum(met)}/{len(met)}'
       )
       + '; configs '
-      + ', '.join(c['config'] for c in en['clients'])
+      + configs_text(en['clients'])
     )
   for s in entry.get('selected', []):
     if 'block' in s:
@@ -434,16 +478,23 @@ def round_lines(entry: dict[str, Any]) -> list[str]:
 
 
 def run_stitching(
-  s: Setup, batch_fn: federated.BatchFn, log: Log = _log_default
+  s: Setup,
+  batch_fn: federated.BatchFn,
+  log: Log = _log_default,
+  clock: Callable[[], float] = time.perf_counter,
 ) -> state_lib.State:
   """FedStitch over every client (resuming the workdir's state), the
-  coordinators in the loop; then log.jsonl and energy.jsonl."""
+  coordinators in the loop, each round's lines timed by `clock` (seconds);
+  then log.jsonl and energy.jsonl."""
   config = s.config
   saved = []  # the rounds this process finished (each saved when done)
+  limit = federated.round_limit(config_lib.library_config(config))
+  t0 = clock()
 
   def on_round(state):
     saved.append(state.log[-1]['round'])
-    for line in round_lines(state.log[-1]):
+    pace = Pace(clock() - t0, len(saved), limit)
+    for line in round_lines(state.log[-1], pace):
       log(line)
 
   try:
@@ -519,11 +570,30 @@ def evaluate_networks(
   return nets
 
 
+def local_line(
+  i: int, who: list[int], best: float, networks: int, elapsed_s: float
+) -> str:
+  """The line after the `i`-th (from 1) of the Local searches of clients
+  `who`: the best accuracy of its `networks`, the seconds since the first
+  began and the ETA of the others at the mean search time so far."""
+  left = (len(who) - i) * elapsed_s / i
+  return (
+    f'Local {i}/{len(who)} (client {who[i - 1]} alone): best '
+    f'{100 * best:.2f} % of {networks} networks | elapsed {elapsed_s:.1f}s '
+    f'| ETA {left:.0f}s'
+  )
+
+
 def local_baseline(
-  s: Setup, batch_fn: federated.BatchFn, evaluate, log: Log = _log_default
+  s: Setup,
+  batch_fn: federated.BatchFn,
+  evaluate,
+  log: Log = _log_default,
+  clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any] | None:
   """The "Local" baseline: `local_clients` clients (drawn by the seed)
-  each stitching alone; the best accuracy each finds."""
+  each stitching alone; the best accuracy each finds, logged with the time
+  by `clock` (seconds)."""
   config = s.config
   if config.local_clients <= 0:
     return None
@@ -534,17 +604,15 @@ def local_baseline(
   )
   local_cfg = config_lib.library_config(config)._replace(clients_per_round=1)
   local = {'clients': who, 'best': []}
-  for c in who:
+  t0 = clock()
+  for i, c in enumerate(who, 1):
     st = federated.run(
       s.pool, batch_fn, config.num_clients, local_cfg, population=[c]
     )
     accs = [evaluate(f.net)[eval_key(config)] for f in st.finished]
     best = max(accs) if accs else float('nan')
     local['best'].append(best)
-    log(
-      f'Local (client {c} alone): best {100 * best:.2f} % of '
-      f'{len(accs)} networks'
-    )
+    log(local_line(i, who, best, len(accs), clock() - t0))
   local['mean_best'] = float(np.nanmean(local['best']))
   return local
 
