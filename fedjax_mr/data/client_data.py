@@ -131,6 +131,21 @@ def to_host(data: ClientData) -> ClientData:
   return jax.tree.map(np.asarray, data)
 
 
+def memory_mapped(data: ClientData, folder: str) -> ClientData:
+  """Host data `data` (numpy fields, `to_host`) with its examples, labels
+  and index lists (`x`, `y`, `flat`: what grows with the examples)
+  memory-mapped from an unnamed file in `folder` (`host.memory_mapped`);
+  `gather_round` then reads only the pages of the sampled clients' rows.
+  The values are the same, so is every view gathered from it."""
+  x, y, flat = host.memory_mapped([data.x, data.y, data.flat], folder)
+  return data.replace(x=x, y=y, flat=flat)
+
+
+def is_memory_mapped(data: ClientData) -> bool:
+  """Whether `data`'s examples are memory-mapped (`memory_mapped`)."""
+  return isinstance(data.x, np.memmap)
+
+
 def round_capacity(sizes: np.ndarray, clients_per_round: int) -> int:
   """The most examples `clients_per_round` distinct clients hold: the sum
   of the largest sizes (the rows of a `gather_round` view)."""
@@ -153,7 +168,8 @@ def gather_round(
   by the caller).
 
   Args:
-    data: the whole training set on the host.
+    data: the whole training set on the host (in memory, or
+      `memory_mapped`: only the sampled rows' pages are read).
     ids: `[K]` client ids (repeats allowed: each client's examples are
       copied once).
     capacity: rows of the view, at least the sampled clients' examples

@@ -44,8 +44,10 @@ class Experiment(NamedTuple):
       checkpoints, devices).
     model: the model.
     algorithm: the federated algorithm.
-    data: the clients' training data (`ClientData`, or `SyntheticData`
-      for `dataset=synthetic`; on the devices).
+    data: the clients' training data: `ClientData` on the devices,
+      `engine.HostData` (in host memory, memory-mapped by `run` under
+      `data_placement=memmap`), or `SyntheticData` for
+      `dataset=synthetic`.
     test: the test set (`EvalData`, on the devices).
     state: the initial `RoundState` (on the devices).
     key: the run key; round r uses `fold_in(key, r)`.
@@ -403,6 +405,18 @@ def _check_pretrained(
 # The share of the memory the training set may take on the devices under
 # `data_placement=auto` (all CPU host devices share the machine's memory).
 DEVICE_DATA_SHARE = 0.25
+# Under `data_placement=auto`, a set kept on the host that takes more than
+# this share of the machine's memory is memory-mapped from a file in the
+# workdir (`client_data.memory_mapped`) instead of held in memory.
+HOST_DATA_SHARE = 0.5
+
+
+def _machine_bytes() -> int:
+  """The machine's memory (0 when unknown)."""
+  try:
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  except (ValueError, OSError, AttributeError):
+    return 0
 
 
 def _memory_bytes(device: jax.Device) -> int:
@@ -411,10 +425,7 @@ def _memory_bytes(device: jax.Device) -> int:
   stats = (device.memory_stats() or {}) if device.platform != 'cpu' else {}
   if 'bytes_limit' in stats:
     return int(stats['bytes_limit'])
-  try:
-    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-  except (ValueError, OSError, AttributeError):
-    return 0
+  return _machine_bytes()
 
 
 def data_bytes(data: client_data_lib.ClientData) -> int:
@@ -429,10 +440,13 @@ def data_placement(
 ) -> str:
   """Where a run keeps its training data: 'device' (whole, on every device
   of `mesh`), 'host' (in host memory; each round sends its clients'
-  examples) or 'generated' (synthetic clients, nothing stored).
-  `data_placement=auto` picks 'device' while the set takes at most
-  `DEVICE_DATA_SHARE` of the memory (on the CPU, of the machine's, times
-  the devices that each hold a copy), else 'host'."""
+  examples), 'memmap' (as 'host', memory-mapped from a file in the
+  workdir, which `experiment.run` writes) or 'generated' (synthetic
+  clients, nothing stored). `data_placement=auto` picks 'device' while
+  the set takes at most `DEVICE_DATA_SHARE` of the memory (on the CPU,
+  of the machine's, times the devices that each hold a copy), else
+  'memmap' where it takes more than `HOST_DATA_SHARE` of the machine's
+  memory, else 'host'."""
   if not isinstance(data, client_data_lib.ClientData):
     return 'generated'
   if config.data_placement != 'auto':
@@ -440,9 +454,24 @@ def data_placement(
   device = mesh.devices.flat[0]
   copies = mesh.devices.size if device.platform == 'cpu' else 1
   memory = _memory_bytes(device)
-  if memory and data_bytes(data) * copies > DEVICE_DATA_SHARE * memory:
-    return 'host'
-  return 'device'
+  size = data_bytes(data)
+  if not memory or size * copies <= DEVICE_DATA_SHARE * memory:
+    return 'device'
+  machine = _machine_bytes()
+  if machine and size > HOST_DATA_SHARE * machine:
+    return 'memmap'
+  return 'host'
+
+
+def prefetches(experiment: Experiment) -> bool:
+  """Whether a run gathers the next round's examples while a round runs:
+  its training data are on the host, `prefetch` is on and its sampler
+  reads nothing of the round before (`engine.draws_ahead`)."""
+  return (
+    experiment.config.prefetch
+    and isinstance(experiment.data, engine.HostData)
+    and engine.draws_ahead(experiment.algorithm)
+  )
 
 
 # What a client of an algorithm that stacks its K uploads holds at least,

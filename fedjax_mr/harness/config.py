@@ -30,7 +30,7 @@ from fedjax_mr.harness import registry
 from fedjax_mr.training import optimizers
 
 WEIGHTINGS = ('auto', 'examples', 'uniform')
-DATA_PLACEMENTS = ('auto', 'device', 'host')
+DATA_PLACEMENTS = ('auto', 'device', 'host', 'memmap')
 PARTITIONS = (
   'iid',
   'dirichlet',
@@ -364,10 +364,22 @@ class ExperimentConfig:
     'auto',
     'Where the training set lives: device = whole on every device; host = '
     "in host memory, each round sending the devices only its clients' "
-    'examples; auto = device while the set (times the devices) takes at '
-    'most a quarter of the memory, else host. Results are the same. '
+    'examples; memmap = as host, memory-mapped from an unnamed file in the '
+    'workdir (written when the run starts, gone when it ends), so it need '
+    'not stay in memory; auto = device while the set (times the devices) '
+    'takes at most a quarter of the memory, else memmap where it takes '
+    "more than half the machine's memory, else host. Results are the same. "
     'Generated clients (synthetic) have no stored set.',
     choices=DATA_PLACEMENTS,
+    run_only=True,
+  )
+  prefetch: bool = _field(
+    True,
+    "With the training set on the host: gather the next round's examples "
+    'and start sending them to the devices while a round trains, when the '
+    "algorithm's sampler does not depend on the round's result (the "
+    "uniform one; CluSamp's and the fine-tuning baselines' own samplers "
+    'are drawn after it). Results are the same.',
     run_only=True,
   )
   num_devices: int = _field(

@@ -112,12 +112,16 @@ def _setup(
   state = engine.init_state(
     algorithm, variables, len(clients.sizes), host_clients=True
   )
-  on_host = build.data_placement(config, clients.data, mesh) == 'host'
+  on_host = build.data_placement(config, clients.data, mesh) in (
+    'host',
+    'memmap',
+  )
   data, test, device_state = distributed.replicate(
     (() if on_host else clients.data, test, state.replace(clients=())), mesh
   )
   if on_host:
-    # Each round sends the devices only its own clients' examples.
+    # Each round sends the devices only its own clients' examples (from a
+    # file that `run` writes, under 'memmap').
     data = engine.host_data(clients.data, config.clients_per_round)
   state = device_state.replace(clients=state.clients)
   return build.Experiment(
@@ -197,10 +201,44 @@ def run(
   """
   primary = distributed.is_primary()
   if not primary:
+    experiment = _memory_mapped(experiment, workdir)
     return _run(experiment, workdir, _quiet, on_round)
   # The primary process writes the workdir; one such process at a time.
   with workdir_lib.acquire(workdir):
+    # Rebound, so that the in-memory set can be freed (unless the caller
+    # keeps `experiment`).
+    experiment = _memory_mapped(experiment, workdir)
     return _run(experiment, workdir, log, on_round)
+
+
+def _memory_mapped(
+  experiment: build.Experiment, workdir: str
+) -> build.Experiment:
+  """`experiment` with its host training data memory-mapped from an
+  unnamed file in `workdir` (`client_data.memory_mapped`; each process
+  its own) where `build.data_placement` says 'memmap'.
+
+  Raises:
+    StorageError: the file cannot be written (a full disk).
+  """
+  data = experiment.data
+  if not isinstance(data, engine.HostData) or (
+    client_data_lib.is_memory_mapped(data.data)
+    or build.data_placement(experiment.config, data.data, experiment.mesh)
+    != 'memmap'
+  ):
+    return experiment
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    mapped = client_data_lib.memory_mapped(data.data, workdir)
+  except OSError as e:
+    mb = build.data_bytes(data.data) / 2**20
+    raise errors.StorageError(
+      f'cannot write the training set ({mb:,.1f} MiB) to a file in '
+      f'{e.filename or workdir}: {e.strerror or e}; free space, or run '
+      'with `data_placement=host`'
+    ) from None
+  return experiment._replace(data=data._replace(data=mapped))
 
 
 def _run(
@@ -285,7 +323,8 @@ def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
   """The experiment's round `step(state, data, key) -> (state, metrics)`,
   jit-compiled with its state donated and its results replicated over
   the mesh. Per-client state, if any, and training data kept in host
-  memory stay there (`engine.make_host_round`)."""
+  memory stay there (`engine.make_host_round`); the next round's view of
+  host data is gathered while a round runs where `build.prefetches`."""
   mesh = experiment.mesh
   k = experiment.config.clients_per_round
   jitted = functools.partial(
@@ -305,7 +344,16 @@ def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
     engine.make_sample_fn(experiment.algorithm, k),
     out_shardings=distributed.replicated(mesh),
   )
-  return engine.make_host_round(sample, jitted(make(client_rows=True)))
+  return engine.make_host_round(
+    sample,
+    jitted(make(client_rows=True)),
+    prefetch=build.prefetches(experiment),
+    # With several processes the views stay numpy, as jit takes them
+    # (a device_put there would check them across processes every round).
+    sharding=(
+      distributed.replicated(mesh) if jax.process_count() == 1 else None
+    ),
+  )
 
 
 class _Loop(NamedTuple):

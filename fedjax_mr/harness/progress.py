@@ -78,9 +78,19 @@ def _placement(experiment: build.Experiment) -> str:
   data = experiment.data
   if isinstance(data, engine.HostData):
     mb = build.data_bytes(data.data) / 2**20
+    where = (
+      'memory-mapped from an unnamed file in the workdir'
+      if client_data_lib.is_memory_mapped(data.data)
+      else 'in host memory'
+    )
+    ahead = "the next round's gathered while one trains"
+    if not experiment.config.prefetch:
+      ahead = 'not prefetched'
+    elif not build.prefetches(experiment):
+      ahead = "not prefetched: the sampler reads each round's result"
     return (
-      f'training data in host memory ({mb:,.1f} MiB), each round sending '
-      f"its clients' examples (at most {data.capacity:,})"
+      f'training data {where} ({mb:,.1f} MiB), each round sending its '
+      f"clients' examples (at most {data.capacity:,}; {ahead})"
     )
   if isinstance(data, client_data_lib.ClientData):
     mb = build.data_bytes(data) / 2**20

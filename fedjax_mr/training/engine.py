@@ -613,8 +613,49 @@ def round_data(data: Any) -> Any:
   return data.meta if isinstance(data, HostData) else data
 
 
+def draws_ahead(algorithm: types.Algorithm) -> bool:
+  """Whether a round's clients can be drawn before the round before it
+  ends: with the uniform sampler (`sampler=None`), which reads the round's
+  key, its index and the clients' sizes, never the server state. An
+  algorithm's own sampler may read the previous round's result
+  (CluSamp's clusters the clients' last updates), so its rounds are drawn
+  after it (`make_host_round`'s `prefetch` must then stay off)."""
+  return algorithm.sampler is None
+
+
+def _key_bits(key: jax.Array) -> np.ndarray:
+  """The bits of a run key (typed or raw), on the host."""
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  return np.asarray(jax.device_get(key))
+
+
+class _Ahead(NamedTuple):
+  """A round drawn and gathered before it ran (`make_host_round`)."""
+
+  round: int
+  key: np.ndarray  # `_key_bits`
+  data: HostData
+  ids: jax.Array
+  at: np.ndarray
+  view: Any
+
+  def is_for(self, round_index: int, key: jax.Array, data: HostData) -> bool:
+    """Whether this is round `round_index` of the run of `key` (by value)
+    on `data` (the same object)."""
+    return (
+      self.round == round_index
+      and self.data is data
+      and np.array_equal(self.key, _key_bits(key))
+    )
+
+
 def make_host_round(
-  sample_fn: Callable, rows_round: Callable
+  sample_fn: Callable,
+  rows_round: Callable,
+  *,
+  prefetch: bool = False,
+  sharding: jax.sharding.Sharding | None = None,
 ) -> Callable[[RoundState, Any, jax.Array], tuple[RoundState, Any]]:
   """A round driven from the host: per-client state in host memory, and
   training data on the devices or in host memory (`HostData`).
@@ -632,24 +673,70 @@ def make_host_round(
   training set; the results are the same (each sampled client reads the
   same examples; reads past its size are masked either way).
 
+  With `prefetch` (and `HostData`), each call also draws the next round's
+  ids before starting its own round, and once the round is running
+  (asynchronously) gathers the next round's view and starts its transfer
+  (`jax.device_put`), which the next call uses when it is called for that
+  round with the same `data` object and a key of the same value
+  (otherwise it draws afresh). Only
+  for a sampler that does not read the server state (`draws_ahead`): the
+  next round's ids are drawn from this round's state. The results are
+  those without it, bit for bit (the same ids, the same view); the
+  per-client rows are still gathered after the previous round wrote them
+  back. The devices hold two views at once, and the last round gathers
+  one that no round uses.
+
+  Args:
+    sample_fn: `sample_fn(state, data, key) -> ids [K]`.
+    rows_round: `rows_round(state, data, key, ids, rows) -> (state,
+      new_rows, metrics)`.
+    prefetch: gather the next round's view while this one runs.
+    sharding: where each view of `HostData` is put (`jax.device_put`);
+      None passes the numpy view to `rows_round`.
+
   Returns:
     `step(state, data, key) -> (state, metrics)`, like `make_round_fn`'s
     round; `state.clients` of the result are the updated arrays (the
     argument's own, written in place, once they are writable: read-only
-    ones are copied first).
+    ones are copied first). With `prefetch`, `step` keeps the next
+    round's draw between calls.
   """
+  ahead: list[_Ahead] = []  # the next round's draw, at most one
+
+  def view_of(data, at):
+    if not isinstance(data, HostData):
+      return data
+    view = client_data_lib.gather_round(data.data, at, data.capacity)
+    return view if sharding is None else jax.device_put(view, sharding)
 
   def step(state, data, key):
     clients = to_host_clients(state).clients
     device_state = state.replace(clients=())
-    ids = sample_fn(device_state, round_data(data), key)
-    at = np.asarray(jax.device_get(ids))
+    meta = round_data(data)
+    early = prefetch and isinstance(data, HostData)
+    r = int(jax.device_get(device_state.round)) if early else None
+    drawn = ahead.pop() if ahead else None
+    if drawn is not None and drawn.is_for(r, key, data):
+      ids, at, view = drawn.ids, drawn.at, drawn.view
+    else:
+      ids = sample_fn(device_state, meta, key)
+      at = np.asarray(jax.device_get(ids))
+      view = view_of(data, at)
+    if early:
+      # Before the round donates `device_state`; the sampler reads no
+      # server state, so this round's stands in for the next one's.
+      following = device_state.replace(round=device_state.round + 1)
+      next_ids = sample_fn(following, meta, key)
     rows = jax.tree.map(lambda a: a[at], clients)
-    if isinstance(data, HostData):
-      data = client_data_lib.gather_round(data.data, at, data.capacity)
     device_state, new_rows, metrics = rows_round(
-      device_state, data, key, ids, rows
+      device_state, view, key, ids, rows
     )
+    if early:
+      next_at = np.asarray(jax.device_get(next_ids))
+      next_view = view_of(data, next_at)
+      ahead.append(
+        _Ahead(r + 1, _key_bits(key), data, next_ids, next_at, next_view)
+      )
     for a, new in zip(
       jax.tree.leaves(clients), jax.tree.leaves(jax.device_get(new_rows))
     ):

@@ -36,3 +36,27 @@ def test_client_data_shares_the_loaders_buffer():
   ev = client_data.eval_data(x, np.arange(6) % 2, 4)
   np.testing.assert_array_equal(np.asarray(ev.x).reshape(8, 2, 2, 1)[6:], 0)
   np.testing.assert_array_equal(np.asarray(ev.mask).ravel(), [1] * 6 + [0] * 2)
+
+
+def test_memory_mapped_arrays_keep_values_and_leave_no_file(tmp_path):
+  import ml_dtypes
+
+  arrays = [
+    np.arange(30, dtype=np.uint8).reshape(5, 3, 2),
+    np.arange(7, dtype=np.int32),
+    np.zeros((0, 4), np.float32),
+    np.linspace(0, 1, 5).astype(ml_dtypes.bfloat16),
+  ]
+  mapped = host.memory_mapped(arrays, str(tmp_path))
+  assert not list(tmp_path.iterdir())  # unnamed: nothing to clean up
+  for a, m in zip(arrays, mapped, strict=True):
+    assert m.shape == a.shape and m.dtype == a.dtype
+    np.testing.assert_array_equal(m, a)
+    assert not m.flags.writeable
+  assert all(isinstance(m, np.memmap) for m in mapped[:2] + mapped[3:])
+  assert all(host.is_aligned(m) for m in mapped)
+  with pytest.raises(TypeError, match='object'):
+    host.memory_mapped([np.array([None])], str(tmp_path))
+  with pytest.raises(OSError) as e:
+    host.memory_mapped(arrays, str(tmp_path / 'missing'))
+  assert str(e.value.filename).startswith(str(tmp_path / 'missing'))

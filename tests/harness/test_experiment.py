@@ -536,9 +536,15 @@ def test_file_partition_index_past_the_dataset(small_config, tmp_path):
   )
 
 
-def test_binary_sigkill_then_resume_matches(small_config, tmp_path):
+@pytest.mark.parametrize('placement', ['auto', 'memmap'])
+def test_binary_sigkill_then_resume_matches(small_config, tmp_path, placement):
+  """Killed during round 3 and resumed: the rows of a run that was not
+  killed; with the training set memory-mapped and each round's examples
+  gathered while the round before trains, those of the set on the
+  devices."""
   cfg = dataclasses.replace(small_config, rounds=5)
   ref = experiment.train_and_evaluate(cfg, str(tmp_path / 'ref'), log=_quiet)
+  cfg = dataclasses.replace(cfg, data_placement=placement)
   work = str(tmp_path / 'bin')
   proc = _binary(_flags(cfg, work))
   for line in proc.stdout:
@@ -551,6 +557,9 @@ def test_binary_sigkill_then_resume_matches(small_config, tmp_path):
   out, err = proc.communicate(timeout=300)
   assert proc.returncode == 0, err
   assert 'resuming' in out and 'after round 2' in out
+  if placement == 'memmap':
+    assert 'memory-mapped from an unnamed file in the workdir' in out
+    assert "the next round's gathered while one trains" in out
   rows = metrics_io.read(os.path.join(work, 'metrics.jsonl'))
   assert _no_times(rows) == _no_times(ref.history)
 
@@ -641,16 +650,19 @@ def test_a_run_started_from_python_gets_the_command_lines_devices(
   assert have == mesh == want
 
 
-@pytest.mark.parametrize('algorithm', ['fedavg', 'scaffold'])
+@pytest.mark.parametrize('algorithm', ['fedavg', 'scaffold', 'clusamp'])
 def test_data_in_host_memory_gives_the_same_run(
   small_config, tmp_path, algorithm
 ):
-  """`data_placement=host` (each round sends the devices its clients'
-  examples; SCAFFOLD's controls in host memory too) against the whole
-  set on every device: the same rows and final state, bit for bit, and
-  the first lines say which placement was chosen."""
+  """`data_placement=host` and `memmap` (each round sends the devices its
+  clients' examples, gathered while the round before trains; SCAFFOLD's
+  controls in host memory too; CluSamp's sampler reads each round's
+  result, so its rounds are gathered after it) against the whole set on
+  every device: the same rows and final state, bit for bit, the first
+  lines say which placement was chosen, and the memory-mapped file leaves
+  nothing in the workdir."""
   runs = {}
-  for placement in ('device', 'host'):
+  for placement in ('device', 'host', 'memmap'):
     lines = []
     cfg = dataclasses.replace(
       small_config, algorithm=algorithm, data_placement=placement, rounds=2
@@ -658,20 +670,34 @@ def test_data_in_host_memory_gives_the_same_run(
     result = experiment.train_and_evaluate(
       cfg, str(tmp_path / placement), log=lines.append
     )
-    runs[placement] = (result, lines)
-  (a, lines_a), (b, lines_b) = runs['device'], runs['host']
-  assert any('training data on every device' in x for x in lines_a)
-  assert any('training data in host memory' in x for x in lines_b)
+    runs[placement] = (result, '\n'.join(lines))
+  a, lines = runs['device']
+  assert 'training data on every device' in lines
+  assert 'training data in host memory' in runs['host'][1]
+  assert (
+    'training data memory-mapped from an unnamed file in the workdir'
+    in runs['memmap'][1]
+  )
+  ahead = (
+    "not prefetched: the sampler reads each round's result"
+    if algorithm == 'clusamp'
+    else "the next round's gathered while one trains"
+  )
   drop = lambda rows: [  # noqa: E731
     {k: v for k, v in r.items() if not k.endswith('_s')} for r in rows
   ]
-  assert drop(a.history) == drop(b.history)
-  for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-  for name in ('clients.jsonl',):
+  for placement in ('host', 'memmap'):
+    b, lines_b = runs[placement]
+    assert ahead in lines_b
+    assert drop(a.history) == drop(b.history)
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert (
-      open(tmp_path / 'device' / name).read()
-      == open(tmp_path / 'host' / name).read()
+      open(tmp_path / 'device' / 'clients.jsonl').read()
+      == open(tmp_path / placement / 'clients.jsonl').read()
+    )
+    assert sorted(os.listdir(tmp_path / placement)) == sorted(
+      os.listdir(tmp_path / 'device')
     )
 
 
@@ -685,5 +711,12 @@ def test_auto_placement_keeps_a_small_set_on_the_devices(small_config):
   try:
     build.DEVICE_DATA_SHARE = 1e-9
     assert build.data_placement(small_config, ex.data, ex.mesh) == 'host'
+    # ... and more than half of whose memory it takes: memory-mapped.
+    host_share = build.HOST_DATA_SHARE
+    try:
+      build.HOST_DATA_SHARE = 1e-9
+      assert build.data_placement(small_config, ex.data, ex.mesh) == 'memmap'
+    finally:
+      build.HOST_DATA_SHARE = host_share
   finally:
     build.DEVICE_DATA_SHARE = share
