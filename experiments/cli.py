@@ -25,6 +25,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Any
 from typing import Callable
@@ -57,34 +58,71 @@ _python_excepthook = sys.excepthook
 sys.excepthook = _interrupted_starting
 
 
-def _deliver_lost_interrupt(previous):
-  """A `sys.unraisablehook` that does not let Ctrl-C be lost. Python runs
-  its SIGINT handler at the next bytecode, which may be inside a garbage-
-  collector callback (jax registers one), a `__del__` or a weakref
-  callback; the KeyboardInterrupt raised there cannot propagate, Python
-  reports it as "Exception ignored" and the program runs on. This hook
-  prints nothing for it and delivers the interrupt again, from another
-  thread, so that it lands once that callback has returned. SIGTERM,
-  which the training loops turn into KeyboardInterrupt, is delivered as
-  itself where Python does not handle SIGINT. Anything else goes to
-  `previous`."""
+class _LostInterrupts:
+  """Does not let Ctrl-C be lost. Python runs its SIGINT handler at the
+  next bytecode, which may be inside a garbage-collector callback (jax
+  registers one), a `__del__` or a weakref callback; the
+  KeyboardInterrupt raised there cannot propagate, Python passes it to
+  `sys.unraisablehook` ("Exception ignored") and the program runs on.
 
-  def redeliver() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM):
-      if callable(signal.getsignal(signum)):
-        signal.raise_signal(signum)
-        return
+  `hook`, the process's `sys.unraisablehook`, prints nothing for such a
+  KeyboardInterrupt and marks it lost; a watcher thread (started then)
+  sends the signal again to the main thread once the hook has returned,
+  every 50 ms while one is lost, so that it lands outside the callback
+  and a blocking call there (a sleep, a wait on the devices) returns.
+  `on_sigint`, the SIGINT handler, raises KeyboardInterrupt as Python's
+  does, but not inside `hook`, where it would be lost again: there it
+  marks the interrupt lost. SIGTERM, which the training loops turn into
+  KeyboardInterrupt, is sent as itself where SIGINT is ignored. Anything
+  else goes to `previous`."""
 
-  def hook(unraisable) -> None:
-    if isinstance(unraisable.exc_value, KeyboardInterrupt):
-      threading.Thread(target=redeliver, daemon=True).start()
+  POLL_S = 0.05
+
+  def __init__(self, previous):
+    self.previous = previous
+    self.lost = False  # plain flags: the handler may run inside `hook`
+    self.in_hook = False
+    self.watcher = None
+
+  def on_sigint(self, signum, frame) -> None:
+    if self.in_hook:
+      self.lost = True
       return
-    previous(unraisable)
+    raise KeyboardInterrupt
 
-  return hook
+  def hook(self, unraisable) -> None:
+    self.in_hook = True
+    try:
+      if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        self.lost = True
+        if self.watcher is None:
+          self.watcher = threading.Thread(target=self._watch, daemon=True)
+          self.watcher.start()
+        return
+      self.previous(unraisable)
+    finally:
+      self.in_hook = False
+
+  def _watch(self) -> None:
+    main = threading.main_thread().ident
+    while True:
+      time.sleep(self.POLL_S)
+      if not self.lost or self.in_hook:
+        continue
+      self.lost = False
+      for signum in (signal.SIGINT, signal.SIGTERM):
+        if callable(signal.getsignal(signum)):
+          signal.pthread_kill(main, signum)
+          break
 
 
-sys.unraisablehook = _deliver_lost_interrupt(sys.unraisablehook)
+_lost_interrupts = _LostInterrupts(sys.unraisablehook)
+sys.unraisablehook = _lost_interrupts.hook
+if (
+  threading.current_thread() is threading.main_thread()
+  and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+):  # not where SIGINT is ignored (a background job) or already handled
+  signal.signal(signal.SIGINT, _lost_interrupts.on_sigint)
 
 
 # `name`, `noname` or `name=value` in backticks.

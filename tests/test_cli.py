@@ -172,13 +172,13 @@ def test_ctrl_c_inside_a_collector_callback_is_not_lost():
   # "ignored" and the program ran on (CI: a run went on to round 5). Here
   # a __del__ raises it, as the handler would there.
   code = (
-    'import gc, time\n'
+    'import threading\n'
     'from experiments import cli\n'
     'class Finalized:\n'
     '  def __del__(self):\n'
     '    raise KeyboardInterrupt\n'
     'Finalized()\n'
-    'time.sleep(30)\n'
+    'threading.Event().wait(30)  # blocked, as on the devices\n'
   )
   proc = subprocess.run(
     [sys.executable, '-c', code],
