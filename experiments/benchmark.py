@@ -92,7 +92,10 @@ flags.DEFINE_integer(
   'experiments.run).',
 )
 flags.DEFINE_integer(
-  'client_chunk', 0, '0: 1 on CPU, all on accelerators up to 1,000 a device.'
+  'client_chunk',
+  0,
+  '0: 1 on CPU (8 for models of at most 1,000 parameters), all on '
+  'accelerators up to 1,000 a device.',
 )
 flags.DEFINE_integer('host_devices', 0, 'XLA host devices (0: auto).')
 flags.DEFINE_integer('rounds', 5, 'Timed rounds (after one warm-up).')
@@ -445,15 +448,16 @@ def _prepare(
   import jax
   import numpy as np
 
+  from fedjax_mr.core import tree
   from fedjax_mr.harness import distributed
   from fedjax_mr.training import engine
 
   k = FLAGS.clients_per_round
   d = len(jax.devices()) if devices == 'all' else int(devices)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:d]), ('clients',))
-  chunk = distributed.client_mapping(k, FLAGS.client_chunk, mesh)[
-    'client_chunk'
-  ]
+  chunk = distributed.client_mapping(
+    k, FLAGS.client_chunk, mesh, tree.num_parameters(variables['params'])
+  )['client_chunk']
   # As experiments.run: per-client state in host memory.
   state = engine.init_state(
     algorithm, variables, data.num_clients, host_clients=True

@@ -356,8 +356,8 @@ class ExperimentConfig:
     0,
     'Clients trained together on each device: 1 = one after another '
     '(fastest on CPU), K/devices = all vmapped (for accelerators), in '
-    'between = vmapped chunks; 0 = 1 on CPU, all on GPU/TPU up to 1,000 '
-    'a device.',
+    'between = vmapped chunks; 0 = 1 on CPU (8 for models of at most '
+    '1,000 parameters), all on GPU/TPU up to 1,000 a device.',
     run_only=True,
   )
   data_placement: str = _field(

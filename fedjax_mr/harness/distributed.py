@@ -286,21 +286,42 @@ def clients_per_device(clients_per_round: int, num_devices: int) -> int:
 ACCELERATOR_CHUNK = 1000
 
 
-def default_chunk(platform: str, clients_per_device: int) -> int:
-  """The clients a device trains at a time when `client_chunk` is 0: one
-  after another on CPU, all of them up to `ACCELERATOR_CHUNK` elsewhere."""
+# On CPU a model of at most TINY_MODEL_PARAMS parameters trains its clients
+# in vmapped chunks of TINY_MODEL_CHUNK: each client's own fixed work (its
+# epoch permutations, loop and optimizer set-up, a generated client's
+# parameter draw) is a few small kernels, launched once a chunk instead of
+# once a client. Synthetic(1, 1)'s 610-parameter logistic regression at
+# K = 10^4 (BUILD.md, "Scale"): a round close to its limit, against a third
+# above it one client at a time. Larger models keep 1 (vmap turns a
+# convolution into a slower grouped one on XLA:CPU), so do their results;
+# Fashion-MNIST's logistic regression has 7,850 parameters.
+TINY_MODEL_PARAMS = 1000
+TINY_MODEL_CHUNK = 8
+
+
+def default_chunk(
+  platform: str, clients_per_device: int, num_params: int | None = None
+) -> int:
+  """The clients a device trains at a time when `client_chunk` is 0: on
+  CPU one after another, or `TINY_MODEL_CHUNK` for a model of
+  `num_params` ≤ `TINY_MODEL_PARAMS` (None: not known, 1); elsewhere all
+  of them up to `ACCELERATOR_CHUNK`."""
   if platform == 'cpu':
-    return 1
+    tiny = num_params is not None and num_params <= TINY_MODEL_PARAMS
+    return max(1, min(clients_per_device, TINY_MODEL_CHUNK)) if tiny else 1
   return max(1, min(clients_per_device, ACCELERATOR_CHUNK))
 
 
 def client_mapping(
-  clients_per_round: int, client_chunk: int, mesh: jax.sharding.Mesh
+  clients_per_round: int,
+  client_chunk: int,
+  mesh: jax.sharding.Mesh,
+  num_params: int | None = None,
 ) -> dict[str, Any]:
   """How a round's clients are mapped onto the devices of `mesh`:
   platform, processes, devices, and `client_chunk` (the clients a device
-  trains at a time; 0 picks 1 on CPU, else all of its clients up to
-  `ACCELERATOR_CHUNK`).
+  trains at a time; 0 picks `default_chunk` for a model of `num_params`
+  parameters).
 
   The mapping decides the order of the floating-point sums over clients,
   so each checkpoint keeps it.
@@ -308,7 +329,7 @@ def client_mapping(
   num_devices = mesh.devices.size
   platform = mesh.devices.flat[0].platform
   per_device = clients_per_device(clients_per_round, num_devices)
-  chunk = client_chunk or default_chunk(platform, per_device)
+  chunk = client_chunk or default_chunk(platform, per_device, num_params)
   return {
     'platform': platform,
     'processes': jax.process_count(),

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import tree
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.harness import build
@@ -263,7 +264,10 @@ def _run(
   if ckpt is None:
     ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
   mapping = distributed.client_mapping(
-    config.clients_per_round, config.client_chunk, experiment.mesh
+    config.clients_per_round,
+    config.client_chunk,
+    experiment.mesh,
+    tree.num_parameters(state.server.params),
   )
   meta = {'config': config.to_dict(), 'mapping': mapping, 'data': data}
   if start is not None:

@@ -151,9 +151,22 @@ def test_auto_host_devices_one_per_core_at_most_k(monkeypatch):
 
 def test_default_chunk_is_one_on_cpu_and_bounded_on_accelerators():
   assert distributed.default_chunk('cpu', 10_000) == 1
+  assert distributed.default_chunk('cpu', 10_000, 7_850) == 1
   assert distributed.default_chunk('gpu', 300) == 300
   assert (
     distributed.default_chunk('gpu', 10_000) == distributed.ACCELERATOR_CHUNK
   )
   assert distributed.default_chunk('tpu', 1_000) == 1_000
   assert distributed.default_chunk('gpu', 0) == 1
+
+
+def test_default_chunk_vmaps_a_tiny_model_on_cpu():
+  # Synthetic's logistic regression (610 parameters), up to the clients a
+  # device has; the bound is at the threshold; accelerators ignore it.
+  tiny = distributed.TINY_MODEL_PARAMS
+  chunk = distributed.TINY_MODEL_CHUNK
+  assert distributed.default_chunk('cpu', 10_000, 610) == chunk
+  assert distributed.default_chunk('cpu', 10_000, tiny) == chunk
+  assert distributed.default_chunk('cpu', 10_000, tiny + 1) == 1
+  assert distributed.default_chunk('cpu', 3, 610) == 3
+  assert distributed.default_chunk('gpu', 300, 610) == 300
