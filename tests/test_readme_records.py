@@ -1,0 +1,263 @@
+"""Every number of the README's Fashion-MNIST tables comes from a record.
+
+Each cell of the results table and of FedMut's α ablation is recomputed
+from the runs archived in docs/results/fmnist_table (scripts/
+archive_runs.py) as `experiments.compare` computes a table: per seed, the
+mean test accuracy of the last 10 evaluations; over seeds, their mean ±
+population std; a run whose train loss became non-finite diverged at
+that round. Every number printed in a cell must be one that the parser
+below knows how to recompute, so a cell cannot gain a number without a
+record behind it.
+"""
+
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+
+from fedjax_mr.harness import compare
+from fedjax_mr.harness import metrics_io
+
+REPO = os.path.dirname(os.path.dirname(__file__))
+RECORDS = os.path.join(REPO, 'docs', 'results', 'fmnist_table')
+LAST = 10  # evaluations averaged into a run's final accuracy
+
+# The results table: its row labels, each a variant of
+# experiments/configs/fmnist_table.flags' comparison.
+ROWS = {
+  'FedAvg': 'fedavg',
+  'FedMR': 'fedmr',
+  'FedMR, two-stage (20 rounds of FedAvg first)': 'fedmr_2stage20',
+  'FedMR-p, 2 segments': 'fedmr_p2',
+  'Indep (whole models, never mixed)': 'indep',
+  'FedMut (α 4, β₀ 0.3, T_b 50)': 'fedmut',
+  'FedProx (μ 0.01)': 'fedprox',
+  'SCAFFOLD (option II, momentum-aware step count)': 'scaffold',
+  'SCAFFOLD, option II literally (steps_i · lr)': 'scaffold_taken',
+  'FedExP (ε 1e-3, mean of the last two iterates)': 'fedexp',
+  'FedASAM (ρ 0.7, η 0.2)': 'fedasam',
+  'CluSamp (Algorithm 2, cosine)': 'clusamp',
+  'MOON (μ 1, τ 0.5, projection 256)': 'moon',
+  "FedGen (the authors' settings: α = β = 10)": 'fedgen',
+  'FedGen, α = β = 1': 'fedgen_a1',
+  'FedAvgM (server SGD, momentum 0.9, rate 10^−0.5)': 'fedavgm',
+  'FedAdam (server rate 10^−2.5, τ 10⁻⁴)': 'fedadam',
+  'FedYogi (server rate 10^−2.5, τ 10⁻⁴)': 'fedyogi',
+  'FedAdagrad (server rate 10⁻¹, τ 10⁻²)': 'fedadagrad',
+}
+# Its columns after the first: (records folder, variant suffix).
+COLUMNS = {
+  'Dir(0.1), momentum 0.9 (the papers)': ('dir0.1', ''),
+  "Dir(0.1), momentum 0.5 (the authors' code)": ('dir0.1', '_m0.5'),
+  'Dir(0.5), momentum 0.9': ('dir0.5', ''),
+  'IID, momentum 0.9': ('iid', ''),
+}
+# FedMut's α ablation (Dir(0.1)): the variant of each α.
+ALPHAS = {
+  '0 (= unweighted FedAvg)': 'fedmut_a0',
+  '1': 'fedmut_a1',
+  '2': 'fedmut_a2',
+  "4 (the papers')": 'fedmut',
+  '5': 'fedmut_a5',
+}
+
+NUMBER = r'\d+(?:\.\d+)?'
+NUMBERS = rf'{NUMBER}(?:, {NUMBER})*'
+
+
+def _readme():
+  with open(os.path.join(REPO, 'README.md')) as f:
+    return f.read()
+
+
+def _table(text, header_start):
+  """The rows (lists of cell texts) of the README table whose header line
+  starts with `header_start`, the header first."""
+  lines = text.splitlines()
+  starts = [i for i, line in enumerate(lines) if line.startswith(header_start)]
+  assert len(starts) == 1, f'{header_start!r}: {len(starts)} tables'
+  rows = []
+  for line in lines[starts[0] :]:
+    if not line.startswith('|'):
+      break
+    rows.append([c.strip() for c in line.strip().strip('|').split('|')])
+  del rows[1]  # |---|---|
+  return rows
+
+
+class Run:
+  """What one archived run's metrics.jsonl says."""
+
+  def __init__(self, column, variant, seed):
+    path = os.path.join(RECORDS, column, variant, f's{seed}', 'metrics.jsonl')
+    assert os.path.exists(path), f'no record {os.path.relpath(path, REPO)}'
+    self.rows = metrics_io.read(path)
+    with open(os.path.join(os.path.dirname(path), 'config.json')) as f:
+      self.config = json.load(f)
+    self.name = f'{column}/{variant}/s{seed}'
+    self.diverged = metrics_io.diverged_at(self.rows)
+    evaluated = [r for r in self.rows if 'test_accuracy' in r]
+    if self.diverged is None:
+      assert self.rows[-1]['round'] == self.config['rounds'], (
+        f'{self.name} did not finish'
+      )
+      assert len(evaluated) >= LAST, self.name
+    self.final = compare.final_accuracy(self.rows, LAST)
+    best = max(evaluated, key=lambda r: r['test_accuracy'], default=None)
+    self.best = best and best['test_accuracy']
+    self.best_round = best and best['round']
+
+  def last(self, key):
+    return [r[key] for r in self.rows if key in r][-1]
+
+
+def _printed(value, text, what):
+  """`value` (a fraction, or a count) printed as `text`, to its digits."""
+  digits = len(text.partition('.')[2])
+  assert f'{value:.{digits}f}' == text, f'{what}: {value} is not {text}'
+
+
+def _percent(fraction, text, what):
+  _printed(100 * fraction, text, what)
+
+
+def check_cell(cell, column, variant):
+  """Recomputes every number of `cell` from the records of `variant` in
+  records folder `column`; returns the seeds it read."""
+  where = f'{variant} in {column}: {cell!r}'
+  text = cell.replace('**', '')
+  if text == '–':
+    return []
+  rest = text
+
+  def take(pattern, at_start=False):
+    nonlocal rest
+    match = (re.match if at_start else re.search)(pattern, rest)
+    if match:
+      rest = rest[: match.start()] + ' ' + rest[match.end() :]
+    return match
+
+  def listed(group):
+    return group.split(', ')
+
+  if m := take(
+    rf'^diverged on every seed \(non-finite loss in rounds '
+    rf'({NUMBERS})\)$'
+  ):
+    rounds = listed(m.group(1))
+    runs = [Run(column, variant, s) for s in range(len(rounds))]
+    for run, r in zip(runs, rounds):
+      assert run.diverged == int(r), f'{where}: {run.name} {run.diverged}'
+  elif m := take(r'^diverged \(round (\d+)\)$'):
+    runs = [Run(column, variant, 0)]
+    assert runs[0].diverged == int(m.group(1)), where
+  elif m := take(rf'^({NUMBER}) ± ({NUMBER}) % \((.*)\)$'):
+    mean, std, inner = m.groups()
+    rest = inner
+    chance = take(r'^chance on every seed;', at_start=True)
+    seeds = take(rf'^({NUMBERS});', at_start=True)
+    best = take(rf'best ({NUMBERS}) %')
+    assert best, f'{where}: no best accuracies'
+    bests = listed(best.group(1))
+    runs = [Run(column, variant, s) for s in range(len(bests))]
+    assert len(runs) >= 2, f'{where}: a mean over one seed'
+    for run in runs:
+      assert run.diverged is None, f'{where}: {run.name} diverged'
+    finals = [run.final for run in runs]
+    _percent(float(np.mean(finals)), mean, f'{where}: mean')
+    _percent(float(np.std(finals)), std, f'{where}: std')
+    if seeds:
+      assert len(listed(seeds.group(1))) == len(runs), where
+      for run, t in zip(runs, listed(seeds.group(1))):
+        _percent(run.final, t, f'{where}: {run.name}')
+    elif chance:
+      for run in runs:
+        _percent(run.final, '10.00', f'{where}: {run.name} at chance')
+    else:
+      raise AssertionError(f'{where}: no per-seed accuracies')
+    for run, t in zip(runs, bests):
+      _percent(run.best, t, f'{where}: {run.name} best')
+    if at := take(rf'at rounds ({NUMBERS})'):
+      assert listed(at.group(1)) == [str(r.best_round) for r in runs], where
+  elif m := take(rf'^({NUMBER}) % \((.*)\)$'):
+    final, inner = m.groups()
+    rest = inner
+    runs = [Run(column, variant, 0)]
+    assert runs[0].diverged is None, where
+    _percent(runs[0].final, final, where)
+    best = take(rf'best ({NUMBER}) %')
+    assert best, f'{where}: no best accuracy'
+    _percent(runs[0].best, best.group(1), f'{where}: best')
+    if at := take(r'at round (\d+)'):
+      assert int(at.group(1)) == runs[0].best_round, where
+  else:
+    raise AssertionError(f'{where}: not a form this test recomputes')
+  if cosine := take(rf'cosine ({NUMBER})'):
+    for run in runs:  # the K models' mean pairwise cosine, last round
+      _printed(run.last('pairwise_cosine'), cosine.group(1), where)
+  if k_models := take(rf'the K models ({NUMBER}) %'):
+    for run in runs:  # their mean test accuracy, last evaluated
+      _percent(run.last('local_accuracy_mean'), k_models.group(1), where)
+  assert not re.search(r'\d', rest), (
+    f'{where}: numbers without a rule to recompute them: {rest!r}'
+  )
+  return runs
+
+
+def test_results_table_cells_recompute_from_their_records():
+  table = _table(_readme(), '| method | Dir(0.1)')
+  header, body = table[0], table[1:]
+  assert header[0] == 'method'
+  assert set(header[1:]) <= set(COLUMNS), header
+  assert {row[0] for row in body} <= set(ROWS), [r[0] for r in body]
+  for row in body:
+    for title, cell in zip(header[1:], row[1:]):
+      column, suffix = COLUMNS[title]
+      check_cell(cell, column, ROWS[row[0]] + suffix)
+  # The papers' column has a record behind every row.
+  papers = header.index('Dir(0.1), momentum 0.9 (the papers)')
+  assert all(row[papers] != '–' for row in body)
+
+
+def test_alpha_ablation_cells_recompute_from_their_records():
+  table = _table(_readme(), '| α |')
+  header, body = table[0], table[1:]
+  assert set(header[1:]) == set(ALPHAS), header
+  rows = {row[0]: row[1:] for row in body}
+  finals = {}
+  for title, cell in zip(header[1:], rows.pop('final accuracy')):
+    runs = check_cell(cell, 'dir0.1', ALPHAS[title])
+    finals[title] = [r.final for r in runs if r.diverged is None]
+  base = finals[header[1]]
+  for title, cell in zip(header[1:], rows.pop('difference to α 0, same seed')):
+    if cell == '–':
+      continue
+    printed = [float(t) for t in cell.split(', ')]
+    assert len(printed) == len(finals[title]) == len(base), (title, cell)
+    for p, a, b in zip(printed, finals[title], base):
+      assert math.isclose(p, round(100 * (a - b), 2), abs_tol=0.011), (
+        title,
+        cell,
+      )
+  assert not rows, rows
+
+
+@pytest.mark.parametrize(
+  'cell',
+  [
+    # Seeds 0 and 1 are 80.28 and 77.25 %.
+    '**80.28 ± 0.00 %** (80.28, 80.28; best 85.50, 85.50 %)',
+    '80.28 % (best 85.50 %; 3 runs)',  # a number without a rule
+    '80.29 % (best 85.50 %)',  # off by one in the last digit
+    '80.28 % (best 85.5 %, at round 99)',  # it was round 97
+    'about 80 %',
+  ],
+)
+def test_a_cell_without_its_record_fails(cell):
+  # FedAvg seed 0 at Dir(0.1): 80.28 %, best 85.50 % (round 97).
+  assert check_cell('80.28 % (best 85.50 %)', 'dir0.1', 'fedavg')
+  with pytest.raises(AssertionError):
+    check_cell(cell, 'dir0.1', 'fedavg')
