@@ -146,12 +146,8 @@ def _default_sigint():
   signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def test_ctrl_c_while_a_program_imports_is_one_line():
-  # Uncaught at the top, as during `python -m experiments.run`'s imports.
-  code = (
-    'import os, signal, time; from experiments import cli; '
-    'os.kill(os.getpid(), signal.SIGINT); time.sleep(30)'
-  )
+def _assert_interrupted_starting(code):
+  """Python running `code` ends as Ctrl-C during start-up does."""
   proc = subprocess.run(
     [sys.executable, '-c', code],
     cwd=REPO,
@@ -164,6 +160,15 @@ def test_ctrl_c_while_a_program_imports_is_one_line():
     130,
     'interrupted during start-up; nothing written\n',
   )
+
+
+def test_ctrl_c_while_a_program_imports_is_one_line():
+  # Uncaught at the top, as during `python -m experiments.run`'s imports.
+  code = (
+    'import os, signal, time; from experiments import cli; '
+    'os.kill(os.getpid(), signal.SIGINT); time.sleep(30)'
+  )
+  _assert_interrupted_starting(code)
 
 
 def test_ctrl_c_inside_a_collector_callback_is_not_lost():
@@ -180,18 +185,7 @@ def test_ctrl_c_inside_a_collector_callback_is_not_lost():
     'Finalized()\n'
     'threading.Event().wait(30)  # blocked, as on the devices\n'
   )
-  proc = subprocess.run(
-    [sys.executable, '-c', code],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=60,
-    preexec_fn=_default_sigint,
-  )
-  assert (proc.returncode, proc.stderr) == (
-    130,
-    'interrupted during start-up; nothing written\n',
-  )
+  _assert_interrupted_starting(code)
 
 
 def test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing(tmp_path):
