@@ -95,11 +95,11 @@ class _LostInterrupts:
     try:
       if isinstance(unraisable.exc_value, KeyboardInterrupt):
         self.lost = True
-        if self.watcher is None:
-          self.watcher = threading.Thread(target=self._watch, daemon=True)
-          self.watcher.start()
-        return
-      self.previous(unraisable)
+      else:
+        self.previous(unraisable)  # Ctrl-C here is marked lost too
+      if self.lost and self.watcher is None:
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+        self.watcher.start()
     finally:
       self.in_hook = False
 

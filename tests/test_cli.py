@@ -188,6 +188,26 @@ def test_ctrl_c_inside_a_collector_callback_is_not_lost():
   _assert_interrupted_starting(code)
 
 
+def test_ctrl_c_while_another_unraisable_is_reported_is_not_lost():
+  # The SIGINT arrives while the hook passes another error on (to the
+  # hook before it): cli's handler marks it lost there instead of raising
+  # it inside the hook, and the watcher sends it again afterwards.
+  code = (
+    'import os, signal, threading, time\n'
+    'from experiments import cli\n'
+    'def ctrl_c_meanwhile(unraisable):\n'
+    '  os.kill(os.getpid(), signal.SIGINT)\n'
+    '  time.sleep(0.1)\n'
+    'cli._lost_interrupts.previous = ctrl_c_meanwhile\n'
+    'class Finalized:\n'
+    '  def __del__(self):\n'
+    '    raise ValueError\n'
+    'Finalized()\n'
+    'threading.Event().wait(30)\n'
+  )
+  _assert_interrupted_starting(code)
+
+
 def test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing(tmp_path):
   workdir = tmp_path / 'run'
   proc = subprocess.Popen(
