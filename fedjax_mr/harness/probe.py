@@ -48,13 +48,15 @@ from fedjax_mr.harness import metrics_io
 from fedjax_mr.harness import provenance
 from fedjax_mr.harness import stitch_config
 from fedjax_mr.harness import stitch_experiment
+from fedjax_mr.harness import stitch_figures
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.models import multi_exit
 from fedjax_mr.stitch import blocks
 from fedjax_mr.stitch import network
 
-# What `probe` writes into the run's workdir.
-PROBE_FILE = 'probe.json'
+# What `probe` writes into the run's workdir (named where the tables,
+# host-only, read it).
+PROBE_FILE = stitch_figures.PROBE_FILE
 # The stitch probe's neighbours (`network.accuracies`' default) and
 # reference size (experiments.stitch's `knn_reference` default).
 K = 5
