@@ -43,6 +43,7 @@ from fedjax_mr.core import types
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.harness import checkpoint
 from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import distributed
 from fedjax_mr.harness import experiment
 from fedjax_mr.harness import metrics_io
 from fedjax_mr.harness import provenance
@@ -239,7 +240,8 @@ def check_args(workdir: str, knn_reference: int) -> None:
       f'`knn_reference` must be ≥ 1, got {knn_reference}'
     )
   if not os.path.isdir(workdir):
-    raise errors.ConfigError(f'`workdir={workdir}`: no such folder')
+    what = 'not a folder' if os.path.exists(workdir) else 'no such folder'
+    raise errors.ConfigError(f'`workdir={workdir}`: {what}')
 
 
 def probe(
@@ -268,6 +270,8 @@ def probe(
   """
   check_args(workdir, knn_reference)
   config = experiment.read_config(workdir)
+  # The run's devices, before anything below starts JAX's.
+  distributed.initialize_for(config)
   workdir_lib.check_free(workdir)
   rounds = kept_rounds(workdir, config)
   pool = pool_of(config, pool)
