@@ -41,6 +41,7 @@ import numpy as np
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.core import workdir as workdir_lib
+from fedjax_mr.harness import build
 from fedjax_mr.harness import checkpoint
 from fedjax_mr.harness import config as config_lib
 from fedjax_mr.harness import distributed
@@ -204,7 +205,7 @@ def kept_rounds(workdir: str, config: config_lib.ExperimentConfig) -> list:
 
 
 def probe_round(
-  exp: Any, workdir: str, round_index: int, data: ProbeData
+  exp: build.Experiment, workdir: str, round_index: int, data: ProbeData
 ) -> dict[str, Any]:
   """`{'round', 'knn', 'head', 'features'}` of one kept checkpoint: the
   probe's accuracy, the head's recorded test accuracy (None if not
