@@ -36,7 +36,11 @@ the transfer setting):
   test accuracy of its last `--last` evaluations (best in brackets); a
   pool model: meta.json's test accuracy (FT-Part/FT-Full from the pool
   are training runs). A workdir without results shows 'running', a
-  missing one '–'.
+  missing one '–'. Once a training run holds a probe.json
+  (experiments.probe), each setting gets a second column, '5-NN on
+  trunk': every row read by the stitch runs' 5-NN probe on the input of
+  its end block (a training run: the mean over the checkpoints probed,
+  '–' where none was).
 
     python -m experiments.pretrain_zoo --workdir=runs/pool
     python -m experiments.stitch --pool=runs/pool --partition=iid \

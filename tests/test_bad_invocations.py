@@ -391,6 +391,21 @@ CASES = {
     (['--workdir=experiments', '--output=README.md'], '--output=README.md'),
     (['positional'], 'unexpected arguments'),
   ],
+  'experiments.probe': [
+    ([], '--workdir='),
+    (['--workdir='], '--workdir'),
+    (['--workdir=README.md'], '--workdir=README.md: not a folder'),
+    (['--workdir=experiments'], 'experiments/config.json'),
+    (['--knn_reference=0'], '--knn_reference'),
+    (['--knn_reference=x'], '--knn_reference'),
+    # A finished run that did not start from a pool model (`prepared_runs`).
+    (['--workdir={bad:tiny_run}'], '--pool is needed'),
+    (
+      ['--workdir={bad:tiny_run}', '--pool=/nonexistent/pool'],
+      '--pool=/nonexistent/pool: no public.json',
+    ),
+    (['positional'], 'unexpected arguments'),
+  ],
   'experiments.profile_device': [
     (['--sysfs_root=/nonexistent/sys'], '--sysfs_root'),
     (['positional'], 'unexpected arguments'),
@@ -418,6 +433,8 @@ BASE = {
   'experiments.pretrain_zoo': ['--workdir={S}', '--epochs=1'],
   'experiments.stitch': ['--workdir={S}'],
   'experiments.landscape': ['--workdir=/nonexistent/run', '--output={S}'],
+  # Writes into --workdir: {S}, which no case may create.
+  'experiments.probe': ['--workdir={S}'],
   'experiments.profile_device': ['--output={S}/profile.json'],
   'experiments.benchmark': ['--rounds=1', '--local_epochs=1'],
   # cinic10: a case wrongly accepted fails fast (no network, or a download
@@ -518,7 +535,7 @@ def _substitute(arg, scratch, bad_data):
 @pytest.mark.parametrize('program', sorted(CASES))
 def test_bad_invocations(program, tmp_path, bad_data, request):
   scratch = str(tmp_path / 'out')
-  if program == 'experiments.run':
+  if program in ('experiments.run', 'experiments.probe'):
     bad_data = {**bad_data, **request.getfixturevalue('prepared_runs')}
   extra = BASE.get(program, [])
   argvs = [

@@ -452,17 +452,12 @@ class FinishedRun(NamedTuple):
   round: int
 
 
-def load_run(workdir: str, round_index: int | None = None) -> FinishedRun:
-  """Reads a run back: config, state, model and history in one call.
-
-  The model and the state's layout are rebuilt from config.json the way
-  the run built them (`setup`, so the run's dataset must be readable) and
-  the newest checkpoint that restores (or the one of `round_index`) is
-  read into them; nothing in the workdir is written or moved.
+def read_config(workdir: str) -> config_lib.ExperimentConfig:
+  """The config a run was made with (its config.json; fields this version
+  does not know are left out).
 
   Raises:
-    UserError: no config.json or no checkpoint (of that round), or one
-      that this version cannot read; the message names the file.
+    ConfigError: no config.json, or one that does not read as a config.
   """
   config_path = os.path.join(workdir, records.CONFIG_FILE)
   try:
@@ -470,31 +465,67 @@ def load_run(workdir: str, round_index: int | None = None) -> FinishedRun:
       saved = json.load(f)
   except (OSError, ValueError) as e:
     raise errors.ConfigError(f'cannot read {config_path}: {e}') from None
+  if not isinstance(saved, dict):
+    raise errors.ConfigError(f'{config_path}: not a JSON object')
   known = set(config_lib.ExperimentConfig().to_dict())
   try:
-    config = config_lib.ExperimentConfig(
+    return config_lib.ExperimentConfig(
       **{k: v for k, v in saved.items() if k in known}
     )
   except TypeError as e:
     raise errors.ConfigError(f'{config_path}: {e}') from None
-  experiment = setup(config)
-  ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+
+
+def load_run(workdir: str, round_index: int | None = None) -> FinishedRun:
+  """Reads a run back: config, state, model and history in one call.
+
+  The model and the state's layout are rebuilt from config.json the way
+  the run built them (`setup`, so the run's dataset must be readable) and
+  the newest checkpoint that restores (or the one of `round_index`) is
+  read into them (`restore_run`); nothing in the workdir is written or
+  moved.
+
+  Raises:
+    UserError: no config.json or no intact checkpoint (of that round), or
+      one that this version cannot read; the message names the file.
+  """
+  return restore_run(workdir, setup(read_config(workdir)), round_index)
+
+
+def restore_run(
+  workdir: str,
+  experiment: build.Experiment,
+  round_index: int | None = None,
+) -> FinishedRun:
+  """The run in `workdir` at its newest intact checkpoint (or the one of
+  `round_index`), read into the state of `experiment` (`setup` of the
+  run's config) and checked against its digest; nothing is written or
+  moved.
+
+  Raises:
+    UserError: no checkpoint (of that round), or none that restores intact
+      (the message names the folder and, for a damaged one, why).
+  """
+  folder = os.path.join(workdir, checkpoint.FOLDER)
+  ckpt = checkpoint.Checkpointer(
+    workdir, keep=experiment.config.keep_checkpoints
+  )
   try:
-    if round_index is None:
-      done, state = ckpt.restore_newest(
-        experiment.state, log=_quiet, move_aside=False
+    found = ckpt.find(experiment.state, at_most=round_index)
+    damaged = dict(found.damaged)
+    if round_index in damaged:
+      raise errors.ConfigError(
+        f'{folder}: the checkpoint of round {round_index} does not restore '
+        f'({damaged[round_index]})'
       )
-    elif round_index in ckpt.all_rounds():
-      done, state = round_index, ckpt.restore(round_index, experiment.state)
-    else:
-      done = None
+    ckpt.check_found(found)
   finally:
     ckpt.close()
-  if done is None:
+  if found.round is None or round_index not in (None, found.round):
     which = '' if round_index is None else f' of round {round_index}'
-    raise errors.ConfigError(
-      f'{os.path.join(workdir, checkpoint.FOLDER)}: no checkpoint{which}'
-    )
+    raise errors.ConfigError(f'{folder}: no checkpoint{which}')
   rows = metrics_io.read(os.path.join(workdir, records.METRICS_FILE))
-  history = [r for r in rows if r['round'] <= done]
-  return FinishedRun(config, state, experiment.model, history, done)
+  history = [r for r in rows if r['round'] <= found.round]
+  return FinishedRun(
+    experiment.config, found.state, experiment.model, history, found.round
+  )

@@ -273,12 +273,12 @@ def check_label_map(
   return label_map
 
 
-def client_examples(
+def public_examples(
   config: config_lib.StitchConfig, ds: Any
-) -> tuple[list[np.ndarray], np.ndarray]:
-  """`(parts, public)`: per client its training-example indices (the
-  examples not in the pool's public split, partitioned by `partition`),
-  and the public examples, both of the clients' classes only."""
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(public, private)`: the indices of the training examples in the
+  pool's public split of `ds` (none without one) and of the others, both
+  of the clients' classes only."""
   split = None
   if not config.imagenet_pool:
     split = pool_lib.public_indices(config.pool)
@@ -289,6 +289,37 @@ def client_examples(
   private = np.setdiff1d(np.arange(len(ds.y_train)), public)
   private = private[ds.y_train[private] >= 0]  # `classes`
   public = public[ds.y_train[public] >= 0]
+  return public, private
+
+
+def knn_examples(
+  config: config_lib.StitchConfig,
+  ds: Any,
+  public: np.ndarray,
+  parts: list[np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(x, y)`: the labelled examples a kNN probe is fitted on, the first
+  `knn_reference` public examples (client 0's without a public split)."""
+  ref = public[: config.knn_reference] if len(public) else parts[0]
+  return ds.x_train[ref], ds.y_train[ref]
+
+
+def test_examples(
+  config: config_lib.StitchConfig, ds: Any
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(x, y)`: the test examples networks are evaluated on, the first
+  `eval_examples` (0: all) of the clients' classes."""
+  n_eval = config.eval_examples or len(ds.y_test)
+  return ds.x_test[:n_eval], ds.y_test[:n_eval]
+
+
+def client_examples(
+  config: config_lib.StitchConfig, ds: Any
+) -> tuple[list[np.ndarray], np.ndarray]:
+  """`(parts, public)`: per client its training-example indices (the
+  examples not in the pool's public split, partitioned by `partition`),
+  and the public examples, both of the clients' classes only."""
+  public, private = public_examples(config, ds)
   n, seed = config.num_clients, config.seed
   if config.partition == 'iid':
     parts = partition.iid(len(private), n, seed)
@@ -363,10 +394,8 @@ def make_evaluate(s: Setup) -> Callable[[network.Network], dict]:
   """`net → {'head' and/or 'knn': accuracy}` on the test set (its first
   `eval_examples`), as `eval` and `knn_at` say."""
   config, ds = s.config, s.ds
-  n_eval = config.eval_examples or len(ds.y_test)
-  x_test, y_test = ds.x_test[:n_eval], ds.y_test[:n_eval]
-  ref = s.public[: config.knn_reference] if len(s.public) else s.parts[0]
-  x_ref, y_ref = ds.x_train[ref], ds.y_train[ref]
+  x_test, y_test = test_examples(config, ds)
+  x_ref, y_ref = knn_examples(config, ds, s.public, s.parts)
 
   def evaluate(net):
     knn = config.eval != 'head'
@@ -384,7 +413,7 @@ def make_evaluate(s: Setup) -> Callable[[network.Network], dict]:
     if trunk:  # the features its end block starts from
       acc.update(
         network.accuracies(
-          network.Network(net.blocks[:-1], net.stitches[:-1]),
+          network.trunk(net),
           x_test,
           y_test,
           scale=ds.scale,

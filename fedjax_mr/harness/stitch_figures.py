@@ -18,8 +18,8 @@ Three kinds of folder are read, never written:
   clients' learned weights and the run's flags) and, where the run wrote
   one, `partition.json` (per-client label histograms, as experiments.run
   writes it);
-* a training workdir (`experiments.run`): `metrics.jsonl` and
-  `config.json`;
+* a training workdir (`experiments.run`): `metrics.jsonl`,
+  `config.json` and, once experiments.probe has read it, `probe.json`;
 * a pool model folder (`experiments.pretrain_zoo`): `meta.json`.
 
 Every function here is host-only Python and numpy; matplotlib is imported
@@ -49,6 +49,9 @@ RunSpec = dict[str, dict[str, str]]
 SINGLE = 'run'
 # A cell of a folder that is not there, and of a run not finished yet.
 MISSING = '–'
+# A training run's probe record (experiments.probe) and its column's name.
+PROBE_FILE = 'probe.json'
+PROBE_LABEL = '5-NN on trunk'
 RUNNING = 'running'
 TIME_UNITS = {'hours': 3600.0, 'minutes': 60.0, 'seconds': 1.0}
 
@@ -229,6 +232,8 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
     rounds = max((r['round'] for r in rows), default=0)
     total = config.get('rounds')
     done = bool(accs) and (total is None or rounds >= total)
+    probe = _json(os.path.join(path, PROBE_FILE))
+    probe = probe if isinstance(probe, dict) else {}
     return {
       **out,
       'status': 'done' if done else 'running',
@@ -237,6 +242,8 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
       'evaluations': len(accs[-last:]),
       'round': rounds,
       'rounds': total,
+      'probe': probe.get('mean'),
+      'probe_rounds': probe.get('rounds'),
     }
   res = stitch_results(path)
   if res is None:
@@ -249,10 +256,14 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
     for model, accs in sorted((res.get('pool_models') or {}).items())
     if isinstance(accs, dict)
   }
+  trunk = key == 'knn' and res.get('knn_at') == 'trunk'
   return {
     **out,
     'status': 'done',
     'accuracy': best.get(key),
+    # Read by the probe experiments.probe gives the training runs.
+    'trunk': trunk,
+    'probe': best.get(key) if trunk else None,
     'eval': key,
     'network': best.get('path'),
     'networks': len(res.get('networks') or []),
@@ -312,6 +323,7 @@ def _derived_rows(cells, label):
           'kind': 'stitch_derived',
           'status': cells[c]['status'],
           'accuracy': acc,
+          'probe': acc if cells[c].get('trunk') else None,
         }
         for c, acc in accs.items()
       },
@@ -320,39 +332,73 @@ def _derived_rows(cells, label):
   ]
 
 
+def probe_text(c: Mapping[str, Any] | None) -> str:
+  """A cell of a '5-NN' column: the stitch probe's accuracy on the trunk
+  (a training run: the mean over the checkpoints experiments.probe read,
+  with their rounds; '–' without its probe.json); '' for a row read
+  otherwise."""
+  if c is None:
+    return ''
+  if c['kind'] == 'run':
+    if c.get('probe') is None:
+      return MISSING
+    rounds = c.get('probe_rounds') or []
+    span = f'{rounds[0]}–{rounds[-1]}' if len(rounds) > 1 else rounds[0]
+    return f'{_pct(c["probe"])} (rounds {span})'
+  return '' if c.get('probe') is None else _pct(c['probe'])
+
+
 def accuracy_table(runs: RunSpec, last: int = 10) -> tuple[dict[str, Any], str]:
   """Table III: one row per method, one column per setting.
 
   A stitch run adds a row 'Local (<label>)' when it made a Local baseline,
-  and a row '<model> alone (<label>)' per pool model it evaluated.
+  and a row '<model> alone (<label>)' per pool model it evaluated. Once a
+  training run holds a probe.json (experiments.probe), each setting gets a
+  second column, '<setting>, 5-NN on trunk': every row read by the stitch
+  runs' kNN probe on its trunk (`probe_text`), beside its own read-out.
   Returns (JSON-able data, markdown). Percentages with two decimals.
   """
   cols = columns_of(runs)
-  rows, text_rows = [], []
+  rows = []
   for label, by_col in runs.items():
     cells = {c: cell(p, last) for c, p in by_col.items()}
     rows.append({'method': label, 'cells': cells})
-    text_rows.append(
-      [label] + [cell_text(cells[c]) if c in cells else '' for c in cols]
-    )
     for name, derived in _derived_rows(cells, label):
       rows.append({'method': name, 'cells': derived})
-      text_rows.append(
-        [name]
-        + [
-          cell_text(derived[c])
-          if c in derived and derived[c]['accuracy'] is not None
-          else ''
-          for c in cols
-        ]
+  # A '5-NN' column beside each setting once a training run was probed.
+  probed = any(
+    c['kind'] == 'run' and c.get('probe') is not None
+    for r in rows
+    for c in r['cells'].values()
+  )
+  header, text_rows = ['method'], []
+  for c in cols:
+    header += [c, f'{c}, {PROBE_LABEL}'] if probed else [c]
+  for r in rows:
+    text = [r['method']]
+    for c in cols:
+      got = r['cells'].get(c)
+      shown = got is not None and (
+        got['kind'] != 'stitch_derived' or got['accuracy'] is not None
       )
-  data = {'columns': cols, 'last': last, 'rows': rows}
+      text.append(cell_text(got) if shown else '')
+      if probed:
+        text.append(probe_text(got))
+    text_rows.append(text)
+  data = {'columns': cols, 'last': last, 'probed': probed, 'rows': rows}
   note = (
     f'\nAccuracy in %. Training runs: mean test accuracy of the last {last} '
     'evaluations (best in brackets); FedStitch: its best stitched network; '
     f'{RUNNING}: not finished; {MISSING}: no such workdir.\n'
   )
-  return data, markdown(['method', *cols], text_rows) + note
+  if probed:
+    note += (
+      f"{PROBE_LABEL}: the stitch runs' 5-NN probe on the input of the end "
+      "block, fitted on the same public examples; a training run's is the "
+      'mean over the checkpoints experiments.probe read (its rounds in '
+      f'brackets; {MISSING}: not probed).\n'
+    )
+  return data, markdown(header, text_rows) + note
 
 
 def voting_table(runs: RunSpec) -> tuple[dict[str, Any], str]:

@@ -364,6 +364,7 @@ _UNITS = {
   'cnn_fedavg': functools.partial(_cnn_units, padding='SAME', relu_first=True),
   'resnet20': _resnet20_units,
   'resnet18': _resnet18_units,
+  'resnet18_w16': _resnet18_units,  # read from the variables: any width
   'vgg16': _vgg16_units,
   'char_lstm': _char_lstm_units,
 }
@@ -376,6 +377,7 @@ _DEFAULT_CUTS = {
   'cnn_fedavg': ('conv0', 'conv1', 'head'),
   'resnet20': ('conv1', 'layer1_0', 'layer2_0', 'layer3_0', 'head'),
   'resnet18': ('stem', 'layer2_0', 'layer3_0', 'layer4_0', 'head'),
+  'resnet18_w16': ('stem', 'layer2_0', 'layer3_0', 'layer4_0', 'head'),
   'vgg16': tuple(f'conv{i}' for i in range(13)) + ('head',),
   'char_lstm': ('embed', 'lstm1', 'head'),
 }

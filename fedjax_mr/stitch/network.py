@@ -82,6 +82,15 @@ def extend(
   return Network((*net.blocks, block), (*net.stitches, stitch))
 
 
+def trunk(net: Network) -> Network:
+  """A finished network without its end block: what it computes is the
+  features its end block (the classifier) starts from, which a kNN probe
+  reads where the heads learnt other classes."""
+  if not net.finished:
+    raise ValueError(f'{net.describe()} has no end block: it is not finished')
+  return Network(net.blocks[:-1], net.stitches[:-1])
+
+
 @functools.partial(jax.jit, static_argnames=('pool', 'size'))
 def _stitch(matrix, bias, x, pool, size):
   return projection.apply(projection.Stitch(matrix, bias, pool, size), x)

@@ -10,6 +10,13 @@ the search-space optimiser shrinks each child's pool (`prune`) and a beam
 keeps the best children. The choices left open by the paper are listed in
 `config`.
 
+The paper adjusts ε and the reward and penalty factors "to suit different
+stages" of stitching but gives neither values nor a rule, so here they
+are fixed for the whole run: ε = 0.1, reward = penalty = 0.2 and the
+threshold 0.75 (`config.Config`'s defaults, which every recorded run
+uses). The one stage rule offered is `epsilon_decay` (ε multiplied by it
+per depth; 1, off, by default); the reward and penalty never change.
+
 References:
   "Heterogeneity-Aware Coordination for Federated Learning via Stitching
   Pre-trained blocks" (FedStitch), 2024, §III–IV.

@@ -341,6 +341,46 @@ def test_table3_cells(results):
   assert data['rows'][5]['cells']['noniid']['status'] == 'missing'
 
 
+def test_table3_shows_the_probe_beside_each_training_runs_head(tmp_path):
+  stitch = str(tmp_path / 'stitch')
+  os.makedirs(stitch)
+  net = {'path': 'n', 'round': 2, 'knn': 0.9}
+  _json(
+    os.path.join(stitch, 'results.json'),
+    {
+      'eval': 'knn',
+      'knn_at': 'trunk',
+      'networks': [net],
+      'best': net,
+      'local': {'clients': [1], 'best': [0.8], 'mean_best': 0.8},
+      'pool_models': {'cnn': {'knn': 0.85}},
+      'rounds': 3,
+    },
+  )
+  probed, plain = str(tmp_path / 'probed'), str(tmp_path / 'plain')
+  _run_dir(probed, [0.5, 0.7, 0.9], rounds=3)
+  _run_dir(plain, [0.6, 0.8], rounds=2)
+  _json(
+    os.path.join(probed, figures.PROBE_FILE),
+    {'rounds': [2, 3], 'accuracy': [0.8, 0.84], 'mean': 0.82},
+  )
+  runs = {'FedStitch': {'iid': stitch}, 'FT': {'iid': probed}}
+  runs['FedAvg'] = {'iid': plain}
+  data, text = figures.accuracy_table(runs, last=2)
+  lines = text.splitlines()
+  assert lines[0] == '| method | iid | iid, 5-NN on trunk |'
+  assert '| FedStitch | 90.00 | 90.00 |' in lines
+  assert '| Local (FedStitch) | 80.00 | 80.00 |' in lines
+  assert '| cnn alone (FedStitch) | 85.00 | 85.00 |' in lines
+  assert '| FT | 80.00 (best 90.00) | 82.00 (rounds 2–3) |' in lines
+  assert '| FedAvg | 70.00 (best 80.00) | – |' in lines
+  assert data['probed'] and data['rows'][3]['cells']['iid']['probe'] == 0.82
+  # Without any probe.json, the table is as it was: no such column.
+  del runs['FT']
+  _, text = figures.accuracy_table(runs, last=2)
+  assert text.splitlines()[0] == '| method | iid |'
+
+
 def test_acc_vs_time_points(results):
   _, out, _ = results
   data = _load(out['acc_vs_time'], 'acc_vs_time.json')
