@@ -8,7 +8,8 @@ DEST, records only (no checkpoints, networks or weights):
 * a training run (experiments.run / compare: config.json + metrics.jsonl)
   when its last recorded round is config.json's `rounds`, or when that
   round's train loss is non-finite (the run diverged and stopped for
-  good): metrics.jsonl, config.json;
+  good): metrics.jsonl, config.json, and probe.json where experiments.probe
+  wrote one;
 * a FedStitch run (experiments.stitch) once it wrote results.json:
   results.json, log.jsonl, energy.jsonl, partition.json;
 * a pool model (experiments.pretrain_zoo): meta.json.
@@ -25,7 +26,7 @@ import os
 import shutil
 import sys
 
-TRAINING = ('metrics.jsonl', 'config.json')
+TRAINING = ('metrics.jsonl', 'config.json', 'probe.json')
 STITCH = ('results.json', 'log.jsonl', 'energy.jsonl', 'partition.json')
 
 

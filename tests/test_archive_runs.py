@@ -37,6 +37,7 @@ def test_finished_and_diverged_runs_are_copied_unfinished_ones_not(
   _run(src / 'fedmr' / 's0', 3, [1.0, 0.5])  # still to resume
   # Only the last row's loss counts as divergence.
   _run(src / 'moon' / 's0', 3, [1.0, float('inf'), 0.3])
+  (src / 'fedavg' / 's0' / 'probe.json').write_text('{}')  # experiments.probe
   archive.main(str(src), str(dest))
   assert 'unfinished, left out: fedmr/s0' in capsys.readouterr().out
   kept = sorted(
@@ -47,6 +48,7 @@ def test_finished_and_diverged_runs_are_copied_unfinished_ones_not(
   assert kept == [
     'fedavg/s0/config.json',
     'fedavg/s0/metrics.jsonl',
+    'fedavg/s0/probe.json',
     'fedmut/s0/config.json',
     'fedmut/s0/metrics.jsonl',
     'moon/s0/config.json',
