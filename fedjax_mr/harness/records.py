@@ -8,10 +8,11 @@ one to `clients.jsonl` (each sampled client's id, examples, local steps
 and loss, and the K local models' accuracies when evaluated), and the
 metrics row to the TensorBoard events. `Records` writes each round's rows
 once (also when an interrupt lands between them); a resumed run first
-drops the rows past its checkpoint, and a row that does not read makes it
-resume from a checkpoint before that row (`intact_rounds`), so that every
-row is recomputed rather than lost. config.json also holds the
-fingerprint of the data the run loaded (`DATA_KEY`).
+drops the rows past its checkpoint, and a row that does not read (or rows
+that end before the newest checkpoint) makes it resume from a checkpoint
+before that row (`intact_rounds`), so that every row is recomputed rather
+than lost. config.json also holds the fingerprint of the data the run
+loaded (`DATA_KEY`).
 """
 
 from __future__ import annotations
@@ -131,17 +132,23 @@ def saved_data(config_path: str) -> dict[str, Any] | None:
 def intact_rounds(workdir: str) -> tuple[int | None, str]:
   """The last round up to which the records of `workdir` read, row after
   row (`metrics_io.intact_prefix` of metrics.jsonl and clients.jsonl; a
-  missing file does not count), and which row stops them.
+  missing file does not count), and what stops them: a row that does not
+  read, or the end of the file. A round's rows are written before its
+  checkpoint, so a checkpoint past that round means that rows were lost
+  (a cut at a line's end reads like a whole file).
 
   Returns:
-    `(round, reason)`: `(None, '')` when every row reads.
+    `(round, reason)`: `(None, '')` when there is no records file.
   """
   found, why = None, ''
   for name in (METRICS_FILE, CLIENTS_FILE):
     path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+      continue
     last, stop = metrics_io.intact_prefix(path)
-    if stop and (found is None or last < found):
-      found, why = last, f'{path}: {stop}'
+    if found is None or last < found:
+      found = last
+      why = f'{path}: {stop}' if stop else f'{path} ends at round {last}'
   return found, why
 
 

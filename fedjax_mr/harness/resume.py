@@ -56,10 +56,11 @@ def restore(
 
   A checkpoint that does not restore or does not match its digest is
   skipped for the next older one (`Checkpointer.find`). A record row that
-  does not read (metrics.jsonl or clients.jsonl, `records.intact_rounds`)
-  rolls the run back to a checkpoint at or before the row before it, so
-  that the rows from there on are recomputed; the checkpoints past it
-  are deleted (the primary process), none left: the run starts over.
+  does not read, or a records file that ends before a checkpoint's round
+  (metrics.jsonl or clients.jsonl, `records.intact_rounds`), rolls the run
+  back to a checkpoint at or before the last intact row, so that the rows
+  from there on are recomputed; the checkpoints past it are deleted (the
+  primary process), none left: the run starts over.
   Nothing is written or moved before the checks (config, data) pass.
 
   Args:

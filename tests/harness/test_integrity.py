@@ -266,6 +266,26 @@ def test_a_cut_last_metrics_row_is_recomputed(finished, tmp_path):
   assert checkpoint.Checkpointer(work).all_rounds() == [2, 4]
 
 
+def test_a_whole_last_metrics_row_removed_is_recomputed(finished, tmp_path):
+  # Cut at the end of line 3: the file reads whole, but ends before the
+  # checkpoint after round 4 (a round's rows are written before it).
+  cfg, work, ref = _copy(finished, tmp_path)
+  path = os.path.join(work, records.METRICS_FILE)
+  with open(path, 'rb') as f:
+    rows = f.read().splitlines(keepends=True)
+  with open(path, 'wb') as f:
+    f.writelines(rows[:3])
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert (
+    f'{path} ends at round 3; the rounds from 3 on are recomputed, from the '
+    'checkpoint after round 2'
+  ) in lines
+  assert f'resuming {work} after round 2' in lines
+  _matches(work, res, ref)
+  assert checkpoint.Checkpointer(work).all_rounds() == [2, 4]
+
+
 def test_a_garbled_middle_clients_row_is_recomputed(finished, tmp_path):
   # Row 2 garbled: no checkpoint at or before round 1, the run starts over.
   cfg, work, ref = _copy(finished, tmp_path)
