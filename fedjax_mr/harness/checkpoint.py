@@ -7,6 +7,7 @@ for the newest intact one (`Checkpointer.find`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import json
@@ -34,6 +35,11 @@ DIGEST_KEY = 'sha256'
 # (written into the temporary folder before the rename that completes a
 # save: it is part of the atomic save).
 _STEP_METADATA = '_CHECKPOINT_METADATA'
+# The keys of the metadata this project saved before digests. A checkpoint
+# without a digest whose metadata holds another key is damaged (a byte of
+# a key's name changed: the file still reads), not one of an earlier
+# version, and is not taken unverified.
+_BEFORE_DIGESTS = frozenset({'config', 'mapping'})
 
 
 def digest(state: Any, metadata: dict[str, Any]) -> str:
@@ -88,13 +94,21 @@ class _OrbaxErrorsQuiet:
 
 class _StepMetadataQuiet(logging.Filter):
   """Drops orbax's log lines about a checkpoint's metadata file that does
-  not read: orbax reads it as empty (in its own threads, whenever a
+  not read or holds a key orbax does not write: orbax reads it as empty or
+  moves the key into the custom metadata (in its own threads, whenever a
   manager lists the checkpoints), and `Checkpointer.find` reads it itself
   and reports such a checkpoint as damaged, in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     in_orbax = f'{os.sep}orbax{os.sep}' in record.pathname
-    return not (in_orbax and _STEP_METADATA in record.getMessage())
+    message = record.getMessage()
+    return not (
+      in_orbax
+      and (
+        _STEP_METADATA in message
+        or message.startswith('Provided metadata contains unknown key')
+      )
+    )
 
 
 def _quiet_step_metadata() -> None:
@@ -378,7 +392,8 @@ class Checkpointer:
 
     Raises:
       _Damaged: orbax's metadata file of the checkpoint is missing or is
-        not what orbax writes (orbax itself reads such a file as empty).
+        not what orbax writes (orbax itself reads such a file as empty),
+        or holds a key that orbax does not write.
     """
     path = os.path.join(self._step_path(int(round_index)), _STEP_METADATA)
     try:
@@ -387,8 +402,12 @@ class Checkpointer:
     except (OSError, UnicodeDecodeError, ValueError) as e:
       raise _Damaged(f'{path} does not read: {e}') from None
     custom = found.get('custom_metadata') if isinstance(found, dict) else None
-    if not isinstance(custom or {}, dict):
+    if not isinstance(found, dict) or not isinstance(custom or {}, dict):
       raise _Damaged(f'{path} is not a checkpoint metadata file')
+    fields = {f.name for f in dataclasses.fields(ocp.metadata.StepMetadata)}
+    unknown = sorted(set(found) - fields)
+    if unknown:
+      raise _Damaged(f'{path} holds a key that orbax does not write: {unknown}')
     return dict(custom or {})
 
   def restore(self, round_index: int, like: Any) -> Any:
@@ -410,12 +429,18 @@ class Checkpointer:
 
     Raises:
       _Damaged: the metadata does not read, or the state does not match
-        its digest.
+        its digest, or there is no digest but keys that only checkpoints
+        with one have.
       Exception: what orbax raises for arrays that do not read.
     """
     meta = self._read_metadata(round_index)
     state = self.restore(round_index, like)
     expected = meta.pop(DIGEST_KEY, None)
+    if expected is None and set(meta) - _BEFORE_DIGESTS:
+      raise _Damaged(
+        f'its metadata has no {DIGEST_KEY} digest but keys that only '
+        f'checkpoints with one have: {sorted(set(meta) - _BEFORE_DIGESTS)}'
+      )
     if expected is not None and digest(state, meta) != expected:
       raise _Damaged(
         f'its arrays or metadata do not match their {DIGEST_KEY} digest'

@@ -103,6 +103,42 @@ def test_checkpoints_without_a_digest_are_read_unverified(tmp_path):
   assert (found.round, found.verified, found.damaged) == (2, False, [])
 
 
+@pytest.mark.parametrize(
+  'key, renamed, reason',
+  [
+    (
+      'sha256',
+      'sha257',
+      'its metadata has no sha256 digest but keys that only checkpoints '
+      "with one have: ['sha257']",
+    ),
+    (
+      'custom_metadata',
+      'custom_metadatb',
+      'holds a key that orbax does not write: ',
+    ),
+  ],
+)
+def test_a_renamed_metadata_key_is_damage_not_an_earlier_version(
+  tmp_path, key, renamed, reason
+):
+  # One byte of a key's name changed: the file still reads, but without
+  # the digest (or with no custom metadata at all, so without the config)
+  # the checkpoint was taken unverified, as if made before digests.
+  ckpt, like = _two_checkpoints(tmp_path)
+  path = os.path.join(
+    str(tmp_path), checkpoint.FOLDER, '2', '_CHECKPOINT_METADATA'
+  )
+  with open(path) as f:
+    text = f.read()
+  with open(path, 'w') as f:
+    f.write(text.replace(f'"{key}"', f'"{renamed}"'))
+  found = checkpoint.Checkpointer(str(tmp_path)).find(like)
+  assert (found.round, found.verified) == (1, True)
+  [(step, why)] = found.damaged
+  assert step == 2 and reason in why
+
+
 # -- a run: damaged checkpoints ----------------------------------------------
 
 
@@ -224,7 +260,18 @@ def _garble_metadata(step_dir):
     f.write('{garbled')
 
 
-@pytest.mark.parametrize('damage', [_truncate_arrays, _garble_metadata])
+def _rename_metadata_key(step_dir):
+  # orbax logs "Provided metadata contains unknown key custom_metadatb".
+  path = os.path.join(step_dir, '_CHECKPOINT_METADATA')
+  with open(path) as f:
+    text = f.read()
+  with open(path, 'w') as f:
+    f.write(text.replace('"custom_metadata"', '"custom_metadatb"'))
+
+
+@pytest.mark.parametrize(
+  'damage', [_truncate_arrays, _garble_metadata, _rename_metadata_key]
+)
 def test_orbax_says_nothing_of_a_damaged_checkpoint(finished, tmp_path, damage):
   # orbax raises (a truncated file: ~130 lines of its tracebacks before) or
   # logs (a metadata file it cannot parse); the user sees the one line.
