@@ -193,6 +193,12 @@ CASES = {
     # it): orbax failed on it after round 1, and on every resume.
     (['--workdir={S}/run\udcff'], 'run\\xff: the name is not valid UTF-8'),
     (['--data_dir=/nonexistent/fmnist'], '/nonexistent/fmnist'),
+    # Dir(0.003) gives nearly all of a class to one client: 10 classes
+    # cannot give 20 clients 10 examples each (it crashed on NaN shares).
+    (
+      ['--data_dir={bad:two_hundred}', '--alpha=0.003', '--num_clients=20'],
+      'use fewer clients or a larger --alpha',
+    ),
     # Damaged IDX files (item 11), each named.
     (['--data_dir={bad:labels_200}'], 'train-labels-idx1-ubyte.gz'),
     (['--data_dir={bad:test_labels_negative}'], 't10k-labels-idx1-ubyte.gz'),
@@ -235,11 +241,22 @@ CASES = {
     (['--variants=', '--variant=a/b:lr=0.1'], '--variants'),
     (['--variants=', '--variant=x:seed=5'], '--seeds'),
     (['--variants=', '--variant=x:workdir=/tmp/elsewhere'], '--workdir'),
+    # Dir(1e-300) underflows to no mass at all (it crashed on NaN shares).
+    (
+      [
+        '--variants=fedavg',
+        '--data_dir={bad:two_hundred}',
+        '--alpha=1e-300',
+        '--num_clients=20',
+      ],
+      'use fewer clients or a larger --alpha',
+    ),
     (['--variants=fedavg', '--lr=-1'], '--lr'),
     (['--variants=fedavg', '--rounds=0'], '--rounds'),
     (['--data_dir={bad:test_shape}'], '/b: test images are (27, 28)'),
     (['--workdir=README.md'], '--workdir=README.md'),
     (['--out=README.md/sub'], '--workdir=README.md/sub'),  # earlier name
+    (['--workdir={S}/run\udcff'], 'run\\xff: the name is not valid UTF-8'),
     (['positional'], 'unexpected arguments'),
   ],
   'experiments.benchmark': [
@@ -254,6 +271,15 @@ CASES = {
     (['--num_devices=7'], '--num_devices=7'),
     (['--threads=-1'], '--threads'),
     (['--threads=1000000'], '--threads must be at most'),
+    (
+      [
+        '--data_dir={bad:two_hundred}',
+        '--sizes=dirichlet',
+        '--alpha=0.003',
+        '--num_clients=20',
+      ],
+      'use fewer clients or a larger --alpha',
+    ),
     (['--eval_every=0'], '--eval_every'),
     (['--eval_batch_size=0'], '--eval_batch_size'),
     (['--rounds=abc'], '--rounds'),
@@ -284,6 +310,7 @@ CASES = {
     (['--dataset=bogus'], '--dataset'),
     (['--workdir=README.md'], '--workdir=README.md'),
     (['--workdir=README.md/sub'], 'README.md/sub'),
+    (['--workdir={S}/run\udcff'], 'run\\xff: the name is not valid UTF-8'),
     (['--data_dir={bad:labels_200}'], 'train-labels-idx1-ubyte.gz'),
     (['positional'], 'unexpected arguments'),
   ],
@@ -486,6 +513,12 @@ def bad_data(tmp_path_factory):
     with open(out[name], 'w') as f:
       json.dump(clients, f)
   out['fifo'] = str(root / 'fifo')
+  # 20 examples of each class (the tiny-alpha Dirichlet cases).
+  out['two_hundred'] = idx_tests.idx_folder(
+    root / 'f',
+    x_train=np.zeros((200, 28, 28)),
+    y_train=np.repeat(np.arange(10), 20),
+  )
   os.mkfifo(out['fifo'])
   return out
 
