@@ -720,3 +720,39 @@ def test_auto_placement_keeps_a_small_set_on_the_devices(small_config):
       build.HOST_DATA_SHARE = host_share
   finally:
     build.DEVICE_DATA_SHARE = share
+
+
+@pytest.mark.parametrize('name', ['fedmr', 'fedavg'])
+def test_a_round_that_stacks_more_models_than_memory_is_refused(
+  monkeypatch, name
+):
+  # FedMR keeps each of its K clients' models (STACKED_MODELS_PER_CLIENT
+  # copies on the CPU's shared memory): refused one byte short of that
+  # bound, before anything allocates; FedAvg sums the models as they
+  # finish and is never refused.
+  from fedjax_mr.harness import build
+  from fedjax_mr.models import model as model_lib
+
+  config = config_lib.ExperimentConfig(
+    algorithm=name, partition='iid', num_clients=100, clients_per_round=100
+  )
+  model = model_lib.get(config.model, 10, (28, 28, 1))
+  variables = model.init(jax.random.key(0))
+  algorithm = build.build_algorithm(
+    config, model, variables, config_lib.hparams(config)
+  )
+  mesh = distributed.mesh_for(config)
+  need = 100 * build.STACKED_MODELS_PER_CLIENT * 66_130 * 4  # float32
+  monkeypatch.setattr(build, '_memory_bytes', lambda device: need)
+  build.check_round_memory(config, algorithm, variables, mesh)
+  monkeypatch.setattr(build, '_memory_bytes', lambda device: need - 1)
+  if name == 'fedavg':
+    build.check_round_memory(config, algorithm, variables, mesh)
+    return
+  with pytest.raises(errors.ConfigError) as e:
+    build.check_round_memory(config, algorithm, variables, mesh)
+  assert str(e.value) == (
+    "`clients_per_round=100`: `algorithm=fedmr` keeps every client's model "
+    'of a round, at least 0.1 GiB (4 models of 0.25 MiB a client), more '
+    'than the 0.1 GiB of this machine'
+  )
