@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -203,6 +204,18 @@ class Found(NamedTuple):
   later: list[int]
 
 
+def _reason(e: Exception) -> str:
+  """Why a checkpoint does not restore, in at most 200 characters: the
+  error's first part and, for TensorStore's, the array it read (its
+  message goes on with the array's whole spec, cut mid-way)."""
+  text = ' '.join(str(e).split())
+  head, _, details = text.partition(' See full TensorStore details')
+  array = re.search(r"'path': '([^'/]+)/'", details)
+  if array:
+    head += f' (array {array.group(1)})'
+  return head[:200] or type(e).__name__
+
+
 class Checkpointer:
   """Saves and restores round states under `<workdir>/checkpoints/<round>`.
 
@@ -256,8 +269,7 @@ class Checkpointer:
       try:
         state, meta, verified = self.restore_verified(step, like)
       except Exception as e:  # noqa: BLE001 (orbax/TensorStore raise many)
-        reason = ' '.join(str(e).split())[:200] or type(e).__name__
-        damaged.append((step, reason))
+        damaged.append((step, _reason(e)))
         self._reopen()
         continue
       return Found(step, state, meta, verified, damaged, later)

@@ -5,6 +5,7 @@ run's identity."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -284,6 +285,9 @@ def test_orbax_says_nothing_of_a_damaged_checkpoint(finished, tmp_path, damage):
   assert lines[0].startswith('checkpoint after round 4 does not restore (')
   assert 'resuming from round 2, the damaged one moved to' in lines[0]
   assert lines[1] == f'resuming {work} after round 2'
+  if damage is _truncate_arrays:  # which array, not TensorStore's spec
+    assert re.search(r'\(array server\.[\w.]+\)\); resuming', lines[0])
+    assert 'TensorStore' not in lines[0]
 
 
 # -- a run: damaged records ---------------------------------------------------
