@@ -146,11 +146,20 @@ class _LostInterrupts:
 
 _lost_interrupts = _LostInterrupts(sys.unraisablehook)
 sys.unraisablehook = _lost_interrupts.hook
+_MAIN_THREAD = threading.current_thread() is threading.main_thread()
 if (
-  threading.current_thread() is threading.main_thread()
-  and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+  _MAIN_THREAD and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 ):  # not where SIGINT is ignored (a background job) or already handled
   signal.signal(signal.SIGINT, _lost_interrupts.on_sigint)
+# While the program imports, SIGTERM is Ctrl-C too (one line, 130, not a
+# silent -15); `run` gives it back its default once the flags are parsed,
+# and the training loops turn it into KeyboardInterrupt themselves.
+_TERM_AT_START = _MAIN_THREAD and signal.getsignal(signal.SIGTERM) in (
+  signal.SIG_DFL,
+  None,
+)
+if _TERM_AT_START:
+  signal.signal(signal.SIGTERM, _lost_interrupts.on_sigint)
 
 
 # `name`, `noname` or `name=value` in backticks.
@@ -363,6 +372,10 @@ def run(main: Callable[[list[str]], object]) -> None:
   def parse_then_python_hook(argv: list[str]) -> list[str]:
     args = parse_flags(argv)
     sys.excepthook = _python_excepthook  # see `_interrupted_starting`
+    if _TERM_AT_START and signal.getsignal(signal.SIGTERM) == (
+      _lost_interrupts.on_sigint
+    ):
+      signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return args
 
   app.run(guarded(main), flags_parser=parse_then_python_hook)

@@ -163,13 +163,27 @@ def _assert_interrupted_starting(code):
   )
 
 
-def test_ctrl_c_while_a_program_imports_is_one_line():
-  # Uncaught at the top, as during `python -m experiments.run`'s imports.
+@pytest.mark.parametrize('name', ['SIGINT', 'SIGTERM'])
+def test_ctrl_c_or_sigterm_while_a_program_imports_is_one_line(name):
+  # Uncaught at the top, as during `python -m experiments.run`'s imports
+  # (a SIGTERM there was a silent -15).
   code = (
     'import os, signal, time; from experiments import cli; '
-    'os.kill(os.getpid(), signal.SIGINT); time.sleep(30)'
+    f'os.kill(os.getpid(), signal.{name}); time.sleep(30)'
   )
   _assert_interrupted_starting(code)
+
+
+def test_sigterm_gets_its_default_back_once_the_flags_are_parsed():
+  code = (
+    'import signal, sys; from experiments import cli\n'
+    'cli.run(lambda argv: print(signal.getsignal(signal.SIGTERM)'
+    ' is signal.SIG_DFL))\n'
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', code], cwd=REPO, capture_output=True, text=True
+  )
+  assert (proc.returncode, proc.stdout) == (0, 'True\n'), proc.stderr
 
 
 def test_ctrl_c_inside_a_collector_callback_is_not_lost():
