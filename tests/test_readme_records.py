@@ -261,3 +261,18 @@ def test_a_cell_without_its_record_fails(cell):
   assert check_cell('80.28 % (best 85.50 %)', 'dir0.1', 'fedavg')
   with pytest.raises(AssertionError):
     check_cell(cell, 'dir0.1', 'fedavg')
+
+
+def test_the_main_jobs_figures_recompute_from_its_record():
+  # The set-up section's "measured X % and Y %" for FedAvg and FedMR: the
+  # main job run as written from a fresh clone (docs/results/main_job).
+  found = re.search(
+    rf'measured ({NUMBER}) % and ({NUMBER}) %', _readme().replace('\n', ' ')
+  )
+  assert found, 'the main job\'s "measured X % and Y %" is gone'
+  for variant, text in zip(('fedavg', 'fedmr'), found.groups()):
+    folder = os.path.join(REPO, 'docs', 'results', 'main_job', variant, 's0')
+    rows = metrics_io.read(os.path.join(folder, 'metrics.jsonl'))
+    with open(os.path.join(folder, 'config.json')) as f:
+      assert json.load(f)['rounds'] == rows[-1]['round'] == 20
+    _percent(compare.final_accuracy(rows, LAST), text, f'main job {variant}')
