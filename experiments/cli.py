@@ -19,7 +19,6 @@ place where an argument becomes a flag.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
 import re
@@ -57,33 +56,6 @@ def _interrupted_starting(kind, value, traceback) -> None:
 # `training_errors` speaks for Ctrl-C from there on.
 _python_excepthook = sys.excepthook
 sys.excepthook = _interrupted_starting
-
-
-# glibc's malloc gives threads arenas of their own, up to 8 per core, and
-# keeps what they freed: with two devices more XLA threads allocate at
-# once and the run's peak rose 14-40 % over one device's, in memory that
-# was free but kept (BUILD.md "Scale"). Two arenas keep it within 10 %,
-# rounds as fast. Set before jax starts a thread; MALLOC_ARENA_MAX in the
-# environment (glibc reads it itself) wins.
-MALLOC_ARENAS = 2
-_M_ARENA_MAX = -8  # glibc's malloc.h
-
-
-def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
-  """Caps glibc's malloc arenas at `arenas` unless the environment sets
-  MALLOC_ARENA_MAX; False where the C library has no `mallopt` (not glibc)
-  or it refuses."""
-  if os.environ.get('MALLOC_ARENA_MAX'):
-    return False
-  try:
-    mallopt = ctypes.CDLL(None).mallopt
-  except (OSError, AttributeError):
-    return False
-  mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-  return mallopt(_M_ARENA_MAX, arenas) == 1
-
-
-limit_malloc_arenas()
 
 
 class _LostInterrupts:

@@ -2,7 +2,6 @@
 errors and the library's backticked names rendered as flags."""
 
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -296,52 +295,3 @@ def test_every_program_imports_cli_first():
     )
     assert isinstance(first, ast.ImportFrom) and first.level == 1, path.name
     assert [a.name for a in first.names] == ['cli'], path.name
-
-
-# Eight threads malloc at once, then glibc lists its arenas (malloc_info).
-_COUNT_ARENAS = """
-import ctypes, sys, tempfile, threading
-if sys.argv[1] == 'cli':
-  from experiments import cli  # noqa: F401
-libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
-libc.malloc.argtypes = (ctypes.c_size_t,)
-libc.fopen.restype = ctypes.c_void_p
-libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
-libc.fclose.argtypes = (ctypes.c_void_p,)
-start = threading.Barrier(8)
-def allocate():
-  start.wait()
-  for _ in range(200):
-    libc.malloc(4096)
-threads = [threading.Thread(target=allocate) for _ in range(8)]
-for t in threads: t.start()
-for t in threads: t.join()
-with tempfile.NamedTemporaryFile() as f:
-  fp = libc.fopen(f.name.encode(), b'w')
-  libc.malloc_info(0, fp)
-  libc.fclose(fp)
-  print(open(f.name).read().count('<heap nr='))
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != 'glibc', reason='glibc only')
-def test_the_programs_keep_mallocs_arenas_to_two():
-  # With two devices more threads allocate at once, and glibc's extra
-  # arenas kept what they freed (the 2-device run's peak 14-40 % over one
-  # device's); cli caps them, and MALLOC_ARENA_MAX in the environment wins.
-  def arenas(mode, **env):
-    environ = {k: v for k, v in os.environ.items() if k != 'MALLOC_ARENA_MAX'}
-    proc = subprocess.run(
-      [sys.executable, '-c', _COUNT_ARENAS, mode],
-      cwd=REPO,
-      env={**environ, **env},
-      capture_output=True,
-      text=True,
-      check=True,
-    )
-    return int(proc.stdout)
-
-  assert arenas('plain') > cli.MALLOC_ARENAS  # the probe can see arenas
-  assert arenas('cli') <= cli.MALLOC_ARENAS
-  assert arenas('cli', MALLOC_ARENA_MAX='3') == 3
