@@ -53,8 +53,8 @@ MAX_HOST_DEVICES = 256
 # keeps what they freed. With several host devices more XLA threads
 # allocate at once, and the default run's peak on 2 devices was 7-29 %
 # above 1 device's, in memory freed but kept; two arenas keep it within
-# 10 % at the same round time. On 1 device the cap made rounds about 11 %
-# slower (BUILD.md "Scale"), so only several host devices get it.
+# 10 %, for 3-7 % more round time. On 1 device the cap made rounds about
+# 11 % slower (BUILD.md "Scale"), so only several host devices get it.
 MALLOC_ARENAS = 2
 _M_ARENA_MAX = -8  # glibc's malloc.h
 
