@@ -179,3 +179,15 @@ def run_module(*args: str, timeout: int = 600):
     timeout=timeout,
     env=env,
   )
+
+
+def flip_checkpoint_byte(step_dir: str) -> None:
+  """Flips one bit in the middle of the largest array file of a
+  checkpoint (`<step_dir>/default/ocdbt.process_0/d/`): damage its digest
+  must catch."""
+  d = os.path.join(step_dir, 'default', 'ocdbt.process_0', 'd')
+  path = max((os.path.join(d, n) for n in os.listdir(d)), key=os.path.getsize)
+  data = bytearray(open(path, 'rb').read())
+  data[len(data) // 2] ^= 0x01
+  with open(path, 'wb') as f:
+    f.write(data)

@@ -20,6 +20,7 @@ import pytest
 
 from fedjax_mr.harness import config as config_lib
 from fedjax_mr.harness import experiment
+from tests import helpers
 from tests.data import test_idx_and_datasets as idx_tests
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -549,14 +550,9 @@ def prepared_runs(tmp_path_factory):
   )
   experiment.train_and_evaluate(config, out['tiny_run'], log=lambda _: None)
   shutil.copytree(out['tiny_run'], out['tiny_run_damaged'])
-  for d, _, names in os.walk(out['tiny_run_damaged']):
-    if d.endswith(os.path.join('ocdbt.process_0', 'd')):
-      path = max((os.path.join(d, n) for n in names), key=os.path.getsize)
-      with open(path, 'r+b') as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 1]))
+  folder = os.path.join(out['tiny_run_damaged'], 'checkpoints')
+  for step in os.listdir(folder):
+    helpers.flip_checkpoint_byte(os.path.join(folder, step))
   return out
 
 

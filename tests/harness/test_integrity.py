@@ -31,17 +31,6 @@ def _no_times(rows):
   return [{k: v for k, v in r.items() if not k.endswith('_s')} for r in rows]
 
 
-def _flip_one_byte(step_dir):
-  """Flips one bit in the middle of the largest array file of a
-  checkpoint (`<step>/default/ocdbt.process_0/d/`)."""
-  d = os.path.join(step_dir, 'default', 'ocdbt.process_0', 'd')
-  path = max((os.path.join(d, n) for n in os.listdir(d)), key=os.path.getsize)
-  data = bytearray(open(path, 'rb').read())
-  data[len(data) // 2] ^= 0x01
-  with open(path, 'wb') as f:
-    f.write(data)
-
-
 # -- the digest, on its own -------------------------------------------------
 
 
@@ -75,7 +64,9 @@ def _two_checkpoints(tmp_path):
 def test_a_flipped_byte_is_found_and_the_older_checkpoint_read(tmp_path):
   ckpt, like = _two_checkpoints(tmp_path)
   assert ckpt.metadata(2) == {'config': {'r': 2}}  # the digest left out
-  _flip_one_byte(os.path.join(str(tmp_path), checkpoint.FOLDER, '2'))
+  helpers.flip_checkpoint_byte(
+    os.path.join(str(tmp_path), checkpoint.FOLDER, '2')
+  )
   ckpt = checkpoint.Checkpointer(str(tmp_path))
   found = ckpt.find(like)
   assert found.round == 1 and found.verified
@@ -176,7 +167,7 @@ def _matches(work, res, ref):
 
 def test_a_flipped_byte_in_the_newest_checkpoint_falls_back(finished, tmp_path):
   cfg, work, ref = _copy(finished, tmp_path)
-  _flip_one_byte(os.path.join(work, checkpoint.FOLDER, '4'))
+  helpers.flip_checkpoint_byte(os.path.join(work, checkpoint.FOLDER, '4'))
   # Read back (as experiments.landscape does): the intact round 2, nothing
   # moved.
   loaded = experiment.load_run(work)
@@ -234,7 +225,7 @@ def _flags(cfg, work, data_dir=None, rounds=None):
 def test_no_intact_checkpoint_is_one_line_and_exit_2(finished, tmp_path):
   cfg, work, _ = _copy(finished, tmp_path)
   for step in ('2', '4'):
-    _flip_one_byte(os.path.join(work, checkpoint.FOLDER, step))
+    helpers.flip_checkpoint_byte(os.path.join(work, checkpoint.FOLDER, step))
   proc = helpers.run_module('experiments.run', *_flags(cfg, work))
   assert proc.returncode == 2, proc.stderr
   assert proc.stderr.splitlines() == [

@@ -193,15 +193,7 @@ def test_an_unfinished_or_damaged_run_is_refused_and_nothing_written(
     probe.probe(work, knn_reference=REFERENCE, log=_quiet)
   json.dump(saved, open(config_path, 'w'))
   # A flipped bit in the last checkpoint's arrays: its digest refuses it.
-  last = os.path.join(work, 'checkpoints', '3')
-  for d, _, names in os.walk(last):
-    if d.endswith(os.path.join('ocdbt.process_0', 'd')):
-      path = max((os.path.join(d, n) for n in names), key=os.path.getsize)
-      with open(path, 'r+b') as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 1]))
+  helpers.flip_checkpoint_byte(os.path.join(work, 'checkpoints', '3'))
   with pytest.raises(errors.ConfigError, match='round 3 does not restore'):
     probe.probe(work, knn_reference=REFERENCE, log=_quiet)
   assert not os.path.exists(os.path.join(work, probe.PROBE_FILE))
