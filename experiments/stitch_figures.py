@@ -60,6 +60,13 @@ the transfer setting):
   were finished, and the best accuracy of the networks finished so far
   (results.json). Same commands as table3.
 
+* `acc_vs_round`: the training budgets behind table3: each training
+  run's test accuracy (its own head) against round, × where
+  experiments.probe read its trunk, and each FedStitch run's best network
+  as a dashed level. table3 gives every training run's rounds and the
+  trailing gain of its last-`--last` mean over 20 rounds (under 0.2
+  points: it has stopped rising). Same commands as table3.
+
 * `memory` (Fig. 5): client memory in one round, measured from XLA's
   buffer assignment (`budgets.step_memory_bytes`, nothing runs).
   FedStitch: every block of `--pool` held, plus the largest working
@@ -118,6 +125,7 @@ from absl import logging
 FIGURES = [
   'table3',
   'acc_vs_time',
+  'acc_vs_round',
   'memory',
   'search_space',
   'voting',
@@ -252,6 +260,15 @@ def _main(figures, errors) -> None:
       'curves': curves,
     }
     _print_written(figures.write(out, name, data, None, fig))
+  elif name == 'acc_vs_round':
+    curves = figures.round_curves(runs)
+    if not curves:
+      cli.fail(
+        '--runs: no workdir has points yet (training runs need evaluated '
+        'rounds in metrics.jsonl, FedStitch runs their results.json)'
+      )
+    fig = figures.round_figure(curves)
+    _print_written(figures.write(out, name, {'curves': curves}, None, fig))
   elif name == 'search_space':
     data = figures.search_space(runs)
     if not data:

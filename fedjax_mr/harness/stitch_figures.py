@@ -3,7 +3,8 @@
 References: "Heterogeneity-Aware Coordination for Federated Learning via
 Stitching Pre-trained blocks", Shichen Zhan, Yebo Wu, Chunlin Tian, Yan
 Zhao, Li Li (2024): Table III (accuracy of every method, IID and non-IID),
-Fig. 4 (accuracy against time), Fig. 5 (client memory in one round), Fig. 7
+Fig. 4 (accuracy against time; and against round, for the training
+budgets), Fig. 5 (client memory in one round), Fig. 7
 (the search-space optimiser), Table IV (RL-weighted against plain voting)
 and Fig. 2 (a client's number of classes against the quality of its block
 choices).
@@ -53,6 +54,11 @@ MISSING = '–'
 PROBE_FILE = 'probe.json'
 PROBE_LABEL = '5-NN on trunk'
 RUNNING = 'running'
+# A training run has stopped rising when the mean of its last evaluations
+# (table3's `last`) rose by less than PLATEAU_GAIN over its last
+# PLATEAU_SPAN rounds.
+PLATEAU_GAIN = 0.002
+PLATEAU_SPAN = 20
 TIME_UNITS = {'hours': 3600.0, 'minutes': 60.0, 'seconds': 1.0}
 
 
@@ -228,7 +234,10 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
   if kind == 'run':
     rows = metrics_io.read(os.path.join(path, 'metrics.jsonl'))
     config = _json(os.path.join(path, 'config.json')) or {}
-    accs = [r['test_accuracy'] for r in rows if 'test_accuracy' in r]
+    evaluated = sorted(
+      (r['round'], r['test_accuracy']) for r in rows if 'test_accuracy' in r
+    )
+    accs = [a for _, a in evaluated]
     rounds = max((r['round'] for r in rows), default=0)
     total = config.get('rounds')
     done = bool(accs) and (total is None or rounds >= total)
@@ -240,6 +249,7 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
       'accuracy': float(np.mean(accs[-last:])) if accs else None,
       'best': float(max(accs)) if accs else None,
       'evaluations': len(accs[-last:]),
+      'gain': trailing_gain(evaluated, last),
       'round': rounds,
       'rounds': total,
       'probe': probe.get('mean'),
@@ -273,20 +283,56 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
   }
 
 
+def trailing_gain(
+  evaluated: Sequence[tuple[int, float]],
+  window: int = 10,
+  span: int = PLATEAU_SPAN,
+) -> float | None:
+  """How much a run's mean accuracy of its last `window` evaluations rose
+  over its last `span` rounds: that mean at its last round R minus the
+  same mean at round R − span (the last `window` evaluations made by then).
+
+  Args:
+    evaluated: `(round, accuracy)` pairs in increasing round.
+    window: evaluations averaged.
+    span: rounds between the two means.
+
+  Returns:
+    The gain as a fraction (0.002 is 0.2 points), or None when fewer than
+    `window` evaluations were made by round R − span.
+  """
+  if window < 1 or span < 1:
+    raise ValueError(f'window and span must be ≥ 1, got {window}, {span}')
+  if not evaluated:
+    return None
+  last_round = evaluated[-1][0]
+  earlier = [a for r, a in evaluated if r <= last_round - span]
+  if len(earlier) < window:
+    return None
+  now = [a for _, a in evaluated][-window:]
+  return float(np.mean(now) - np.mean(earlier[-window:]))
+
+
 def _pct(value: float | None) -> str:
   return MISSING if value is None else f'{100 * value:.2f}'
 
 
 def cell_text(c: Mapping[str, Any]) -> str:
-  """A table cell: '84.52', '81.20 (best 83.10)' for a training run,
-  'running' or '–' without a result."""
+  """A table cell: '84.52'; '81.20 (best 83.10)' for a training run, and
+  '81.20 (best 83.10; 100 rounds, +0.05 in 20)' once it has a trailing
+  gain (`trailing_gain`, in points) to show; 'running' or '–' without a
+  result."""
   if c['status'] == 'missing':
     return MISSING
   if c['accuracy'] is None:  # a finished run without any network: 'none'
     return RUNNING if c['status'] == 'running' else 'none'
   text = _pct(c['accuracy'])
   if c['kind'] == 'run':
-    text += f' (best {_pct(c["best"])})'
+    gain = c.get('gain')
+    trail = '' if gain is None else (
+      f'; {c["round"]} rounds, {100 * gain:+.2f} in {PLATEAU_SPAN}'
+    )
+    text += f' (best {_pct(c["best"])}{trail})'
   if c['status'] == 'running':
     text += f' ({RUNNING}, round {c["round"]}/{c.get("rounds") or "?"})'
   return text
@@ -391,6 +437,15 @@ def accuracy_table(runs: RunSpec, last: int = 10) -> tuple[dict[str, Any], str]:
     'evaluations (best in brackets); FedStitch: its best stitched network; '
     f'{RUNNING}: not finished; {MISSING}: no such workdir.\n'
   )
+  if any(
+    c.get('gain') is not None for r in rows for c in r['cells'].values()
+  ):
+    note += (
+      f'"N rounds, +g in {PLATEAU_SPAN}": the rounds a training run trained, '
+      f'and how much the mean of its last {last} evaluations rose over its '
+      f'last {PLATEAU_SPAN} rounds, in points; under '
+      f'{100 * PLATEAU_GAIN:.1f} it has stopped rising.\n'
+    )
   if probed:
     note += (
       f"{PROBE_LABEL}: the stitch runs' 5-NN probe on the input of the end "
@@ -559,6 +614,106 @@ def time_figure(
   fig.suptitle(
     'accuracy against time; round times summed, evaluation '
     + ('included' if include_eval else 'excluded')
+  )
+  return fig
+
+
+# --- Accuracy against round (the training budgets) --------------------------
+
+
+def round_curves(runs: RunSpec) -> dict[str, dict[str, dict[str, Any]]]:
+  """{column: {label: curve}} of every workdir with something to draw.
+
+  A training run: {'kind': 'run', 'path', 'round', 'accuracy' (its own
+  read-out per evaluated round), 'gain' (`trailing_gain` over its last 10
+  evaluations)} and, once experiments.probe read it, 'probe_round' and
+  'probe_accuracy' (the 5-NN probe on the trunk). A finished stitch run,
+  which trains no rounds: {'kind': 'stitch', 'path', 'level' (its best
+  network's accuracy)}. Pool models and unfinished stitch runs are left out.
+  """
+  out: dict[str, dict[str, dict[str, Any]]] = {}
+  for label, by_col in runs.items():
+    for col, path in by_col.items():
+      kind = kind_of(path)
+      curve: dict[str, Any] | None = None
+      if kind == 'run':
+        rows = metrics_io.read(os.path.join(path, 'metrics.jsonl'))
+        evaluated = sorted(
+          (r['round'], r['test_accuracy'])
+          for r in rows
+          if 'test_accuracy' in r
+        )
+        if evaluated:
+          curve = {
+            'kind': kind,
+            'path': path,
+            'round': [r for r, _ in evaluated],
+            'accuracy': [a for _, a in evaluated],
+            'gain': trailing_gain(evaluated),
+          }
+          probe = _json(os.path.join(path, PROBE_FILE))
+          if isinstance(probe, dict) and probe.get('rounds'):
+            curve['probe_round'] = list(probe['rounds'])
+            curve['probe_accuracy'] = list(probe['accuracy'])
+      elif kind == 'stitch':
+        res = stitch_results(path)
+        best = (res or {}).get('best') or {}
+        if res is not None and best.get(eval_key(res)) is not None:
+          curve = {'kind': kind, 'path': path, 'level': best[eval_key(res)]}
+      if curve is not None:
+        out.setdefault(col, {})[label] = curve
+  return out
+
+
+def round_figure(curves: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Any:
+  """Test accuracy (%) against round, one panel per column: a line per
+  training run (its own read-out), × at the rounds its trunk was probed,
+  and a dashed level per FedStitch run (its best network; it trains no
+  rounds)."""
+  figure, canvas = plots._matplotlib()
+  cols = list(curves)
+  fig = figure(figsize=(5.2 * len(cols) + 3.0, 4.4), layout='constrained')
+  canvas(fig)
+  axes = fig.subplots(1, len(cols), squeeze=False)[0]
+  labels = list(dict.fromkeys(lb for c in cols for lb in curves[c]))
+  colors = dict(zip(labels, plots._colors(len(labels))))
+  for ax, col in zip(axes, cols):
+    for label, c in curves[col].items():
+      if c['kind'] == 'stitch':
+        ax.axhline(
+          100 * c['level'], color=colors[label], ls='--', lw=1.3, label=label
+        )
+        continue
+      ax.plot(
+        c['round'],
+        100 * np.asarray(c['accuracy']),
+        color=colors[label],
+        lw=1.1,
+        label=label,
+      )
+      if c.get('probe_round'):
+        ax.plot(
+          c['probe_round'],
+          100 * np.asarray(c['probe_accuracy']),
+          color=colors[label],
+          ls='none',
+          marker='x',
+          ms=4,
+        )
+    ax.set_title(col)
+    ax.set_xlabel('round')
+    ax.set_ylabel('test accuracy (%)')
+    ax.grid(alpha=0.3)
+  handles, names = [], []
+  for ax in axes:
+    for h, n in zip(*ax.get_legend_handles_labels()):
+      if n not in names:
+        handles.append(h)
+        names.append(n)
+  fig.legend(handles, names, loc='outside right upper', fontsize='small')
+  fig.suptitle(
+    "test accuracy against round; dashed: a FedStitch run's best network, "
+    '×: the 5-NN probe on the trunk'
   )
   return fig
 

@@ -173,6 +173,7 @@ FIGURE_CASES = [
   'table3',
   'acc_vs_time',
   'acc_eval',
+  'acc_round',
   'search_space',
   'voting',
   'rank',
@@ -206,6 +207,10 @@ def results(dirs, tmp_path_factory):
       '--time_unit=hours',
       f'--runs=FedAvg:noniid={d["r"]}',
     ],
+    'acc_round': [
+      '--figure=acc_vs_round',
+      f'--runs=FedStitch:iid={d["a"]};FedAvg:iid={d["r"]},noniid={d["r2"]}',
+    ],
     'search_space': [
       '--figure=search_space',
       f'--runs=with:{d["a"]};without:{d["b"]}',
@@ -233,6 +238,7 @@ def results(dirs, tmp_path_factory):
     'twice': (['--figure=table3', '--runs=x:/a;x:/b', S], '--runs'),
     'bad_json': (['--figure=table3', '--runs=/nonexistent.json', S], '--runs'),
     'no_points': (['--figure=acc_vs_time', '--runs=x:/no/such', S], '--runs'),
+    'no_rounds': (['--figure=acc_vs_round', '--runs=x:/no/such', S], '--runs'),
     'no_log': (['--figure=search_space', f'--runs=x:{d["r"]}', S], '--runs'),
     'last': (
       ['--figure=table3', f'--runs=x:{d["r"]}', '--last=0', S],
@@ -396,6 +402,50 @@ def test_acc_vs_time_points(results):
   assert with_eval['evaluation_included']
   seconds = with_eval['curves']['noniid']['FedAvg']['seconds']
   assert seconds == [66.0 * k for k in range(1, 13)]
+
+
+def test_acc_vs_round_curves(results):
+  _, out, _ = results
+  data = _load(out['acc_round'], 'acc_vs_round.json')['curves']
+  assert data['iid']['FedStitch'] == {
+    'kind': 'stitch',
+    'path': data['iid']['FedStitch']['path'],
+    'level': 0.7,
+  }
+  fedavg = data['iid']['FedAvg']
+  assert fedavg['round'] == list(range(1, 13))
+  assert fedavg['gain'] is None  # 12 rounds: no mean 20 rounds back
+  assert data['noniid']['FedAvg']['accuracy'] == [0.1, 0.3]
+  assert os.path.getsize(os.path.join(out['acc_round'], 'acc_vs_round.png'))
+
+
+def test_trailing_gain_by_hand():
+  # Accuracy r/100 at rounds 1..30: the last 10 (21..30) average 0.255,
+  # the last 10 by round 10 (1..10) 0.055: a gain of 0.2.
+  evaluated = [(r, r / 100) for r in range(1, 31)]
+  assert figures.trailing_gain(evaluated) == pytest.approx(0.2)
+  # Round 29 leaves only 9 evaluations by round 9: no gain yet.
+  assert figures.trailing_gain(evaluated[:-1]) is None
+  # Every other round: rounds 42..60 against rounds 22..40, 0.2 apart.
+  sparse = [(r, r / 100) for r in range(2, 61, 2)]
+  assert figures.trailing_gain(sparse) == pytest.approx(0.2)
+  flat = [(r, 0.9) for r in range(1, 101)]
+  assert figures.trailing_gain(flat, window=5, span=50) == pytest.approx(0.0)
+  with pytest.raises(ValueError, match='window and span'):
+    figures.trailing_gain(flat, window=0)
+
+
+def test_table3_gives_each_long_runs_rounds_and_trailing_gain(tmp_path):
+  rising, flat = str(tmp_path / 'rising'), str(tmp_path / 'flat')
+  _run_dir(rising, [r / 100 for r in range(1, 31)], rounds=30)
+  _run_dir(flat, [0.5 + 0.001 * (r % 2) for r in range(1, 41)], rounds=40)
+  runs = {'up': {'iid': rising}, 'level': {'iid': flat}}
+  data, text = figures.accuracy_table(runs, last=10)
+  lines = text.splitlines()
+  assert '| up | 25.50 (best 30.00; 30 rounds, +20.00 in 20) |' in lines
+  assert '| level | 50.05 (best 50.10; 40 rounds, +0.00 in 20) |' in lines
+  assert 'under 0.2 it has stopped rising' in text
+  assert data['rows'][0]['cells']['iid']['gain'] == pytest.approx(0.2)
 
 
 def test_search_space_table(results):
