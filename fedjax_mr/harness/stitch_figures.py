@@ -665,6 +665,22 @@ def round_curves(runs: RunSpec) -> dict[str, dict[str, dict[str, Any]]]:
   return out
 
 
+def round_axis_floor(curves: Mapping[str, Mapping[str, Any]]) -> float:
+  """The y axis's floor (%) of one panel of `round_figure`: 1 point below
+  the lowest accuracy after each training run's first tenth of rounds (the
+  start from the pool's or a random head would squash the rest), the
+  FedStitch levels and the probe points included."""
+  low = []
+  for c in curves.values():
+    if c['kind'] == 'stitch':
+      low.append(c['level'])
+      continue
+    accs = c['accuracy']
+    low.append(min(accs[len(accs) // 10 :]))
+    low.extend(c.get('probe_accuracy') or [])
+  return 100 * min(low) - 1.0
+
+
 def round_figure(curves: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Any:
   """Test accuracy (%) against round, one panel per column: a line per
   training run (its own read-out), × at the rounds its trunk was probed,
@@ -703,6 +719,7 @@ def round_figure(curves: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Any:
     ax.set_title(col)
     ax.set_xlabel('round')
     ax.set_ylabel('test accuracy (%)')
+    ax.set_ylim(bottom=round_axis_floor(curves[col]))
     ax.grid(alpha=0.3)
   handles, names = [], []
   for ax in axes:
@@ -712,8 +729,8 @@ def round_figure(curves: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Any:
         names.append(n)
   fig.legend(handles, names, loc='outside right upper', fontsize='small')
   fig.suptitle(
-    "test accuracy against round; dashed: a FedStitch run's best network, "
-    '×: the 5-NN probe on the trunk'
+    "test accuracy against round\ndashed: FedStitch's best network; ×: the "
+    '5-NN probe on the trunk; early rounds may lie below the axis'
   )
   return fig
 

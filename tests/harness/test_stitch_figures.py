@@ -419,6 +419,16 @@ def test_acc_vs_round_curves(results):
   assert os.path.getsize(os.path.join(out['acc_round'], 'acc_vs_round.png'))
 
 
+def test_round_axis_floor_leaves_out_each_runs_first_tenth():
+  # 20 evaluations: the first two (0.1, 0.3) are below the axis; the
+  # lowest of the rest is 0.8, the probe's 0.75 and FedStitch's 0.85 count.
+  run = {'kind': 'run', 'accuracy': [0.1, 0.3] + [0.8] * 8 + [0.9] * 10}
+  stitch = {'kind': 'stitch', 'level': 0.85}
+  assert figures.round_axis_floor({'r': run, 's': stitch}) == pytest.approx(79)
+  run['probe_accuracy'] = [0.75]
+  assert figures.round_axis_floor({'r': run, 's': stitch}) == pytest.approx(74)
+
+
 def test_trailing_gain_by_hand():
   # Accuracy r/100 at rounds 1..30: the last 10 (21..30) average 0.255,
   # the last 10 by round 10 (1..10) 0.055: a gain of 0.2.
