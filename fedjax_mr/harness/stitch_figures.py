@@ -319,19 +319,20 @@ def _pct(value: float | None) -> str:
 
 def cell_text(c: Mapping[str, Any]) -> str:
   """A table cell: '84.52'; '81.20 (best 83.10)' for a training run, and
-  '81.20 (best 83.10; 100 rounds, +0.05 in 20)' once it has a trailing
-  gain (`trailing_gain`, in points) to show; 'running' or '–' without a
-  result."""
+  '81.20 (best 83.10; 100 rounds, +0.05 in 20, flat)' once it has a
+  trailing gain (`trailing_gain`, in points; flat below PLATEAU_GAIN,
+  else rising) to show; 'running' or '–' without a result."""
   if c['status'] == 'missing':
     return MISSING
   if c['accuracy'] is None:  # a finished run without any network: 'none'
     return RUNNING if c['status'] == 'running' else 'none'
   text = _pct(c['accuracy'])
   if c['kind'] == 'run':
-    gain = c.get('gain')
-    trail = '' if gain is None else (
-      f'; {c["round"]} rounds, {100 * gain:+.2f} in {PLATEAU_SPAN}'
-    )
+    gain, trail = c.get('gain'), ''
+    if gain is not None:
+      word = 'flat' if gain < PLATEAU_GAIN else 'rising'
+      trail = f'; {c["round"]} rounds, {100 * gain:+.2f} in {PLATEAU_SPAN}'
+      trail += f', {word}'
     text += f' (best {_pct(c["best"])}{trail})'
   if c['status'] == 'running':
     text += f' ({RUNNING}, round {c["round"]}/{c.get("rounds") or "?"})'
@@ -437,14 +438,13 @@ def accuracy_table(runs: RunSpec, last: int = 10) -> tuple[dict[str, Any], str]:
     'evaluations (best in brackets); FedStitch: its best stitched network; '
     f'{RUNNING}: not finished; {MISSING}: no such workdir.\n'
   )
-  if any(
-    c.get('gain') is not None for r in rows for c in r['cells'].values()
-  ):
+  if any(c.get('gain') is not None for r in rows for c in r['cells'].values()):
     note += (
       f'"N rounds, +g in {PLATEAU_SPAN}": the rounds a training run trained, '
       f'and how much the mean of its last {last} evaluations rose over its '
-      f'last {PLATEAU_SPAN} rounds, in points; under '
-      f'{100 * PLATEAU_GAIN:.1f} it has stopped rising.\n'
+      f'last {PLATEAU_SPAN} rounds, in points; flat: under '
+      f'{100 * PLATEAU_GAIN:.1f} before rounding (it has stopped rising), '
+      'else rising.\n'
     )
   if probed:
     note += (
@@ -639,9 +639,7 @@ def round_curves(runs: RunSpec) -> dict[str, dict[str, dict[str, Any]]]:
       if kind == 'run':
         rows = metrics_io.read(os.path.join(path, 'metrics.jsonl'))
         evaluated = sorted(
-          (r['round'], r['test_accuracy'])
-          for r in rows
-          if 'test_accuracy' in r
+          (r['round'], r['test_accuracy']) for r in rows if 'test_accuracy' in r
         )
         if evaluated:
           curve = {

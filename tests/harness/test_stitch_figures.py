@@ -452,9 +452,14 @@ def test_table3_gives_each_long_runs_rounds_and_trailing_gain(tmp_path):
   runs = {'up': {'iid': rising}, 'level': {'iid': flat}}
   data, text = figures.accuracy_table(runs, last=10)
   lines = text.splitlines()
-  assert '| up | 25.50 (best 30.00; 30 rounds, +20.00 in 20) |' in lines
-  assert '| level | 50.05 (best 50.10; 40 rounds, +0.00 in 20) |' in lines
-  assert 'under 0.2 it has stopped rising' in text
+  assert '| up | 25.50 (best 30.00; 30 rounds, +20.00 in 20, rising) |' in lines
+  assert '| level | 50.05 (best 50.10; 40 rounds, +0.00 in 20, flat) |' in lines
+  assert 'flat: under 0.2 before rounding' in text
+  # 0.199 points prints as +0.20 but is under the criterion: flat.
+  edge = str(tmp_path / 'edge')
+  _run_dir(edge, [0.5] * 10 + [0.5] * 10 + [0.50199] * 10, rounds=30)
+  _, text = figures.accuracy_table({'edge': {'iid': edge}}, last=10)
+  assert '30 rounds, +0.20 in 20, flat) |' in text
   assert data['rows'][0]['cells']['iid']['gain'] == pytest.approx(0.2)
 
 
