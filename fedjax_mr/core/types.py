@@ -30,6 +30,7 @@ from typing import Callable
 from typing import NamedTuple
 
 import jax
+from jax import lax
 
 PyTree = Any
 # A model's variables: {'params': ..., 'batch_stats': ...} (the latter only
@@ -173,15 +174,37 @@ def dispatched_models(algorithm: Algorithm, sent: Dispatch) -> Variables:
   )
 
 
+def sum_rows(tree: PyTree) -> PyTree:
+  """Each leaf summed over its leading axis, row 0 first and then one row
+  after another, as the engine adds clients that finish one at a time.
+
+  Not `leaf.sum(axis=0)`: XLA:CPU (jax 0.10) reduces the leading axis of a
+  large rank-3 leaf fused with the product that makes it some 400 times
+  slower than adding its rows (a weighted sum of ten [3136, 512] kernels:
+  2.1 s against 5 ms), which made FT-Part's server step cost several times
+  its clients' training.
+  """
+  first = jax.tree.map(lambda c: c[0], tree)
+  k = jax.tree.leaves(tree)[0].shape[0]
+  if k == 1:
+    return first
+
+  def add(i, total):
+    return jax.tree.map(lambda t, c: t + c[i], total, tree)
+
+  return lax.fori_loop(1, k, add, first)
+
+
 def sum_outputs(
   contribution: Callable[[ClientOutput], PyTree], outputs: ClientOutput
 ) -> Sums:
   """`Sums` of K stacked outputs (leaves `[K, ...]`): what `aggregate`
-  receives for them, summed all at once (the engine sums as clients
-  finish; the two agree up to the order of float32 additions)."""
+  receives for them, summed all at once in client order (`sum_rows`; the
+  engine sums as clients finish, in vmapped chunks where it runs them so:
+  the two agree up to the order of float32 additions)."""
   parts = jax.vmap(contribution)(outputs)
   return Sums(
-    total=jax.tree.map(lambda c: c.sum(axis=0), parts),
+    total=sum_rows(parts),
     num_examples=outputs.num_examples,
     loss=outputs.loss,
     num_steps=outputs.num_steps,

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from fedjax_mr.core import tree
+from fedjax_mr.core import types
 from tests import helpers
 
 
@@ -79,3 +80,21 @@ def test_masked_mean_hand_values():
   assert got['b'] == 7.0 and got['b'].dtype == jnp.bfloat16
   equal = tree.masked_mean(clients, fallback, masks)
   helpers.assert_close(equal['a'], [3.0, 4.0])
+
+
+def test_sum_rows_adds_row_after_row():
+  # Row 0 first, then each next row, exactly as a Python loop adds them
+  # (the engine's order for clients that finish one at a time). Rows of
+  # magnitudes 1e-4 to 1e4 make the order show in float32: XLA's own
+  # `sum(axis=0)` of these differs from the loop in some bits.
+  scale = jnp.logspace(-4, 4, 64)[:, None, None]
+  m = jax.random.normal(jax.random.key(0), (64, 7, 3)) * scale
+  tree = {'m': m, 'v': m[:, 0, 0]}
+  got = jax.jit(types.sum_rows)(tree)
+  expected = {'m': m[0], 'v': m[0, 0, 0]}
+  for i in range(1, 64):
+    expected = {'m': expected['m'] + m[i], 'v': expected['v'] + m[i, 0, 0]}
+  np.testing.assert_array_equal(got['m'], expected['m'])
+  np.testing.assert_array_equal(got['v'], expected['v'])
+  # One row: that row.
+  np.testing.assert_array_equal(types.sum_rows({'v': m[:1]})['v'], m[0])
