@@ -276,3 +276,27 @@ def test_the_main_jobs_figures_recompute_from_its_record():
     with open(os.path.join(folder, 'config.json')) as f:
       assert json.load(f)['rounds'] == rows[-1]['round'] == 20
     _percent(compare.final_accuracy(rows, LAST), text, f'main job {variant}')
+
+
+TRANSFER_RUNS = os.path.join(
+  'docs', 'results', 'transfer100', 'figs', 'runs.json'
+)
+
+
+def test_the_transfer_table_is_table3_of_its_records(monkeypatch):
+  # The README's transfer table is experiments.stitch_figures' table3 of
+  # the records runs.json names (paths relative to the checkout; it names
+  # only finished, archived runs): every row, in order, to the printed
+  # digits.
+  from fedjax_mr.harness import stitch_figures
+
+  monkeypatch.chdir(REPO)
+  runs = stitch_figures.parse_runs(TRANSFER_RUNS)
+  paths = [p for cols in runs.values() for p in cols.values()]
+  assert all(os.path.isdir(p) for p in paths), 'a record is missing'
+  _, text = stitch_figures.accuracy_table(runs, LAST)
+  expected = [line for line in text.splitlines() if line.startswith('|')]
+  lines = _readme().splitlines()
+  assert expected[0] in lines, 'the transfer table is gone from the README'
+  start = lines.index(expected[0])
+  assert lines[start : start + len(expected)] == expected
