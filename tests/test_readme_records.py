@@ -20,10 +20,15 @@ import pytest
 
 from fedjax_mr.harness import compare
 from fedjax_mr.harness import metrics_io
+from fedjax_mr.harness import stitch_figures
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 RECORDS = os.path.join(REPO, 'docs', 'results', 'fmnist_table')
 LAST = 10  # evaluations averaged into a run's final accuracy
+# The transfer table's runs (experiments.stitch_figures --runs).
+TRANSFER_RUNS = os.path.join(
+  'docs', 'results', 'transfer100', 'figs', 'runs.json'
+)
 
 # The results table: its row labels, each a variant of
 # experiments/configs/fmnist_table.flags' comparison.
@@ -278,18 +283,11 @@ def test_the_main_jobs_figures_recompute_from_its_record():
     _percent(compare.final_accuracy(rows, LAST), text, f'main job {variant}')
 
 
-TRANSFER_RUNS = os.path.join(
-  'docs', 'results', 'transfer100', 'figs', 'runs.json'
-)
-
-
 def test_the_transfer_table_is_table3_of_its_records(monkeypatch):
   # The README's transfer table is experiments.stitch_figures' table3 of
   # the records runs.json names (paths relative to the checkout; it names
   # only finished, archived runs): every row, in order, to the printed
   # digits.
-  from fedjax_mr.harness import stitch_figures
-
   monkeypatch.chdir(REPO)
   runs = stitch_figures.parse_runs(TRANSFER_RUNS)
   paths = [p for cols in runs.values() for p in cols.values()]
