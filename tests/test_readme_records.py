@@ -1,5 +1,8 @@
 """Every number of the README's Fashion-MNIST tables comes from a record.
 
+The transfer table, too: it is `experiments.stitch_figures --figure=table3`
+of the records in docs/results/transfer100, as that prints it.
+
 Each cell of the results table and of FedMut's α ablation is recomputed
 from the runs archived in docs/results/fmnist_table (scripts/
 archive_runs.py) as `experiments.compare` computes a table: per seed, the
