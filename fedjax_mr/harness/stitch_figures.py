@@ -571,6 +571,33 @@ def time_curves(
   return out
 
 
+def _panels(
+  curves: Mapping[str, Mapping[str, Any]], legend_width: float, height: float
+) -> tuple[Any, Sequence[Any], dict[str, Any]]:
+  """A figure with one panel per column of `curves` (5.2 inches each,
+  plus `legend_width` for the side legend), and a colour per label."""
+  figure, canvas = plots._matplotlib()
+  cols = list(curves)
+  fig = figure(
+    figsize=(5.2 * len(cols) + legend_width, height), layout='constrained'
+  )
+  canvas(fig)
+  axes = fig.subplots(1, len(cols), squeeze=False)[0]
+  labels = list(dict.fromkeys(lb for c in cols for lb in curves[c]))
+  return fig, axes, dict(zip(labels, plots._colors(len(labels))))
+
+
+def _side_legend(fig: Any, axes: Sequence[Any]) -> None:
+  """One legend for all panels, each label once, right of the axes."""
+  handles, names = [], []
+  for ax in axes:
+    for h, n in zip(*ax.get_legend_handles_labels()):
+      if n not in names:
+        handles.append(h)
+        names.append(n)
+  fig.legend(handles, names, loc='outside right upper', fontsize='small')
+
+
 def time_figure(
   curves: Mapping[str, Mapping[str, Mapping[str, Any]]],
   unit: str = 'minutes',
@@ -578,13 +605,8 @@ def time_figure(
 ) -> Any:
   """Fig. 4: one panel per column, test accuracy (%) against cumulative
   wall time; FedStitch's curve steps up where networks were finished."""
-  figure, canvas = plots._matplotlib()
+  fig, axes, colors = _panels(curves, 2.5, 4.0)
   cols = list(curves)
-  fig = figure(figsize=(5.2 * len(cols) + 2.5, 4.0), layout='constrained')
-  canvas(fig)
-  axes = fig.subplots(1, len(cols), squeeze=False)[0]
-  labels = list(dict.fromkeys(lb for c in cols for lb in curves[c]))
-  colors = dict(zip(labels, plots._colors(len(labels))))
   for ax, col in zip(axes, cols):
     for label, c in curves[col].items():
       t = np.asarray(c['seconds']) / TIME_UNITS[unit]
@@ -604,13 +626,7 @@ def time_figure(
     ax.set_xlabel(f'wall time ({unit})')
     ax.set_ylabel('test accuracy (%)')
     ax.grid(alpha=0.3)
-  handles, names = [], []
-  for ax in axes:
-    for h, n in zip(*ax.get_legend_handles_labels()):
-      if n not in names:
-        handles.append(h)
-        names.append(n)
-  fig.legend(handles, names, loc='outside right upper', fontsize='small')
+  _side_legend(fig, axes)
   fig.suptitle(
     'accuracy against time; round times summed, evaluation '
     + ('included' if include_eval else 'excluded')
@@ -684,13 +700,8 @@ def round_figure(curves: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Any:
   training run (its own read-out), × at the rounds its trunk was probed,
   and a dashed level per FedStitch run (its best network; it trains no
   rounds)."""
-  figure, canvas = plots._matplotlib()
+  fig, axes, colors = _panels(curves, 3.0, 4.4)
   cols = list(curves)
-  fig = figure(figsize=(5.2 * len(cols) + 3.0, 4.4), layout='constrained')
-  canvas(fig)
-  axes = fig.subplots(1, len(cols), squeeze=False)[0]
-  labels = list(dict.fromkeys(lb for c in cols for lb in curves[c]))
-  colors = dict(zip(labels, plots._colors(len(labels))))
   for ax, col in zip(axes, cols):
     for label, c in curves[col].items():
       if c['kind'] == 'stitch':
@@ -719,13 +730,7 @@ def round_figure(curves: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Any:
     ax.set_ylabel('test accuracy (%)')
     ax.set_ylim(bottom=round_axis_floor(curves[col]))
     ax.grid(alpha=0.3)
-  handles, names = [], []
-  for ax in axes:
-    for h, n in zip(*ax.get_legend_handles_labels()):
-      if n not in names:
-        handles.append(h)
-        names.append(n)
-  fig.legend(handles, names, loc='outside right upper', fontsize='small')
+  _side_legend(fig, axes)
   fig.suptitle(
     "test accuracy against round\ndashed: FedStitch's best network; ×: the "
     '5-NN probe on the trunk; early rounds may lie below the axis'
