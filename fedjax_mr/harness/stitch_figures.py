@@ -234,9 +234,7 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
   if kind == 'run':
     rows = metrics_io.read(os.path.join(path, 'metrics.jsonl'))
     config = _json(os.path.join(path, 'config.json')) or {}
-    evaluated = sorted(
-      (r['round'], r['test_accuracy']) for r in rows if 'test_accuracy' in r
-    )
+    evaluated = evaluations(rows)
     accs = [a for _, a in evaluated]
     rounds = max((r['round'] for r in rows), default=0)
     total = config.get('rounds')
@@ -281,6 +279,13 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
     'pool': pool,
     'round': res.get('rounds'),
   }
+
+
+def evaluations(rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, float]]:
+  """`(round, test accuracy)` of a training run's metrics rows, by round
+  (`plots.series`: a repeated round keeps its last row)."""
+  rounds, accs = plots.series(rows, 'test_accuracy')
+  return list(zip(rounds.tolist(), accs.tolist()))
 
 
 def trailing_gain(
@@ -654,9 +659,7 @@ def round_curves(runs: RunSpec) -> dict[str, dict[str, dict[str, Any]]]:
       curve: dict[str, Any] | None = None
       if kind == 'run':
         rows = metrics_io.read(os.path.join(path, 'metrics.jsonl'))
-        evaluated = sorted(
-          (r['round'], r['test_accuracy']) for r in rows if 'test_accuracy' in r
-        )
+        evaluated = evaluations(rows)
         if evaluated:
           curve = {
             'kind': kind,
