@@ -140,11 +140,13 @@ def measure(name: str, data_dir: str, workdir: str) -> dict:
   }
 
 
-def measure_as_the_programs_compile(name, data_dir, workdir) -> dict:
-  """`measure` in a fresh process with XLA's flags as a program has them:
-  the suite compiles with LLVM at -O0 (tests/conftest.py), which rounds
-  some kernels differently, and the recordings hold the bits of the
-  default level."""
+def measure_as_the_programs_compile(names, data_dir, workdir) -> dict:
+  """`measure` of each case in `names` (by name), in one fresh process
+  with XLA's flags as a program has them: the suite compiles with LLVM at
+  -O0 (tests/conftest.py), which rounds some kernels differently, and the
+  recordings hold the bits of the default level. One process for all the
+  cases: a compiled function gives the same bits whichever case compiled
+  it first, and each process start costs seconds."""
   flags = os.environ.get('XLA_FLAGS', '').split()
   env = dict(
     os.environ,
@@ -153,28 +155,41 @@ def measure_as_the_programs_compile(name, data_dir, workdir) -> dict:
     ),
   )
   code = (
-    'import json, sys\n'
+    'import json, os, sys\n'
     'from tests.harness import test_regression as t\n'
-    'print(json.dumps(t.measure(*sys.argv[1:])))\n'
+    'data, work = sys.argv[1:3]\n'
+    'print(json.dumps({n: t.measure(n, data, os.path.join(work, n))\n'
+    '                  for n in sys.argv[3:]}))\n'
   )
   root = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
   proc = subprocess.run(
-    [sys.executable, '-c', code, name, data_dir, workdir],
+    [sys.executable, '-c', code, data_dir, workdir, *names],
     cwd=root,
     env=env,
     capture_output=True,
     text=True,
-    timeout=600,
+    timeout=900,
   )
   assert proc.returncode == 0, proc.stderr
   return json.loads(proc.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize('name', sorted(CASES))
-def test_against_recording(name, small_fmnist_dir, tmp_path):
-  got = measure_as_the_programs_compile(
-    name, str(small_fmnist_dir), str(tmp_path)
+@pytest.fixture(scope='module')
+def measured(request, small_fmnist_dir, tmp_path_factory):
+  """The recording of every case this session runs, made now, by name."""
+  names = sorted({
+    item.callspec.params['name']
+    for item in request.session.items
+    if item.originalname == 'test_against_recording'
+  })
+  return measure_as_the_programs_compile(
+    names, str(small_fmnist_dir), str(tmp_path_factory.mktemp('reg'))
   )
+
+
+@pytest.mark.parametrize('name', sorted(CASES))
+def test_against_recording(name, measured):
+  got = measured[name]
   path = os.path.join(HERE, f'{name}.json')
   mode = os.environ.get('FEDJAX_MR_RECORD')
   if mode:
