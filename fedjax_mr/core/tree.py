@@ -69,7 +69,7 @@ def masked_mean(
     share = w * mask
     total = jnp.sum(share)
     shaped = share.reshape((-1,) + (1,) * (x.ndim - 1))
-    summed = types.sum_rows(shaped * x.astype(jnp.float32))
+    summed = types.sum_clients(shaped * x.astype(jnp.float32))
     mean = summed / jnp.maximum(total, 1e-30)
     return jnp.where(total > 0, mean, g).astype(g.dtype)
 

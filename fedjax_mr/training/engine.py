@@ -269,7 +269,7 @@ def stream_clients(
     if chunk == 1:
       return one(jax.tree.map(lambda a: a[0], x), ok[0])
     part, scalars, state = jax.vmap(one)(x, ok)
-    return jax.tree.map(lambda c: c.sum(axis=0), part), scalars, state
+    return types.sum_clients(part), scalars, state
 
   def split(tree, start, stop, rows):
     return jax.tree.map(
@@ -297,7 +297,7 @@ def stream_clients(
   if rest:
     tail = jax.tree.map(lambda a: a[full * chunk :], (xs, valid))
     part, scalars, state = jax.vmap(one)(*tail)
-    total = _add(total, jax.tree.map(lambda c: c.sum(axis=0), part))
+    total = _add(total, types.sum_clients(part))
     ys = jax.tree.map(
       lambda a, b: jnp.concatenate([a, b]), ys, (scalars, state)
     )

@@ -98,3 +98,13 @@ def test_sum_rows_adds_row_after_row():
   np.testing.assert_array_equal(got['v'], expected['v'])
   # One row: that row.
   np.testing.assert_array_equal(types.sum_rows({'v': m[:1]})['v'], m[0])
+
+
+def test_sum_clients_adds_rows_on_the_cpu_and_reduces_elsewhere(monkeypatch):
+  m = (
+    jax.random.normal(jax.random.key(0), (64, 7))
+    * jnp.logspace(-4, 4, 64)[:, None]
+  )
+  np.testing.assert_array_equal(types.sum_clients(m), types.sum_rows(m))
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  np.testing.assert_array_equal(types.sum_clients(m), m.sum(axis=0))

@@ -63,6 +63,30 @@ def test_streamed_sum_by_hand(chunk):
   np.testing.assert_array_equal(states, [1] * 5)
 
 
+@pytest.mark.parametrize('chunk', [1, 64])
+def test_on_the_cpu_clients_add_up_in_their_order_whatever_the_chunk(chunk):
+  # 64 clients of magnitudes 1e-4 to 1e4, where float32 shows the order
+  # of the additions (XLA's own `sum(axis=0)` of such rows differs from
+  # the loop: tests/core/test_tree.py): one chunk of all 64 adds them one
+  # after another, as 64 chunks of one do (`types.sum_clients`; a vmapped
+  # chunk's reduction was also the slow one on XLA:CPU).
+  assert jax.default_backend() == 'cpu'
+  x = jax.random.normal(jax.random.key(3), (64,)) * jnp.logspace(-4, 4, 64)
+  inputs = (x, *_inputs(64)[1:])
+  sums, _ = engine.stream_clients(
+    _fake_client,
+    lambda out: fedavg.mean_contribution(out, weighted=False),
+    inputs,
+    chunk,
+  )
+  expected = np.float32(0.0)
+  for value in np.asarray(x, np.float32):
+    expected = np.float32(expected + value)
+  np.testing.assert_array_equal(
+    sums.total['models']['params']['w'], [expected] * 3
+  )
+
+
 @pytest.mark.parametrize('chunk', [1, 2, 4])
 def test_invalid_clients_add_nothing(chunk):
   # Clients 1 and 3 are filling entries: they add zeros to the sums but
