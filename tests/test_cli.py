@@ -139,22 +139,32 @@ def test_ctrl_c_before_the_workdir_exists_says_nothing_was_written(
   )
 
 
-def _default_sigint():
-  # A child inherits an ignored SIGINT (a suite started in the background
-  # of a non-interactive shell, as CI may start it), and Python then keeps
-  # ignoring it: Ctrl-C is what these tests send, so restore it.
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _default_sigint(argv):
+  """`argv` started with SIGINT at its default action.
+
+  A child inherits an ignored SIGINT (a suite started in the background
+  of a non-interactive shell, as CI may start it), and Python then keeps
+  ignoring it: Ctrl-C is what these tests send, so restore it. A small
+  Python restores it and then becomes `argv` (exec keeps the default
+  action and the process id), rather than a `preexec_fn`, which would run
+  Python in a child forked from this multithreaded process (JAX warns of
+  deadlocks)."""
+  restore = (
+    'import os, signal, sys\n'
+    'signal.signal(signal.SIGINT, signal.SIG_DFL)\n'
+    'os.execv(sys.argv[1], sys.argv[1:])\n'
+  )
+  return [sys.executable, '-c', restore, *argv]
 
 
 def _assert_interrupted_starting(code):
   """Python running `code` ends as Ctrl-C during start-up does."""
   proc = subprocess.run(
-    [sys.executable, '-c', code],
+    _default_sigint([sys.executable, '-c', code]),
     cwd=REPO,
     capture_output=True,
     text=True,
     timeout=60,
-    preexec_fn=_default_sigint,
   )
   assert (proc.returncode, proc.stderr) == (
     130,
@@ -225,12 +235,13 @@ def test_ctrl_c_while_another_unraisable_is_reported_is_not_lost():
 def test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing(tmp_path):
   workdir = tmp_path / 'run'
   proc = subprocess.Popen(
-    [sys.executable, '-m', 'experiments.run', f'--workdir={workdir}'],
+    _default_sigint(
+      [sys.executable, '-m', 'experiments.run', f'--workdir={workdir}']
+    ),
     cwd=REPO,
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,
-    preexec_fn=_default_sigint,
   )
   time.sleep(1)  # importing, or loading: the workdir comes seconds later
   proc.send_signal(signal.SIGINT)
