@@ -177,11 +177,13 @@ def measure_as_the_programs_compile(names, data_dir, workdir) -> dict:
 @pytest.fixture(scope='module')
 def measured(request, small_fmnist_dir, tmp_path_factory):
   """The recording of every case this session runs, made now, by name."""
-  names = sorted({
-    item.callspec.params['name']
-    for item in request.session.items
-    if item.originalname == 'test_against_recording'
-  })
+  names = sorted(
+    {
+      item.callspec.params['name']
+      for item in request.session.items
+      if item.originalname == 'test_against_recording'
+    }
+  )
   return measure_as_the_programs_compile(
     names, str(small_fmnist_dir), str(tmp_path_factory.mktemp('reg'))
   )

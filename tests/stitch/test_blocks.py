@@ -1,6 +1,5 @@
 """Cutting zoo models into blocks: exact chains, kinds, specs, variables."""
 
-
 import jax
 import jax.numpy as jnp
 import pytest
