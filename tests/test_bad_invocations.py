@@ -472,8 +472,14 @@ BASE = {
 _LOG_LINE = re.compile(r'^[IWEF]\d{4} ')  # absl log lines (not errors)
 
 
-def test_the_table_has_at_least_80_cases():
-  assert sum(len(c) for c in CASES.values()) >= 80
+def test_the_table_has_at_least_80_cases_and_build_md_counts_them():
+  n = sum(len(c) for c in CASES.values())
+  assert n >= 80
+  with open(os.path.join(REPO, 'BUILD.md')) as f:
+    text = ' '.join(f.read().split())
+  words = {9: 'nine', 10: 'ten', 11: 'eleven', 12: 'twelve'}
+  said = f'({n} invocations of {words.get(len(CASES), len(CASES))} programs)'
+  assert said in text, said
 
 
 @pytest.fixture(scope='module')

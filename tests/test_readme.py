@@ -57,3 +57,12 @@ def test_the_readme_says_how_to_install_tensorboard():
   assert any(r.startswith('tensorboard>') for r in extras[extra.group(1)]), (
     extras
   )
+
+
+def test_the_readme_names_every_console_script():
+  import tomllib
+
+  with open(os.path.join(REPO, 'pyproject.toml'), 'rb') as f:
+    scripts = set(tomllib.load(f)['project']['scripts'])
+  named = set(re.findall(r'`(fedjax-mr-[a-z-]+)`', _readme()))
+  assert named == scripts, (scripts - named, named - scripts)
