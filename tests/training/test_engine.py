@@ -83,6 +83,14 @@ def test_train_loss_is_example_weighted_and_steps_exact():
   sizes = np.array([5, 9, 3, 12, 7, 4])
   assert int(m['num_examples']) == sizes.sum()
   assert int(m['num_steps']) == 2 * np.sum(-(-sizes // 4))
+  # The clients' mean losses, weighted by their examples (in the order the
+  # round reports them), which their plain mean is not.
+  n = np.asarray(m['client_examples'], np.float64)
+  loss = np.asarray(m['client_loss'], np.float64)
+  assert sorted(n.tolist()) == sorted(sizes.tolist())
+  weighted = np.sum(n * loss) / n.sum()
+  helpers.assert_close(m['train_loss'], weighted, rtol=1e-6)
+  assert abs(weighted - loss.mean()) > 1e-3 * abs(weighted)
 
 
 def test_evaluate_counts_padding_out():

@@ -37,13 +37,28 @@ def test_sparse_falls_back_when_the_draws_repeat_too_often():
   permutation takes over; every sample is still all five ids."""
   ids = _many(5, 5, draws=300)
   assert all(sorted(row) == [0, 1, 2, 3, 4] for row in ids.tolist())
-  # Both paths ran (the draws as sample_sparse makes them).
+  # Each sample is the one its path gives (the draws and the permutation
+  # from the two halves of its key, as sample_sparse splits it), and both
+  # paths ran.
   keys = jax.random.split(jax.random.key(11), 300)
-  draws = jax.vmap(
-    lambda key: jax.random.randint(jax.random.split(key)[0], (10,), 0, 5)
-  )(keys)
-  complete = [len(set(row)) == 5 for row in np.asarray(draws).tolist()]
-  assert 0 < sum(complete) < 300
+  halves = jax.vmap(jax.random.split)(keys)
+  draws = np.asarray(
+    jax.vmap(lambda k: jax.random.randint(k, (10,), 0, 5))(halves[:, 0])
+  )
+  permuted = np.asarray(
+    jax.vmap(lambda k: jax.random.choice(k, 5, (5,), replace=False))(
+      halves[:, 1]
+    )
+  )
+  complete = 0
+  for row, drawn, perm in zip(ids.tolist(), draws.tolist(), permuted):
+    distinct = list(dict.fromkeys(drawn))  # first of each, in draw order
+    if len(distinct) == 5:
+      complete += 1
+      assert row == distinct, (row, drawn)
+    else:
+      assert row == perm.tolist(), (row, drawn)
+  assert 0 < complete < 300
   for position in range(5):
     counts = np.bincount(ids[:, position], minlength=5)
     assert np.all(np.abs(counts - 60) < 6 * 6.9), counts
