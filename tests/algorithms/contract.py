@@ -229,7 +229,8 @@ def check_algorithm(
   unsharded one.
 
   Returns:
-    The 1-device metrics of every round.
+    The 1-device metrics of every round, with the round's sampled
+    `client_ids`.
   """
   model = model or helpers.linear_bn_model()
   local = local_training(model)
@@ -302,7 +303,7 @@ def check_algorithm(
   for (i1, m1), (i3, m3) in zip(h1, h3):
     np.testing.assert_array_equal(i1, i3)
     helpers.assert_close(m1['train_loss'], m3['train_loss'], rtol=1e-5)
-  return [m for _, m in h1]
+  return [{**m, 'client_ids': i} for i, m in h1]
 
 
 def run_by_hand(

@@ -127,7 +127,7 @@ def test_identity_permutation_is_no_mix():
     stacks.sources(fedmr.permute(x, swap), stacks.ORDER),
     [[0, 1, 2, 3], [1, 0, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]],
   )
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='3 permutations for 4 units'):
     fedmr.permute(x, eye[:3])
 
 
@@ -283,7 +283,7 @@ def test_secure_transform_sees_only_the_mixed_stack_and_counts_bytes():
   )
   expect = 416.0 + np.asarray(plan.layer_transfers) @ stacks.SECURE_SIZES
   assert float(metrics['bytes_communicated']) == expect
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='weighted_global is not available'):
     fedmr.fedmr(contract.LOCAL, K, secure_repeats=1, weighted_global=True)
 
 

@@ -111,11 +111,11 @@ def test_secure_recombine_privacy_bound_determinism_and_errors():
   )
   chex.assert_trees_all_equal(y0, stacks.stack())
   assert len(rec0.sender) == 0
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='max_sent <= number of layers'):
     fedmr_secure.secure_recombine(
       key, stacks.stack(), **(SECURE | {'max_sent': 5})
     )
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='needs 2 clients'):
     fedmr_secure.secure_plan(key, 1, 4, **SECURE)
 
 

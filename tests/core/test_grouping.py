@@ -115,9 +115,9 @@ def test_one_segment_is_the_whole_model_and_too_many_is_one_per_layer():
   assert names(v, grouping.layer_groups(v, num_segments=20)) == [
     [n] for n in MODEL_ORDER
   ]
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='num_segments must be >= 1'):
     grouping.layer_groups(v, num_segments=0)
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='grouping must be one of'):
     grouping.layer_groups(v, grouping='layer')
 
 

@@ -115,7 +115,7 @@ def test_feedback_update():
     s = coordinator.update_time_scale(s, predicted, 12.0, alpha=0.5)
     seen.append(s)
   assert seen == pytest.approx([1.1, 1.15, 1.175])
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match=r'alpha must be in \(0, 1\]'):
     coordinator.update_time_scale(1.0, 1.0, 1.0, alpha=0.0)
 
 
@@ -140,7 +140,7 @@ def test_server_deadline():
     [3.0, 7.5], depth_factor=1.5, pool_factor=0.5
   ) == pytest.approx(5.625)
   assert coordinator.deadline_factors(3, 4, 40, 30) == (4 / 3, 0.75)
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='no completion times'):
     coordinator.server_deadline([])
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='deadline_s must be finite'):
     coordinator.choose_config(CHAINED, float('inf'), base_time_s=1.0)

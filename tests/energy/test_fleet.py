@@ -288,7 +288,7 @@ def test_summarize_counts_missed_deadlines():
 
 
 def test_bad_fleet_arguments():
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='seconds_per_unit must be > 0'):
     _simulated([1.0], seconds_per_unit=0)
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='no simulated devices'):
     fleet.SimulatedBackend([])

@@ -117,7 +117,7 @@ def test_trapezoid():
   assert energy_meter.trapezoid_energy([5], [3]) == 0.0
   with pytest.raises(ValueError, match='backwards'):
     energy_meter.trapezoid_energy([0, 2, 1], [1, 1, 1])
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='2 times but 1 powers'):
     energy_meter.trapezoid_energy([0, 1], [1])
 
 

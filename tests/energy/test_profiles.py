@@ -106,7 +106,7 @@ def test_sweep_configs(tx2):
     ('level2', {'policy0': 2035200, 'policy1': 2035200}, 1300500000),
   ]
   assert profiling.sweep_configs(info, 1)[0].gpu_hz == 1300500000
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match='levels must be >= 1'):
     profiling.sweep_configs(info, 0)
 
 

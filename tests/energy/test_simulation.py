@@ -21,7 +21,7 @@ def test_parse_mix():
     ('tx2_chained', 1.0, 1.0),
   ]
   for bad in ('x:abc', '@2:1', 'x:-1', 'x@0:1', ''):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match='mix'):  # bad entry, or empty
       simulation.parse_mix(bad)
 
 
