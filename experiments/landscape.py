@@ -6,13 +6,15 @@ r"""The 2-D loss landscape around a finished run's global model.
       --extent=0.5 --num_examples=0 --split=train
 
 Reads the run (its config.json and its newest checkpoint, or --round's)
-without writing to it, draws two random directions normalised filter by
-filter (Li et al., NeurIPS 2018) from --seed, and evaluates the loss and
-accuracy of w + a·d1 + b·d2 on a --steps × --steps grid of (a, b) in
-[-extent, extent]², on --num_examples examples of the --split (a seeded
-subset; 0: all). Writes `<output>/landscape.json` (the grid) and
-`<output>/landscape.png` (contours of the loss and the accuracy, the model
-at the centre). The output folder is locked while the program runs.
+without changing its records (the output goes to --output, by default a
+new `landscape` folder inside the run's), draws two random directions
+normalised filter by filter (Li et al., NeurIPS 2018) from --seed, and
+evaluates the loss and accuracy of w + a·d1 + b·d2 on a --steps ×
+--steps grid of (a, b) in [-extent, extent]², on --num_examples examples
+of the --split (a seeded subset; 0: all). Writes
+`<output>/landscape.json` (the grid) and `<output>/landscape.png`
+(contours of the loss and the accuracy, the model at the centre). The
+output folder is locked while the program runs.
 """
 
 from __future__ import annotations

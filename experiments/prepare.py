@@ -5,10 +5,12 @@ r"""Downloads and prepares the papers' datasets, where the runs read them.
   fedjax-mr-prepare --datasets=cifar10                # installed
 
 On a machine with internet access. Without --data_dir, each dataset goes
-where the loader and the bundled configs look by default: the tfds
-datasets (cifar10, cifar100, emnist) to tensorflow-datasets' data dir
-(~/tensorflow_datasets), FEMNIST and Shakespeare to data/leaf/<name>/data
-and CINIC-10 to data/cinic10 (in the working folder); with --data_dir=D,
+where the bundled configs look: the tfds datasets (cifar10, cifar100,
+emnist) to tensorflow-datasets' data dir (~/tensorflow_datasets), where
+the loader looks by default, FEMNIST and Shakespeare to
+data/leaf/<name>/data (the configs' --data_dir), and CINIC-10, which no
+bundled config uses, to data/cinic10 (runs pass --data_dir=data/cinic10;
+all in the working folder); with --data_dir=D,
 all under D (tfds's in D itself). A dataset already prepared is skipped;
 the end lists where each one is, its size and the --data_dir its runs
 take. Preparing a tfds dataset needs TensorFlow (`pip install

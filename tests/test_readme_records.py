@@ -301,3 +301,22 @@ def test_the_transfer_table_is_table3_of_its_records(monkeypatch):
   assert expected[0] in lines, 'the transfer table is gone from the README'
   start = lines.index(expected[0])
   assert lines[start : start + len(expected)] == expected
+
+
+def test_docs_results_readme_describes_every_folder():
+  """docs/results/README.md names each folder of records (and those under
+  scale/ and transfer/), so none is there without its description."""
+  root = os.path.join(REPO, 'docs', 'results')
+  with open(os.path.join(root, 'README.md')) as f:
+    text = f.read()
+  wanted = []
+  for name in sorted(os.listdir(root)):
+    if os.path.isdir(os.path.join(root, name)):
+      wanted.append(f'`{name}/')
+      if name in ('scale', 'transfer'):
+        for sub in sorted(os.listdir(os.path.join(root, name))):
+          if os.path.isdir(os.path.join(root, name, sub)):
+            pattern = '<iid or dir0.1>' if sub in ('iid', 'dir0.1') else sub
+            wanted.append(f'`{name}/{pattern}/')
+  missing = [w for w in wanted if w not in text]
+  assert not missing, missing
