@@ -594,7 +594,7 @@ def test_bad_invocations(program, tmp_path, bad_data, request):
   assert proc.returncode == 0, proc.stderr[-3000:]
   results = json.loads(proc.stdout.strip().splitlines()[-1])
   problems = []
-  for (argv, fragment), r in zip(CASES[program], results):
+  for (argv, fragment), r in zip(CASES[program], results, strict=True):
     lines = [
       x
       for x in r['stderr'].splitlines()

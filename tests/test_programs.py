@@ -1,6 +1,5 @@
 """The benchmark and experiment programs print figures, reject bad input."""
 
-import math
 import re
 
 import pytest
@@ -111,8 +110,7 @@ def test_benchmark_synthetic_prints_the_overhead():
   )
   assert line, out
   round_s, steps, limit_s = map(float, line.groups())
-  assert math.isfinite(round_s) and round_s >= 0 and steps >= 4
-  assert math.isfinite(limit_s) and limit_s >= 0
+  assert round_s > 0 and limit_s > 0 and steps >= 4
   lines = out.splitlines()
   assert re.match(_OVERHEAD, lines[-3]), out
   assert lines[-2].startswith('evaluation share: ')

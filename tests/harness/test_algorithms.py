@@ -62,9 +62,11 @@ def test_crash_and_resume_equals_uninterrupted(small_config, tmp_path, changes):
   cfg = dataclasses.replace(small_config, **changes)
   ref = experiment.train_and_evaluate(cfg, str(tmp_path / 'ref'), log=_quiet)
   work = str(tmp_path / 'crashed')
-  with pytest.raises(RuntimeError):
+  with pytest.raises(RuntimeError, match='^crash$'):
     experiment.train_and_evaluate(cfg, work, log=_quiet, on_round=_crash_at(2))
-  res = experiment.train_and_evaluate(cfg, work, log=_quiet)
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert lines[0] == f'resuming {work} after round 2'
   helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
   assert _no_times(res.history) == _no_times(ref.history)
   # The K models really differ (recombined or mutated), and the global
@@ -111,9 +113,11 @@ def test_single_model_algorithms_resume_exactly(
   cfg = dataclasses.replace(small_config, algorithm=algorithm)
   ref = experiment.train_and_evaluate(cfg, str(tmp_path / 'ref'), log=_quiet)
   work = str(tmp_path / 'crashed')
-  with pytest.raises(RuntimeError):
+  with pytest.raises(RuntimeError, match='^crash$'):
     experiment.train_and_evaluate(cfg, work, log=_quiet, on_round=_crash_at(2))
-  res = experiment.train_and_evaluate(cfg, work, log=_quiet)
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert lines[0] == f'resuming {work} after round 2'
   helpers.tree_equal(jax.device_get(res.state), jax.device_get(ref.state))
   assert _no_times(res.history) == _no_times(ref.history)
   assert ref.history[-1]['test_accuracy'] > 0.1

@@ -164,11 +164,10 @@ def test_default_chunk_is_one_on_cpu_and_bounded_on_accelerators():
 def test_default_chunk_vmaps_a_tiny_model_on_cpu():
   # Synthetic's logistic regression (610 parameters), up to the clients a
   # device has; the bound is at the threshold; accelerators ignore it.
-  tiny = distributed.TINY_MODEL_PARAMS
-  chunk = distributed.TINY_MODEL_CHUNK
-  assert distributed.default_chunk('cpu', 10_000, 610) == chunk
-  assert distributed.default_chunk('cpu', 10_000, tiny) == chunk
-  assert distributed.default_chunk('cpu', 10_000, tiny + 1) == 1
+  # (BUILD.md and the --client_chunk help say 8 and 1,000.)
+  assert distributed.default_chunk('cpu', 10_000, 610) == 8
+  assert distributed.default_chunk('cpu', 10_000, 1_000) == 8
+  assert distributed.default_chunk('cpu', 10_000, 1_001) == 1
   assert distributed.default_chunk('cpu', 3, 610) == 3
   assert distributed.default_chunk('gpu', 300, 610) == 300
 

@@ -168,8 +168,13 @@ def test_energy_mix_replays_the_sampled_clients(small_config, tmp_path):
     )
   # The first round has no previous round to set a deadline from.
   assert [r['deadline_s'] is None for r in e['rounds']] == [True, False, False]
+  # tx2_literal's default (fastest) config is also its cheapest per unit of
+  # work: above the 1.9 W idle, (8.55 - 1.9) W / 1.38 = 4.82 J a second of
+  # config-1 work, against 5.6 and 6.18 J for the others: nothing to save.
+  # Half the chained devices at half speed leave slack to slow the others.
+  assert energy[mixes[0]]['energy_saving'] == 0.0
+  assert 0.01 < energy[mixes[1]]['energy_saving'] < 1
   for mix in mixes:
-    assert 0 <= energy[mix]['energy_saving'] < 1
     assert any(
       line.startswith(f'energy, {mix}: coordinator saves') for line in lines
     )
@@ -310,7 +315,7 @@ def test_tensorboard_events_match_metrics_across_a_resume(
 ):
   cfg = dataclasses.replace(small_config, rounds=4, checkpoint_every=2)
   work = str(tmp_path / 'w')
-  with pytest.raises(RuntimeError):  # after round 3; checkpoint of round 2
+  with pytest.raises(RuntimeError, match='^x$'):  # after round 3; ckpt 2
     experiment.train_and_evaluate(
       cfg, work, log=_quiet, on_round=_interrupt_at(3, RuntimeError('x'))
     )
