@@ -99,7 +99,7 @@ def test_the_first_round_runs_at_the_highest_frequency():
 
 def test_a_failing_client_is_not_recorded():
   rnd = _simulated([1.0]).start_round([], depth=1, pool_size=4)
-  with pytest.raises(RuntimeError):
+  with pytest.raises(RuntimeError, match='^scoring failed$'):
     with rnd.client(0, 10):
       raise RuntimeError('scoring failed')
   assert rnd.record()['clients'] == []
