@@ -61,11 +61,13 @@ the transfer setting):
   (results.json). Same commands as table3.
 
 * `acc_vs_round`: the training budgets behind table3: each training
-  run's test accuracy (its own head) against round, × where
-  experiments.probe read its trunk, and each FedStitch run's best network
-  as a dashed level. table3 gives every training run's rounds and the
-  trailing gain of its last-`--last` mean over 20 rounds (under 0.2
-  points: it has stopped rising). Same commands as table3.
+  run's test accuracy (its own head) against round, faint at every
+  evaluation and solid as the mean of its last `--last` evaluations
+  (table3's figure at its last round), × where experiments.probe read its
+  trunk, and each FedStitch run's best network as a dashed level. table3
+  gives every training run's rounds and the trailing gain of that mean
+  over 20 rounds (under 0.2 points: it has stopped rising). Same commands
+  as table3.
 
 * `memory` (Fig. 5): client memory in one round, measured from XLA's
   buffer assignment (`budgets.step_memory_bytes`, nothing runs).
@@ -145,7 +147,10 @@ _RUNS = flags.DEFINE_string(
   "'run'), or a JSON file {label: {column: path}}. All figures but memory.",
 )
 _LAST = flags.DEFINE_integer(
-  'last', 10, 'table3: training runs average their last this many evaluations.'
+  'last',
+  10,
+  'table3 and acc_vs_round: training runs average their last this many '
+  'evaluations.',
 )
 _TIME_UNIT = flags.DEFINE_enum(
   'time_unit',
@@ -231,10 +236,10 @@ def _main(figures, errors) -> None:
   if name == 'memory':
     _memory(figures, errors, out)
     return
+  if name in ('table3', 'acc_vs_round') and _LAST.value < 1:
+    cli.fail(f'--last must be ≥ 1, got {_LAST.value}')
   runs = _runs(figures)
   if name == 'table3':
-    if _LAST.value < 1:
-      cli.fail(f'--last must be ≥ 1, got {_LAST.value}')
     data, text = figures.accuracy_table(runs, _LAST.value)
     print(text, end='')
     _print_written(figures.write(out, name, data, text))
@@ -261,14 +266,15 @@ def _main(figures, errors) -> None:
     }
     _print_written(figures.write(out, name, data, None, fig))
   elif name == 'acc_vs_round':
-    curves = figures.round_curves(runs)
+    curves = figures.round_curves(runs, _LAST.value)
     if not curves:
       cli.fail(
         '--runs: no workdir has points yet (training runs need evaluated '
         'rounds in metrics.jsonl, FedStitch runs their results.json)'
       )
-    fig = figures.round_figure(curves)
-    _print_written(figures.write(out, name, {'curves': curves}, None, fig))
+    fig = figures.round_figure(curves, _LAST.value)
+    data = {'last': _LAST.value, 'curves': curves}
+    _print_written(figures.write(out, name, data, None, fig))
   elif name == 'search_space':
     data = figures.search_space(runs)
     if not data:

@@ -288,6 +288,20 @@ def evaluations(rows: Sequence[Mapping[str, Any]]) -> list[tuple[int, float]]:
   return list(zip(rounds.tolist(), accs.tolist()))
 
 
+def trailing_means(
+  accuracies: Sequence[float], window: int = 10
+) -> list[float]:
+  """At each evaluation, the mean of the last `window` evaluations up to it
+  (all of them while fewer were made): the figure table3 reads at a run's
+  last round, drawn at every round."""
+  if window < 1:
+    raise ValueError(f'window must be ≥ 1, got {window}')
+  sums = np.concatenate([[0.0], np.cumsum(np.asarray(accuracies, float))])
+  ends = np.arange(1, len(accuracies) + 1)
+  starts = np.maximum(ends - window, 0)
+  return ((sums[ends] - sums[starts]) / (ends - starts)).tolist()
+
+
 def trailing_gain(
   evaluated: Sequence[tuple[int, float]],
   window: int = 10,
@@ -642,12 +656,15 @@ def time_figure(
 # --- Accuracy against round (the training budgets) --------------------------
 
 
-def round_curves(runs: RunSpec) -> dict[str, dict[str, dict[str, Any]]]:
+def round_curves(
+  runs: RunSpec, last: int = 10
+) -> dict[str, dict[str, dict[str, Any]]]:
   """{column: {label: curve}} of every workdir with something to draw.
 
   A training run: {'kind': 'run', 'path', 'round', 'accuracy' (its own
-  read-out per evaluated round), 'gain' (`trailing_gain` over its last 10
-  evaluations)} and, once experiments.probe read it, 'probe_round' and
+  read-out per evaluated round), 'mean' (`trailing_means` of the last
+  `last` evaluations at each of them), 'gain' (`trailing_gain` of that
+  mean)} and, once experiments.probe read it, 'probe_round' and
   'probe_accuracy' (the 5-NN probe on the trunk). A finished stitch run,
   which trains no rounds: {'kind': 'stitch', 'path', 'level' (its best
   network's accuracy)}. Pool models and unfinished stitch runs are left out.
@@ -666,7 +683,8 @@ def round_curves(runs: RunSpec) -> dict[str, dict[str, dict[str, Any]]]:
             'path': path,
             'round': [r for r, _ in evaluated],
             'accuracy': [a for _, a in evaluated],
-            'gain': trailing_gain(evaluated),
+            'mean': trailing_means([a for _, a in evaluated], last),
+            'gain': trailing_gain(evaluated, last),
           }
           probe = _json(os.path.join(path, PROBE_FILE))
           if isinstance(probe, dict) and probe.get('rounds'):
@@ -684,26 +702,31 @@ def round_curves(runs: RunSpec) -> dict[str, dict[str, dict[str, Any]]]:
 
 def round_axis_floor(curves: Mapping[str, Mapping[str, Any]]) -> float:
   """The y axis's floor (%) of one panel of `round_figure`: 1 point below
-  the lowest accuracy after each training run's first tenth of rounds (the
-  start from the pool's or a random head would squash the rest), the
-  FedStitch levels and the probe points included."""
+  the lowest trailing mean after each training run's first fifth of
+  evaluations (the start from the pool's or a random head would squash the
+  rest; single rounds, drawn faint, may dip below), the FedStitch levels
+  and the probe points included."""
   low = []
   for c in curves.values():
     if c['kind'] == 'stitch':
       low.append(c['level'])
       continue
-    accs = c['accuracy']
-    low.append(min(accs[len(accs) // 10 :]))
+    means = c['mean']
+    low.append(min(means[len(means) // 5 :]))
     low.extend(c.get('probe_accuracy') or [])
   return 100 * min(low) - 1.0
 
 
-def round_figure(curves: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Any:
-  """Test accuracy (%) against round, one panel per column: a line per
-  training run (its own read-out), × at the rounds its trunk was probed,
-  and a dashed level per FedStitch run (its best network; it trains no
-  rounds)."""
-  fig, axes, colors = _panels(curves, 3.0, 4.4)
+def round_figure(
+  curves: Mapping[str, Mapping[str, Mapping[str, Any]]], last: int = 10
+) -> Any:
+  """Test accuracy (%) against round, one panel per column: per training
+  run (its own read-out) a faint line of every evaluation and a solid one
+  of their `round_curves` mean (of the last `last` evaluations: table3's
+  figure at the run's last round), ×
+  at the rounds its trunk was probed, and a dashed level per FedStitch run
+  (its best network; it trains no rounds)."""
+  fig, axes, colors = _panels(curves, 3.0, 4.8)
   cols = list(curves)
   for ax, col in zip(axes, cols):
     for label, c in curves[col].items():
@@ -716,7 +739,14 @@ def round_figure(curves: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Any:
         c['round'],
         100 * np.asarray(c['accuracy']),
         color=colors[label],
-        lw=1.1,
+        lw=0.6,
+        alpha=0.3,
+      )
+      ax.plot(
+        c['round'],
+        100 * np.asarray(c['mean']),
+        color=colors[label],
+        lw=1.4,
         label=label,
       )
       if c.get('probe_round'):
@@ -735,8 +765,9 @@ def round_figure(curves: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Any:
     ax.grid(alpha=0.3)
   _side_legend(fig, axes)
   fig.suptitle(
-    "test accuracy against round\ndashed: FedStitch's best network; ×: the "
-    '5-NN probe on the trunk; early rounds may lie below the axis'
+    f'test accuracy against round\nsolid: mean of the last {last} evaluations '
+    "(the table's figure); faint: each evaluation\ndashed: FedStitch's best "
+    'network; ×: the 5-NN probe on the trunk'
   )
   return fig
 

@@ -244,6 +244,10 @@ def results(dirs, tmp_path_factory):
       ['--figure=table3', f'--runs=x:{d["r"]}', '--last=0', S],
       '--last',
     ),
+    'last_round': (
+      ['--figure=acc_vs_round', f'--runs=x:{d["r"]}', '--last=0', S],
+      '--last',
+    ),
     'two_runs': (
       ['--figure=rank_vs_classes', f'--runs=x:{d["a"]};y:{d["b"]}', S],
       '--runs',
@@ -416,13 +420,28 @@ def test_acc_vs_round_curves(results):
   assert fedavg['round'] == list(range(1, 13))
   assert fedavg['gain'] is None  # 12 rounds: no mean 20 rounds back
   assert data['noniid']['FedAvg']['accuracy'] == [0.1, 0.3]
+  # The solid line: the mean of the last 10 (here all) evaluations so far.
+  assert data['noniid']['FedAvg']['mean'] == pytest.approx([0.1, 0.2])
+  assert fedavg['mean'][-1] == pytest.approx(np.mean(fedavg['accuracy'][-10:]))
+  assert _load(out['acc_round'], 'acc_vs_round.json')['last'] == 10
   assert os.path.getsize(os.path.join(out['acc_round'], 'acc_vs_round.png'))
 
 
-def test_round_axis_floor_leaves_out_each_runs_first_tenth():
-  # 20 evaluations: the first two (0.1, 0.3) are below the axis; the
-  # lowest of the rest is 0.8, the probe's 0.75 and FedStitch's 0.85 count.
-  run = {'kind': 'run', 'accuracy': [0.1, 0.3] + [0.8] * 8 + [0.9] * 10}
+def test_trailing_means_by_hand():
+  # Window 3 over 1, 2, 3, 4, 8: 1, 1.5, 2, 3, 5.
+  means = figures.trailing_means([1, 2, 3, 4, 8], window=3)
+  assert means == pytest.approx([1, 1.5, 2, 3, 5])
+  assert figures.trailing_means([0.4, 0.6], window=1) == [0.4, 0.6]
+  with pytest.raises(ValueError, match='window must be ≥ 1, got 0'):
+    figures.trailing_means([0.5], window=0)
+
+
+def test_round_axis_floor_leaves_out_each_runs_first_fifth():
+  # 20 trailing means: the first four (0.1, 0.3, 0.2, 0.5) are below the
+  # axis, the lowest of the rest is 0.8; the probe's 0.75 and FedStitch's
+  # 0.85 count; single evaluations ('accuracy') do not.
+  means = [0.1, 0.3, 0.2, 0.5] + [0.8] * 6 + [0.9] * 10
+  run = {'kind': 'run', 'accuracy': [0.0] * 20, 'mean': means}
   stitch = {'kind': 'stitch', 'level': 0.85}
   assert figures.round_axis_floor({'r': run, 's': stitch}) == pytest.approx(79)
   run['probe_accuracy'] = [0.75]
