@@ -723,9 +723,9 @@ def round_figure(
   """Test accuracy (%) against round, one panel per column: per training
   run (its own read-out) a faint line of every evaluation and a solid one
   of their `round_curves` mean (of the last `last` evaluations: table3's
-  figure at the run's last round), ×
-  at the rounds its trunk was probed, and a dashed level per FedStitch run
-  (its best network; it trains no rounds)."""
+  figure at the run's last round), × at the rounds its trunk was probed,
+  and a dashed level per FedStitch run (its best network; it trains no
+  rounds)."""
   fig, axes, colors = _panels(curves, 3.0, 4.8)
   cols = list(curves)
   for ax, col in zip(axes, cols):
