@@ -678,12 +678,13 @@ def round_curves(
         rows = metrics_io.read(os.path.join(path, 'metrics.jsonl'))
         evaluated = evaluations(rows)
         if evaluated:
+          accs = [a for _, a in evaluated]
           curve = {
             'kind': kind,
             'path': path,
             'round': [r for r, _ in evaluated],
-            'accuracy': [a for _, a in evaluated],
-            'mean': trailing_means([a for _, a in evaluated], last),
+            'accuracy': accs,
+            'mean': trailing_means(accs, last),
             'gain': trailing_gain(evaluated, last),
           }
           probe = _json(os.path.join(path, PROBE_FILE))
