@@ -15,10 +15,11 @@ model (checked against its digest), applies the probe to the input of its
 end block (its classifier) on the same reference examples (from the
 `--pool`'s public split; default: the pool of the run's `--init_from`
 model) and the same test images, prints each round's accuracy beside the
-head's and their mean, and writes `<workdir>/probe.json`
-(`fedjax_mr.harness.probe`). `experiments.stitch_figures --figure=table3`
-shows that mean beside the head's. Nothing is written before every input
-is checked and every round probed.
+head's (for DepthFL's multi-exit model also each exit's alone) and their
+means, and writes `<workdir>/probe.json` (`fedjax_mr.harness.probe`).
+`experiments.stitch_figures --figure=table3` shows the probe's mean
+beside the head's. Nothing is written before every input is checked and
+every round probed.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main(argv) -> None:
       if record['head_mean'] is None
       else f' (own head {100 * record["head_mean"]:.2f} %)'
     )
+    + probe.exits_text(record['exit_mean'])
   )
   cli.log(f'wrote {os.path.join(_WORKDIR.value, probe.PROBE_FILE)}')
 

@@ -204,12 +204,47 @@ def kept_rounds(workdir: str, config: config_lib.ExperimentConfig) -> list:
   return rounds
 
 
+ExitReader = Callable[[types.Variables, ProbeData], list]
+
+
+def exit_reader(
+  model: model_lib.Model, batch_size: int = 500
+) -> ExitReader | None:
+  """For DepthFL's multi-exit ResNet-18, a function of `(variables, data)`
+  giving each exit's own test accuracy on `data`'s test examples,
+  shallowest exit first (the model's head averages their logits); None
+  for a model with one classifier. Compiled once for every round read."""
+  if model.name != _MULTI_EXIT:
+    return None
+  apply = jax.jit(
+    lambda v, x: model.module.apply(v, x, train=False, all_exits=True)
+  )
+
+  def read(variables: types.Variables, data: ProbeData) -> list:
+    variables = jax.device_get(variables)
+    correct = 0
+    for start in range(0, len(data.y_test), batch_size):
+      stop = start + batch_size
+      x = data.x_test[start:stop].astype(np.float32)
+      logits = np.asarray(apply(variables, x * data.scale + data.shift))
+      hits = logits.argmax(-1) == np.asarray(data.y_test[start:stop])[:, None]
+      correct = correct + hits.sum(0)
+    return [float(c) / len(data.y_test) for c in correct]
+
+  return read
+
+
 def probe_round(
-  exp: build.Experiment, workdir: str, round_index: int, data: ProbeData
+  exp: build.Experiment,
+  workdir: str,
+  round_index: int,
+  data: ProbeData,
+  exits: ExitReader | None = None,
 ) -> dict[str, Any]:
-  """`{'round', 'knn', 'head', 'features'}` of one kept checkpoint: the
-  probe's accuracy, the head's recorded test accuracy (None if not
-  evaluated that round), the trunk's feature width."""
+  """`{'round', 'knn', 'head', 'features', 'exits'}` of one kept
+  checkpoint: the probe's accuracy, the head's recorded test accuracy
+  (None if not evaluated that round), the trunk's feature width, and
+  `exits(variables, data)` (None without `exits`)."""
   run = experiment.restore_run(workdir, exp, round_index)
   variables = types.evaluated_model(exp.algorithm, run.state.server)
   net = trunk(exp.model, variables)
@@ -229,6 +264,7 @@ def probe_round(
     'knn': acc,
     'head': row.get('test_accuracy'),
     'features': int(np.prod(net.out_spec)),
+    'exits': None if exits is None else exits(variables, data),
   }
 
 
@@ -278,9 +314,10 @@ def probe(
   pool = pool_of(config, pool)
   data = probe_data(config, pool, knn_reference)
   exp = experiment.setup(config)
+  exits = exit_reader(exp.model)
   rows = []
   for r in rounds:
-    rows.append(probe_round(exp, workdir, r, data))
+    rows.append(probe_round(exp, workdir, r, data, exits))
     log(round_line(rows[-1]))
   record = make_record(workdir, config, pool, data, knn_reference, rows)
   with workdir_lib.acquire(workdir):
@@ -294,7 +331,15 @@ def round_line(row: dict[str, Any]) -> str:
     f'round {row["round"]}: {K}-NN on the trunk ({row["features"]:,} '
     f'features) {100 * row["knn"]:.2f} %'
     + ('' if head is None else f', own head {100 * head:.2f} %')
+    + exits_text(row['exits'])
   )
+
+
+def exits_text(exits: list | None) -> str:
+  """', exits a/b/c/d %' (each exit alone, shallowest first), or ''."""
+  if exits is None:
+    return ''
+  return ', exits ' + '/'.join(f'{100 * a:.2f}' for a in exits) + ' %'
 
 
 def make_record(
@@ -307,6 +352,8 @@ def make_record(
 ) -> dict[str, Any]:
   """What probe.json holds."""
   heads = [r['head'] for r in rows if r['head'] is not None]
+  exits = [r['exits'] for r in rows]
+  multi = exits[0] is not None
   return {
     'workdir': os.path.abspath(workdir),
     'algorithm': config.algorithm,
@@ -325,5 +372,9 @@ def make_record(
     'head_accuracy': [r['head'] for r in rows],
     'mean': float(np.mean([r['knn'] for r in rows])),
     'head_mean': float(np.mean(heads)) if heads else None,
+    # A multi-exit model's exits read alone, per round and their means
+    # over the rounds, shallowest exit first (None: one classifier).
+    'exit_accuracy': exits if multi else None,
+    'exit_mean': np.mean(exits, axis=0).tolist() if multi else None,
     'source': provenance.source_commit(),
   }

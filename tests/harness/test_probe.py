@@ -92,6 +92,9 @@ def test_the_probe_is_a_plain_knn_on_the_trunk_of_each_kept_round(tiny):
     json.loads(x) for x in open(os.path.join(tiny['run'], 'metrics.jsonl'))
   ]
   assert rec['head_accuracy'] == [r['test_accuracy'] for r in rows[1:]]
+  # One classifier: no exits to read alone.
+  assert rec['exit_accuracy'] is None and rec['exit_mean'] is None
+  assert 'exits' not in lines[0]
   # The reference: the first 120 public examples of classes 5-9, relabelled.
   ds = datasets.load('fashion_mnist', tiny['data_dir'])
   ref = [i for i in range(600) if ds.y_train[i] >= 5][:REFERENCE]
@@ -175,6 +178,37 @@ def test_resnet18_w16_and_its_multi_exit_version_read_the_last_stage_map():
     lambda v, x: small.module.apply(v, x, train=False, all_exits=True)
   )(small_vars, x)
   helpers.assert_close(logits, every[:, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_each_exit_of_a_multi_exit_model_is_read_alone():
+  # A small multi-exit ResNet-18 on 8 x 8 inputs, random weights: each
+  # exit's accuracy is the share of test examples whose own logits (the
+  # model applied to one example at a time, a plain loop) put the label
+  # first; batches of 4 over 10 examples end in a short one.
+  model = multi_exit.resnet18(5, (8, 8, 1), widths=(2, 4, 4, 4))
+  variables = _random_like(jax.eval_shape(model.init, jax.random.key(0)))
+  rng = np.random.default_rng(0)
+  x = rng.integers(0, 256, (10, 8, 8, 1)).astype(np.uint8)
+  y = rng.integers(0, 5, 10)
+  data = probe.ProbeData(x[:0], y[:0], x, y, 1 / 255, -0.5)
+  got = probe.exit_reader(model, batch_size=4)(variables, data)
+  one = jax.jit(
+    lambda v, x: model.module.apply(v, x, train=False, all_exits=True)
+  )
+  hits = np.zeros(4)
+  for xi, yi in zip(x, y):
+    z = np.asarray(one(variables, xi[None].astype(np.float32) / 255 - 0.5))
+    hits += z[0].argmax(-1) == yi
+  assert len(got) == 4
+  helpers.assert_close(got, hits / 10, atol=1e-12)
+  assert (
+    probe.exits_text(got)
+    == ', exits ' + '/'.join(f'{10 * h:.2f}' for h in hits) + ' %'
+  )
+  # The zoo ResNet-18 has one classifier: nothing to read.
+  assert (
+    probe.exit_reader(model_lib.get('resnet18_w16', 5, (28, 28, 1))) is None
+  )
 
 
 def test_an_unfinished_or_damaged_run_is_refused_and_nothing_written(
