@@ -13,9 +13,9 @@ from fedjax_mr.training import engine
 from tests import helpers
 from tests.algorithms import contract
 
-# The engine calls these inside its jitted round; compiled whole here too
-# (op by op, each new shape compiles every operation: the cosine case took
-# 24 s so, 6 s compiled whole, on the 2-core Intel).
+# The engine calls these inside its jitted round; compiled whole here too.
+# Op by op, every operation compiles again for each new shape: the cosine
+# case took 24 s so, 6 s compiled whole (the 2-core Intel).
 _size_distributions = jax.jit(clusamp.size_distributions, static_argnums=1)
 _distances = jax.jit(clusamp.distances, static_argnums=1)
 _ward_clusters = jax.jit(clusamp.ward_clusters)

@@ -180,30 +180,59 @@ def test_resnet18_w16_and_its_multi_exit_version_read_the_last_stage_map():
   helpers.assert_close(logits, every[:, -1], rtol=1e-5, atol=1e-5)
 
 
+def _neutral_batch_norm(shapes, seed):
+  """Normal weights, BatchNorm as the identity and zero biases: random
+  biases and statistics make a tiny network's exits predict one class
+  for every input."""
+  rng = np.random.default_rng(seed)
+
+  def fill(path, s):
+    name = jax.tree_util.keystr(path)
+    if "'var'" in name or "'scale'" in name:
+      return np.ones(s.shape, s.dtype)
+    if "'mean'" in name or "'bias'" in name:
+      return np.zeros(s.shape, s.dtype)
+    return rng.standard_normal(s.shape).astype(s.dtype)
+
+  return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
 def test_each_exit_of_a_multi_exit_model_is_read_alone():
-  # A small multi-exit ResNet-18 on 8 x 8 inputs, random weights: each
-  # exit's accuracy is the share of test examples whose own logits (the
-  # model applied to one example at a time, a plain loop) put the label
-  # first; batches of 4 over 10 examples end in a short one.
+  # A small multi-exit ResNet-18 on 8 x 8 images of a bright row and a
+  # grey column: each exit's accuracy is the share of test examples whose
+  # own logits (the model applied to one example at a time, a plain loop)
+  # put the label first; batches of 4 over 10 examples end in a short one.
   model = multi_exit.resnet18(5, (8, 8, 1), widths=(2, 4, 4, 4))
-  variables = _random_like(jax.eval_shape(model.init, jax.random.key(0)))
+  variables = _neutral_batch_norm(
+    jax.eval_shape(model.init, jax.random.key(0)), seed=1
+  )
   rng = np.random.default_rng(0)
-  x = rng.integers(0, 256, (10, 8, 8, 1)).astype(np.uint8)
-  y = rng.integers(0, 5, 10)
-  data = probe.ProbeData(x[:0], y[:0], x, y, 1 / 255, -0.5)
-  got = probe.exit_reader(model, batch_size=4)(variables, data)
+  x = np.zeros((10, 8, 8, 1), np.uint8)
+  for i in range(10):
+    row, col = rng.integers(0, 8, 2)
+    x[i, row, :, 0] = 255
+    x[i, :, col, 0] = 128
   one = jax.jit(
     lambda v, x: model.module.apply(v, x, train=False, all_exits=True)
   )
-  hits = np.zeros(4)
-  for xi, yi in zip(x, y):
-    z = np.asarray(one(variables, xi[None].astype(np.float32) / 255 - 0.5))
-    hits += z[0].argmax(-1) == yi
-  assert len(got) == 4
-  helpers.assert_close(got, hits / 10, atol=1e-12)
+  pred = np.stack(
+    [
+      np.asarray(one(variables, xi[None] / np.float32(255) - 0.5))[0]
+      for xi in x
+    ]
+  ).argmax(-1)  # [10 examples, 4 exits]
+  # An exit that tells these examples apart, so that a pairing of logits
+  # and labels that slips shows; labelled as it predicts on 7 of them.
+  e = int(np.argmax([len(set(p)) for p in pred.T]))
+  assert len(set(pred[:, e])) > 1, pred
+  y = np.where(np.arange(10) < 7, pred[:, e], (pred[:, e] + 1) % 5)
+  data = probe.ProbeData(x[:0], y[:0], x, y, 1 / 255, -0.5)
+  got = probe.exit_reader(model, batch_size=4)(variables, data)
+  assert got[e] == 0.7
+  helpers.assert_close(got, (pred == y[:, None]).mean(0), atol=1e-12)
   assert (
     probe.exits_text(got)
-    == ', exits ' + '/'.join(f'{10 * h:.2f}' for h in hits) + ' %'
+    == ', exits ' + '/'.join(f'{100 * a:.2f}' for a in got) + ' %'
   )
   # The zoo ResNet-18 has one classifier: nothing to read.
   assert (
