@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import textwrap
 from typing import Any
 from typing import Mapping
@@ -223,8 +224,34 @@ def curves_figure(runs: Runs, title: str = '') -> Any:
   _legend(fig, axes, runs, curves, colors)
   lines = [line for line in (title, '; '.join(_notes(curves, cut))) if line]
   if lines:
-    fig.suptitle('\n'.join(lines))
+    suptitle(fig, '\n'.join(lines))
   return fig
+
+
+def suptitle(fig: Any, text: str, **kwargs: Any) -> None:
+  """Sets `fig`'s title, each line broken after a comma or semicolon
+  where it would be wider than the figure (a long setting's title was cut
+  off at both edges)."""
+  title = fig.suptitle(text, **kwargs)
+  renderer = fig.canvas.get_renderer()
+  room = 0.98 * fig.bbox.width
+
+  def width(line: str) -> float:
+    title.set_text(line)
+    return title.get_window_extent(renderer).width
+
+  out = []
+  for line in text.split('\n'):
+    words = re.split(r'(?<=[,;]) ', line)
+    current = words[0]
+    for word in words[1:]:
+      if width(f'{current} {word}') <= room:
+        current = f'{current} {word}'
+      else:
+        out.append(current)
+        current = word
+    out.append(current)
+  title.set_text('\n'.join(out))
 
 
 def _panels(runs: Runs) -> tuple[Panel, ...]:
@@ -518,7 +545,7 @@ def landscape_figure(grid: Mapping[str, Any], title: str = '') -> Any:
     ax.yaxis.set_major_locator(ticker.MaxNLocator(5))
     ax.set_facecolor('0.8')  # cells without a finite value
   if title:
-    fig.suptitle(title)
+    suptitle(fig, title)
   return fig
 
 

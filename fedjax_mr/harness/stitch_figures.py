@@ -1024,7 +1024,7 @@ def rank_figure(data: Mapping[str, Any], title: str = '') -> Any:
     ax.set_xticks(ks)
     ax.grid(alpha=0.3)
   if title:
-    fig.suptitle(title)
+    plots.suptitle(fig, title)
   return fig
 
 

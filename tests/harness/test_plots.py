@@ -261,3 +261,26 @@ def test_one_methods_legend_is_inside_its_accuracy_panel():
   box = legend.get_window_extent()
   assert inside.x0 <= box.x0 and box.x1 <= inside.x1
   assert inside.y0 <= box.y0 and box.y1 <= inside.y1
+
+
+@pytest.mark.parametrize('methods', [1, plots.MAX_SIDE_LEGEND + 1])
+def test_a_title_wider_than_the_figure_breaks_after_commas(methods):
+  # The Dir(0.1) table's setting, 106 characters, was cut off at both
+  # edges of a figure without a side legend (one method, or many with
+  # the legend below).
+  setting = (
+    'Fashion-MNIST, CNN (MNIST), Dir(α = 0.1), K = 10 of 100, E = 5, '
+    'B = 50, lr = 0.01, momentum = 0.9, 100 rounds'
+  )
+  logged = rows([0.5, 0.6], [1.0, 0.9], cosines=[0.9, 0.8])
+  runs = {f'method {i}': {0: logged} for i in range(methods)}  # 2 × 2 panels
+  fig = plots.curves_figure(runs, setting)
+  fig.canvas.draw()
+  box = fig._suptitle.get_window_extent()
+  assert 0 <= box.x0 and box.x1 <= fig.bbox.width
+  lines = fig._suptitle.get_text().split('\n')
+  assert len(lines) == 2 and lines[0].endswith(',')
+  assert ' '.join(lines) == setting
+  # A title that fits is left on one line.
+  fig = plots.curves_figure(runs, 'Fashion-MNIST, 20 rounds')
+  assert fig._suptitle.get_text() == 'Fashion-MNIST, 20 rounds'
