@@ -46,7 +46,10 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import socket
 import sys
+import urllib.parse
+import urllib.request
 from typing import Callable
 from typing import Iterator
 from typing import NamedTuple
@@ -225,7 +228,8 @@ def prepare(
     )
   log(f'{name}: preparing {dest}')
   downloads = os.path.join(root_dir(data_dir), download.DOWNLOADS)
-  paths = [download.fetch(s, downloads, fetch, log) for s in SOURCES[name]]
+  with _removed_on_failure(downloads, only_empty=True):
+    paths = [download.fetch(s, downloads, fetch, log) for s in SOURCES[name]]
   log('  converting')
   with _building(dest) as tmp:
     if name == 'femnist':
@@ -262,6 +266,14 @@ def _prepare_tfds(
   check_requirements([name], data_dir)
   log(f'{name}: preparing {path} (tfds build {datasets.tfds_name(name)})')
   downloads = os.path.join(root_dir(data_dir), download.DOWNLOADS)
+  unknown = _unresolved_hosts(builder, downloads)
+  if unknown:
+    # Offline, tfds would retry each archive for minutes before failing.
+    raise errors.DataError(
+      f'{name}: cannot look up {", ".join(unknown)} (no internet access?); '
+      f'run again once it can, or put {_archives(builder)} in {downloads} '
+      'by hand'
+    )
   try:
     with _removed_on_failure(path, os.path.join(downloads, TFDS_DOWNLOADS)):
       _tfds_build(builder, downloads)
@@ -309,24 +321,69 @@ def _archives(builder) -> str:
   return ' and '.join(named) or 'its archives (under the names tfds gives them)'
 
 
+def _resolves(host: str) -> bool:
+  """Whether `host`'s name resolves (a failed lookup is immediate
+  offline)."""
+  try:
+    socket.getaddrinfo(host, None)
+  except OSError:
+    return False
+  return True
+
+
+def _unresolved_hosts(builder, downloads: str) -> list[str]:
+  """The hosts of the archives a tfds build would download (those not
+  put in `downloads` by hand) whose names do not resolve; none behind a
+  proxy (which resolves them itself) or when tfds cannot list them."""
+  if urllib.request.getproxies():
+    return []
+  try:
+    infos = builder.url_infos or {}
+  except Exception:  # noqa: BLE001 - a missing package, an unreadable file
+    return []
+  hosts = {
+    urllib.parse.urlsplit(url).hostname
+    for url, info in infos.items()
+    if not (
+      info.filename and os.path.isfile(os.path.join(downloads, info.filename))
+    )
+  }
+  return sorted(h for h in hosts if h and not _resolves(h))
+
+
 @contextlib.contextmanager
-def _removed_on_failure(*paths: str) -> Iterator[None]:
+def _removed_on_failure(
+  *paths: str, only_empty: bool = False
+) -> Iterator[None]:
   """Removes, when the block fails, the folders of `paths` (and the
   missing folders above them) that the block created: a failed
   preparation leaves no `~/tensorflow_datasets` or empty downloads
-  folder behind."""
+  folder behind. `only_empty`: only those left empty (a partial download
+  stays, to be resumed)."""
   created = []
-  for path in paths:
-    path, top = os.path.abspath(path), None
+  for target in map(os.path.abspath, paths):
+    path, top = target, None
     while not os.path.exists(path):
       top, path = path, os.path.dirname(path)
     if top is not None:
-      created.append(top)
+      created.append((top, target))
   try:
     yield
   except BaseException:
-    for top in created:
-      shutil.rmtree(top, ignore_errors=True)
+    for top, target in created:
+      if not only_empty:
+        shutil.rmtree(top, ignore_errors=True)
+        continue
+      # From the deepest created folder up to `top`, while empty.
+      folder = target
+      while True:
+        try:
+          os.rmdir(folder)
+        except OSError:
+          break
+        if folder == top:
+          break
+        folder = os.path.dirname(folder)
     raise
 
 

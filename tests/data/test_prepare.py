@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import types
+import urllib.request
 import zipfile
 
 import numpy as np
@@ -539,6 +540,15 @@ def test_a_failed_download_leaves_nothing_half_written(tmp_path):
   assert not os.path.exists(tmp_path / 'd' / 'leaf')
   with pytest.raises(errors.DataError, match='not a readable folder'):
     datasets.load('femnist', str(tmp_path / 'd' / 'leaf' / 'femnist' / 'data'))
+
+  # A download that fails before writing anything leaves no folder.
+  def offline(url, path, *, md5=None, sha256=None):
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # as `download` does
+    raise errors.DataError(f'{url}: no network')
+
+  with pytest.raises(errors.DataError, match='no network'):
+    prepare.prepare('cinic10', str(tmp_path / 'e'), fetch=offline, log=_quiet)
+  assert not os.path.exists(tmp_path / 'e')
   # The next run downloads only what is missing.
   calls.clear()
   result = _prepare('femnist', tmp_path / 'd', files, calls)
@@ -623,6 +633,7 @@ def fake_tfds(tmp_path, monkeypatch):
   FakeBuilder.default_dir = str(tmp_path / 'tfds_default')
   monkeypatch.setattr(tfds, 'builder', FakeBuilder)
   monkeypatch.setattr(prepare, '_has_module', lambda name: True)
+  monkeypatch.setattr(prepare, '_resolves', lambda host: True)
   return FakeBuilder
 
 
@@ -682,6 +693,40 @@ def test_a_tfds_failure_is_one_line(tmp_path, fake_tfds, monkeypatch):
     prepare.prepare('cifar10', log=_quiet)
   assert os.listdir(fake_tfds.default_dir) == ['mnist']
   assert os.listdir(tmp_path / 'data' / 'downloads') == ['mine']
+
+
+def test_offline_a_tfds_dataset_fails_at_once(tmp_path, fake_tfds, monkeypatch):
+  # tfds would retry each archive for minutes (10 min for the three tfds
+  # datasets here); a host name that does not resolve fails it at once.
+  looked_up = []
+
+  def offline(host):
+    looked_up.append(host)
+    return False
+
+  monkeypatch.setattr(prepare, '_resolves', offline)
+  monkeypatch.setattr(urllib.request, 'getproxies', lambda: {})
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(errors.DataError) as e:
+    prepare.prepare('cifar10', log=_quiet)
+  assert str(e.value) == (
+    'cifar10: cannot look up example.org (no internet access?); run again '
+    'once it can, or put cifar10.tar.gz (from '
+    'https://example.org/cifar10.tar.gz) in data/downloads by hand'
+  )
+  assert looked_up == ['example.org'] and fake_tfds.calls == []
+  assert os.listdir(tmp_path) == []  # nothing created
+  # An archive put there by hand is built from, without a lookup.
+  os.makedirs(tmp_path / 'data' / 'downloads')
+  (tmp_path / 'data' / 'downloads' / 'cifar10.tar.gz').write_bytes(b'x')
+  prepare.prepare('cifar10', log=_quiet)
+  assert looked_up == ['example.org'] and len(fake_tfds.calls) == 1
+  # Behind a proxy, which resolves the names itself: no lookup either.
+  monkeypatch.setattr(
+    urllib.request, 'getproxies', lambda: {'https': 'http://proxy:3128'}
+  )
+  prepare.prepare('cifar100', log=_quiet)
+  assert looked_up == ['example.org'] and len(fake_tfds.calls) == 2
 
 
 def test_tfds_downloads_go_beside_the_others_and_bars_only_to_a_terminal(
@@ -793,6 +838,7 @@ def test_the_program_says_a_tfds_run_needs_no_data_dir(tmp_path):
     'tfds.builder = test_prepare.FakeBuilder\n'
     'from fedjax_mr.data import prepare\n'
     'prepare._has_module = lambda name: True\n'
+    'prepare._resolves = lambda host: True\n'
     'from experiments import prepare as program\n'
     "sys.argv = ['prepare', '--datasets=cifar100']\n"
     'program.entry()\n'
@@ -866,6 +912,7 @@ def test_the_program_offline_leaves_no_tfds_folder_and_names_the_archive(
     'tfds.builder = B\n'
     'from fedjax_mr.data import prepare\n'
     'prepare._has_module = lambda name: True\n'
+    'prepare._resolves = lambda host: True\n'
     'from experiments import prepare as program\n'
     "sys.argv = ['prepare', '--datasets=cifar10,cifar100']\n"
     'program.entry()\n'
