@@ -377,10 +377,11 @@ def _removed_on_failure(
       # From the deepest created folder up to `top`, while empty.
       folder = target
       while True:
-        try:
-          os.rmdir(folder)
-        except OSError:
-          break
+        if os.path.isdir(folder):
+          try:
+            os.rmdir(folder)
+          except OSError:  # not empty
+            break
         if folder == top:
           break
         folder = os.path.dirname(folder)
