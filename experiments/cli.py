@@ -35,6 +35,7 @@ from absl import app
 from absl import flags
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import workdir as workdir_lib
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
@@ -142,7 +143,9 @@ def render(text: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:
   """`text` in the program's words: each backticked name (with or without
   a value) that is one of its flags (`flag_values`) becomes the flag
   (`rounds=5` -> --rounds=5, `noresume` -> --noresume of a boolean flag);
-  other backticked words stay as they are."""
+  other backticked words stay as they are. A flag's text value that holds
+  a control character (a newline in a folder's name) is shown with
+  escapes wherever it appears, so that a line stays one line."""
 
   def flag(match: re.Match) -> str:
     no, name, value = match.groups()
@@ -154,7 +157,12 @@ def render(text: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:
       return match.group(0)
     return f'--{no or ""}{name}{value}'
 
-  return _NAMED.sub(flag, str(text))
+  text = _NAMED.sub(flag, str(text))
+  for name in flag_values:
+    value = flag_values[name].value
+    if isinstance(value, str) and value and not value.isprintable():
+      text = text.replace(value, workdir_lib.shown(value))
+  return text
 
 
 def log(line: str) -> None:

@@ -13,6 +13,12 @@ refused before it loads data.
 
 flock locks are advisory and local to one machine: they do not protect a
 folder on a network file system shared by two hosts.
+
+A folder's files are its writer's own: the lock file is opened without
+following a symbolic link and must be a regular file, and `check_entries`
+refuses a symbolic link (or a file where a folder belongs) among the names
+a program writes, so that nothing is ever written through a link to a
+place outside the folder.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
+import tempfile
+from typing import Iterable
 
 from fedjax_mr.core import errors
 
@@ -45,10 +54,77 @@ class Lock:
     self.release()
 
 
+def shown(path: str) -> str:
+  """`path` for a one-line message: control characters (a newline in a
+  folder's name) written as escapes, so the message stays one line."""
+  if path.isprintable():
+    return path
+  return ''.join(
+    c if c.isprintable() else c.encode('unicode_escape').decode('ascii')
+    for c in path
+  )
+
+
 def _named(folder: str, name: str) -> str:
   """`folder` as a message names it, `name=folder` in backticks: `name` is
   the argument or config field that holds it."""
-  return f'`{name}={folder}`'
+  return f'`{name}={shown(folder)}`'
+
+
+def _kind(mode: int) -> str:
+  """What a file of `mode` (`os.lstat`) is, in words."""
+  for test, what in (
+    (stat.S_ISLNK, 'a symbolic link'),
+    (stat.S_ISDIR, 'a folder'),
+    (stat.S_ISREG, 'a file'),
+    (stat.S_ISFIFO, 'a FIFO'),
+    (stat.S_ISSOCK, 'a socket'),
+    (stat.S_ISCHR, 'a character device'),
+    (stat.S_ISBLK, 'a block device'),
+  ):
+    if test(mode):
+      return what
+  return 'not a regular file'
+
+
+def check_entries(
+  folder: str,
+  files: Iterable[str] = (),
+  folders: Iterable[str] = (),
+  name: str = 'workdir',
+) -> None:
+  """Raises `ConfigError` if one of the `files` or `folders` (names inside
+  `folder`) that a program writes exists as a symbolic link, or as
+  something other than a regular file (`files`) or a folder (`folders`).
+
+  Writing through a link would write outside `folder`; a file where a
+  folder belongs would fail only when the first one is written (after a
+  round's work). Creates nothing; a missing entry is fine.
+  """
+  wanted = [(f, stat.S_ISREG, 'a file') for f in files]
+  wanted += [(f, stat.S_ISDIR, 'a folder') for f in folders]
+  for entry, test, what in wanted:
+    path = os.path.join(folder, entry)
+    try:
+      mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+      continue
+    except OSError as e:
+      raise errors.ConfigError(
+        f'{_named(folder, name)}: cannot read {shown(path)} ({e.strerror})'
+      ) from None
+    if stat.S_ISLNK(mode):
+      target = shown(os.readlink(path))
+      raise errors.ConfigError(
+        f'{_named(folder, name)}: {entry} is a symbolic link (to {target}); '
+        f'a run writes only its own files: remove the link, or pass another '
+        f'`{name}`'
+      )
+    if not test(mode):
+      raise errors.ConfigError(
+        f'{_named(folder, name)}: {entry} is {_kind(mode)}, where the run '
+        f'keeps {what}; move it away, or pass another `{name}`'
+      )
 
 
 def _busy(folder: str, name: str, fd: int) -> errors.ConfigError:
@@ -80,10 +156,12 @@ def _check_utf8(folder: str, name: str) -> None:
 
 def check_usable(folder: str, name: str = 'workdir') -> None:
   """Raises `ConfigError` unless `folder` is, or can be made, a writable
-  folder: not a file, not below a file, not on a read-only place, with a
-  name that is valid UTF-8.
+  folder: not a file, not below a file, not on a read-only place or one
+  that takes no files (/proc), with a name that is valid UTF-8.
 
-  Creates nothing; the message names `folder` as `name` (`acquire`).
+  Leaves nothing behind (a probe file is made and removed at once in the
+  nearest folder that exists); the message names `folder` as `name`
+  (`acquire`).
   """
   _check_utf8(folder, name)
   where = _named(folder, name)
@@ -93,25 +171,37 @@ def check_usable(folder: str, name: str = 'workdir') -> None:
     if parent == existing:
       break
     existing = parent
-  what = 'it' if existing == os.path.abspath(folder) else existing
+  what = 'it' if existing == os.path.abspath(folder) else shown(existing)
   if not os.path.isdir(existing):
     raise errors.ConfigError(f'{where}: {what} is a file, not a folder')
   if not os.access(existing, os.W_OK | os.X_OK):
     raise errors.ConfigError(
       f'{where}: {what} is not writable (read-only or no permission)'
     )
+  # `access` says yes to root for any folder of a read-write mount, /proc
+  # and /sys included: a file made and removed at once is the real test.
+  try:
+    fd, probe = tempfile.mkstemp(dir=existing, prefix='.fedjax_mr-probe-')
+  except OSError as e:
+    raise errors.ConfigError(
+      f'{where}: {what} does not take new files ({e.strerror})'
+    ) from None
+  os.close(fd)
+  os.remove(probe)
 
 
 def check_free(folder: str, name: str = 'workdir') -> None:
-  """Raises `ConfigError` if `folder` cannot be written (`check_usable`)
-  or a live process holds its lock.
+  """Raises `ConfigError` if `folder` cannot be written (`check_usable`),
+  its lock file is not a regular file of its own (a link, a folder), or a
+  live process holds its lock.
 
   Creates nothing (a folder without a lock file is free).
   """
   check_usable(folder, name)
+  check_entries(folder, files=[LOCK_FILE], name=name)
   path = os.path.join(folder, LOCK_FILE)
   try:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
   except OSError:
     return
   try:
@@ -143,11 +233,16 @@ def acquire(folder: str, name: str = 'workdir') -> Lock:
   path = os.path.join(folder, LOCK_FILE)
   try:
     os.makedirs(folder, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    check_entries(folder, files=[LOCK_FILE], name=name)
+    # Not through a link that appeared since: the lock is the folder's own.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
   except OSError as e:
     raise errors.ConfigError(
       f'{_named(folder, name)}: cannot create or lock it ({e.strerror})'
     ) from None
+  if not stat.S_ISREG(os.fstat(fd).st_mode):
+    os.close(fd)
+    check_entries(folder, files=[LOCK_FILE], name=name)
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:

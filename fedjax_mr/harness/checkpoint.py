@@ -1,8 +1,12 @@
 """Atomic, keep-N checkpoints of the round state (orbax), each proving its
-content: a sha256 of its arrays and metadata, computed from the values
-before the write and saved in the same atomic save (`digest`), is checked
-on restore; a checkpoint that does not match or does not read is skipped
-for the newest intact one (`Checkpointer.find`)."""
+content and its place: a sha256 of its arrays and metadata, computed from
+the values before the write and saved in the same atomic save (`digest`),
+is checked on restore, and the metadata names the round it was saved
+after (`ROUND_KEY`), which must be its folder's; a checkpoint that does not
+match, does not read or sits in another round's folder (a copy, a roll
+back) is skipped for the newest intact one (`Checkpointer.find`), which
+may also be refused by the caller's own check (the records it was saved
+after)."""
 
 from __future__ import annotations
 
@@ -32,6 +36,9 @@ from fedjax_mr.core import errors
 FOLDER = 'checkpoints'
 # The key of a checkpoint's metadata that holds its `digest`.
 DIGEST_KEY = 'sha256'
+# The key of a checkpoint's metadata that holds the round it was saved
+# after (covered by the digest): a copy in another round's folder shows.
+ROUND_KEY = 'round'
 # orbax's file of a checkpoint's metadata, in the checkpoint's folder
 # (written into the temporary folder before the rename that completes a
 # save: it is part of the atomic save).
@@ -254,13 +261,20 @@ class Checkpointer:
     """The rounds of every checkpoint kept, oldest first."""
     return sorted(self._manager.all_steps())
 
-  def find(self, like: Any, at_most: int | None = None) -> Found:
+  def find(
+    self,
+    like: Any,
+    at_most: int | None = None,
+    check: Callable[[int, Any, dict[str, Any]], str] | None = None,
+  ) -> Found:
     """The newest intact checkpoint of a round up to `at_most` (any round:
     None), read into the structure of `like`; nothing is written or moved.
 
     A checkpoint is damaged when its metadata or arrays do not read
     (garbled or truncated files, a missing item folder, an empty round
-    folder) or do not match its digest; the next older one is tried.
+    folder), do not match its digest, or name another round than its
+    folder's; so is one for which `check(round, state, metadata)` returns
+    a reason (not ''). The next older one is tried.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
     later = [s for s in steps if at_most is not None and s > at_most]
@@ -272,8 +286,22 @@ class Checkpointer:
         damaged.append((step, _reason(e)))
         self._reopen()
         continue
+      reason = check(step, state, meta) if check else ''
+      if reason:
+        damaged.append((step, reason))
+        continue
       return Found(step, state, meta, verified, damaged, later)
     return Found(None, like, {}, False, damaged, later)
+
+  def round_of(self, round_index: int) -> int | None:
+    """The round that checkpoint `round_index`'s metadata says it was saved
+    after (`ROUND_KEY`), or None: no such key (a checkpoint of an earlier
+    version) or metadata that does not read."""
+    try:
+      saved = self._read_metadata(round_index).get(ROUND_KEY)
+    except _Damaged:
+      return None
+    return saved if type(saved) is int else None
 
   def settle(
     self, found: Found, log: Callable[[str], None], move_aside: bool = True
@@ -360,7 +388,11 @@ class Checkpointer:
     # one by one, and each reports to an event loop that orbax has closed.
     _ignore_closed_loop_callbacks()
     _quiet_aborted_writes(self._folder)
-    metadata = dict(metadata or {})
+    # The temporary folder of a save that a kill cut short: orbax would
+    # remove it itself, with a warning to the user.
+    for partial in glob.glob(f'{self._step_path(round_index)}.orbax-*'):
+      shutil.rmtree(partial, ignore_errors=True)
+    metadata = {**(metadata or {}), ROUND_KEY: int(round_index)}
     # From the values about to be written, inside the same atomic save.
     metadata[DIGEST_KEY] = digest(state, metadata)
     try:
@@ -391,12 +423,13 @@ class Checkpointer:
   def metadata(self, round_index: int) -> dict[str, Any]:
     """The metadata saved with checkpoint `round_index` ({} for a
     checkpoint saved without metadata, as older versions saved them, or
-    whose metadata does not read), its digest left out."""
+    whose metadata does not read), its digest and round left out."""
     try:
       found = self._read_metadata(round_index)
     except _Damaged:
       return {}
     found.pop(DIGEST_KEY, None)
+    found.pop(ROUND_KEY, None)
     return found
 
   def _read_metadata(self, round_index: int) -> dict[str, Any]:
@@ -456,6 +489,12 @@ class Checkpointer:
     if expected is not None and digest(state, meta) != expected:
       raise _Damaged(
         f'its arrays or metadata do not match their {DIGEST_KEY} digest'
+      )
+    saved = meta.pop(ROUND_KEY, round_index)
+    if saved != round_index:
+      raise _Damaged(
+        f'it holds the state after round {saved}, not {round_index}: a copy '
+        'or a roll back in the wrong folder'
       )
     return state, meta, expected is not None
 

@@ -297,7 +297,7 @@ def _run(
         pending = None
         if evaluation.due(config.checkpoint_every, r, config.rounds):
           with resume.SignalsDeferred():
-            ckpt.save(r, state, meta)
+            ckpt.save(r, state, {**meta, **rows.binding()})
             saved_round = r
         if on_round is not None:
           on_round(r, row)
@@ -511,7 +511,11 @@ def restore_run(
     workdir, keep=experiment.config.keep_checkpoints
   )
   try:
-    found = ckpt.find(experiment.state, at_most=round_index)
+    found = ckpt.find(
+      experiment.state,
+      at_most=round_index,
+      check=resume.bound_to(workdir, records.rows_digests(workdir)),
+    )
     damaged = dict(found.damaged)
     if round_index in damaged:
       raise errors.ConfigError(

@@ -11,12 +11,16 @@ once (also when an interrupt lands between them); a resumed run first
 drops the rows past its checkpoint, and a row that does not read (or rows
 that end before the newest checkpoint) makes it resume from a checkpoint
 before that row (`intact_rounds`), so that every row is recomputed rather
-than lost. config.json also holds the fingerprint of the data the run
-loaded (`DATA_KEY`).
+than lost; so does a metrics row that names other clients than the
+clients row of its round. config.json also holds the fingerprint of the
+data the run loaded (`DATA_KEY`). Each checkpoint keeps the digest of the
+rows written up to its round (`ROWS_KEY`, `chain`): a resumed run checks
+that the records still hold them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -47,6 +51,91 @@ PARTITION_FILE = 'partition.json'
 # config.json's fingerprint of the data loaded (`build.data_fingerprint`).
 DATA_KEY = 'data'
 CURVE_FILE = 'learning_curve.png'
+# The files a run writes in its workdir (besides the folders below and the
+# lock): none may be a symbolic link (`workdir.check_entries`).
+OWN_FILES = (
+  CONFIG_FILE,
+  PARTITION_FILE,
+  METRICS_FILE,
+  CLIENTS_FILE,
+  CURVE_FILE,
+)
+# The metrics row's fields that are this process's times, not results:
+# left out of the rows' digest, which every process computes alike.
+TIME_KEYS = frozenset({'round_time_s', 'eval_time_s', 'elapsed_s'})
+# A checkpoint's metadata key: the digest of the rows up to its round.
+ROWS_KEY = 'rows'
+# The rows' digest before round 1.
+NO_ROWS = hashlib.sha256(b'fedjax_mr rows').hexdigest()
+
+
+def chain(
+  previous: str, row: Mapping[str, Any], clients_row: Mapping[str, Any]
+) -> str:
+  """The digest of a run's rows after round `row['round']`: the sha256 of
+  the digest `previous` (of the rows before it; `NO_ROWS` before round 1),
+  the round's metrics row without its times and its clients row, as sorted
+  JSON (a row read back dumps to the same text)."""
+  h = hashlib.sha256(previous.encode())
+  kept = {k: v for k, v in row.items() if k not in TIME_KEYS}
+  h.update(json.dumps(kept, sort_keys=True).encode())
+  h.update(json.dumps(clients_row, sort_keys=True).encode())
+  return h.hexdigest()
+
+
+def _rows(path: str) -> list[dict[str, Any] | None]:
+  """Each line of a records file as a row, or None where it does not read
+  (blank lines left out); [] when there is no file."""
+  if not os.path.exists(path):
+    return []
+  with open(path, 'rb') as f:
+    return [
+      metrics_io.parse(raw)
+      for raw in metrics_io.lines(f)
+      if raw is None or raw.strip()
+    ]
+
+
+def rows_digests(workdir: str) -> dict[int, str]:
+  """`{round: chain digest of rounds 1..round}` for as long as both
+  records files hold rounds 1, 2, ... in order, each once and readable
+  ({} where a file is missing or starts late: nothing to check against).
+  """
+  metrics = _rows(os.path.join(workdir, METRICS_FILE))
+  clients = _rows(os.path.join(workdir, CLIENTS_FILE))
+  found, digest = {}, NO_ROWS
+  for r, (row, clients_row) in enumerate(zip(metrics, clients), 1):
+    if row is None or clients_row is None:
+      break
+    if row['round'] != r or clients_row['round'] != r:
+      break
+    digest = chain(digest, row, clients_row)
+    found[r] = digest
+  return found
+
+
+def _disagree(workdir: str) -> tuple[int, str] | None:
+  """The first round whose metrics row names other clients (or another
+  number of examples) than its clients row, and why; None if none does."""
+  by_round = {}
+  for row in _rows(os.path.join(workdir, CLIENTS_FILE)):
+    if row is not None:
+      by_round.setdefault(row['round'], row)
+  for row in _rows(os.path.join(workdir, METRICS_FILE)):
+    other = by_round.get(row['round']) if row is not None else None
+    if other is None or not isinstance(other.get('clients'), list):
+      continue
+    try:
+      ids = [int(c['id']) for c in other['clients']]
+      examples = sum(int(c['examples']) for c in other['clients'])
+    except (TypeError, KeyError, ValueError):
+      ids, examples = None, None
+    if ids != row.get('client_ids') or examples != row.get('num_examples'):
+      return row['round'], (
+        f'round {row["round"]} of {METRICS_FILE} and {CLIENTS_FILE} name '
+        'other clients'
+      )
+  return None
 
 
 def round_rows(
@@ -149,6 +238,9 @@ def intact_rounds(workdir: str) -> tuple[int | None, str]:
     if found is None or last < found:
       found = last
       why = f'{path}: {stop}' if stop else f'{path} ends at round {last}'
+  disagree = _disagree(workdir)
+  if disagree is not None and disagree[0] - 1 < found:
+    found, why = disagree[0] - 1, f'{workdir}: {disagree[1]}'
   return found, why
 
 
@@ -177,6 +269,11 @@ class Records:
     self.history: list[dict[str, Any]] = []
     if primary:
       self.history = self._read_back(log)
+    # The digest of the rows written (`chain`); None when the records do
+    # not hold rounds 1..start (a run resumed without them, or another
+    # process than the one that writes them), whose checkpoints then keep
+    # none.
+    self.chain = NO_ROWS if start == 0 else rows_digests(workdir).get(start)
     self.written = start
     self._clients_written = start
     self._events = None  # the TensorBoard writer, opened with the first row
@@ -198,11 +295,18 @@ class Records:
       log(f'{self._clients_path}: {dropped}')
     return history
 
+  def binding(self) -> dict[str, str]:
+    """What a checkpoint saved now keeps of the rows written up to it:
+    `{ROWS_KEY: digest}`, or {} where their digest is unknown."""
+    return {} if self.chain is None else {ROWS_KEY: self.chain}
+
   def write(self, row: dict[str, Any], clients_row: dict[str, Any]) -> None:
     """Writes a finished round's rows and keeps its metrics row."""
     if self._primary:
       self._write_clients_row(clients_row)
       metrics_io.append(self.metrics_path, row)
+    if self.chain is not None:
+      self.chain = chain(self.chain, row, clients_row)
     self.written = row['round']
     # After `written`: an interrupt here must not write the rows again.
     self._write_events(row)

@@ -6,7 +6,10 @@ last intact record row (a cut or garbled row rolls the run back, so that
 the row is recomputed), if it was made with the same config and data
 (config.json and the copies kept inside the checkpoint must agree) and
 the run is not already past `rounds`; the rounds after it are recomputed
-identically. Ctrl-C or SIGTERM writes the current round's
+identically. A checkpoint is bound to its place: one whose state or
+metadata is of another round than its folder's (a copy, a roll back), or
+that was saved after other rows than the records hold, is skipped like a
+damaged one. Ctrl-C or SIGTERM writes the current round's
 rows and checkpoints that round on the way out (`TerminationAsInterrupt`,
 `finish_interrupted`), and no signal lands inside a checkpoint's write
 (`SignalsDeferred`); a full disk stops the run with what to do
@@ -31,16 +34,45 @@ from fedjax_mr.harness import distributed
 from fedjax_mr.harness import records
 from fedjax_mr.training import engine
 
+Log = Callable[[str], None]
+
+
+# The folders a run writes in its workdir (besides checkpoint.FOLDER).
+_OWN_FOLDERS = ('checkpoints_damaged', 'tensorboard')
+
 
 def check_workdir(config: config_lib.ExperimentConfig, workdir: str) -> None:
   """Refuses another run's workdir (a live run's, or one of another
-  config) before anything is loaded; the primary process only, which is
-  the one that holds the workdir (see `experiment.run`)."""
+  config) and one whose files are not its own (a symbolic link among
+  them, a file where its checkpoints folder belongs) before anything is
+  loaded; the primary process only, which is the one that holds the
+  workdir (see `experiment.run`)."""
   if distributed.is_primary():
     workdir_lib.check_free(workdir)
+    check_entries(workdir)
     config_path = os.path.join(workdir, records.CONFIG_FILE)
     if os.path.exists(config_path):
       config_lib.check_resumable(config, config_path)
+
+
+def check_entries(workdir: str) -> None:
+  """Raises `ConfigError` if a file or folder that a run writes in
+  `workdir` (its records, its checkpoints folder and each checkpoint in
+  it) is a symbolic link, or not a file (a folder) where it should be:
+  nothing is written through a link, and a checkpoints folder that is a
+  file is found before a round is trained, not when it is saved."""
+  workdir_lib.check_entries(
+    workdir,
+    files=records.OWN_FILES,
+    folders=(checkpoint.FOLDER, *_OWN_FOLDERS),
+  )
+  folder = os.path.join(workdir, checkpoint.FOLDER)
+  if os.path.isdir(folder):
+    links = sorted(e.name for e in os.scandir(folder) if e.is_symlink())
+    workdir_lib.check_entries(
+      workdir,
+      folders=[os.path.join(checkpoint.FOLDER, e) for e in links],
+    )
 
 
 def restore(
@@ -88,30 +120,118 @@ def restore(
   if primary and os.path.exists(config_path):
     config_lib.check_resumable(config, config_path)
     _check_data(config, workdir, records.saved_data(config_path), data)
-  if not os.path.isdir(os.path.join(workdir, checkpoint.FOLDER)):
+  intact, why = records.intact_rounds(workdir)
+  folder = os.path.join(workdir, checkpoint.FOLDER)
+  if not os.path.isdir(folder) or not _steps(folder):
+    _starts_over(folder, intact, log)
     return None, None, state
   ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
-  intact, why = records.intact_rounds(workdir)
-  found = ckpt.find(state, at_most=intact)
+  check = bound_to(workdir, records.rows_digests(workdir))
+  found = ckpt.find(state, at_most=intact, check=check)
   ckpt.check_found(found)
   start = found.round
   if start is not None:
     _check_checkpoint(config, workdir, start, found.metadata, data)
-  # Those past the intact rows are deleted: they must be this run's too.
-  for later in found.later:
-    _check_checkpoint(config, workdir, later, ckpt.metadata(later), data)
+    _check_rounds(config, workdir, start)
+  found = _strays_aside(config, workdir, ckpt, found, data)
   ckpt.settle(found, log, move_aside=primary)
   if found.later:
     log(
       f'{why}; the rounds from {(start or 0) + 1} on are recomputed, from '
       + (f'the checkpoint after round {start}' if start else 'the start')
     )
+  elif start is None:
+    _starts_over(folder, intact, log)
   if start is not None and not found.verified:
     log(
       f'note: the checkpoint after round {start} has no digest (made by an '
       'earlier version): it is resumed as it reads, unverified'
     )
   return ckpt, start, found.state
+
+
+def _starts_over(folder: str, intact: int | None, log: Log) -> None:
+  """Says that a run whose records hold rows (up to round `intact`) but
+  whose checkpoints `folder` holds none to resume from starts over, and
+  that its rows are recomputed."""
+  if intact:
+    log(
+      f'{folder} holds no checkpoint to resume from, but the records hold '
+      f'rows up to round {intact}: the run starts over from round 1, and '
+      'those rows are recomputed'
+    )
+
+
+def _steps(folder: str) -> list[str]:
+  """The names in a checkpoints folder that orbax reads as checkpoints
+  (a round number)."""
+  return [name for name in os.listdir(folder) if name.isdigit()]
+
+
+def bound_to(
+  workdir: str, digests: Mapping[int, str]
+) -> Callable[[int, Any, Mapping[str, Any]], str]:
+  """The check (`Checkpointer.find`'s `check`) that a checkpoint holds the
+  state of its own round and was saved after the rows that the records of
+  `workdir` hold up to it (`digests`: `records.rows_digests`; a round
+  that they do not hold whole, or a checkpoint of an earlier version
+  without the rows' digest, is not checked)."""
+
+  def check(step: int, state: Any, metadata: Mapping[str, Any]) -> str:
+    held = getattr(state, 'round', None)
+    if held is not None and int(held) != step:
+      return (
+        f'it holds the state after round {int(held)}, not {step}: a copy '
+        'or a roll back in the wrong folder'
+      )
+    saved = metadata.get(records.ROWS_KEY)
+    if saved is None or step not in digests or digests[step] == saved:
+      return ''
+    return (
+      f'it was saved after other rows than {records.METRICS_FILE} and '
+      f'{records.CLIENTS_FILE} hold up to round {step} (a row changed, or '
+      'the checkpoint is of another attempt)'
+    )
+
+  return check
+
+
+def _strays_aside(
+  config: config_lib.ExperimentConfig,
+  workdir: str,
+  ckpt: checkpoint.Checkpointer,
+  found: checkpoint.Found,
+  data: Mapping[str, Any] | None,
+) -> checkpoint.Found:
+  """`found` with the checkpoints past the intact rows sorted: this run's
+  (its config, its round) are deleted as before (their rounds are
+  recomputed); a folder that holds no checkpoint of its round (empty, or
+  a copy of another round's) is moved aside as damaged, not deleted, and
+  one of another config is refused (not touched)."""
+  later, strays = [], []
+  for step in found.later:
+    saved = ckpt.round_of(step)
+    metadata = ckpt.metadata(step)
+    if not metadata or saved not in (None, step):
+      held = 'no checkpoint' if not metadata else f"round {saved}'s"
+      strays.append((step, f"the folder holds {held}, not round {step}'s"))
+      continue
+    # Deleted below: it must be this run's.
+    _check_checkpoint(config, workdir, step, metadata, data)
+    later.append(step)
+  return found._replace(later=later, damaged=found.damaged + strays)
+
+
+def _check_rounds(
+  config: config_lib.ExperimentConfig, workdir: str, start: int
+) -> None:
+  """Refuses to resume the run after round `start` if it is already past
+  `config.rounds`."""
+  if start > config.rounds:
+    raise errors.ConfigError(
+      f'`rounds={config.rounds}`: the run in {workdir} is already past it '
+      f'({start} rounds done); pass `rounds={start}` or more to resume it'
+    )
 
 
 def _check_checkpoint(
@@ -122,8 +242,7 @@ def _check_checkpoint(
   data: Mapping[str, Any] | None,
 ) -> None:
   """Refuses the checkpoint after round `start` (its `metadata`) if it was
-  made with another config or other data, or the run is past
-  `config.rounds`."""
+  made with another config or other data."""
   # The config a checkpoint was made with is kept inside it: config.json
   # alone could be deleted or replaced.
   saved = metadata.get('config')
@@ -135,11 +254,6 @@ def _check_checkpoint(
       'the same flags'
     )
   _check_data(config, workdir, metadata.get('data'), data)
-  if start > config.rounds:
-    raise errors.ConfigError(
-      f'`rounds={config.rounds}`: the run in {workdir} is already past it '
-      f'({start} rounds done); pass `rounds={start}` or more to resume it'
-    )
 
 
 def _check_data(
@@ -244,7 +358,7 @@ def finish_interrupted(
   if alive(state) and written > saved_round and int(state.round) == written:
     # A second interrupt waits for this save (and then ends the run).
     with SignalsDeferred():
-      ckpt.save(written, state, meta)
+      ckpt.save(written, state, {**meta, **rows.binding()})
       log(f'interrupted: saved a checkpoint after round {written}')
 
 

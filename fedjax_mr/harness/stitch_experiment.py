@@ -160,9 +160,14 @@ def read_label_map(
 
 
 def check_workdir(config: config_lib.StitchConfig) -> None:
-  """Refuses a workdir that cannot be written, is in use, or holds a
-  pickled state of an older version (never unpickled)."""
+  """Refuses a workdir that cannot be written, is in use, holds a symbolic
+  link (or a folder) where the run writes a file, or holds a pickled
+  state of an older version (never unpickled)."""
   workdir_lib.check_free(config.workdir)
+  workdir_lib.check_entries(
+    config.workdir,
+    files=(STATE_FILE, CLIENTS_FILE, 'partition.json', 'results.json'),
+  )
   old_state = os.path.join(config.workdir, 'state.pkl')
   if os.path.exists(old_state):
     raise errors.ConfigError(

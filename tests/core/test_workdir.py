@@ -142,3 +142,62 @@ def test_compare_refuses_before_running_anything(small_fmnist_dir, tmp_path):
       compare.run_matrix(runs, trained.append, log=lambda s: None)
   assert trained == []  # not even seed 0 ran
   assert str(e.value).startswith(f'`workdir={tmp_path}/fedavg/s1` is in use')
+
+
+# -- the folder's files are its own (issue 55) -------------------------------
+
+
+def test_a_lock_that_is_a_link_is_refused_and_never_written(tmp_path):
+  outside = tmp_path / 'outside.txt'
+  outside.write_text('precious')
+  folder = tmp_path / 'w'
+  folder.mkdir()
+  os.symlink(outside, folder / workdir.LOCK_FILE)
+  for check in (workdir.check_free, workdir.acquire):
+    with pytest.raises(errors.ConfigError) as e:
+      check(str(folder), 'out')
+    assert str(e.value) == (
+      f'`out={folder}`: .lock is a symbolic link (to {outside}); a run '
+      'writes only its own files: remove the link, or pass another `out`'
+    )
+  assert outside.read_text() == 'precious'
+
+
+def test_a_lock_that_is_a_folder_is_refused_by_check_free(tmp_path):
+  (tmp_path / workdir.LOCK_FILE).mkdir()
+  with pytest.raises(errors.ConfigError) as e:
+    workdir.check_free(str(tmp_path))
+  assert str(e.value) == (
+    f'`workdir={tmp_path}`: .lock is a folder, where the run keeps a file; '
+    'move it away, or pass another `workdir`'
+  )
+
+
+def test_a_place_that_takes_no_files_is_refused_by_check_usable(tmp_path):
+  # As root, os.access says /proc is writable; a file cannot be made there.
+  with pytest.raises(errors.ConfigError) as e:
+    workdir.check_usable('/proc/fedjax_mr_run')
+  assert str(e.value).startswith(
+    '`workdir=/proc/fedjax_mr_run`: /proc does not take new files ('
+  )
+  workdir.check_usable(str(tmp_path))
+  assert os.listdir(tmp_path) == []  # the probe is gone
+
+
+def test_check_entries(tmp_path):
+  (tmp_path / 'a.json').write_text('{}')
+  (tmp_path / 'ckpt').mkdir()
+  workdir.check_entries(str(tmp_path), ['a.json', 'gone'], ['ckpt', 'gone2'])
+  with pytest.raises(errors.ConfigError, match=r'a\.json is a file, where'):
+    workdir.check_entries(str(tmp_path), folders=['a.json'])
+  with pytest.raises(errors.ConfigError, match='ckpt is a folder, where'):
+    workdir.check_entries(str(tmp_path), files=['ckpt'])
+  os.mkfifo(tmp_path / 'f')
+  with pytest.raises(errors.ConfigError, match='f is a FIFO, where'):
+    workdir.check_entries(str(tmp_path), files=['f'])
+
+
+def test_shown_escapes_control_characters():
+  assert workdir.shown('/tmp/run') == '/tmp/run'
+  assert workdir.shown('/tmp/a\nb\tc') == '/tmp/a\\nb\\tc'
+  assert workdir.shown('/tmp/rün') == '/tmp/rün'

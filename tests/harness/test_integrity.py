@@ -89,6 +89,7 @@ def test_checkpoints_without_a_digest_are_read_unverified(tmp_path):
   with open(path) as f:
     saved = json.load(f)
   del saved['custom_metadata'][checkpoint.DIGEST_KEY]
+  del saved['custom_metadata'][checkpoint.ROUND_KEY]
   with open(path, 'w') as f:
     json.dump(saved, f)
   found = checkpoint.Checkpointer(str(tmp_path)).find(like)
@@ -102,7 +103,7 @@ def test_checkpoints_without_a_digest_are_read_unverified(tmp_path):
       'sha256',
       'sha257',
       'its metadata has no sha256 digest but keys that only checkpoints '
-      "with one have: ['sha257']",
+      "with one have: ['round', 'sha257']",
     ),
     (
       'custom_metadata',
@@ -500,3 +501,239 @@ def test_orbax_read_coroutines_left_by_a_failed_restore_are_dropped(
   assert seen == []
   report(os.path.join('site-packages', 'mine', 'x.py'))
   assert len(seen) == 1
+
+
+# -- second pass (issue 55): a checkpoint bound to its place ---------------
+
+
+def test_a_checkpoint_copied_into_another_rounds_folder_is_damaged(tmp_path):
+  ckpt, like = _two_checkpoints(tmp_path)
+  folder = os.path.join(str(tmp_path), checkpoint.FOLDER)
+  shutil.copytree(os.path.join(folder, '1'), os.path.join(folder, '3'))
+  found = checkpoint.Checkpointer(str(tmp_path)).find(like)
+  assert found.round == 2 and found.damaged == [
+    (
+      3,
+      'it holds the state after round 1, not 3: a copy or a roll back in '
+      'the wrong folder',
+    )
+  ]
+  # The caller's own check is one more reason to skip a checkpoint.
+  found = checkpoint.Checkpointer(str(tmp_path)).find(
+    like, check=lambda step, state, meta: 'no' if step == 2 else ''
+  )
+  assert found.round == 1 and [s for s, _ in found.damaged] == [3, 2]
+
+
+def _strip_to_an_earlier_version(step_dir):
+  """The checkpoint's metadata as versions before digests wrote it: the
+  config and the mapping only (taken unverified)."""
+  path = os.path.join(step_dir, '_CHECKPOINT_METADATA')
+  with open(path) as f:
+    saved = json.load(f)
+  custom = saved['custom_metadata']
+  saved['custom_metadata'] = {k: custom[k] for k in ('config', 'mapping')}
+  with open(path, 'w') as f:
+    json.dump(saved, f)
+
+
+@pytest.mark.parametrize('earlier_version', [False, True])
+def test_a_rolled_back_checkpoint_is_skipped_and_the_run_is_exact(
+  finished, tmp_path, earlier_version
+):
+  # checkpoints/4 replaced by a copy of checkpoints/2: it resumed "after
+  # round 4" with round 2's state and trained round 3's clients as round 5.
+  # Made by an earlier version (no round, no digest), the state's own
+  # round still tells.
+  cfg, work, ref = _copy(finished, tmp_path)
+  folder = os.path.join(work, checkpoint.FOLDER)
+  shutil.rmtree(os.path.join(folder, '4'))
+  shutil.copytree(os.path.join(folder, '2'), os.path.join(folder, '4'))
+  if earlier_version:
+    _strip_to_an_earlier_version(os.path.join(folder, '4'))
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert lines[0].startswith(
+    'checkpoint after round 4 does not restore (it holds the state after '
+    'round 2, not 4: a copy or a roll back in the wrong folder); resuming '
+    'from round 2, the damaged one moved to '
+  )
+  assert f'resuming {work} after round 2' in lines
+  _matches(work, res, ref)
+
+
+def _edit_row(path, round_index, edit):
+  with open(path) as f:
+    rows = [json.loads(line) for line in f]
+  edit(rows[round_index - 1])
+  with open(path, 'w') as f:
+    f.writelines(json.dumps(r) + '\n' for r in rows)
+
+
+def test_a_checkpoint_saved_after_other_rows_is_skipped(finished, tmp_path):
+  # Row 3's loss changed (its clients still agree): the checkpoint after
+  # round 4 was not saved after these rows; the one after round 2 was.
+  cfg, work, ref = _copy(finished, tmp_path)
+  path = os.path.join(work, records.METRICS_FILE)
+  _edit_row(path, 3, lambda r: r.update(train_loss=r['train_loss'] + 1))
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert lines[0].startswith(
+    'checkpoint after round 4 does not restore (it was saved after other '
+    'rows than metrics.jsonl and clients.jsonl hold up to round 4 (a row '
+    'changed, or the checkpoint is of another attempt)); resuming from '
+    'round 2'
+  )
+  _matches(work, res, ref)
+
+
+def test_a_metrics_row_naming_other_clients_is_recomputed(finished, tmp_path):
+  cfg, work, ref = _copy(finished, tmp_path)
+  path = os.path.join(work, records.METRICS_FILE)
+  _edit_row(path, 3, lambda r: r['client_ids'].reverse())
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert (
+    f'{work}: round 3 of metrics.jsonl and clients.jsonl name other '
+    'clients; the rounds from 3 on are recomputed, from the checkpoint '
+    'after round 2'
+  ) in lines
+  _matches(work, res, ref)
+  assert checkpoint.Checkpointer(work).all_rounds() == [2, 4]
+
+
+def test_stray_checkpoint_folders_are_moved_aside_not_obeyed(
+  finished, tmp_path
+):
+  # An empty checkpoints/7 and a copy of checkpoints/2 named 99 made the
+  # run refuse: "already past it (99 rounds done); pass --rounds=99".
+  cfg, work, ref = _copy(finished, tmp_path)
+  folder = os.path.join(work, checkpoint.FOLDER)
+  os.mkdir(os.path.join(folder, '7'))
+  shutil.copytree(os.path.join(folder, '2'), os.path.join(folder, '99'))
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  aside = [line for line in lines if 'moved to' in line]
+  assert [line.split('; resuming')[0] for line in aside] == [
+    'checkpoint after round 99 does not restore (the folder holds round '
+    "2's, not round 99's)",
+    'checkpoint after round 7 does not restore (the folder holds no '
+    "checkpoint, not round 7's)",
+  ]
+  assert f'resuming {work} after round 4' in lines
+  assert len(os.listdir(os.path.join(work, 'checkpoints_damaged'))) == 2
+  assert checkpoint.Checkpointer(work).all_rounds() == [2, 4]
+  _matches(work, res, ref)
+
+
+def test_emptied_checkpoints_start_over_and_say_so(finished, tmp_path):
+  cfg, work, ref = _copy(finished, tmp_path)
+  folder = os.path.join(work, checkpoint.FOLDER)
+  for step in os.listdir(folder):
+    shutil.rmtree(os.path.join(folder, step))
+  lines = []
+  res = experiment.train_and_evaluate(cfg, work, log=lines.append)
+  assert lines[0] == (
+    f'{folder} holds no checkpoint to resume from, but the records hold '
+    'rows up to round 4: the run starts over from round 1, and those rows '
+    'are recomputed'
+  )
+  _matches(work, res, ref)
+
+
+def test_a_save_after_a_kill_mid_save_warns_of_nothing(tmp_path, caplog):
+  # orbax's "Attempted to create temporary directory ... which already
+  # exists" reached the user after a kill during a checkpoint's save.
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  partial = os.path.join(
+    str(tmp_path), checkpoint.FOLDER, '2.orbax-checkpoint-tmp'
+  )
+  os.makedirs(os.path.join(partial, 'default'))
+  with caplog.at_level('WARNING'):
+    ckpt.save(2, {'w': jax.numpy.zeros(3)})
+  assert [r.getMessage() for r in caplog.records] == []
+  assert ckpt.all_rounds() == [2] and not os.path.exists(partial)
+
+
+# -- second pass: a run writes only its own files ---------------------------
+
+
+def _no_data(*args, **kwargs):
+  raise AssertionError('the data were loaded before the workdir was checked')
+
+
+def _link_lock(work, outside):
+  os.remove(os.path.join(work, '.lock'))
+  os.symlink(os.path.join(outside, 'x'), os.path.join(work, '.lock'))
+  return '.lock is a symbolic link (to '
+
+
+def _link_metrics(work, outside):
+  os.remove(os.path.join(work, records.METRICS_FILE))
+  os.symlink(
+    os.path.join(outside, 'x'), os.path.join(work, records.METRICS_FILE)
+  )
+  return 'metrics.jsonl is a symbolic link (to '
+
+
+def _link_checkpoints(work, outside):
+  # The outside folder holds the run's checkpoints and a file of its own.
+  folder = os.path.join(work, checkpoint.FOLDER)
+  for step in os.listdir(folder):
+    shutil.move(os.path.join(folder, step), outside)
+  os.rmdir(folder)
+  os.symlink(outside, folder)
+  return 'checkpoints is a symbolic link (to '
+
+
+def _link_a_checkpoint(work, outside):
+  step = os.path.join(work, checkpoint.FOLDER, '4')
+  shutil.move(step, outside)
+  os.symlink(os.path.join(outside, '4'), step)
+  return 'checkpoints/4 is a symbolic link (to '
+
+
+def _lock_folder(work, outside):
+  del outside
+  os.remove(os.path.join(work, '.lock'))
+  os.mkdir(os.path.join(work, '.lock'))
+  return '.lock is a folder, where the run keeps a file'
+
+
+def _checkpoints_file(work, outside):
+  del outside
+  shutil.rmtree(os.path.join(work, checkpoint.FOLDER))
+  with open(os.path.join(work, checkpoint.FOLDER), 'w') as f:
+    f.write('not a folder')
+  return 'checkpoints is a file, where the run keeps a folder'
+
+
+@pytest.mark.parametrize(
+  'defect',
+  [
+    _link_lock,
+    _link_metrics,
+    _link_checkpoints,
+    _link_a_checkpoint,
+    _lock_folder,
+    _checkpoints_file,
+  ],
+)
+def test_a_workdir_whose_files_are_not_its_own_is_refused_before_loading(
+  finished, tmp_path, monkeypatch, defect
+):
+  cfg, work, _ = _copy(finished, tmp_path)
+  outside = str(tmp_path / 'outside')
+  os.mkdir(outside)
+  with open(os.path.join(outside, 'x'), 'w') as f:
+    f.write('precious')
+  fragment = defect(work, outside)
+  before = {**_contents(work), **_contents(outside)}
+  monkeypatch.setattr(build, 'load_clients', _no_data)
+  with pytest.raises(errors.ConfigError) as e:
+    experiment.train_and_evaluate(
+      dataclasses.replace(cfg, rounds=6), work, log=_quiet
+    )
+  assert str(e.value).startswith(f'`workdir={work}`: {fragment}')
+  assert '\n' not in str(e.value)
+  assert {**_contents(work), **_contents(outside)} == before
