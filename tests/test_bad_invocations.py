@@ -224,6 +224,26 @@ CASES = {
       ],
       '--data_dir=',
     ),
+    # Workdirs whose files are not the run's own (issue 55), refused before
+    # the data load; /proc, where root may write by os.access, takes no file.
+    *[
+      (
+        [
+          '--data_dir={bad:tiny_data}',
+          '--partition=iid',
+          f'--workdir={{bad:run_{name}}}',
+        ],
+        fragment,
+      )
+      for name, fragment in [
+        ('lock_link', '.lock is a symbolic link (to '),
+        ('lock_folder', '.lock is a folder, where the run keeps a file'),
+        ('metrics_link', 'metrics.jsonl is a symbolic link (to '),
+        ('checkpoints_link', 'checkpoints is a symbolic link (to '),
+        ('checkpoints_file', 'checkpoints is a file, where the run keeps'),
+      ]
+    ],
+    (['--workdir=/proc/fedjax_mr'], '/proc does not take new files'),
     (['--rounds=abc'], '--rounds'),
     (['--bogus_flag=1'], 'bogus_flag'),
     (['--flagfile=/nonexistent/x.flags'], '/nonexistent/x.flags'),
@@ -559,7 +579,39 @@ def prepared_runs(tmp_path_factory):
   folder = os.path.join(out['tiny_run_damaged'], 'checkpoints')
   for step in os.listdir(folder):
     helpers.flip_checkpoint_byte(os.path.join(folder, step))
+  _not_its_own(root, out)
   return out
+
+
+def _not_its_own(root, out):
+  """Adds copies of `out['tiny_run']` whose files are not their own:
+  `run_lock_link`, `run_lock_folder`, `run_metrics_link`,
+  `run_checkpoints_link` (links to `root/outside`) and
+  `run_checkpoints_file`."""
+  outside = root / 'outside'
+  outside.mkdir()
+  (outside / 'x').write_text('precious')
+  for name, entry in [
+    ('lock_link', '.lock'),
+    ('lock_folder', '.lock'),
+    ('metrics_link', 'metrics.jsonl'),
+    ('checkpoints_link', 'checkpoints'),
+    ('checkpoints_file', 'checkpoints'),
+  ]:
+    work = out[f'run_{name}'] = str(root / name)
+    shutil.copytree(out['tiny_run'], work)
+    path = os.path.join(work, entry)
+    if os.path.isdir(path):
+      shutil.rmtree(path)
+    else:
+      os.remove(path)
+    if name.endswith('_link'):
+      os.symlink(outside / ('x' if entry != 'checkpoints' else ''), path)
+    elif name == 'lock_folder':
+      os.mkdir(path)
+    else:
+      with open(path, 'w') as f:
+        f.write('not a folder')
 
 
 def _substitute(arg, scratch, bad_data):

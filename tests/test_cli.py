@@ -306,3 +306,15 @@ def test_every_program_imports_cli_first():
     )
     assert isinstance(first, ast.ImportFrom) and first.level == 1, path.name
     assert [a.name for a in first.names] == ['cli'], path.name
+
+
+def test_render_keeps_a_line_one_line_when_a_flag_value_holds_a_newline():
+  # A workdir named 'a\nb' split the run's last output line in two.
+  fv = flags.FlagValues()
+  flags.DEFINE_string('workdir', '', '', flag_values=fv)
+  fv(['prog', '--workdir=/tmp/a\nb'])
+  line = cli.render('workdir /tmp/a\nb: metrics.jsonl', flag_values=fv)
+  assert line == 'workdir /tmp/a\\nb: metrics.jsonl'
+  assert cli.render('`workdir=/tmp/a\nb`: in use', flag_values=fv) == (
+    '--workdir=/tmp/a\\nb: in use'
+  )

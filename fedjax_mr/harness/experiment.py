@@ -514,7 +514,7 @@ def restore_run(
     found = ckpt.find(
       experiment.state,
       at_most=round_index,
-      check=resume.bound_to(workdir, records.rows_digests(workdir)),
+      check=resume.bound_to(records.rows_digests(workdir)),
     )
     damaged = dict(found.damaged)
     if round_index in damaged:

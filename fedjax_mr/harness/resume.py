@@ -126,7 +126,7 @@ def restore(
     _starts_over(folder, intact, log)
     return None, None, state
   ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
-  check = bound_to(workdir, records.rows_digests(workdir))
+  check = bound_to(records.rows_digests(workdir))
   found = ckpt.find(state, at_most=intact, check=check)
   ckpt.check_found(found)
   start = found.round
@@ -169,13 +169,13 @@ def _steps(folder: str) -> list[str]:
 
 
 def bound_to(
-  workdir: str, digests: Mapping[int, str]
+  digests: Mapping[int, str],
 ) -> Callable[[int, Any, Mapping[str, Any]], str]:
   """The check (`Checkpointer.find`'s `check`) that a checkpoint holds the
-  state of its own round and was saved after the rows that the records of
-  `workdir` hold up to it (`digests`: `records.rows_digests`; a round
-  that they do not hold whole, or a checkpoint of an earlier version
-  without the rows' digest, is not checked)."""
+  state of its own round and was saved after the rows that a workdir's
+  records hold up to it (`digests`: `records.rows_digests`; a round that
+  they do not hold whole, or a checkpoint of an earlier version without
+  the rows' digest, is not checked)."""
 
   def check(step: int, state: Any, metadata: Mapping[str, Any]) -> str:
     held = getattr(state, 'round', None)
