@@ -97,9 +97,12 @@ def read_bytes(path: str, max_bytes: int = MAX_BYTES) -> bytes:
   return data
 
 
-def loads(data: bytes, path: str, top: type | tuple[type, ...] = dict) -> Any:
+def loads(
+  data: bytes, path: str, top: type | tuple[type, ...] | None = dict
+) -> Any:
   """`data`, the bytes of the file `path`, decoded as UTF-8 JSON whose top
-  value is of type `top` (`dict`: an object; `list`; or a tuple of them).
+  value is of type `top` (`dict`: an object; `list`; a tuple of them; None:
+  any).
 
   Raises:
     JsonFileError: not UTF-8, not JSON, nested too deeply, or its top
@@ -117,7 +120,7 @@ def loads(data: bytes, path: str, top: type | tuple[type, ...] = dict) -> Any:
     raise JsonFileError(path, 'not JSON (nested too deeply)') from None
   except ValueError as e:  # JSONDecodeError, or an integer too long
     raise JsonFileError(path, f'not JSON ({errors.clip(e)})') from None
-  if not _is(value, top):
+  if top is not None and not _is(value, top):
     raise JsonFileError(path, f'holds {describe(value)}, not {_want(top)}')
   return value
 
@@ -125,7 +128,7 @@ def loads(data: bytes, path: str, top: type | tuple[type, ...] = dict) -> Any:
 def load(
   path: str,
   max_bytes: int = MAX_BYTES,
-  top: type | tuple[type, ...] = dict,
+  top: type | tuple[type, ...] | None = dict,
 ) -> Any:
   """The JSON value in the file `path` (`read_bytes`, then `loads`).
 
