@@ -335,10 +335,6 @@ def setup(config: config_lib.StitchConfig, log: Log = _log_default) -> Setup:
   """
   config_lib.validate(config)
   read_label_map(config)  # a bad file is refused before the data loads
-  if not config.imagenet_pool:  # and so is a bad meta.json
-    ids = list(config.pool_models) or pool_lib.model_ids(config.pool)
-    for model_id in ids:
-      pool_lib.read_meta(config.pool, model_id)
   coordinators = make_fleet(config)
   check_workdir(config)
   ds, classes = load_dataset(config)
