@@ -35,7 +35,7 @@ from absl import app
 from absl import flags
 
 from fedjax_mr.core import errors
-from fedjax_mr.core import workdir as workdir_lib
+from fedjax_mr.core import jsonfile
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
@@ -161,7 +161,7 @@ def render(text: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:
   for name in flag_values:
     value = flag_values[name].value
     if isinstance(value, str) and value and not value.isprintable():
-      text = text.replace(value, workdir_lib.shown(value))
+      text = text.replace(value, errors.escape(value))
   return text
 
 
@@ -170,10 +170,22 @@ def log(line: str) -> None:
   print(render(line), flush=True)
 
 
+# The longest error line `fail` prints, and the longest word in it: a
+# line, not a file's worth of what the user gave. A word may hold a flag's
+# name and a value already clipped to `errors.CLIP_CHARS`.
+MAX_ERROR_CHARS = 2000
+MAX_WORD_CHARS = errors.CLIP_CHARS + 100
+
+
 def fail(message: str) -> NoReturn:
   """Prints `error: message` (one line, in the program's words: `render`)
-  on stderr and exits with code 2."""
-  line = ' '.join(render(message).split())  # one line, whatever it holds
+  on stderr and exits with code 2. Whatever the message holds, the line
+  is one: whitespace runs become one space, control characters escapes,
+  and a word longer than `MAX_WORD_CHARS` (a pasted file, a huge value)
+  and the line past `MAX_ERROR_CHARS` are cut with an ellipsis."""
+  words = render(message).split()
+  line = ' '.join(errors.clip(w, MAX_WORD_CHARS) for w in words)
+  line = errors.clip(line, MAX_ERROR_CHARS)
   print(f'error: {line}', file=sys.stderr)
   sys.exit(EXIT_USAGE)
 
@@ -210,10 +222,19 @@ def bundled_configs() -> list[str]:
   return sorted(n for n in os.listdir(CONFIGS) if n.endswith('.flags'))
 
 
+# What the flagfiles of one command may hold, each and all together once
+# expanded (a flagfile that includes another many times): the largest
+# bundled config is 2 KB, 40 flags; 1 MiB is 500 of it, and even as
+# 131,000 one-word flags parses in under 0.6 s (`parse_flags`).
+MAX_FLAGFILE_BYTES = 1 << 20
+
+
 def _flagfile_path(name: str, including: str | None) -> str:
   """Where `--flagfile=name` is: the path as given (from the working
   folder), else beside the flagfile that names it, else a bundled config
-  (`name`, with or without `.flags`, or `experiments/configs/<name>`)."""
+  (`name`, with or without `.flags`, or `experiments/configs/<name>`).
+  A path that is there but is no regular file (a folder, a device) is
+  refused as what it is."""
   name = os.path.expanduser(name)
   candidates = [name]
   if including is not None and not os.path.isabs(name):
@@ -224,29 +245,71 @@ def _flagfile_path(name: str, including: str | None) -> str:
       os.path.join(CONFIGS, base),
       os.path.join(CONFIGS, base + '.flags'),
     ]
-  for path in candidates:
+  where = f' (named in {errors.clip(including)})' if including else ''
+  found = [p for p in candidates if os.path.exists(p)]
+  for path in found:
     if os.path.isfile(path):
       return path
-  where = f' (named in {including})' if including else ''
+  if found:
+    why = jsonfile.not_regular(os.stat(found[0]).st_mode)
+    fail(f'--flagfile={errors.clip(name)}{where}: {why}')
   fail(
-    f'--flagfile={name}{where}: no such file; the bundled configs are '
-    f'{", ".join(n[: -len(".flags")] for n in bundled_configs())}'
+    f'--flagfile={errors.clip(name)}{where}: no such file; the bundled '
+    f'configs are {", ".join(n[: -len(".flags")] for n in bundled_configs())}'
   )
 
 
-def expand_flagfiles(
-  argv: list[str], including: str | None = None, seen: tuple = ()
-) -> list[str]:
+def _read_flagfile(name: str, path: str, budget: list[int]) -> list[str]:
+  """The flag lines of the flagfile `path` (`--flagfile=name`), whose
+  bytes count against `budget` ([bytes left for this command])."""
+  where = f'--flagfile={errors.clip(name)}'
+  try:
+    data = jsonfile.read_bytes(path, budget[0])
+  except jsonfile.JsonFileError as e:
+    too_large = e.reason.startswith('holds ')
+    fail(
+      f'{where}: {e.reason}'
+      + (
+        f' (the flagfiles of a command hold {MAX_FLAGFILE_BYTES:,} bytes '
+        'at most, all together)'
+        if too_large
+        else ''
+      )
+    )
+  budget[0] -= len(data)
+  try:
+    text = data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    fail(
+      f'{where}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset '
+      f'{e.start})'
+    )
+  lines = (line.strip() for line in text.splitlines())
+  return [line for line in lines if line and not line.startswith(('#', '//'))]
+
+
+def expand_flagfiles(argv: list[str]) -> list[str]:
   """`argv` with every `--flagfile=F` replaced by F's lines (recursively).
 
   A flagfile holds one flag per line; blank lines and lines starting with
   `#` or `//` are skipped. F is found by `_flagfile_path`, so the bundled
   configs work from any folder and from an installed package, and a
-  flagfile names another by its path relative to itself.
+  flagfile names another by its path relative to itself. The flagfiles
+  read hold at most `MAX_FLAGFILE_BYTES` in all, each checked with
+  `os.stat` before it is read.
   """
+  return _expand(argv, None, (), [MAX_FLAGFILE_BYTES])
+
+
+def _expand(
+  argv: list[str], including: str | None, seen: tuple, budget: list[int]
+) -> list[str]:
   out = []
   args = iter(argv)
   for arg in args:
+    if 'flagfile' not in arg:  # most arguments, at once
+      out.append(arg)
+      continue
     name = None
     for prefix in ('--flagfile=', '-flagfile='):
       if arg.startswith(prefix):
@@ -258,26 +321,43 @@ def expand_flagfiles(
       continue
     path = os.path.realpath(_flagfile_path(name, including))
     if path in seen:
-      fail(f'--flagfile={name}: it includes itself ({path})')
-    try:
-      with open(path, encoding='utf-8') as f:
-        lines = [line.strip() for line in f]
-    except (OSError, UnicodeDecodeError) as e:
-      fail(f'--flagfile={name}: cannot read {path}: {e}')
-    lines = [
-      line for line in lines if line and not line.startswith(('#', '//'))
-    ]
-    out += expand_flagfiles(lines, path, (*seen, path))
+      fail(
+        f'--flagfile={errors.clip(name)}: it includes itself '
+        f'({errors.clip(path)})'
+      )
+    lines = _read_flagfile(name, path, budget)
+    out += _expand(lines, path, (*seen, path), budget)
   return out
+
+
+class _Expanded:
+  """`flag_values` (absl's FlagValues) parsing arguments whose flagfiles
+  `expand_flagfiles` has already replaced: absl's own flagfile pass
+  (`read_flags_from_files`) would find none, and it copies the rest of
+  the arguments for each one it looks at (quadratic: 70,000 flags took
+  12 s), so it is skipped."""
+
+  def __init__(self, flag_values: flags.FlagValues):
+    self.flag_values = flag_values
+
+  def __enter__(self) -> None:
+    self.flag_values.__dict__['read_flags_from_files'] = (
+      lambda argv, force_gnu=True: list(argv)
+    )
+
+  def __exit__(self, *exc) -> None:
+    self.flag_values.__dict__.pop('read_flags_from_files', None)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with flagfiles found as `expand_flagfiles`
-  finds them, parse errors as one line, and exit code 0 after the help
-  that `--help`, `--helpshort` and `--helpfull` ask for (absl exits 1)."""
+  finds them (in time linear in their size), parse errors as one line,
+  and exit code 0 after the help that `--help`, `--helpshort` and
+  `--helpfull` ask for (absl exits 1)."""
   argv = [argv[0], *expand_flagfiles(argv[1:])]
   try:
-    return flags.FLAGS(argv)
+    with _Expanded(flags.FLAGS):
+      return flags.FLAGS(argv)
   except flags.Error as e:
     fail(str(e))
   except SystemExit as e:
@@ -306,7 +386,8 @@ def adopt_program_help(program: str) -> None:
 def no_arguments(argv: list[str]) -> None:
   """Refuses positional arguments (every program takes flags only)."""
   if len(argv) > 1:
-    fail(f'unexpected arguments: {" ".join(argv[1:])} (flags are --name=value)')
+    given = errors.clip(' '.join(argv[1:]))
+    fail(f'unexpected arguments: {given} (flags are --name=value)')
 
 
 def guarded(

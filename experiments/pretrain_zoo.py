@@ -101,6 +101,7 @@ def _public_split(ds, classes):
   """
   from fedjax_mr.core import errors
   from fedjax_mr.core import files
+  from fedjax_mr.core import jsonfile
   from fedjax_mr.core import workdir as workdir_lib
   from fedjax_mr.stitch import pool
 
@@ -116,11 +117,16 @@ def _public_split(ds, classes):
     'indices': public.tolist(),
     'classes': None if classes is None else list(classes),
   }
-  if os.path.exists(split_path):
-    with open(split_path) as f:
-      old = json.load(f)
+  if os.path.lexists(split_path):
+    try:
+      old = jsonfile.load(split_path, pool.MAX_PUBLIC_BYTES)
+    except jsonfile.JsonFileError as e:
+      raise errors.ConfigError(
+        f'--workdir={_OUT.value}: its public split {e} (the split of '
+        'the pool trained there): use a new --workdir'
+      ) from None
     if (
-      old['indices'] != split['indices']
+      old.get('indices') != split['indices']
       or old.get('classes') != (split['classes'])
     ):
       raise errors.ConfigError(

@@ -288,8 +288,9 @@ def _main(figures, errors) -> None:
 
 
 def _rank(figures, runs, out) -> None:
-  import json
   import os
+
+  from fedjax_mr.core import jsonfile
 
   paths = [p for cols in runs.values() for p in cols.values()]
   if len(paths) != 1:
@@ -311,14 +312,11 @@ def _rank(figures, runs, out) -> None:
       '--partition_summary was given)'
     )
   try:
-    with open(summary_path) as f:
-      summary = json.load(f)
-    classes = figures.classes_per_client(summary)
-  except (OSError, ValueError, KeyError, TypeError) as e:
+    classes = figures.read_classes_per_client(summary_path)
+  except jsonfile.JsonFileError as e:
     cli.fail(
-      f"{where}: cannot read the clients' classes ({type(e).__name__}: "
-      f'{e}); want a JSON partition summary with per-client '
-      "'label_histograms'"
+      f"{where}: cannot read the clients' classes ({e.reason}); want a "
+      "JSON partition summary with per-client 'label_histograms'"
     )
   state = figures.stitch_state(path)
   weights = None

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 import pytest
 
+from fedjax_mr.energy import profiles as energy_profiles
 from fedjax_mr.harness import config as config_lib
 from fedjax_mr.harness import experiment
 from tests import helpers
@@ -173,11 +174,11 @@ CASES = {
     # FIFO waited in open for a writer).
     (
       ['--partition=file', '--partition_file=/dev/zero'],
-      '--partition_file=/dev/zero: not a regular file',
+      '--partition_file=/dev/zero: is not a regular',
     ),
     (
       ['--partition=file', '--partition_file={bad:fifo}'],
-      'fifo: not a regular file',
+      'fifo: is not a regular file (a FIFO)',
     ),
     (
       [
@@ -247,9 +248,39 @@ CASES = {
     (['--rounds=abc'], '--rounds'),
     (['--bogus_flag=1'], 'bogus_flag'),
     (['--flagfile=/nonexistent/x.flags'], '/nonexistent/x.flags'),
+    # Flagfiles checked by type and size (os.stat) before reading: a 70 MB
+    # one hung past 290 s, a 2 MB one was echoed whole; a folder or a
+    # device was "no such file".
+    (
+      ['--flagfile={bad:flagfile_70mb}'],
+      'flagfile_70mb.flags: holds 73,400,320 bytes, more than the 1,048,576',
+    ),
+    (
+      ['--flagfile={bad:flagfile_2mb}'],
+      'flagfile_2mb.flags: holds 2,097,152 bytes, more than the 1,048,576',
+    ),
+    (
+      ['--flagfile={bad:flagfile_twice}'],
+      'holds 600,000 bytes, more than the 448,514 allowed (the flagfiles',
+    ),
+    (['--flagfile={bad:folder}'], 'folder: is a folder'),
+    (
+      ['--flagfile=/dev/zero'],
+      '--flagfile=/dev/zero: is not a regular file (a character device)',
+    ),
+    (['--flagfile={bad:fifo}'], 'fifo: is not a regular file (a FIFO)'),
+    (['--flagfile={bad:flagfile_latin1}'], 'not UTF-8 text (byte 0xe9'),
+    # What the user gave is quoted clipped, its control characters escaped.
+    (['x' * 5000], 'unexpected arguments: xxx'),
+    (['--rounds=\x1b[2J' + '9' * 5000], '--rounds'),
+    (
+      ['--partition=file', '--partition_file={bad:folder}'],
+      'folder: is a folder (a partition file is',
+    ),
     (['positional'], 'unexpected arguments'),
   ],
   'experiments.compare': [
+    (['--seeds=0,0'], '--seeds: seed 0 appears twice'),
     (['--seeds=-1'], '--seeds'),
     (['--seeds=a'], '--seeds'),
     (['--seeds=99999999999'], '--seeds'),
@@ -356,7 +387,47 @@ CASES = {
     (['--stitch_solver=lu'], '--stitch_solver'),
     (['--label_map=/nonexistent/map.json'], '/nonexistent/map.json'),
     (['--label_map=README.md'], '--label_map=README.md'),
-    (['--label_map=/dev/zero'], '--label_map=/dev/zero: not a regular file'),
+    (['--label_map=/dev/zero'], '--label_map=/dev/zero: is not a regular file'),
+    (['--label_map={bad:folder}'], 'folder: is a folder'),
+    (['--label_map={bad:deep_json}'], 'not JSON (nested too deeply)'),
+    # A pool whose meta.json is not JSON, not an object, or holds a field
+    # of the wrong type (tracebacks of 42-54 lines, exit 1).
+    (
+      ['--pool={bad:pool_not_json}', '--data_dir={bad:two_hundred}'],
+      'm/meta.json: not JSON (Expecting value',
+    ),
+    (
+      ['--pool={bad:pool_list}', '--data_dir={bad:two_hundred}'],
+      'm/meta.json: holds a list, not an object',
+    ),
+    (
+      ['--pool={bad:pool_classes_abc}', '--data_dir={bad:two_hundred}'],
+      'm/meta.json: "num_classes" is the string "abc", not an integer',
+    ),
+    (
+      ['--pool={bad:pool_meta_folder}', '--data_dir={bad:two_hundred}'],
+      'm/meta.json: is a folder',
+    ),
+    (
+      ['--pool={bad:pool_no_variables}', '--data_dir={bad:two_hundred}'],
+      'm/variables: no such folder',
+    ),
+    (
+      [
+        '--energy_backend=dry_run',
+        '--energy_sysfs_root=experiments',
+        '--energy_profile={bad:profile_nan}',
+      ],
+      'profile_nan.json: "p_idle_w" is nan, not finite',
+    ),
+    (
+      [
+        '--energy_backend=dry_run',
+        '--energy_sysfs_root=experiments',
+        '--energy_profile={bad:folder}',
+      ],
+      'folder: is a folder',
+    ),
     (['--num_clients=100000000'], '--num_clients must be at most 1,048,576'),
     (['--batch_size=1000000000'], '--batch_size must be at most 4,096'),
     # The bundled CIFAR-10 map by name: its ImageNet ids exceed the test
@@ -490,6 +561,8 @@ BASE = {
   'experiments.prepare': ['--data_dir={S}', '--datasets=cinic10'],
 }
 _LOG_LINE = re.compile(r'^[IWEF]\d{4} ')  # absl log lines (not errors)
+MAX_LINE = 2100  # an error line: its message, user content clipped
+_CONTROL = re.compile(r'[\x00-\x08\x0b-\x1f\x7f]')
 
 
 def test_the_table_has_at_least_80_cases_and_build_md_counts_them():
@@ -547,7 +620,52 @@ def bad_data(tmp_path_factory):
     y_train=np.repeat(np.arange(10), 20),
   )
   os.mkfifo(out['fifo'])
+  _bad_inputs(root, out)
   return out
+
+
+def _bad_inputs(root, out) -> None:
+  """Adds to `out` the flagfiles, pools and JSON files of the input
+  cases: each the smallest that shows the fault."""
+  out['folder'] = str(root / 'folder')
+  os.makedirs(out['folder'])
+  flagfiles = {
+    'flagfile_2mb': b'x' * (2 << 20),
+    'flagfile_half': b'# ' + b'x' * 599_997 + b'\n',
+    'flagfile_twice': b'--flagfile=flagfile_half.flags\n' * 2,
+    'flagfile_latin1': '--dataset=caf\xe9\n'.encode('latin-1'),
+  }
+  for name, data in flagfiles.items():
+    out[name] = str(root / f'{name}.flags')
+    with open(out[name], 'wb') as f:
+      f.write(data)
+  out['flagfile_70mb'] = str(root / 'flagfile_70mb.flags')
+  with open(out['flagfile_70mb'], 'wb') as f:
+    f.truncate(70 << 20)  # sparse: its size is all that is looked at
+  out['deep_json'] = str(root / 'deep.json')
+  with open(out['deep_json'], 'w') as f:
+    f.write('[' * 100_000)
+  meta = {'model': 'cnn_mnist', 'num_classes': 10, 'input_shape': [28, 28, 1]}
+  pools = {
+    'pool_not_json': '{"model": ',
+    'pool_list': '[1, 2]',
+    'pool_classes_abc': json.dumps({**meta, 'num_classes': 'abc'}),
+    'pool_no_variables': json.dumps(meta),
+    'pool_meta_folder': None,
+  }
+  for name, text in pools.items():
+    out[name] = str(root / name)
+    meta_path = os.path.join(out[name], 'm', 'meta.json')
+    if text is None:
+      os.makedirs(meta_path)
+      continue
+    os.makedirs(os.path.dirname(meta_path))
+    with open(meta_path, 'w') as f:
+      f.write(text)
+  profile = energy_profiles.TX2_TABLE2_CHAINED.to_dict()
+  out['profile_nan'] = str(root / 'profile_nan.json')
+  with open(out['profile_nan'], 'w') as f:
+    json.dump({**profile, 'p_idle_w': float('nan')}, f)
 
 
 @pytest.fixture(scope='module')
@@ -658,6 +776,9 @@ def test_bad_invocations(program, tmp_path, bad_data, request):
       and lines[0].startswith('error: ')
       and fragment in lines[0]
       and not r['wrote']
+      # A line, not what the user gave whole; no terminal escapes.
+      and len(lines[0]) <= MAX_LINE
+      and not _CONTROL.search(lines[0])
     )
     if not ok:
       problems.append(

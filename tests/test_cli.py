@@ -80,6 +80,101 @@ def test_a_flagfile_that_includes_itself_is_one_line(tmp_path, capsys):
   assert err.startswith('error: --flagfile=loop.flags: it includes itself')
 
 
+def _fails(capsys, argv) -> str:
+  """The one error line `expand_flagfiles(argv)` ends with."""
+  with pytest.raises(SystemExit) as e:
+    cli.expand_flagfiles(argv)
+  assert e.value.code == cli.EXIT_USAGE
+  err = capsys.readouterr().err
+  assert err.count('\n') == 1 and err.startswith('error: '), err
+  return err[len('error: ') : -1]
+
+
+def test_a_flagfile_that_is_not_a_regular_file_is_named_as_what_it_is(
+  tmp_path, capsys
+):
+  assert _fails(capsys, [f'--flagfile={tmp_path}']) == (
+    f'--flagfile={tmp_path}: is a folder'
+  )
+  assert _fails(capsys, ['--flagfile=/dev/null']) == (
+    '--flagfile=/dev/null: is not a regular file (a character device)'
+  )
+  fifo = tmp_path / 'fifo'
+  os.mkfifo(fifo)  # open() would wait for a writer
+  assert _fails(capsys, [f'--flagfile={fifo}']) == (
+    f'--flagfile={fifo}: is not a regular file (a FIFO)'
+  )
+
+
+def test_flagfiles_are_bounded_each_and_all_together(
+  tmp_path, monkeypatch, capsys
+):
+  monkeypatch.setattr(cli, 'MAX_FLAGFILE_BYTES', 100)
+  big = tmp_path / 'big.flags'
+  big.write_text('--seed=1\n' * 12)  # 108 bytes: refused before reading
+  assert _fails(capsys, [f'--flagfile={big}']) == (
+    f'--flagfile={big}: holds 108 bytes, more than the 100 allowed (the '
+    'flagfiles of a command hold 100 bytes at most, all together)'
+  )
+  half = tmp_path / 'half.flags'
+  half.write_text('--seed=1\n' * 6)  # 54 bytes: once is fine, twice not
+  assert cli.expand_flagfiles([f'--flagfile={half}']) == ['--seed=1'] * 6
+  twice = tmp_path / 'twice.flags'
+  twice.write_text('--flagfile=half.flags\n--flagfile=half.flags\n')  # 44
+  assert _fails(capsys, [f'--flagfile={twice}']) == (
+    '--flagfile=half.flags: holds 54 bytes, more than the 2 allowed (the '
+    'flagfiles of a command hold 100 bytes at most, all together)'
+  )
+
+
+def test_flagfile_errors_quote_no_more_than_a_line(tmp_path, capsys):
+  garbage = tmp_path / 'garbage.flags'
+  garbage.write_bytes(b'--seed=\xff\n')
+  assert _fails(capsys, [f'--flagfile={garbage}']) == (
+    f'--flagfile={garbage}: not UTF-8 text (byte 0xff at offset 7)'
+  )
+  name = 'x' * 5000 + '\x1b[31m'
+  err = _fails(capsys, [f'--flagfile={name}'])
+  assert err.startswith(f'--flagfile={"x" * 200}…: no such file')
+  assert 'x' * 201 not in err and '\x1b' not in err
+
+
+def test_fail_clips_each_word_and_escapes_control_characters(capsys):
+  with pytest.raises(SystemExit):
+    cli.fail(f'bad value {"v" * 10_000} and\x1b[2J then\r\nmore')
+  assert capsys.readouterr().err == (
+    f'error: bad value {"v" * 300}… and\\x1b[2J then more\n'
+  )
+  with pytest.raises(SystemExit):
+    cli.fail('w ' * 10_000)
+  err = capsys.readouterr().err
+  assert len(err) == len('error: ') + cli.MAX_ERROR_CHARS + len('…\n')
+
+
+def test_positional_garbage_is_quoted_clipped(capsys):
+  with pytest.raises(SystemExit):
+    cli.no_arguments(['prog', *(['junk'] * 10_000)])
+  err = capsys.readouterr().err
+  assert err.startswith('error: unexpected arguments: junk junk')
+  assert len(err) < 300 and '…' in err
+
+
+def test_parse_flags_skips_absls_quadratic_flagfile_pass(monkeypatch):
+  # absl's read_flags_from_files copies the rest of the arguments for each
+  # one (70,000 flags: 12 s); expand_flagfiles has done its work already.
+  def quadratic(self, argv, force_gnu=True):
+    raise AssertionError('absl re-read the flagfiles')
+
+  monkeypatch.setattr(flags.FlagValues, 'read_flags_from_files', quadratic)
+  flags.DEFINE_integer('linear_test_only_flag', 1, '')
+  try:
+    assert cli.parse_flags(['prog', '--linear_test_only_flag=3']) == ['prog']
+    assert flags.FLAGS.linear_test_only_flag == 3
+  finally:
+    flags.FLAGS.unparse_flags()
+  assert 'read_flags_from_files' not in flags.FLAGS.__dict__
+
+
 def test_render_turns_the_librarys_backticked_names_into_flags():
   fv = flags.FlagValues()
   flags.DEFINE_integer('rounds', 1, '', flag_values=fv)

@@ -57,3 +57,34 @@ def check_finite(name: str, value: float, positive: bool = False) -> None:
     raise ArgumentError(
       name, f'must be finite and {">" if positive else ">="} 0, got {value}'
     )
+
+
+# What an error line may quote of the user's input (a path, a flag's value,
+# a file's line): enough to recognise it, never a whole file.
+CLIP_CHARS = 200
+
+
+def clip(text: object, limit: int = CLIP_CHARS) -> str:
+  """`text` fit for a one-line error: control characters (a newline, a
+  terminal escape) written as escapes (`\\n`, `\\x1b`) and, past `limit`
+  characters, cut with an ellipsis ('…')."""
+  text = str(text)
+  if len(text) > limit:
+    text = text[:limit] + '…'
+  return escape(text)
+
+
+def escape(text: str) -> str:
+  """`text` with its control characters (a newline in a folder's name, a
+  terminal escape) written as escapes (`\\n`, `\\x1b`), so that a line
+  that holds it stays one line."""
+  return _CONTROL.sub(_escape, text)
+
+
+_CONTROL = re.compile(r'[\x00-\x1f\x7f-\x9f]')
+_ESCAPES = {'\n': '\\n', '\r': '\\r', '\t': '\\t'}
+
+
+def _escape(match: re.Match) -> str:
+  char = match.group(0)
+  return _ESCAPES.get(char, f'\\x{ord(char):02x}')

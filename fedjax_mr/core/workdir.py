@@ -54,21 +54,10 @@ class Lock:
     self.release()
 
 
-def shown(path: str) -> str:
-  """`path` for a one-line message: control characters (a newline in a
-  folder's name) written as escapes, so the message stays one line."""
-  if path.isprintable():
-    return path
-  return ''.join(
-    c if c.isprintable() else c.encode('unicode_escape').decode('ascii')
-    for c in path
-  )
-
-
 def _named(folder: str, name: str) -> str:
   """`folder` as a message names it, `name=folder` in backticks: `name` is
   the argument or config field that holds it."""
-  return f'`{name}={shown(folder)}`'
+  return f'`{name}={errors.escape(folder)}`'
 
 
 def _kind(mode: int) -> str:
@@ -111,10 +100,10 @@ def check_entries(
       continue
     except OSError as e:
       raise errors.ConfigError(
-        f'{_named(folder, name)}: cannot read {shown(path)} ({e.strerror})'
+        f'{_named(folder, name)}: cannot read {errors.escape(path)} ({e.strerror})'
       ) from None
     if stat.S_ISLNK(mode):
-      target = shown(os.readlink(path))
+      target = errors.escape(os.readlink(path))
       raise errors.ConfigError(
         f'{_named(folder, name)}: {entry} is a symbolic link (to {target}); '
         f'a run writes only its own files: remove the link, or pass another '
@@ -171,7 +160,9 @@ def check_usable(folder: str, name: str = 'workdir') -> None:
     if parent == existing:
       break
     existing = parent
-  what = 'it' if existing == os.path.abspath(folder) else shown(existing)
+  what = (
+    'it' if existing == os.path.abspath(folder) else errors.escape(existing)
+  )
   if not os.path.isdir(existing):
     raise errors.ConfigError(f'{where}: {what} is a file, not a folder')
   if not os.access(existing, os.W_OK | os.X_OK):

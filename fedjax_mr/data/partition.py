@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
 from typing import Sequence
 
 import numpy as np
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
+from fedjax_mr.core import jsonfile
 
 
 def iid(num_examples: int, num_clients: int, seed: int) -> list[np.ndarray]:
@@ -238,29 +237,6 @@ _MAX_INDEX = 2**31 - 1
 MAX_FILE_BYTES = 2**27
 
 
-def read_bounded(path: str, max_bytes: int) -> bytes:
-  """The bytes of the regular file `path`, if it holds at most `max_bytes`.
-
-  Checked before reading: a device (`/dev/zero`), a pipe or a folder is
-  refused by its type, a larger file by its size (and by what a read of
-  `max_bytes + 1` bytes finds, should it grow meanwhile).
-
-  Raises:
-    OSError: it cannot be read.
-    ValueError: not a regular file, or larger than `max_bytes`; the
-      message says which.
-  """
-  info = os.stat(path)
-  if not stat.S_ISREG(info.st_mode):
-    raise ValueError('not a regular file')
-  with open(path, 'rb') as f:
-    if os.fstat(f.fileno()).st_size <= max_bytes:
-      data = f.read(max_bytes + 1)
-      if len(data) <= max_bytes:
-        return data
-  raise ValueError(f'larger than {max_bytes:,} bytes')
-
-
 def file_sha256(path: str) -> str:
   """The sha256 (hex) of a partition file's bytes.
 
@@ -269,9 +245,10 @@ def file_sha256(path: str) -> str:
       most `MAX_FILE_BYTES` (`load_file` says which).
   """
   try:
-    return hashlib.sha256(read_bounded(path, MAX_FILE_BYTES)).hexdigest()
-  except ValueError as e:
-    raise OSError(f'{path}: {e}') from None
+    data = jsonfile.read_bytes(path, MAX_FILE_BYTES)
+  except jsonfile.JsonFileError as e:
+    raise OSError(str(e)) from None
+  return hashlib.sha256(data).hexdigest()
 
 
 def save_file(path: str, parts: Sequence[np.ndarray]) -> None:
@@ -313,7 +290,7 @@ def load_file(
   Raises:
     ConfigError: one line naming `partition_file` and what is wrong.
   """
-  where = f'`partition_file={path}`'
+  where = f'`partition_file={errors.clip(path)}`'
   content, digest = _read_json_file(path, sha256, where)
   clients = _client_lists(content, num_clients, where)
   parts = [
@@ -328,16 +305,12 @@ def _read_json_file(path: str, sha256: str, where: str) -> tuple[object, str]:
   """The parsed JSON of `path` and the sha256 (hex) of its bytes, which
   must be `sha256` when that is set; errors begin with `where`."""
   try:
-    data = read_bounded(path, MAX_FILE_BYTES)
-  except OSError as e:
+    data = jsonfile.read_bytes(path, MAX_FILE_BYTES)
+  except jsonfile.JsonFileError as e:
     raise errors.ConfigError(
-      f'{where}: cannot read it ({e.strerror or e})'
-    ) from None
-  except ValueError as e:
-    raise errors.ConfigError(
-      f'{where}: {e} (a partition file is a regular JSON file of at most '
-      f'{MAX_FILE_BYTES >> 20} MiB: it lists each training example at most '
-      'once)'
+      f'{where}: {e.reason} (a partition file is a regular JSON file of at '
+      f'most {MAX_FILE_BYTES >> 20} MiB: it lists each training example at '
+      'most once)'
     ) from None
   digest = hashlib.sha256(data).hexdigest()
   if sha256 and digest != sha256:
@@ -346,9 +319,9 @@ def _read_json_file(path: str, sha256: str, where: str) -> tuple[object, str]:
       '(the file changed; an empty `partition_sha256` takes it as it is)'
     )
   try:
-    return json.loads(data), digest
-  except (ValueError, RecursionError) as e:
-    raise errors.ConfigError(f'{where}: not JSON ({e})') from None
+    return jsonfile.loads(data, path, top=None), digest
+  except jsonfile.JsonFileError as e:
+    raise errors.ConfigError(f'{where}: {e.reason}') from None
 
 
 def _client_lists(content: object, num_clients: int, where: str) -> list:

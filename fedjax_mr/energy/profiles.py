@@ -31,11 +31,14 @@ VDD_IN = 1876 mW in tegrastats).
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 from typing import Mapping
 
+from fedjax_mr.core import errors
 from fedjax_mr.core import files
+from fedjax_mr.core import jsonfile
 from fedjax_mr.energy import sysfs
 
 # TX2 (L4T 32) frequency tables. The A57 and Denver clusters share one table.
@@ -207,10 +210,99 @@ def save_profile(profile: DeviceProfile, path: str | os.PathLike[str]) -> None:
   files.write_atomic(os.fspath(path), write)
 
 
+# A profile holds a few DVFS configurations: a few KiB.
+MAX_PROFILE_BYTES = 1 << 20
+_NUMBER = (int, float)
+_CONFIG_FIELDS = {
+  'name': str,
+  'cpu_khz': dict,
+  'gpu_hz': int,
+  'emc_hz': int,
+  'online_cpus': list,
+  'nvpmodel_id': int,
+}
+_PROFILE_FIELDS = {
+  'name': str,
+  'configs': list,
+  'speedup': list,
+  'p_active_w': list,
+  'p_idle_w': _NUMBER,
+  'cycles_per_sample': _NUMBER,
+  'ref_hz': _NUMBER,
+  'description': str,
+}
+_OPTIONAL = {'gpu_hz', 'emc_hz', 'online_cpus', 'nvpmodel_id', 'cpu_khz'}
+_OPTIONAL_PROFILE = {'cycles_per_sample', 'ref_hz', 'description'}
+
+
+def _fields(
+  obj: Any, kinds: dict, optional: set, path: str, where: str
+) -> dict[str, Any]:
+  """The fields of the JSON object `obj` (at `where` in the file `path`),
+  each of its type in `kinds`; numbers finite; no other key."""
+  obj = jsonfile.check(obj, dict, path, where)
+  for key in obj:
+    if key not in kinds:
+      name = f'"{errors.clip(key, 40)}"'
+      raise jsonfile.JsonFileError(
+        path,
+        f'{where or "the profile"} has an unknown field {name} (known: '
+        f'{", ".join(kinds)})',
+      )
+  out = {}
+  for key, kind in kinds.items():
+    if key in optional and obj.get(key) is None:
+      continue
+    name = f'{where}["{key}"]' if where else f'"{key}"'
+    value = jsonfile.check(obj.get(key), kind, path, name)
+    if isinstance(value, float) and not math.isfinite(value):
+      raise jsonfile.JsonFileError(path, f'{name} is {value}, not finite')
+    out[key] = value
+  return out
+
+
+def _numbers(values: list, path: str, name: str) -> list[float]:
+  """The list `values` (the file's `name`), each a finite number."""
+  out = [
+    jsonfile.check(v, _NUMBER, path, f'{name}[{i}]')
+    for i, v in enumerate(values)
+  ]
+  for i, v in enumerate(out):
+    if not math.isfinite(v):
+      raise jsonfile.JsonFileError(path, f'{name}[{i}] is {v}, not finite')
+  return out
+
+
 def load_profile(path: str | os.PathLike[str]) -> DeviceProfile:
-  """Reads a profile written by `save_profile`."""
-  with open(path) as f:
-    return DeviceProfile.from_dict(json.load(f))
+  """Reads a profile written by `save_profile`.
+
+  Raises:
+    JsonFileError: not a regular file of at most `MAX_PROFILE_BYTES`, not
+      JSON, or a field missing, unknown or of the wrong type (one line
+      naming the file and the field).
+    ValueError: the values do not make a profile (`DeviceProfile`).
+  """
+  path = os.fspath(path)
+  d = _fields(
+    jsonfile.load(path, MAX_PROFILE_BYTES),
+    _PROFILE_FIELDS,
+    _OPTIONAL_PROFILE,
+    path,
+    '',
+  )
+  configs = []
+  for i, c in enumerate(d['configs']):
+    where = f'"configs"[{i}]'
+    c = _fields(c, _CONFIG_FIELDS, _OPTIONAL, path, where)
+    for key, khz in c.get('cpu_khz', {}).items():
+      jsonfile.check(khz, int, path, f'{where}["cpu_khz"]["{key}"]')
+    for j, cpu in enumerate(c.get('online_cpus') or ()):
+      jsonfile.check(cpu, int, path, f'{where}["online_cpus"][{j}]')
+    configs.append(DvfsConfig(**c))
+  d['configs'] = tuple(configs)
+  for key in ('speedup', 'p_active_w'):
+    d[key] = tuple(_numbers(d[key], path, f'"{key}"'))
+  return DeviceProfile(**d)
 
 
 # The TX2 nvpmodel modes (/etc/nvpmodel.conf, L4T 28/32). Clocks are the
@@ -327,7 +419,7 @@ def get_profile(name_or_path: str) -> DeviceProfile:
   """A built-in profile by name ('tx2_literal', 'tx2_chained') or JSON file."""
   if name_or_path in BUILTIN_PROFILES:
     return BUILTIN_PROFILES[name_or_path]
-  if os.path.isfile(name_or_path):
+  if os.path.lexists(name_or_path):  # a folder or a device says so
     return load_profile(name_or_path)
   raise ValueError(
     f'unknown profile {name_or_path!r}: not one of'

@@ -128,14 +128,21 @@ def configs(
   refused.
 
   Raises:
-    ConfigError: a variant named twice, a seed out of range, such a field,
-      or a config that does not validate (`config.validate`), named by its
-      field in backticks.
+    ConfigError: a variant named twice, a seed out of range or given
+      twice, such a field, or a config that does not validate
+      (`config.validate`), named by its field in backticks.
   """
   if len({name for name, _ in variants}) != len(variants):
     raise errors.ConfigError('`variants`: a name appears twice')
   for seed in seeds:
     config_lib.check_seed('seeds', seed)
+  seen = set()
+  for seed in seeds:  # one run folder per seed: a second would be the first
+    if seed in seen:
+      raise errors.ConfigError(
+        f'`seeds`: seed {seed} appears twice; each seed is one run'
+      )
+    seen.add(seed)
   algorithm_flags = registry.all_flags()
   given = {
     flag: users

@@ -26,6 +26,7 @@ from typing import Any
 from typing import Mapping
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import jsonfile
 from fedjax_mr.harness import registry
 from fedjax_mr.training import optimizers
 
@@ -917,14 +918,19 @@ def uniform_weights(config: ExperimentConfig) -> bool:
   return config.weighting == 'uniform'
 
 
+# A config.json holds a few hundred short fields: a few KiB.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def check_resumable(config: ExperimentConfig, saved_path: str) -> None:
   """Raises `ConfigError` if `saved_path` (a config.json) defines another
   run than `config`."""
   try:
-    with open(saved_path) as f:
-      saved = json.load(f)
-  except (OSError, ValueError) as e:
-    raise errors.ConfigError(f'cannot read {saved_path}: {e}') from None
+    saved = jsonfile.load(saved_path, MAX_CONFIG_BYTES)
+  except jsonfile.JsonFileError as e:
+    raise errors.ConfigError(
+      f'`workdir`: cannot read {errors.clip(saved_path)}: {e.reason}'
+    ) from None
   diffs = config_diffs(config, saved)
   if diffs:
     raise errors.ConfigError(
@@ -939,7 +945,8 @@ def config_diffs(config: ExperimentConfig, saved: Mapping[str, Any]):
   saved run predates had its default there)."""
   defaults = ExperimentConfig().identity()
   return [
-    f'`{k}={saved.get(k, defaults[k])!r}` there, {v!r} here'
+    f'`{k}={errors.clip(repr(saved.get(k, defaults[k])), 80)}` there, '
+    f'{v!r} here'
     for k, v in config.identity().items()
     if saved.get(k, defaults[k]) != v
   ]

@@ -27,6 +27,7 @@ import numpy as np
 from fedjax_mr import energy
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
+from fedjax_mr.core import jsonfile
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition
@@ -110,10 +111,7 @@ def _sysfs_backend(config: config_lib.StitchConfig) -> fleet.SysfsBackend:
   return fleet.SysfsBackend(dvfs, profile, meter.total_w)
 
 
-# A label map lists, per dataset class (100 at most here), the pool
-# classes that count as it, each of ImageNet's 1,000 at most once: under
-# 1 MB even one id a line. A larger file is not a map, and is not read.
-MAX_LABEL_MAP_BYTES = 2**24
+MAX_LABEL_MAP_BYTES = torchvision_import.MAX_LABEL_MAP_BYTES
 
 
 def read_label_map(
@@ -132,31 +130,15 @@ def read_label_map(
     return named if classes is None else [named[c] for c in classes]
   if not config.label_map:
     return None
-  where = f'`label_map={config.label_map}`'
+  where = f'`label_map={errors.clip(config.label_map)}`'
   try:
-    data = partition.read_bounded(config.label_map, MAX_LABEL_MAP_BYTES)
-  except ValueError as e:  # a device, a pipe, a folder, a huge file
+    return jsonfile.load(config.label_map, MAX_LABEL_MAP_BYTES, top=list)
+  except jsonfile.JsonFileError as e:
     raise errors.ConfigError(
-      f'{where}: {e} (a label map is a regular JSON file of at most '
-      f'{MAX_LABEL_MAP_BYTES >> 20} MiB)'
-    ) from None
-  except OSError as e:
-    raise errors.ConfigError(
-      f'{where}: cannot read it: {e.strerror or e} (bundled maps: '
+      f'{where}: {e.reason} (a label map is a JSON list in a regular file '
+      f'of at most {MAX_LABEL_MAP_BYTES >> 20} MiB; bundled maps: '
       f'{", ".join(sorted(label_maps.BUNDLED))})'
     ) from None
-  try:
-    label_map = json.loads(data)
-  except (ValueError, RecursionError) as e:
-    raise errors.ConfigError(
-      f'{where}: cannot read it: not JSON ({e}) (bundled maps: '
-      f'{", ".join(sorted(label_maps.BUNDLED))})'
-    ) from None
-  if not isinstance(label_map, list):
-    raise errors.ConfigError(
-      f'`label_map={config.label_map}`: must hold a JSON list'
-    )
-  return label_map
 
 
 def check_workdir(config: config_lib.StitchConfig) -> None:
@@ -288,7 +270,14 @@ def public_examples(
   if not config.imagenet_pool:
     split = pool_lib.public_indices(config.pool)
   if split is not None and split.get('dataset') == ds.name:
-    public = np.asarray(split['indices'], int)
+    public = np.asarray(split['indices'], np.int64)
+    bad = public[(public < 0) | (public >= len(ds.y_train))]
+    if len(bad) or len(np.unique(public)) != len(public):
+      what = f'index {bad[0]}' if len(bad) else 'an index twice'
+      raise errors.DataError(
+        f'`pool`: {errors.clip(config.pool)}/public.json holds {what}; '
+        f'`dataset={ds.name}` has {len(ds.y_train)} training examples'
+      )
   else:
     public = np.zeros((0,), int)
   private = np.setdiff1d(np.arange(len(ds.y_train)), public)

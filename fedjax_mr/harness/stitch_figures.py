@@ -30,7 +30,6 @@ only by the memory measurements.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
@@ -41,6 +40,7 @@ import numpy as np
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
+from fedjax_mr.core import jsonfile
 from fedjax_mr.harness import metrics_io
 from fedjax_mr.harness import plots
 
@@ -65,6 +65,10 @@ TIME_UNITS = {'hours': 3600.0, 'minutes': 60.0, 'seconds': 1.0}
 # --- Which runs -------------------------------------------------------------
 
 
+# A runs file names a few dozen workdirs.
+MAX_RUNS_BYTES = 1 << 20
+
+
 def parse_runs(spec: str, name: str = 'runs') -> RunSpec:
   """The methods and their workdirs from `spec`.
 
@@ -82,16 +86,16 @@ def parse_runs(spec: str, name: str = 'runs') -> RunSpec:
   if not spec:
     raise errors.ConfigError(f'`{name}` is empty: give label:column=path,...')
   if spec.endswith('.json') or os.path.isfile(spec):
+    where = f'`{name}={errors.clip(spec)}`'
     try:
-      with open(spec) as f:
-        raw = json.load(f)
-    except (OSError, ValueError) as e:
+      raw = jsonfile.load(spec, MAX_RUNS_BYTES)
+    except jsonfile.JsonFileError as e:
       raise errors.ConfigError(
-        f'`{name}={spec}`: cannot read it ({e})'
+        f'{where}: {e.reason} (want a JSON object {{label: {{column: path}}}})'
       ) from None
-    if not isinstance(raw, dict) or not raw:
+    if not raw:
       raise errors.ConfigError(
-        f'`{name}={spec}`: want a JSON object {{label: {{column: path}}}}'
+        f'{where}: want a JSON object {{label: {{column: path}}}}'
       )
     out: RunSpec = {}
     for label, value in raw.items():
@@ -101,8 +105,8 @@ def parse_runs(spec: str, name: str = 'runs') -> RunSpec:
         isinstance(v, str) for v in value.values()
       ):
         raise errors.ConfigError(
-          f'`{name}={spec}`: {label!r} must map to a path or to '
-          '{column: path}'
+          f'{where}: {errors.clip(repr(label), 40)} must map to a path or '
+          'to {column: path}'
         )
       out[str(label)] = dict(value)
     return out
@@ -159,12 +163,34 @@ def kind_of(path: str) -> str | None:
   return None
 
 
-def _json(path: str) -> Any:
-  try:
-    with open(path) as f:
-      return json.load(f)
-  except (OSError, ValueError):
+def _json(path: str) -> dict[str, Any] | None:
+  """The JSON object in the file `path`, or None where there is none.
+
+  Raises:
+    DataError: a file that is not a bounded JSON object (`jsonfile`).
+  """
+  if not os.path.lexists(path):
     return None
+  return jsonfile.load(path)
+
+
+def _numbers(obj: Mapping[str, Any], key: str, path: str) -> list | None:
+  """`obj[key]`, a list of numbers in the file `path`, or None."""
+  values = jsonfile.field(obj, key, list, path, default=None)
+  for i, v in enumerate(values or ()):
+    jsonfile.check(v, (int, float), path, f'"{key}"[{i}]')
+  return values
+
+
+def read_probe(path: str) -> dict[str, Any]:
+  """A training workdir's probe.json ('mean', 'rounds', 'accuracy'),
+  checked; {} without one."""
+  file = os.path.join(path, PROBE_FILE)
+  probe = _json(file) or {}
+  jsonfile.field(probe, 'mean', float, file, default=None)
+  _numbers(probe, 'rounds', file)
+  _numbers(probe, 'accuracy', file)
+  return probe
 
 
 def read_log(path: str) -> list[dict[str, Any]]:
@@ -176,8 +202,7 @@ def read_log(path: str) -> list[dict[str, Any]]:
 
 def stitch_results(path: str) -> dict[str, Any] | None:
   """A stitch workdir's results.json (None until the run has finished)."""
-  res = _json(os.path.join(path, 'results.json'))
-  return res if isinstance(res, dict) else None
+  return _json(os.path.join(path, 'results.json'))
 
 
 def eval_key(results: Mapping[str, Any]) -> str:
@@ -224,8 +249,9 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
   if kind is None:
     return {**out, 'status': 'missing'}
   if kind == 'pool_model':
-    meta = _json(os.path.join(path, 'meta.json')) or {}
-    acc = meta.get('test_accuracy')
+    file = os.path.join(path, 'meta.json')
+    meta = _json(file) or {}
+    acc = jsonfile.field(meta, 'test_accuracy', float, file, default=None)
     return {
       **out,
       'status': 'done' if acc is not None else 'running',
@@ -233,14 +259,14 @@ def cell(path: str, last: int = 10) -> dict[str, Any]:
     }
   if kind == 'run':
     rows = metrics_io.read(os.path.join(path, 'metrics.jsonl'))
-    config = _json(os.path.join(path, 'config.json')) or {}
+    file = os.path.join(path, 'config.json')
+    config = _json(file) or {}
     evaluated = evaluations(rows)
     accs = [a for _, a in evaluated]
     rounds = max((r['round'] for r in rows), default=0)
-    total = config.get('rounds')
+    total = jsonfile.field(config, 'rounds', int, file, default=None)
     done = bool(accs) and (total is None or rounds >= total)
-    probe = _json(os.path.join(path, PROBE_FILE))
-    probe = probe if isinstance(probe, dict) else {}
+    probe = read_probe(path)
     return {
       **out,
       'status': 'done' if done else 'running',
@@ -687,8 +713,8 @@ def round_curves(
             'mean': trailing_means(accs, last),
             'gain': trailing_gain(evaluated, last),
           }
-          probe = _json(os.path.join(path, PROBE_FILE))
-          if isinstance(probe, dict) and probe.get('rounds'):
+          probe = read_probe(path)
+          if probe.get('rounds') and probe.get('accuracy'):
             curve['probe_round'] = list(probe['rounds'])
             curve['probe_accuracy'] = list(probe['accuracy'])
       elif kind == 'stitch':
@@ -874,6 +900,27 @@ def classes_per_client(summary: Mapping[str, Any]) -> list[int]:
   each), from a partition summary (`fedjax_mr.data.partition.summary`:
   'label_histograms')."""
   return [int(np.count_nonzero(h)) for h in summary['label_histograms']]
+
+
+# A partition summary holds a histogram per client: 10,000 clients of
+# 100 classes are a few MiB.
+MAX_SUMMARY_BYTES = 1 << 26
+
+
+def read_classes_per_client(path: str) -> list[int]:
+  """`classes_per_client` of the partition summary in the file `path`.
+
+  Raises:
+    JsonFileError: not a bounded JSON object whose 'label_histograms' is
+      a list of lists of integers (one line naming the file and field).
+  """
+  summary = jsonfile.load(path, MAX_SUMMARY_BYTES)
+  histograms = jsonfile.field(summary, 'label_histograms', list, path)
+  for k, h in enumerate(histograms):
+    name = f'"label_histograms"[{k}]'
+    for c, n in enumerate(jsonfile.check(h, list, path, name)):
+      jsonfile.check(n, int, path, f'{name}[{c}]')
+  return classes_per_client(summary)
 
 
 def rank_data(

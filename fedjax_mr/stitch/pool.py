@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from fedjax_mr import models as models_lib
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
+from fedjax_mr.core import jsonfile
 from fedjax_mr.stitch import blocks as blocks_lib
 
 
@@ -175,26 +176,106 @@ def save_model(
   )
 
 
-def load_model(folder: str, model_id: str) -> PoolModel:
-  """Loads `<folder>/<model_id>/` (meta.json + orbax variables)."""
+# A pool model's meta.json is a few hundred bytes (its public split is in
+# public.json); its bounds keep a damaged or hostile one from allocating.
+MAX_META_BYTES = 1 << 20
+MAX_PUBLIC_BYTES = 1 << 28  # 'indices': up to ~25 million examples
+MAX_CLASSES = 1 << 20
+MAX_INPUT_DIM = 1 << 16
+
+
+def _pool_error(e: Exception) -> errors.DataError:
+  return errors.DataError(f'`pool`: {e}')
+
+
+def read_meta(folder: str, model_id: str) -> dict[str, Any]:
+  """The checked meta.json of `<folder>/<model_id>/`: a JSON object with a
+  zoo "model" name, "num_classes" (an integer ≥ 2), "input_shape" (a list
+  of 1 to 3 positive integers) and optionally "classes" (a list of
+  integers or null).
+
+  Raises:
+    DataError: no meta.json, or one that cannot be read or is malformed
+      (one line naming `pool`, the file and the field).
+  """
   path = os.path.abspath(os.path.join(folder, model_id))
   meta_path = os.path.join(path, 'meta.json')
-  if not os.path.exists(meta_path):
+  if not os.path.lexists(meta_path):
     raise errors.DataError(
-      f'`pool`: {path} has no meta.json (want {{"model", "num_classes", '
-      '"input_shape"}} next to an orbax "variables" checkpoint)'
+      f'`pool`: {errors.clip(path)} has no meta.json (want {{"model", '
+      '"num_classes", "input_shape"}} next to an orbax "variables" '
+      'checkpoint)'
     )
-  with open(meta_path) as f:
-    meta = json.load(f)
+  try:
+    meta = jsonfile.load(meta_path, MAX_META_BYTES)
+    name = jsonfile.field(meta, 'model', str, meta_path)
+    if name not in models_lib.NAMES:
+      raise jsonfile.JsonFileError(
+        meta_path,
+        f'"model" is {jsonfile.describe(name)}, not a zoo model (one of '
+        f'{", ".join(models_lib.NAMES)})',
+      )
+    num_classes = jsonfile.field(meta, 'num_classes', int, meta_path)
+    if not 2 <= num_classes <= MAX_CLASSES:
+      raise jsonfile.JsonFileError(
+        meta_path, f'"num_classes" is {num_classes}, not in [2, {MAX_CLASSES}]'
+      )
+    shape = jsonfile.field(meta, 'input_shape', list, meta_path)
+    if not 1 <= len(shape) <= 3:
+      raise jsonfile.JsonFileError(
+        meta_path, f'"input_shape" has {len(shape)} entries, not 1 to 3'
+      )
+    for i, d in enumerate(shape):
+      name_i = f'"input_shape"[{i}]'
+      if not 1 <= jsonfile.check(d, int, meta_path, name_i) <= MAX_INPUT_DIM:
+        raise jsonfile.JsonFileError(
+          meta_path, f'{name_i} is {d}, not in [1, {MAX_INPUT_DIM}]'
+        )
+    classes = jsonfile.field(meta, 'classes', list, meta_path, default=None)
+    for i, c in enumerate(classes or ()):
+      jsonfile.check(c, int, meta_path, f'"classes"[{i}]')
+  except jsonfile.JsonFileError as e:
+    raise _pool_error(e) from None
+  return meta
+
+
+def load_model(folder: str, model_id: str) -> PoolModel:
+  """Loads `<folder>/<model_id>/` (meta.json, checked by `read_meta`, and
+  the orbax checkpoint `variables`).
+
+  Raises:
+    DataError: a missing or malformed meta.json, a model the meta.json
+      does not describe, or a `variables` checkpoint that cannot be
+      restored as its variables (one line naming `pool` and the file).
+  """
+  meta = read_meta(folder, model_id)
+  path = os.path.abspath(os.path.join(folder, model_id))
+  meta_path = os.path.join(path, 'meta.json')
   try:
     model = models_lib.get(
-      meta['model'], int(meta['num_classes']), tuple(meta['input_shape'])
+      meta['model'], meta['num_classes'], tuple(meta['input_shape'])
     )
-  except KeyError as e:
-    raise errors.DataError(f'`pool`: {meta_path} lacks {e}') from None
+  except errors.ConfigError as e:  # input_shape is not what it takes
+    raise errors.DataError(
+      f'`pool`: {meta_path}: "input_shape" {meta["input_shape"]} does not '
+      f'fit "model" {meta["model"]}: {e}'
+    ) from None
+  ckpt = os.path.join(path, 'variables')
+  if not os.path.isdir(ckpt):
+    raise errors.DataError(
+      f'`pool`: {errors.clip(ckpt)}: no such folder (want the orbax '
+      'checkpoint of the variables beside meta.json)'
+    )
   like = jax.eval_shape(model.init, jax.random.key(0))
   checkpointer = ocp.StandardCheckpointer()
-  variables = checkpointer.restore(os.path.join(path, 'variables'), like)
+  try:
+    variables = checkpointer.restore(ckpt, like)
+  except Exception as e:  # noqa: BLE001 - orbax raises many kinds
+    first = str(e).splitlines()[0] if str(e) else ''
+    raise errors.DataError(
+      f'`pool`: {errors.clip(ckpt)}: cannot restore it as the variables of '
+      f'a {meta["model"]} model ({type(e).__name__}: {errors.clip(first)})'
+    ) from None
   return PoolModel(model_id, model, dict(variables), meta)
 
 
@@ -221,12 +302,26 @@ def load(folder: str, ids: Sequence[str] | None = None) -> list[PoolModel]:
 
 
 def public_indices(folder: str) -> dict[str, Any] | None:
-  """The saved public split (`public.json`), or None."""
+  """The saved public split (`public.json`: an object whose "indices" is a
+  list of integers), or None.
+
+  Raises:
+    DataError: a public.json that cannot be read or is malformed.
+  """
   path = os.path.join(folder, 'public.json')
-  if not os.path.exists(path):
+  if not os.path.lexists(path):
     return None
-  with open(path) as f:
-    return json.load(f)
+  try:
+    split = jsonfile.load(path, MAX_PUBLIC_BYTES)
+    indices = jsonfile.field(split, 'indices', list, path)
+    for i, index in enumerate(indices):
+      if not 0 <= jsonfile.check(index, int, path, f'"indices"[{i}]') < 2**31:
+        raise jsonfile.JsonFileError(
+          path, f'"indices"[{i}] is {index}, not in [0, 2**31)'
+        )
+  except jsonfile.JsonFileError as e:
+    raise _pool_error(e) from None
+  return split
 
 
 def chains(

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import jsonfile
 from fedjax_mr.models import imagenet
 from fedjax_mr.stitch import pool as pool_lib
 
@@ -141,14 +142,9 @@ def parse_safetensors(
       f'{size - 8} follow',
     )
   try:
-    header = json.loads(buf[8 : 8 + n].tobytes().decode('utf-8'))
-  except (UnicodeDecodeError, ValueError) as e:
-    reason = str(e).splitlines()[0]
-    raise _fail(
-      source, f'bad safetensors header: not JSON ({reason})'
-    ) from None
-  if not isinstance(header, dict):
-    raise _fail(source, 'bad safetensors header: not a JSON object')
+    header = jsonfile.loads(buf[8 : 8 + n].tobytes(), source, top=dict)
+  except jsonfile.JsonFileError as e:
+    raise _fail(source, f'bad safetensors header: {e.reason}') from None
   meta = header.pop('__metadata__', None) or {}
   if not isinstance(meta, dict) or not all(
     isinstance(v, str) for v in meta.values()
@@ -610,14 +606,26 @@ def check_label_map(
   return out
 
 
+# A label map lists, per dataset class (100 at most here), the pool
+# classes that count as it, each of ImageNet's 1,000 at most once: under
+# 1 MB even one id a line. A larger file is not a map, and is not read.
+MAX_LABEL_MAP_BYTES = 2**24
+
+
 def read_label_map(
   path: str, num_classes: int, num_source: int = IMAGENET_CLASSES
 ) -> list[list[int]]:
-  """Reads and checks a `label_map` JSON file (see `check_label_map`)."""
+  """Reads and checks a `label_map` JSON file (see `check_label_map`).
+
+  Raises:
+    ConfigError: the file is not a regular file of at most
+      `MAX_LABEL_MAP_BYTES` holding a JSON list, or fails
+      `check_label_map` (one line naming `label_map`).
+  """
   try:
-    with open(path) as f:
-      label_map = json.load(f)
-  except (OSError, ValueError) as e:
-    reason = e.strerror if isinstance(e, OSError) else f'not JSON ({e})'
-    raise errors.ConfigError(f'`label_map={path}`: cannot read it: {reason}')
+    label_map = jsonfile.load(path, MAX_LABEL_MAP_BYTES, top=list)
+  except jsonfile.JsonFileError as e:
+    raise errors.ConfigError(
+      f'`label_map={errors.clip(path)}`: {e.reason}'
+    ) from None
   return check_label_map(label_map, num_classes, num_source)

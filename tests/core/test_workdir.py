@@ -197,7 +197,9 @@ def test_check_entries(tmp_path):
     workdir.check_entries(str(tmp_path), files=['f'])
 
 
-def test_shown_escapes_control_characters():
-  assert workdir.shown('/tmp/run') == '/tmp/run'
-  assert workdir.shown('/tmp/a\nb\tc') == '/tmp/a\\nb\\tc'
-  assert workdir.shown('/tmp/rün') == '/tmp/rün'
+def test_a_folder_named_with_a_newline_is_named_on_one_line(tmp_path):
+  folder = tmp_path / 'a\nb'
+  (folder / workdir.LOCK_FILE).mkdir(parents=True)
+  with pytest.raises(errors.ConfigError) as e:
+    workdir.check_free(str(folder))
+  assert str(e.value).startswith(f'`workdir={tmp_path}/a\\nb`: .lock is')

@@ -275,13 +275,16 @@ _GOOD = json.dumps([[0, 1], [2]])
 @pytest.mark.parametrize(
   'content,fragment',
   [
-    (None, 'cannot read it (No such file or directory)'),
-    ('dir', 'not a regular file (a partition file is a regular JSON file'),
-    ('fifo', 'not a regular file'),  # open() would wait for a writer
-    ('/dev/zero', 'not a regular file'),  # read() would never end
-    ('large', 'larger than 8 bytes (a partition file is a regular JSON'),
+    (None, 'cannot read it: No such file or directory'),
+    ('dir', 'is a folder (a partition file is a regular JSON file'),
+    # open() would wait for a writer
+    ('fifo', 'is not a regular file (a FIFO)'),
+    # read() would never end
+    ('/dev/zero', 'is not a regular file (a character device)'),
+    ('large', 'holds 13 bytes, more than the 8 allowed (a partition file'),
     ('[[0, 1], [2]', 'not JSON (Expecting'),
-    (b'\xff\xfe\x00', 'not JSON ('),
+    (b'\xff\xfe\x00', 'not UTF-8 text (byte 0xff at offset 0)'),
+    ('[' * 100_000, 'not JSON (nested too deeply)'),
     ('{"users": [[0]]}', 'without a "clients" key'),
     ('7', 'expected a list of client index lists'),
     ('{"clients": "0 1"}', 'got a string'),
@@ -340,19 +343,11 @@ def test_file_sha256_refuses_what_load_file_refuses(tmp_path, monkeypatch):
     partition.file_sha256(str(path))
     == hashlib.sha256(_GOOD.encode()).hexdigest()
   )
-  with pytest.raises(OSError, match='/dev/zero: not a regular file'):
+  with pytest.raises(OSError, match='/dev/zero: is not a regular file'):
     partition.file_sha256('/dev/zero')
   monkeypatch.setattr(partition, 'MAX_FILE_BYTES', len(_GOOD) - 1)
-  with pytest.raises(OSError, match='larger than 12 bytes'):
+  with pytest.raises(OSError, match='holds 13 bytes, more than the 12'):
     partition.file_sha256(str(path))
-
-
-def test_read_bounded_reads_at_most_the_bound(tmp_path):
-  path = tmp_path / 'f'
-  path.write_bytes(b'abc')
-  assert partition.read_bounded(str(path), 3) == b'abc'
-  with pytest.raises(ValueError, match='larger than 2 bytes'):
-    partition.read_bounded(str(path), 2)
 
 
 def test_file_index_bound_before_the_dataset_is_known(tmp_path):

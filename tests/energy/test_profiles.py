@@ -1,7 +1,10 @@
 """Profiles (TX2 Table II, nvpmodel modes, JSON) and measuring one."""
 
+import json
+
 import pytest
 
+from fedjax_mr.core import jsonfile
 from fedjax_mr.energy import discovery
 from fedjax_mr.energy import dvfs
 from fedjax_mr.energy import power
@@ -72,6 +75,41 @@ def test_json_round_trip(tmp_path):
   assert profiles.get_profile('tx2_literal') is LITERAL
   with pytest.raises(ValueError, match='unknown profile'):
     profiles.get_profile('tx3')
+
+
+@pytest.mark.parametrize(
+  'change,reason',
+  [
+    ({'speedup': 'fast'}, '"speedup" is the string "fast", not a list'),
+    ({'p_idle_w': True}, '"p_idle_w" is true, not an integer or a number'),
+    ({'p_idle_w': float('nan')}, '"p_idle_w" is nan, not finite'),
+    ({'speedup': [1, '2']}, '"speedup"[1] is the string "2", not an'),
+    ({'colour': 1}, 'the profile has an unknown field "colour" (known: name,'),
+    ({'configs': [1]}, '"configs"[0] is the number 1, not an object'),
+    (
+      {'configs': [{'name': 'a', 'gpu_hz': 'x'}]},
+      '"configs"[0]["gpu_hz"] is the string "x", not an integer',
+    ),
+    (
+      {'configs': [{'name': 'a', 'cpu_khz': {'policy0': 1.5}}]},
+      '"configs"[0]["cpu_khz"]["policy0"] is the number 1.5, not an integer',
+    ),
+  ],
+)
+def test_a_malformed_profile_names_the_file_and_field(tmp_path, change, reason):
+  path = str(tmp_path / 'p.json')
+  with open(path, 'w') as f:
+    json.dump({**CHAINED.to_dict(), **change}, f)
+  with pytest.raises(jsonfile.JsonFileError) as e:
+    profiles.get_profile(path)
+  assert str(e.value).startswith(f'{path}: {reason}')
+
+
+def test_a_profile_path_that_is_not_a_regular_file_says_what_it_is(tmp_path):
+  with pytest.raises(jsonfile.JsonFileError, match='is a folder'):
+    profiles.get_profile(str(tmp_path))
+  with pytest.raises(jsonfile.JsonFileError, match=r'\(a character device\)'):
+    profiles.get_profile('/dev/zero')
 
 
 @pytest.mark.parametrize(

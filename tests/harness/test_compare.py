@@ -53,6 +53,14 @@ def test_a_seed_out_of_range_is_refused_before_anything_runs(tmp_path):
   assert not os.listdir(tmp_path)
 
 
+def test_a_seed_given_twice_is_refused(tmp_path):
+  variants = [compare.parse_variant('fedavg')]
+  with pytest.raises(errors.ConfigError) as e:
+    compare.configs(_config(), variants, [0, 3, 0], str(tmp_path))
+  assert str(e.value) == '`seeds`: seed 0 appears twice; each seed is one run'
+  assert not os.listdir(tmp_path)
+
+
 def _write(out, variant, seed, accs, rounds=None):
   folder = compare.run_dir(out, variant, seed)
   os.makedirs(folder)

@@ -121,8 +121,9 @@ def test_file_config_holds_the_content_hash(part_file, tmp_path):
     ),
     (
       {'partition': 'file', 'partition_file': '{f}.missing'},
-      '`partition_file={f}.missing`: cannot read it (No such file or '
-      'directory)',
+      '`partition_file={f}.missing`: cannot read it: No such file or '
+      'directory (a partition file is a regular JSON file of at most 128 '
+      'MiB: it lists each training example at most once)',
     ),
   ],
 )
@@ -264,3 +265,31 @@ def test_logistic_takes_no_images():
     '`model=logistic` takes vectors; `dataset=fashion_mnist` gives images '
     '(models that take images: cnn_cifar,'
   )
+
+
+@pytest.mark.parametrize(
+  'content,reason',
+  [
+    ('{"rounds": ', 'not JSON (Expecting value'),
+    ('[1]', 'holds a list, not an object'),
+    (None, 'is a folder'),
+  ],
+)
+def test_an_unreadable_saved_config_is_one_line(tmp_path, content, reason):
+  path = tmp_path / 'config.json'
+  if content is None:
+    path.mkdir()
+  else:
+    path.write_text(content)
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.check_resumable(config_lib.ExperimentConfig(), str(path))
+  assert str(e.value).startswith(f'`workdir`: cannot read {path}: {reason}')
+
+
+def test_a_saved_config_value_is_quoted_clipped(tmp_path):
+  path = tmp_path / 'config.json'
+  path.write_text(json.dumps({'seed': 'x' * 1000}))
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.check_resumable(config_lib.ExperimentConfig(), str(path))
+  assert f"`seed='{'x' * 79}…` there" in str(e.value)
+  assert len(str(e.value)) < 400

@@ -131,9 +131,9 @@ def test_every_field_has_help():
 @pytest.mark.parametrize(
   'kind,fragment',
   [
-    ('device', 'not a regular file (a label map is a regular JSON file'),
-    ('folder', 'not a regular file'),
-    ('large', 'larger than 8 bytes'),
+    ('device', 'is not a regular file (a character device) (a label map'),
+    ('folder', 'is a folder (a label map is a JSON list'),
+    ('large', 'holds 13 bytes, more than the 8 allowed'),
     ('good', None),
   ],
 )

@@ -5,6 +5,10 @@ fake clock."""
 import json
 import types
 
+import numpy as np
+import pytest
+
+from fedjax_mr.core import errors
 from fedjax_mr.harness import stitch_config
 from fedjax_mr.harness import stitch_experiment
 from fedjax_mr.stitch import federated
@@ -157,3 +161,20 @@ def test_local_lines_count_the_searches_and_time_them(tmp_path, monkeypatch):
     'Local 2/3 (client 25 alone): best 86.60 % of 20 networks | elapsed '
     '208.0s | ETA 104s'
   )
+
+
+def test_public_indices_outside_the_dataset_are_one_line(tmp_path):
+  config = stitch_config.StitchConfig(pool=str(tmp_path))
+  ds = types.SimpleNamespace(name='fashion_mnist', y_train=np.zeros(5, int))
+  path = tmp_path / 'public.json'
+  path.write_text('{"dataset": "fashion_mnist", "indices": [1, 3]}')
+  public, private = stitch_experiment.public_examples(config, ds)
+  assert public.tolist() == [1, 3] and private.tolist() == [0, 2, 4]
+  for indices, what in [('[1, 5]', 'index 5'), ('[1, 1]', 'an index twice')]:
+    path.write_text(f'{{"dataset": "fashion_mnist", "indices": {indices}}}')
+    with pytest.raises(errors.DataError) as e:
+      stitch_experiment.public_examples(config, ds)
+    assert str(e.value) == (
+      f'`pool`: {tmp_path}/public.json holds {what}; `dataset=fashion_mnist` '
+      'has 5 training examples'
+    )

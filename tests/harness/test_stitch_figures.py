@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+from fedjax_mr.core import errors
+from fedjax_mr.core import jsonfile
 from fedjax_mr.harness import stitch_figures as figures
 from fedjax_mr.stitch import state as state_lib
 
@@ -579,3 +581,36 @@ def test_parse_runs_forms(tmp_path):
     'noniid',
     'run',
   ]
+
+
+def test_a_malformed_file_of_a_workdir_is_one_line_naming_it(tmp_path):
+  model = tmp_path / 'model'
+  model.mkdir()
+  (model / 'meta.json').write_text('{"test_accuracy": "high"}')
+  with pytest.raises(jsonfile.JsonFileError) as e:
+    figures.cell(str(model))
+  assert str(e.value) == (
+    f'{model}/meta.json: "test_accuracy" is the string "high", not a number'
+  )
+  (model / 'meta.json').write_text('[0.5]')
+  with pytest.raises(jsonfile.JsonFileError, match='holds a list, not an'):
+    figures.cell(str(model))
+
+
+def test_a_bad_partition_summary_or_runs_file_names_the_field(tmp_path):
+  path = tmp_path / 'partition.json'
+  path.write_text('{"label_histograms": [[1, 0], [0, "2"]]}')
+  with pytest.raises(jsonfile.JsonFileError) as e:
+    figures.read_classes_per_client(str(path))
+  assert e.value.reason == (
+    '"label_histograms"[1][1] is the string "2", not an integer'
+  )
+  path.write_text('{"label_histograms": [[1, 0], [0, 2]]}')
+  assert figures.read_classes_per_client(str(path)) == [1, 1]
+  runs = tmp_path / 'runs.json'
+  runs.write_text('[1]')
+  with pytest.raises(errors.ConfigError) as e:
+    figures.parse_runs(str(runs))
+  assert str(e.value).startswith(
+    f'`runs={runs}`: holds a list, not an object (want a JSON object'
+  )

@@ -101,7 +101,11 @@ def _bad_headers():
     (b'\x05\x00\x00', 'not a safetensors file: 3 bytes'),
     ((100).to_bytes(8, 'little') + b'{}', 'truncated safetensors file'),
     ((3).to_bytes(8, 'little') + b'{x}', 'not JSON'),
-    (_pack([], b''), 'not a JSON object'),
+    (_pack([], b''), 'bad safetensors header: holds a list, not an object'),
+    (
+      (100_000).to_bytes(8, 'little') + b'[' * 100_000,
+      'not JSON (nested too deeply)',
+    ),
     (_pack({'a': [1]}, f32), "tensor 'a' is not an object"),
     (_pack({'a': {**ok, 'dtype': 'F8_E4M3'}}, f32), "dtype 'F8_E4M3'"),
     (_pack({'a': {**ok, 'shape': [-2]}}, f32), 'shape [-2]'),
