@@ -100,7 +100,8 @@ def check_entries(
       continue
     except OSError as e:
       raise errors.ConfigError(
-        f'{_named(folder, name)}: cannot read {errors.escape(path)} ({e.strerror})'
+        f'{_named(folder, name)}: cannot read {errors.escape(path)} '
+        f'({e.strerror})'
       ) from None
     if stat.S_ISLNK(mode):
       target = errors.escape(os.readlink(path))
