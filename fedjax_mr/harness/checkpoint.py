@@ -31,9 +31,13 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import jsonfile
 
 # The folder of a workdir that holds the checkpoints.
 FOLDER = 'checkpoints'
+# The largest metadata file read (a run's config, mapping and digests are
+# a few KB).
+MAX_METADATA_BYTES = 16 * 2**20
 # The key of a checkpoint's metadata that holds its `digest`.
 DIGEST_KEY = 'sha256'
 # The key of a checkpoint's metadata that holds the round it was saved
@@ -442,10 +446,9 @@ class Checkpointer:
     """
     path = os.path.join(self._step_path(int(round_index)), _STEP_METADATA)
     try:
-      with open(path, 'rb') as f:
-        found = json.loads(f.read().decode('utf-8'))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-      raise _Damaged(f'{path} does not read: {e}') from None
+      found = jsonfile.load(path, MAX_METADATA_BYTES, top=None)
+    except jsonfile.JsonFileError as e:
+      raise _Damaged(f'{path} does not read: {e.reason}') from None
     custom = found.get('custom_metadata') if isinstance(found, dict) else None
     if not isinstance(found, dict) or not isinstance(custom or {}, dict):
       raise _Damaged(f'{path} is not a checkpoint metadata file')

@@ -15,7 +15,6 @@ and no round's row is skipped (`resume`). `load_run` reads a run back.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import time
@@ -26,6 +25,7 @@ from typing import NamedTuple
 import jax
 
 from fedjax_mr.core import errors
+from fedjax_mr.core import jsonfile
 from fedjax_mr.core import tree
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.data import client_data as client_data_lib
@@ -461,12 +461,9 @@ def read_config(workdir: str) -> config_lib.ExperimentConfig:
   """
   config_path = os.path.join(workdir, records.CONFIG_FILE)
   try:
-    with open(config_path) as f:
-      saved = json.load(f)
-  except (OSError, ValueError) as e:
-    raise errors.ConfigError(f'cannot read {config_path}: {e}') from None
-  if not isinstance(saved, dict):
-    raise errors.ConfigError(f'{config_path}: not a JSON object')
+    saved = jsonfile.load(config_path, config_lib.MAX_CONFIG_BYTES)
+  except jsonfile.JsonFileError as e:
+    raise errors.ConfigError(str(e)) from None
   known = set(config_lib.ExperimentConfig().to_dict())
   try:
     return config_lib.ExperimentConfig(

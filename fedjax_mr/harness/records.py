@@ -30,6 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
+from fedjax_mr.core import jsonfile
 from fedjax_mr.data import partition as partition_lib
 from fedjax_mr.harness import compare
 from fedjax_mr.harness import config as config_lib
@@ -198,10 +199,10 @@ def _provenance_records(config_path: str) -> list[dict[str, Any]]:
   """The provenance records of an earlier config.json (none if unreadable
   or missing: the checkpoint, not this file, defines the run)."""
   try:
-    with open(config_path) as f:
-      records = json.load(f).get(PROVENANCE_KEY, [])
-  except (OSError, ValueError, AttributeError):
+    records = jsonfile.load(config_path, config_lib.MAX_CONFIG_BYTES)
+  except jsonfile.JsonFileError:
     return []
+  records = records.get(PROVENANCE_KEY, [])
   if not isinstance(records, list):
     return []
   return [r for r in records if isinstance(r, dict)]
@@ -211,10 +212,10 @@ def saved_data(config_path: str) -> dict[str, Any] | None:
   """The data fingerprint of a config.json (None if it has none: a run
   made before fingerprints, or an unreadable file)."""
   try:
-    with open(config_path) as f:
-      found = json.load(f).get(DATA_KEY)
-  except (OSError, ValueError, AttributeError):
+    found = jsonfile.load(config_path, config_lib.MAX_CONFIG_BYTES)
+  except jsonfile.JsonFileError:
     return None
+  found = found.get(DATA_KEY)
   return found if isinstance(found, dict) else None
 
 
