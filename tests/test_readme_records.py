@@ -13,6 +13,7 @@ below knows how to recompute, so a cell cannot gain a number without a
 record behind it.
 """
 
+import functools
 import json
 import os
 import re
@@ -31,6 +32,8 @@ LAST = 10  # evaluations averaged into a run's final accuracy
 TRANSFER_RUNS = os.path.join(
   'docs', 'results', 'transfer100', 'figs', 'runs.json'
 )
+# The FedStitch Dir(1.0) run of the README's FedStitch section.
+STITCH_RUN = os.path.join(REPO, 'docs', 'results', 'stitch_readme', 'dir1.0')
 
 # The results table: its row labels, each a variant of
 # experiments/configs/fmnist_table.flags' comparison.
@@ -308,21 +311,94 @@ def test_the_main_jobs_figures_recompute_from_its_record():
     _percent(compare.final_accuracy(rows, LAST), text, f'main job {variant}')
 
 
-def test_the_transfer_table_is_table3_of_its_records(monkeypatch):
-  # The README's transfer table is experiments.stitch_figures' table3 of
-  # the records runs.json names (paths relative to the checkout; it names
-  # only finished, archived runs): every row, in order, to the printed
-  # digits.
-  monkeypatch.chdir(REPO)
-  runs = stitch_figures.parse_runs(TRANSFER_RUNS)
-  paths = [p for cols in runs.values() for p in cols.values()]
-  assert all(os.path.isdir(p) for p in paths), 'a record is missing'
-  _, text = stitch_figures.accuracy_table(runs, LAST)
-  expected = [line for line in text.splitlines() if line.startswith('|')]
-  lines = _readme().splitlines()
+@functools.cache
+def _transfer_table():
+  """The lines of `stitch_figures`' table3 of the transfer records."""
+  cwd = os.getcwd()
+  os.chdir(REPO)  # runs.json names its records relative to the checkout
+  try:
+    runs = stitch_figures.parse_runs(TRANSFER_RUNS)
+    paths = [p for cols in runs.values() for p in cols.values()]
+    assert all(os.path.isdir(p) for p in paths), 'a record is missing'
+    _, text = stitch_figures.accuracy_table(runs, LAST)
+  finally:
+    os.chdir(cwd)
+  return [line for line in text.splitlines() if line.startswith('|')]
+
+
+def check_transfer_table(text):
+  """The transfer table in README text `text` is table3 of the records
+  runs.json names (only finished, archived runs): every row, in order,
+  to the printed digits."""
+  expected = _transfer_table()
+  lines = text.splitlines()
   assert expected[0] in lines, 'the transfer table is gone from the README'
   start = lines.index(expected[0])
-  assert lines[start : start + len(expected)] == expected
+  printed = _table(text, expected[0])
+  assert len(printed) == len(expected) - 1, 'rows added or left out'
+  for want, got in zip(expected, lines[start:]):
+    assert got == want, f'{got!r} is not {want!r}'
+
+
+def check_stitch_table(text):
+  """The FedStitch Dir(1.0) table in README text `text`, row by row as its
+  records give it (docs/results/stitch_readme/dir1.0): the run's
+  results.json, and stitch.log for the networks each Local search
+  evaluated, which results.json does not keep."""
+  with open(os.path.join(STITCH_RUN, 'results.json')) as f:
+    res = json.load(f)
+  with open(os.path.join(STITCH_RUN, '..', 'stitch.log')) as f:
+    log = f.read()
+  local = res['local']
+  searched = {
+    int(c): int(n)
+    for c, n in re.findall(
+      r'^Local \d+/\d+ \(client (\d+) alone\): best [\d.]+ % of (\d+) '
+      r'networks',
+      log,
+      re.M,
+    )
+  }
+  own = res['pool_models']
+  pool = sorted(own, key=lambda m: -own[m]['head'])
+  lone = {f'{100 * b:.2f}' for b in local['best']}
+  assert len(lone) == 1, 'the Local searches differ: not "each"'
+  matches = [m for m in pool if own[m]['head'] in local['best']]
+  voting = {'rl': 'RL-weighted voting', 'uniform': 'uniform voting'}
+  assert res['partition'] == 'dirichlet'
+  expected = [
+    ['run', 'networks found', 'best network', 'accuracy'],
+    [
+      f'FedStitch, Dir({res["dirichlet_alpha"]:.1f}), '
+      f'{voting[res["config"]["aggregation"]]}',
+      f'{len(res["networks"])} in {res["rounds"]} rounds',
+      res['best']['path'],
+      f'{100 * res["best"]["head"]:.2f} %',
+    ],
+    [
+      'Local: one client stitches alone (clients '
+      + ', '.join(str(c) for c in local['clients'])
+      + ')',
+      ', '.join(str(searched[c]) for c in local['clients']),
+      f'as accurate as {matches[0]} alone',
+      f'{lone.pop()} % each, mean {100 * local["mean_best"]:.2f} %',
+    ],
+    [
+      'each pool model alone',
+      '–',
+      ' / '.join(pool),
+      ' / '.join(f'{100 * own[m]["head"]:.2f}' for m in pool) + ' %',
+    ],
+  ]
+  assert _table(text, '| run | networks found |') == expected
+
+
+def test_the_transfer_table_is_table3_of_its_records():
+  check_transfer_table(_readme())
+
+
+def test_the_fedstitch_table_recomputes_from_its_record():
+  check_stitch_table(_readme())
 
 
 def test_docs_results_readme_describes_every_folder():
