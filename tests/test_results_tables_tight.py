@@ -1,0 +1,82 @@
+"""The results tables' checks are tight: one unit more or less in the last
+printed digit of any figure of any table they cover fails its check.
+
+Each figure of each body row (the labels' too: a row's label picks its
+record) is changed alone, in memory, in the README or BUILD.md text
+(+1 in its last digit, −1 where that digit is 9); the table's check must
+then fail. Figures inside identifiers (`resnet18_w16`, a commit, a record
+name) and inside `code` are names, not figures, and are left alone.
+"""
+
+import os
+import re
+
+import pytest
+
+from tests import test_build_md_records as build_md_records
+from tests import test_readme_records as readme_records
+
+REPO = os.path.dirname(os.path.dirname(__file__))
+# A figure: digits (thousands with commas, a decimal part), not inside a
+# word or a number.
+FIGURE = re.compile(r'(?<![\w.,])[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?(?![\w])')
+CODE = re.compile(r'`[^`]*`')
+
+
+def _read(name):
+  with open(os.path.join(REPO, name)) as f:
+    return f.read()
+
+
+def _body_lines(text, header_start):
+  """Indices of the body rows of the table whose header starts so."""
+  lines = text.splitlines()
+  (start,) = [
+    i for i, line in enumerate(lines) if line.startswith(header_start)
+  ]
+  end = start + 2
+  while end < len(lines) and lines[end].startswith('|'):
+    end += 1
+  return lines, range(start + 2, end)
+
+
+def _mutations(line):
+  """(cell index, figure, line with that figure one unit off)."""
+  names = [m.span() for m in CODE.finditer(line)]
+  for m in FIGURE.finditer(line):
+    if any(a <= m.start() < b for a, b in names):
+      continue
+    figure = m.group()
+    last = int(figure[-1])
+    changed = figure[:-1] + str(last + 1 if last < 9 else last - 1)
+    cell = line[: m.start()].count('|') - 1
+    yield cell, figure, line[: m.start()] + changed + line[m.end() :]
+
+
+CASES = [
+  ('README.md', header, check)
+  for header, check in readme_records.TABLES.items()
+] + [
+  ('BUILD.md', header, check)
+  for header, check in build_md_records.TABLES.items()
+]
+
+
+@pytest.mark.parametrize(
+  'name, header, check', CASES, ids=[c[1].strip('| ') for c in CASES]
+)
+def test_every_figure_one_unit_off_fails_its_check(name, header, check):
+  text = _read(name)
+  check(text)  # as printed, it passes
+  lines, body = _body_lines(text, header)
+  cells, figures = set(), 0
+  for i in body:
+    for cell, figure, changed in _mutations(lines[i]):
+      mutated = '\n'.join(lines[:i] + [changed] + lines[i + 1 :])
+      with pytest.raises(AssertionError):
+        check(mutated)
+        pytest.fail(f'{name} line {i + 1}, cell {cell}: {figure} one off')
+      cells.add((i, cell))
+      figures += 1
+  print(f'{name} {header!r}: {figures} figures in {len(cells)} cells')
+  assert figures
