@@ -6,7 +6,10 @@ every printed figure must equal the record's value formatted to the
 printed digits: peak host memory as the benchmark prints it (`peak host
 memory: N MiB`) or as `/usr/bin/time -v` does (`Maximum resident set size
 (kbytes)`, in MiB or GiB of 1,024), round and limit times, per-client
-overheads and samples/s from the benchmark's lines.
+overheads and samples/s from the benchmark's lines, and the prefetch
+runs' recorded `round_time_s`. The tables of 2026-11-23 to 25 (the
+`--matrix`, PyTorch and per-algorithm benchmarks) have no record here
+and are not checked.
 """
 
 import functools
@@ -20,13 +23,15 @@ REPO = os.path.dirname(os.path.dirname(__file__))
 SCALE = os.path.join(REPO, 'docs', 'results', 'scale')
 H200_LOGS = ('call1.log', 'call2.log')  # docs/results/scale/gpu_h200
 
-FIGURE = r'[−-]?[0-9][0-9,]*(?:\.[0-9]+)?'
+FIGURE = r'[−-]?[0-9]+(?:,[0-9]{3})*(?:\.[0-9]+)?'
 
 STREAMING = '| algorithm | K | before (stacked) |'
 SYNTHETIC = '| algorithm | peak host memory (`/usr/bin/time -v`) |'
 H200 = '| model | K | chunk |'
 SAMPLER = '| K | round before → after |'
 OVERHEAD = '| K | code | round | limit |'
+ARENAS = '| | 1 device | 2 devices | 2 over 1 |'
+PREFETCH = '| placement | prefetch | run | round 2 | round 3 |'
 
 
 def _build_md():
@@ -252,6 +257,64 @@ def check_overhead_table(text):
     _figures(overhead, [r[2] for r in runs] + [r[3] for r in runs], where)
 
 
+def check_arenas_table(text):
+  """Peak memory of the default run with glibc's default arenas, two
+  arenas, and two on 2 devices only: the maximum resident set of
+  malloc_arenas/<before|after|new>_<devices>_<pair>.log, in MiB; the
+  last column each pair's 2-device run over its 1-device one, and
+  `means` the mean of the 2-device runs over that of the 1-device ones."""
+  table = readme_records._table(text, ARENAS)
+  sides = {'default arenas': 'before', 'two arenas': 'after'}
+  for label, one, two, ratio in table[1:]:
+    pairs = len(re.findall(FIGURE, one))
+    assert pairs >= 2, one
+    side = sides.get(label)
+    if now := re.fullmatch(
+      r'as now: two arenas on 2 devices only \((\d+) pairs; `mem2.sh`, '
+      r'load (\d+)–(\d+)\)',
+      label,
+    ):
+      side = 'new'
+      loads = re.findall(
+        r' load ([\d.]+)$', _record('malloc_arenas/summary2.txt'), re.M
+      )
+      loads = [float(x) for x in loads]
+      want = (str(pairs), f'{min(loads):.0f}', f'{max(loads):.0f}')
+      assert now.groups() == want, f'{label}: not {want}'
+
+    assert side, label
+    kib = {
+      d: [
+        _rss_kib(f'malloc_arenas/{side}_{d}_{p}.log')
+        for p in range(1, pairs + 1)
+      ]
+      for d in (1, 2)
+    }
+    assert one.replace('*', '').endswith(' MiB'), one
+    _figures(one, [k / 1024 for k in kib[1]], f'{label}: 1 device')
+    _figures(two, [k / 1024 for k in kib[2]], f'{label}: 2 devices')
+    over = [100 * (b / a - 1) for a, b in zip(kib[1], kib[2])]
+    if 'means' in ratio:
+      over.append(100 * (sum(kib[2]) / sum(kib[1]) - 1))
+    _figures(ratio, over, f'{label}: 2 over 1')
+
+
+def check_prefetch_table(text):
+  """Round times of rounds 2 and 3 of the six prefetch runs: the
+  `round_time_s` that prefetch/run<run>_<placement>_prefetch<1|0>.txt
+  recorded for each."""
+  table = readme_records._table(text, PREFETCH)
+  for placement, prefetch, run, *times in table[1:]:
+    assert prefetch in ('yes', 'no'), prefetch
+    name = f'prefetch/run{run}_{placement}_prefetch{int(prefetch == "yes")}'
+    record = _record(name + '.txt')
+    for r, cell in zip((2, 3), times):
+      seconds = _one(
+        rf'^{{"round": {r}, "round_time_s": ([\d.]+)', record, name
+      )
+      _figures(cell, [float(seconds)], f'{name}: round {r}')
+
+
 # Each table's header line (its start) and its check, for
 # tests/test_results_tables_tight.py.
 TABLES = {
@@ -260,6 +323,8 @@ TABLES = {
   H200: check_h200_table,
   SAMPLER: check_sampler_table,
   OVERHEAD: check_overhead_table,
+  ARENAS: check_arenas_table,
+  PREFETCH: check_prefetch_table,
 }
 
 
@@ -281,3 +346,11 @@ def test_sampler_table_is_its_records():
 
 def test_overhead_table_is_its_records():
   check_overhead_table(_build_md())
+
+
+def test_arenas_table_is_its_records():
+  check_arenas_table(_build_md())
+
+
+def test_prefetch_table_is_its_records():
+  check_prefetch_table(_build_md())
