@@ -417,6 +417,46 @@ def test_the_fedstitch_table_recomputes_from_its_record():
   check_stitch_table(_readme())
 
 
+def test_the_transfer_records_commits_are_as_the_readme_says():
+  # The training runs' commit (config.json's provenance), the probes'
+  # (probe.json's source: "N at <commit>") and the FedStitch runs'
+  # provenance.json, as the paragraph above the transfer table gives them.
+  root = os.path.join(REPO, 'docs', 'results', 'transfer100')
+  trained, probed = set(), {}
+  for setting in ('iid', 'dir0.1'):
+    for method in sorted(os.listdir(os.path.join(root, setting))):
+      folder = os.path.join(root, setting, method)
+      with open(os.path.join(folder, 'config.json')) as f:
+        for record in json.load(f)['provenance']:
+          assert not record['source']['modified'], folder
+          trained.add(record['source']['commit'][:7])
+      with open(os.path.join(folder, 'probe.json')) as f:
+        source = json.load(f)['source']
+      assert not source['modified'], folder
+      probed[source['commit'][:7]] = probed.get(source['commit'][:7], 0) + 1
+  text = ' '.join(_readme().split())
+  said = re.search(
+    r'The baselines trained with code at (\w+) .*?; their `probe\.json`s '
+    r'were made later, by code at: (.*?), as each file',
+    text,
+  )
+  assert said, "the transfer records' commits are not given"
+  assert trained == {said.group(1)}, trained
+  counts = re.findall(r'(\d+) at ([0-9a-f]{7})', said.group(2))
+  assert {c: int(n) for n, c in counts} == probed, probed
+  for setting in ('iid', 'dir0.1'):
+    folder = os.path.join(root, 'stitch', f'transfer_{setting}')
+    with open(os.path.join(folder, 'provenance.json')) as f:
+      record = json.load(f)
+    assert record['source'] is None  # not recorded, and not invented
+    with open(os.path.join(folder, 'results.json')) as f:
+      results = json.load(f)
+    command = record['known']['documented_command']
+    assert f'--eval={results["eval"]}' in command
+    assert f'--knn_at={results["knn_at"]}' in command
+    assert f'--partition={results["partition"]}' in command
+
+
 def test_docs_results_readme_describes_every_folder():
   """docs/results/README.md names each folder of records (and those under
   scale/ and transfer/), so none is there without its description."""
