@@ -417,6 +417,27 @@ def test_the_fedstitch_table_recomputes_from_its_record():
   check_stitch_table(_readme())
 
 
+def test_the_resnet_cells_still_rising_are_as_the_readme_counts():
+  # "8 of their 12 cells were still rising": the transfer table's
+  # training cells of the rows that train no CNN (resnet20, resnet18_w16).
+  rows = [
+    [c.strip() for c in line.strip('|').split('|')]
+    for line in _transfer_table()[2:]
+  ]
+  cells = [
+    cell
+    for row in rows
+    if 'cnn_' not in row[0]
+    for cell in row[1::2]
+    if 'rounds,' in cell
+  ]
+  rising = [cell for cell in cells if cell.endswith('rising)')]
+  assert all(' 100 rounds,' in cell for cell in cells), cells
+  text = ' '.join(_readme().split())
+  said = f'{len(rising)} of their {len(cells)} cells were still rising'
+  assert said in text, said
+
+
 def test_the_transfer_records_commits_are_as_the_readme_says():
   # The training runs' commit (config.json's provenance), the probes'
   # (probe.json's source: "N at <commit>") and the FedStitch runs'
