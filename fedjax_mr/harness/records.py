@@ -117,21 +117,22 @@ def rows_digests(workdir: str) -> dict[int, str]:
 
 def _disagree(workdir: str) -> tuple[int, str] | None:
   """The first round whose metrics row names other clients (or another
-  number of examples) than its clients row, and why; None if none does."""
+  number of examples) than its clients row, and why; None if none does.
+  Rows without these fields (of earlier versions) are not compared."""
   by_round = {}
   for row in _rows(os.path.join(workdir, CLIENTS_FILE)):
     if row is not None:
       by_round.setdefault(row['round'], row)
   for row in _rows(os.path.join(workdir, METRICS_FILE)):
     other = by_round.get(row['round']) if row is not None else None
-    if other is None or not isinstance(other.get('clients'), list):
+    if other is None or 'client_ids' not in row:
       continue
     try:
-      ids = [int(c['id']) for c in other['clients']]
-      examples = sum(int(c['examples']) for c in other['clients'])
-    except (TypeError, KeyError, ValueError):
+      ids = [c['id'] for c in other['clients']]
+      examples = sum(c['examples'] for c in other['clients'])
+    except (TypeError, KeyError):
       ids, examples = None, None
-    if ids != row.get('client_ids') or examples != row.get('num_examples'):
+    if ids != row['client_ids'] or examples != row.get('num_examples'):
       return row['round'], (
         f'round {row["round"]} of {METRICS_FILE} and {CLIENTS_FILE} name '
         'other clients'
@@ -240,7 +241,7 @@ def intact_rounds(workdir: str) -> tuple[int | None, str]:
       found = last
       why = f'{path}: {stop}' if stop else f'{path} ends at round {last}'
   disagree = _disagree(workdir)
-  if disagree is not None and disagree[0] - 1 < found:
+  if disagree is not None and found is not None and disagree[0] - 1 < found:
     found, why = disagree[0] - 1, f'{workdir}: {disagree[1]}'
   return found, why
 
