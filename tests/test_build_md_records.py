@@ -354,3 +354,34 @@ def test_arenas_table_is_its_records():
 
 def test_prefetch_table_is_its_records():
   check_prefetch_table(_build_md())
+
+
+def test_the_chunked_rounds_memory_sentences_are_their_records():
+  # The price of chunks of 8 in memory: the first run at K = 10⁴ of the
+  # overhead records, after against before, and experiments.run's chunked
+  # Synthetic run.
+  text = ' '.join(_build_md().split())
+  bench = re.search(
+    rf"the benchmark's peak ({FIGURE}) against ({FIGURE}) MiB in the first "
+    rf'run at K = 10⁴ \(maximum resident set ({FIGURE}) against '
+    rf'({FIGURE}) MiB\)',
+    text,
+  )
+  assert bench, 'the chunked benchmark memory sentence is gone'
+  peaks, sets = [], []
+  for side in ('after', 'before'):
+    record = _record(f'synth_bench_overhead_{side}_K10000.txt')
+    peaks.append(int(re.search(r'peak host memory: (\d+) MiB', record)[1]))
+    sets.append(
+      int(re.search(r'Maximum resident set size \(kbytes\): (\d+)', record)[1])
+      / 1024
+    )
+  _figures(' '.join(bench.groups()), peaks + sets, 'chunks of 8')
+  run = re.search(
+    rf'({FIGURE}) MiB maximum resident set with chunks of 8 '
+    r'\(`synth_fedavg_chunk8.txt`\)',
+    text,
+  )
+  assert run, 'the chunked run memory sentence is gone'
+  kib = _rss_kib('synth_fedavg_chunk8.txt')
+  _printed(kib / 1024, run.group(1), 'synth_fedavg_chunk8')
