@@ -385,3 +385,43 @@ def test_the_chunked_rounds_memory_sentences_are_their_records():
   assert run, 'the chunked run memory sentence is gone'
   kib = _rss_kib('synth_fedavg_chunk8.txt')
   _printed(kib / 1024, run.group(1), 'synth_fedavg_chunk8')
+
+
+def test_the_h200_paragraphs_figures_are_its_logs():
+  # Chunks of 1,000 against all of K = 10,000 at once (cnn_mnist, after),
+  # and the range of the after-over-before speed differences at chunk = K.
+  text = ' '.join(_build_md().split())
+  chunked = re.search(
+    rf'took ({FIGURE}) MiB in chunks of 1,000 against ({FIGURE}) MiB all '
+    rf'at once, for ({FIGURE}) % more time',
+    text,
+  )
+  spread = re.search(
+    rf'differences at chunk = K \(({FIGURE}) % to \+'
+    rf'({FIGURE}) %\)',
+    text,
+  )
+  assert chunked and spread, "the H200 paragraph's figures are gone"
+  runs = _h200_runs()
+
+  def figures(name):
+    _, line, memory = runs[name]
+    samples = int(re.search(r'\| (\d+) samples/s', line).group(1))
+    mib = int(re.search(r'peak device memory: (\d+) MiB', memory).group(1))
+    return samples, mib
+
+  (whole, whole_mib), (part, part_mib) = (
+    figures('a_cnn_10000'),
+    figures('a_cnn_10000_c1000'),
+  )
+  _figures(
+    ' '.join(chunked.groups()),
+    [part_mib, whole_mib, 100 * (whole / part - 1)],
+    'chunks of 1,000',
+  )
+  gains = [
+    100 * (figures(f'a_{m}_{k}')[0] / figures(f'b_{m}_{k}')[0] - 1)
+    for m, k in [('cnn', 100), ('cnn', 1000), ('cnn', 10000)]
+    + [('res', 100), ('res', 1000)]
+  ]
+  _figures(' '.join(spread.groups()), [min(gains), max(gains)], 'spread')
