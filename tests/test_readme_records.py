@@ -438,6 +438,61 @@ def test_the_resnet_cells_still_rising_are_as_the_readme_counts():
   assert said in text, said
 
 
+def _elapsed(log):
+  """`/usr/bin/time -v`'s wall clock in `log`, in seconds."""
+  clock = re.search(
+    r'Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (.*)', log
+  )
+  seconds = 0.0
+  for part in clock.group(1).split(':'):
+    seconds = 60 * seconds + float(part)
+  return seconds
+
+
+def test_the_fedstitch_sections_figures_recompute_from_its_record():
+  # The commands' times and peak (/usr/bin/time -v in pretrain.log and
+  # stitch.log), the search's selection time and the energy figures
+  # (results.json).
+  text = ' '.join(_readme().split())
+  folder = os.path.dirname(STITCH_RUN)
+  with open(os.path.join(folder, 'pretrain.log')) as f:
+    pretrain = f.read()
+  with open(os.path.join(folder, 'stitch.log')) as f:
+    stitch = f.read()
+  with open(os.path.join(STITCH_RUN, 'results.json')) as f:
+    res = json.load(f)
+  times = re.search(
+    r'took (\d+) min (\d+) s \(`pretrain_zoo`\) and (\d+) min (\d+) s '
+    rf'\(`stitch`, peak host memory ({NUMBER}) GiB\)',
+    text,
+  )
+  assert times, "the FedStitch commands' times are gone"
+  for log, (minutes, seconds) in zip(
+    (pretrain, stitch), (times.groups()[:2], times.groups()[2:4])
+  ):
+    printed = 60 * int(minutes) + int(seconds)
+    assert printed == round(_elapsed(log)), (printed, _elapsed(log))
+  kib = int(
+    re.search(r'Maximum resident set size \(kbytes\): (\d+)', stitch)[1]
+  )
+  _printed(kib / 1024**2, times.group(5), 'stitch peak')
+  energy = res['energy']
+  spent = re.search(
+    r'used ([\d,]+) J against ([\d,]+) J at the highest frequency '
+    rf'\(a ({NUMBER}) % saving; rounds ({NUMBER}) % longer; no missed',
+    text,
+  )
+  assert spent, 'the FedStitch energy sentence is gone'
+  assert spent.group(1) == f'{energy["coordinated_energy_j"]:,.0f}'
+  assert spent.group(2) == f'{energy["default_energy_j"]:,.0f}'
+  _percent(energy['energy_saving'], spent.group(3), 'energy saving')
+  _percent(energy['time_change'], spent.group(4), 'time change')
+  assert energy['missed'] == 0
+  selection = re.search(r'([\d,]+) s of it the clients\' block selection', text)
+  assert selection, 'the selection time is gone'
+  assert selection.group(1) == f'{res["selection_seconds_total"]:,.0f}'
+
+
 def test_the_transfer_records_commits_are_as_the_readme_says():
   # The training runs' commit (config.json's provenance), the probes'
   # (probe.json's source: "N at <commit>") and the FedStitch runs'
