@@ -15,8 +15,10 @@ PyTorch is the optional `bench` extra (`pip install -e .[bench]`); nothing
 in the library imports it.
 
 The models mirror fedjax_mr's (`fedjax_mr.models.cnn.CNNMnist`,
-`fedjax_mr.models.resnet.ResNet20`) layer for layer in NCHW; their
-parameter counts are checked against the JAX models in the benchmark.
+`fedjax_mr.models.resnet.ResNet20`, `fedjax_mr.models.vgg.VGG16`) layer
+for layer in NCHW; their parameter counts are checked against the JAX
+models in the benchmark (and in tests/test_torch_reference.py where
+PyTorch is installed).
 """
 
 from __future__ import annotations
@@ -90,7 +92,46 @@ class ResNet20(nn.Module):
     return self.linear(x.mean(dim=(2, 3)))
 
 
-MODELS = {'cnn_mnist': CNNMnist, 'resnet20': ResNet20}
+# As `fedjax_mr.models.vgg.VGG16_PATTERN`: output channels, 'M' a pool.
+VGG16_PATTERN = (
+  64, 64, 'M', 128, 128, 'M', 256, 256, 256, 'M',
+  512, 512, 512, 'M', 512, 512, 512, 'M',
+)  # fmt: skip
+
+
+class VGG16(nn.Module):
+  """13 × [conv3×3 (padding 1, bias) BatchNorm ReLU] with 2×2 max-pools
+  (ceil mode, as ours for odd maps), a global max over what is left (the
+  identity on the 1×1 map of 32×32 inputs), then 512 → 4096 → 4096 → C
+  with ReLU and Dropout(0.5): `fedjax_mr.models.vgg.VGG16`."""
+
+  def __init__(self, in_ch: int, hw: int, num_classes: int):
+    super().__init__()
+    del hw
+    layers, ch = [], in_ch
+    for v in VGG16_PATTERN:
+      if v == 'M':
+        layers.append(nn.MaxPool2d(2, 2, ceil_mode=True))
+        continue
+      layers += [nn.Conv2d(ch, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU()]
+      ch = v
+    self.features = nn.Sequential(*layers)
+    self.classifier = nn.Sequential(
+      nn.Linear(ch, 4096),
+      nn.ReLU(),
+      nn.Dropout(0.5),
+      nn.Linear(4096, 4096),
+      nn.ReLU(),
+      nn.Dropout(0.5),
+      nn.Linear(4096, num_classes),
+    )
+
+  def forward(self, x):
+    x = self.features(x).amax(dim=(2, 3))
+    return self.classifier(x)
+
+
+MODELS = {'cnn_mnist': CNNMnist, 'resnet20': ResNet20, 'vgg16': VGG16}
 
 
 def num_parameters(module: nn.Module) -> int:
