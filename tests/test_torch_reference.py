@@ -60,6 +60,7 @@ def test_one_fedavg_round_matches_fedjax_mr():
   'name,classes,shape',
   [
     ('cnn_mnist', 10, (28, 28, 1)),
+    ('cnn_cifar', 10, (32, 32, 3)),
     ('resnet20', 10, (32, 32, 3)),
     ('vgg16', 10, (32, 32, 3)),
     ('vgg16', 62, (28, 28, 1)),
