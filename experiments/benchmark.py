@@ -355,13 +355,14 @@ def _config(name, options):
   )
 
 
-def _limit_fn(model, opt, variables, data, b):
+def _limit_fn(model, opt, variables, data, b, flops_batch):
   """Centralised SGD as one jitted loop with the same layers.
 
   Returns:
     `(run, flops)`: `run(steps, key)` trains `steps` steps of batch `b`
     from a random start on what `_limit_batches` reads and blocks until
-    done; `flops` is XLA's cost analysis of one step.
+    done; `flops` is XLA's cost analysis of one step of batch
+    `flops_batch` (a round's).
   """
   import jax
   import jax.numpy as jnp
@@ -401,8 +402,8 @@ def _limit_fn(model, opt, variables, data, b):
     start = jax.random.randint(key, (), 0, m)
     _block(fn(params, inputs, start, jnp.int32(steps)))
 
-  x = jnp.zeros((b, *model.input_shape), jnp.float32)
-  y = jnp.zeros((b,), jnp.int32)
+  x = jnp.zeros((flops_batch, *model.input_shape), jnp.float32)
+  y = jnp.zeros((flops_batch,), jnp.int32)
   cost = (
     jax.jit(train_step)
     .lower(params, opt.init(params), x, y)
@@ -539,9 +540,12 @@ def _prepare(
   model,
   multi,
   client_chunk=None,
+  like=None,
 ):
   """Compiles one setting's round and evaluation; times its server-side
-  work alone. `client_chunk`: as --client_chunk (None: that flag)."""
+  work alone. `client_chunk`: as --client_chunk (None: that flag); `like`:
+  a prepared run of the same devices and algorithm whose server time and
+  compiled evaluation this one reuses (neither depends on the chunk)."""
   import jax
   import numpy as np
 
@@ -566,10 +570,17 @@ def _prepare(
   t = time.perf_counter()
   step = _compiled_round(algorithm, state, data, key, chunk, mesh, d)
   compile_s = time.perf_counter() - t
-  server_s = _server_seconds(algorithm, state, data, key)
-  evaluate, test_examples = _evaluation(
-    algorithm, model, multi, data, test_set, key, d, mesh if d > 1 else None
-  )
+  if like is None:
+    server_s = _server_seconds(algorithm, state, data, key)
+    evaluate, test_examples = _evaluation(
+      algorithm, model, multi, data, test_set, key, d, mesh if d > 1 else None
+    )
+    # Compiled at its first (warm-up) call: FedAvg timed beside another
+    # algorithm is never evaluated.
+    evaluate = jax.jit(evaluate)
+  else:
+    server_s, evaluate = like['server_s'], like['evaluate']
+    test_examples = like['test_examples']
   return {
     'name': name,
     'setting': setting,
@@ -578,9 +589,7 @@ def _prepare(
     'compile_s': compile_s,
     'server_s': server_s,
     'step': lambda s: step(s, data, key),
-    # Compiled at its first (warm-up) call: FedAvg timed beside another
-    # algorithm is never evaluated.
-    'evaluate': jax.jit(evaluate),
+    'evaluate': evaluate,
     'evaluated': 1 + k * multi,
     'test_examples': test_examples,
     'state': state,
@@ -725,11 +734,16 @@ def _bench_sizes(
   torch_loop = loop
   name = FLAGS.algorithm
   chunks = [int(c) for c in FLAGS.client_chunks] or [None]
-  runs = [
-    _prepare(sizes, dev, data, test_set, name, *algorithms[name], chunk)
-    for dev in devs
-    for chunk in chunks
-  ]
+  runs = []
+  for dev in devs:
+    first = None
+    for chunk in chunks:
+      runs.append(
+        _prepare(
+          sizes, dev, data, test_set, name, *algorithms[name], chunk, first
+        )
+      )
+      first = first or runs[-1]
   # FedAvg beside another algorithm, on the first device setting.
   baseline = None
   if name != 'fedavg':
@@ -742,7 +756,7 @@ def _bench_sizes(
     cli.fail(
       f'--limit_batch={lb} exceeds the {data.x.shape[0]} training examples'
     )
-  limit, flops = _limit_fn(model, opt, variables, data, lb)
+  limit, flops = _limit_fn(model, opt, variables, data, lb, b)
   for r in ([baseline] if baseline else []) + runs:  # warm-up
     r['state'], m = r['step'](r['state'])
     _block(r['state'])

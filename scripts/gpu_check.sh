@@ -195,7 +195,7 @@ export -f bench determinism
 #    process, each against the PyTorch loop on the same clients.
 item papers_cnn_cifar "$ITEM_LIMIT" bench $CIFAR --model=cnn_cifar $PAPERS --client_chunks=$CHUNKS
 item papers_resnet20 $((ITEM_LIMIT + 30)) bench $CIFAR --model=resnet20 $PAPERS --client_chunks=$CHUNKS
-item papers_vgg16 $((ITEM_LIMIT + 60)) bench $CIFAR --model=vgg16 $PAPERS --client_chunks=$CHUNKS
+item papers_vgg16 $((ITEM_LIMIT + 90)) bench $CIFAR --model=vgg16 $PAPERS --client_chunks=$CHUNKS
 # 2. Large cohorts: K = N clients of 10-50 examples, E = 1, B = 10, against
 #    the same samples trained centrally in batches of K × B.
 for model in cnn_mnist resnet20; do
