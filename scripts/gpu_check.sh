@@ -25,7 +25,7 @@
 # root goes on PYTHONPATH: nothing is installed for fedjax_mr itself.
 #
 # Environment: OUT (required), TINY=1 (or --tiny), BUDGET (seconds, 300;
-# tiny 3600), ITEM_LIMIT (60, more for the heavier items; tiny 300),
+# tiny 7200), ITEM_LIMIT (60, more for the heavier items; tiny 900),
 # MIN_LEFT (20), ROUNDS (timed rounds, 2; tiny 1), ITEMS (item names without their number, e.g.
 # 'papers_vgg16 fedmr_K100'; default all), DET_MODEL (the determinism
 # item's model, resnet20), COMMIT (the commit to record where the copy has
@@ -42,7 +42,7 @@ trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/items"
 
 if [[ $TINY == 1 ]]; then
-  BUDGET=${BUDGET:-3600} ROUNDS=${ROUNDS:-1} ITEM_LIMIT=${ITEM_LIMIT:-300}
+  BUDGET=${BUDGET:-7200} ROUNDS=${ROUNDS:-1} ITEM_LIMIT=${ITEM_LIMIT:-900}
 else
   BUDGET=${BUDGET:-300} ROUNDS=${ROUNDS:-2} ITEM_LIMIT=${ITEM_LIMIT:-60}
 fi
