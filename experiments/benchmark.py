@@ -60,6 +60,15 @@ per local step (equal to the ratio of round times when both train the same
 clients; clustered sampling draws its own). The limit and the PyTorch loop
 stay FedAvg's work on the algorithm's clients: what the algorithm's extra
 computation costs shows in those ratios too.
+
+For the prepared GPU call (`scripts/gpu_check.sh`): `--random_data` times
+on random images of the dataset's shape; `--sizes=range` draws client
+sizes from `--min_client_size..--max_client_size`; `--client_chunks`
+times several `--client_chunk` settings round by round in one process;
+`--limit_batch` makes the limit the round's samples trained centrally in
+batches of that size; `--compute_dtype` and `--matmul_precision` set the
+precision of both sides; every setting's line ends with the SHA-256 of
+its final server state.
 """
 
 from __future__ import annotations
@@ -83,7 +92,60 @@ flags.DEFINE_integer('num_clients', 100, 'Clients N.')
 flags.DEFINE_integer('clients_per_round', 10, 'Clients per round K.')
 flags.DEFINE_integer('local_epochs', 5, 'Local epochs E.')
 flags.DEFINE_integer('batch_size', 50, 'Batch size B.')
-flags.DEFINE_enum('sizes', 'equal', ['equal', 'dirichlet'], 'Client sizes.')
+flags.DEFINE_enum(
+  'sizes',
+  'equal',
+  ['equal', 'dirichlet', 'range'],
+  'Client sizes: equal shares, Dirichlet(--alpha) label skew, or sizes drawn '
+  'uniformly from --min_client_size..--max_client_size.',
+)
+flags.DEFINE_integer('min_client_size', 10, 'Smallest client (--sizes=range).')
+flags.DEFINE_integer('max_client_size', 50, 'Largest client (--sizes=range).')
+flags.DEFINE_bool(
+  'random_data',
+  False,
+  "Random uint8 images and labels of the dataset's shape and classes "
+  'instead of the stored set (timing where the data cannot be read).',
+)
+flags.DEFINE_integer(
+  'random_train_size',
+  0,
+  'Training examples of --random_data (0: 50,000, or N × '
+  '--max_client_size for --sizes=range); the test set holds at most 10,000.',
+)
+flags.DEFINE_enum(
+  'compute_dtype',
+  'float32',
+  ['float32', 'bfloat16'],
+  'The model computes in this dtype; bfloat16 keeps float32 master '
+  'weights (fedjax_mr.models.model.get). The PyTorch loop autocasts alike.',
+)
+flags.DEFINE_enum(
+  'matmul_precision',
+  'default',
+  ['default', 'highest'],
+  "float32 products: JAX's default precision (TF32 on NVIDIA GPUs; the "
+  'PyTorch loop then allows TF32 too) or highest (full float32 on both '
+  'sides).',
+)
+flags.DEFINE_integer(
+  'limit_batch',
+  0,
+  "The limit's batch (0: B, the round's steps). Else the limit trains the "
+  "round's samples in ceil(samples / this) steps of this batch (K × B: "
+  'the same samples trained centrally by one model).',
+)
+flags.DEFINE_bool(
+  'peak',
+  True,
+  "Measure the device's float32 and bfloat16 matmul peak at the end.",
+)
+flags.DEFINE_list(
+  'client_chunks',
+  [],
+  'Several --client_chunk settings (e.g. 1,5,10: sequential, chunks, all '
+  'vmapped) timed round by round in one process, beside each device setting.',
+)
 flags.DEFINE_float('alpha', 0.1, 'Dirichlet α for --sizes=dirichlet.')
 flags.DEFINE_integer(
   'num_devices',
@@ -169,7 +231,7 @@ def _synthetic() -> bool:
 def _size_kinds() -> tuple[str, ...]:
   """The client-size settings: equal and Dirichlet shares of a stored
   dataset, or the generated clients' own lognormal sizes."""
-  return ('lognormal',) if _synthetic() else ('equal', 'dirichlet')
+  return ('lognormal',) if _synthetic() else ('equal', 'dirichlet', 'range')
 
 
 def _setup(sizes):
@@ -192,7 +254,9 @@ def _setup(sizes):
     test_set = (ds.x_test, ds.y_test, ds.scale, ds.shift)
     num_classes, input_shape = ds.num_classes, ds.input_shape
     stored = (ds, parts)
-  base = model_lib.get(FLAGS.model, num_classes, input_shape)
+  base = model_lib.get(
+    FLAGS.model, num_classes, input_shape, compute_dtype=FLAGS.compute_dtype
+  )
   opt = optax.sgd(0.01, momentum=0.9)
   variables = base.init(jax.random.key(0))
   # The requested algorithm with its flags; FedAvg beside it with none.
@@ -209,8 +273,14 @@ def _stored_clients(sizes):
   from fedjax_mr.data import datasets
   from fedjax_mr.data import partition
 
-  ds = datasets.load(FLAGS.dataset, FLAGS.data_dir or None)
   n = FLAGS.num_clients
+  if FLAGS.random_data:
+    m = FLAGS.random_train_size or (
+      n * FLAGS.max_client_size if 'range' in sizes else 50_000
+    )
+    ds = datasets.random_images(FLAGS.dataset, m, min(m, 10_000))
+  else:
+    ds = datasets.load(FLAGS.dataset, FLAGS.data_dir or None)
   # The papers' minimum of 10 examples per client, relaxed when N is so
   # large that the average client holds fewer than 20.
   min_size = max(1, min(10, len(ds.y_train) // (2 * n)))
@@ -218,6 +288,9 @@ def _stored_clients(sizes):
     'equal': lambda: partition.iid(len(ds.y_train), n, 0),
     'dirichlet': lambda: partition.dirichlet(
       ds.y_train, n, FLAGS.alpha, 0, min_size=min_size
+    ),
+    'range': lambda: partition.sizes_between(
+      len(ds.y_train), n, FLAGS.min_client_size, FLAGS.max_client_size, 0
     ),
   }
   parts = {k: make[k]() for k in sizes}
@@ -282,13 +355,14 @@ def _config(name, options):
   )
 
 
-def _limit_fn(model, opt, variables, data, b):
+def _limit_fn(model, opt, variables, data, b, flops_batch):
   """Centralised SGD as one jitted loop with the same layers.
 
   Returns:
     `(run, flops)`: `run(steps, key)` trains `steps` steps of batch `b`
     from a random start on what `_limit_batches` reads and blocks until
-    done; `flops` is XLA's cost analysis of one step.
+    done; `flops` is XLA's cost analysis of one step of batch
+    `flops_batch` (a round's).
   """
   import jax
   import jax.numpy as jnp
@@ -328,8 +402,8 @@ def _limit_fn(model, opt, variables, data, b):
     start = jax.random.randint(key, (), 0, m)
     _block(fn(params, inputs, start, jnp.int32(steps)))
 
-  x = jnp.zeros((b, *model.input_shape), jnp.float32)
-  y = jnp.zeros((b,), jnp.int32)
+  x = jnp.zeros((flops_batch, *model.input_shape), jnp.float32)
+  y = jnp.zeros((flops_batch,), jnp.int32)
   cost = (
     jax.jit(train_step)
     .lower(params, opt.init(params), x, y)
@@ -430,7 +504,10 @@ def _torch_loop(ds, parts, sizes, variables):
     0.9,
     'cuda' if gpu else 'cpu',
     FLAGS.threads or os.cpu_count(),
+    FLAGS.compute_dtype,
   )
+  # JAX's default float32 products use TF32 on NVIDIA GPUs: the same here.
+  print(torch_reference.set_tf32(FLAGS.matmul_precision == 'default'))
   ours = sum(v.size for v in jax.tree.leaves(variables['params']))
   theirs = torch_reference.num_parameters(loop.model)
   if ours != theirs:
@@ -440,11 +517,35 @@ def _torch_loop(ds, parts, sizes, variables):
   return loop
 
 
+def _no_torch_line():
+  """Why there is no PyTorch round: not installed, or no such model."""
+  try:
+    from . import torch_reference
+  except ImportError:
+    return 'PyTorch reference: not installed (pip install -e .[bench])'
+  return (
+    f'PyTorch reference: none for {FLAGS.model} (it has '
+    f'{", ".join(torch_reference.MODELS)})'
+  )
+
+
 def _prepare(
-  setting, devices, data, test_set, name, algorithm, variables, model, multi
+  setting,
+  devices,
+  data,
+  test_set,
+  name,
+  algorithm,
+  variables,
+  model,
+  multi,
+  client_chunk=None,
+  like=None,
 ):
   """Compiles one setting's round and evaluation; times its server-side
-  work alone."""
+  work alone. `client_chunk`: as --client_chunk (None: that flag); `like`:
+  a prepared run of the same devices and algorithm whose server time and
+  compiled evaluation this one reuses (neither depends on the chunk)."""
   import jax
   import numpy as np
 
@@ -456,7 +557,10 @@ def _prepare(
   d = len(jax.devices()) if devices == 'all' else int(devices)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:d]), ('clients',))
   chunk = distributed.client_mapping(
-    k, FLAGS.client_chunk, mesh, tree.num_parameters(variables['params'])
+    k,
+    FLAGS.client_chunk if client_chunk is None else client_chunk,
+    mesh,
+    tree.num_parameters(variables['params']),
   )['client_chunk']
   # As experiments.run: per-client state in host memory.
   state = engine.init_state(
@@ -466,10 +570,17 @@ def _prepare(
   t = time.perf_counter()
   step = _compiled_round(algorithm, state, data, key, chunk, mesh, d)
   compile_s = time.perf_counter() - t
-  server_s = _server_seconds(algorithm, state, data, key)
-  evaluate, test_examples = _evaluation(
-    algorithm, model, multi, data, test_set, key, d, mesh if d > 1 else None
-  )
+  if like is None:
+    server_s = _server_seconds(algorithm, state, data, key)
+    evaluate, test_examples = _evaluation(
+      algorithm, model, multi, data, test_set, key, d, mesh if d > 1 else None
+    )
+    # Compiled at its first (warm-up) call: FedAvg timed beside another
+    # algorithm is never evaluated.
+    evaluate = jax.jit(evaluate)
+  else:
+    server_s, evaluate = like['server_s'], like['evaluate']
+    test_examples = like['test_examples']
   return {
     'name': name,
     'setting': setting,
@@ -478,9 +589,7 @@ def _prepare(
     'compile_s': compile_s,
     'server_s': server_s,
     'step': lambda s: step(s, data, key),
-    # Compiled at its first (warm-up) call: FedAvg timed beside another
-    # algorithm is never evaluated.
-    'evaluate': jax.jit(evaluate),
+    'evaluate': evaluate,
     'evaluated': 1 + k * multi,
     'test_examples': test_examples,
     'state': state,
@@ -624,10 +733,17 @@ def _bench_sizes(
   """
   torch_loop = loop
   name = FLAGS.algorithm
-  runs = [
-    _prepare(sizes, dev, data, test_set, name, *algorithms[name])
-    for dev in devs
-  ]
+  chunks = [int(c) for c in FLAGS.client_chunks] or [None]
+  runs = []
+  for dev in devs:
+    first = None
+    for chunk in chunks:
+      runs.append(
+        _prepare(
+          sizes, dev, data, test_set, name, *algorithms[name], chunk, first
+        )
+      )
+      first = first or runs[-1]
   # FedAvg beside another algorithm, on the first device setting.
   baseline = None
   if name != 'fedavg':
@@ -635,12 +751,17 @@ def _bench_sizes(
       sizes, devs[0], data, test_set, 'fedavg', *algorithms['fedavg']
     )
   b = min(FLAGS.batch_size, int(data.max_size))
-  limit, flops = _limit_fn(model, opt, variables, data, b)
+  lb = FLAGS.limit_batch or b
+  if FLAGS.limit_batch and not _synthetic() and lb > data.x.shape[0]:
+    cli.fail(
+      f'--limit_batch={lb} exceeds the {data.x.shape[0]} training examples'
+    )
+  limit, flops = _limit_fn(model, opt, variables, data, lb, b)
   for r in ([baseline] if baseline else []) + runs:  # warm-up
     r['state'], m = r['step'](r['state'])
     _block(r['state'])
   if FLAGS.limit:
-    limit(int(m['num_steps']), _key(0))
+    limit(_limit_steps(m), _key(0))
   if torch_loop is not None:
     torch_loop.round(m['client_ids'].tolist())  # warm-up
   torch_times = []
@@ -679,7 +800,7 @@ def _timed_round(i, runs, baseline, limit, torch_loop, data, b):
     raise RuntimeError(f'device settings ran different steps: {steps}')
   t = time.perf_counter()
   if FLAGS.limit:
-    limit(steps.pop(), _key(i + 1))
+    limit(_limit_steps(m), _key(i + 1))
   lim = time.perf_counter() - t if FLAGS.limit else math.nan
   for r in runs:
     r['limits'].append(lim)
@@ -691,6 +812,15 @@ def _timed_round(i, runs, baseline, limit, torch_loop, data, b):
       f'PyTorch took {pt_steps} steps, fedjax_mr {runs[-1]["steps"][-1]}'
     )
   return pt_s
+
+
+def _limit_steps(metrics):
+  """The limit's steps for a round of `metrics`: the round's, or with
+  --limit_batch its samples (examples × E) in batches of that size."""
+  if not FLAGS.limit_batch:
+    return int(metrics['num_steps'])
+  samples = int(metrics['num_examples']) * FLAGS.local_epochs
+  return -(-samples // FLAGS.limit_batch)
 
 
 def _time_evaluation(runs):
@@ -757,7 +887,24 @@ def _figures(r, flops, torch_times, baseline):
     'fedavg_s': statistics.median(baseline['times'])
     if baseline is not None
     else None,
+    'state_sha256': _state_sha256(r['state']),
   }
+
+
+def _state_sha256(state):
+  """SHA-256 of the server state's bytes (leaf by leaf, in tree order): two
+  runs that trained alike give the same."""
+  import hashlib
+
+  import jax
+  import numpy as np
+
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(state.server):
+    if jax.dtypes.issubdtype(getattr(leaf, 'dtype', None), jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()
 
 
 def _balance(data, client_ids, b, d):
@@ -820,6 +967,19 @@ def _check_flags():
       f"--threads must be at most {cores} (this machine's cores; 0: all), "
       f'got {FLAGS.threads}'
     )
+  if not 1 <= FLAGS.min_client_size <= FLAGS.max_client_size:
+    cli.fail(
+      '--min_client_size and --max_client_size need 1 ≤ min ≤ max, got '
+      f'{FLAGS.min_client_size} and {FLAGS.max_client_size}'
+    )
+  for name in ('random_train_size', 'limit_batch'):
+    if FLAGS[name].value < 0:
+      cli.fail(f'--{name} must be ≥ 0, got {FLAGS[name].value}')
+  for c in FLAGS.client_chunks:
+    if not c.isdigit():
+      cli.fail(f'--client_chunks takes counts ≥ 0, got {c!r}')
+  if FLAGS.random_data and _synthetic():
+    cli.fail('--random_data stands in for a stored dataset, not synthetic')
   if FLAGS.clients_per_round > FLAGS.num_clients:
     cli.fail(
       f'--clients_per_round={FLAGS.clients_per_round} exceeds '
@@ -850,7 +1010,8 @@ def _settings(k, n_dev):
   """The (sizes, devices) settings to time, from --matrix, --sizes and
   --num_devices; refuses more devices than K or than there are."""
   if FLAGS.matrix:
-    runs = [(sizes, dev) for sizes in _size_kinds() for dev in ('1', 'all')]
+    kinds = [s for s in _size_kinds() if s != 'range']
+    runs = [(sizes, dev) for sizes in kinds for dev in ('1', 'all')]
   else:
     sizes = _size_kinds()[0] if _synthetic() else FLAGS.sizes
     runs = [(sizes, str(FLAGS.num_devices or 'all'))]
@@ -870,7 +1031,8 @@ def _setting_line(r):
     f'compile {r["compile_s"]:.2f}s | round {r["round_s"]:.3f}s '
     f'({r["steps"]:.0f} steps) | '
     + (
-      f'limit {r["limit_s"]:.3f}s | round/limit {r["ratio"]:.3f} | '
+      f'limit {r["limit_s"]:.3f}s | round/limit {r["ratio"]:.3f} '
+      f"({1 / r['ratio']:.3f} of the limit's samples/s) | "
       if FLAGS.limit
       else 'limit not timed | '
     )
@@ -890,6 +1052,7 @@ def _setting_line(r):
       if r['fedavg_ratio'] is not None
       else ''
     )
+    + f' | state sha256 {r["state_sha256"][:16]}'
   )
 
 
@@ -909,7 +1072,7 @@ def _bench(runs, model, opt, variables, data, test_set, stored, algorithms):
     if FLAGS.pytorch and stored is not None:
       loop = _torch_loop(*stored, sizes, variables)
       if loop is None and sizes == runs[0][0]:
-        print('PyTorch reference: not installed (pip install -e .[bench])')
+        print(_no_torch_line())
     for r in _bench_sizes(
       sizes,
       devs,
@@ -943,14 +1106,15 @@ def _print_summary(results, n_dev):
         f'(clients dealt to devices allow at most {bound:.2f}x)'
       )
   print(_memory_line())
-  peak32 = _peak_gflops('float32')
-  peak16 = _peak_gflops('bfloat16')
   first = results[0]
-  print(
-    f'matmul peak: float32 {peak32:.1f} GFLOP/s, bfloat16 {peak16:.1f} '
-    f'GFLOP/s (default precision, device 0); the first setting reaches '
-    f'{100 * first["gflops"] / peak32:.1f}% of the float32 peak'
-  )
+  if FLAGS.peak:
+    peak32 = _peak_gflops('float32')
+    peak16 = _peak_gflops('bfloat16')
+    print(
+      f'matmul peak: float32 {peak32:.1f} GFLOP/s, bfloat16 {peak16:.1f} '
+      f'GFLOP/s (default precision, device 0); the first setting reaches '
+      f'{100 * first["gflops"] / peak32:.1f}% of the float32 peak'
+    )
   print(_overhead_line(first))
   print(
     f'evaluation share: {first["eval_pct"]:.1f}% (once per '
@@ -999,6 +1163,9 @@ def main(argv):
   distributed.initialize(host_devices=FLAGS.host_devices, clients_per_round=k)
   import jax
 
+  if FLAGS.matmul_precision != 'default':
+    jax.config.update('jax_default_matmul_precision', FLAGS.matmul_precision)
+
   n_dev = len(jax.devices())
   runs = _settings(k, n_dev)
   try:
@@ -1011,7 +1178,8 @@ def main(argv):
     f'{FLAGS.algorithm}, {FLAGS.model} on {FLAGS.dataset}: K={k} of '
     f'N={FLAGS.num_clients}, E={FLAGS.local_epochs}, B={FLAGS.batch_size}; '
     f'{n_dev} {jax.devices()[0].platform} device(s), {FLAGS.rounds} timed '
-    'rounds'
+    f'rounds; compute {FLAGS.compute_dtype}, matmul precision '
+    f'{FLAGS.matmul_precision}' + (', random data' if FLAGS.random_data else '')
   )
   if stored is None:
     print(_clients_line(data['lognormal']))

@@ -14,9 +14,11 @@ epoch partial, exactly like fedjax_mr's clients.
 PyTorch is the optional `bench` extra (`pip install -e .[bench]`); nothing
 in the library imports it.
 
-The models mirror fedjax_mr's (`fedjax_mr.models.cnn.CNNMnist`,
-`fedjax_mr.models.resnet.ResNet20`) layer for layer in NCHW; their
-parameter counts are checked against the JAX models in the benchmark.
+The models mirror fedjax_mr's (`fedjax_mr.models.cnn.CNNMnist` and
+`CNNCifar`, `fedjax_mr.models.resnet.ResNet20`,
+`fedjax_mr.models.vgg.VGG16`) layer for layer in NCHW; their parameter
+counts are checked against the JAX models in the benchmark (and in
+tests/test_torch_reference.py where PyTorch is installed).
 """
 
 from __future__ import annotations
@@ -46,6 +48,26 @@ class CNNMnist(nn.Module):
     x = F.relu(F.max_pool2d(self.conv2(x), 2))
     x = F.relu(self.fc1(x.flatten(1)))
     return self.fc2(x)
+
+
+class CNNCifar(nn.Module):
+  """conv5×5(6) ReLU pool, conv5×5(16) ReLU pool, fc120 ReLU, fc84 ReLU,
+  fc(C)."""
+
+  def __init__(self, in_ch: int, hw: int, num_classes: int):
+    super().__init__()
+    self.conv1 = nn.Conv2d(in_ch, 6, 5)
+    self.conv2 = nn.Conv2d(6, 16, 5)
+    side = ((hw - 4) // 2 - 4) // 2
+    self.fc1 = nn.Linear(16 * side * side, 120)
+    self.fc2 = nn.Linear(120, 84)
+    self.fc3 = nn.Linear(84, num_classes)
+
+  def forward(self, x):
+    x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+    x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+    x = F.relu(self.fc1(x.flatten(1)))
+    return self.fc3(F.relu(self.fc2(x)))
 
 
 class _Bottleneck(nn.Module):
@@ -90,7 +112,68 @@ class ResNet20(nn.Module):
     return self.linear(x.mean(dim=(2, 3)))
 
 
-MODELS = {'cnn_mnist': CNNMnist, 'resnet20': ResNet20}
+# As `fedjax_mr.models.vgg.VGG16_PATTERN`: output channels, 'M' a pool.
+VGG16_PATTERN = (
+  64, 64, 'M', 128, 128, 'M', 256, 256, 256, 'M',
+  512, 512, 512, 'M', 512, 512, 512, 'M',
+)  # fmt: skip
+
+
+class VGG16(nn.Module):
+  """13 × [conv3×3 (padding 1, bias) BatchNorm ReLU] with 2×2 max-pools
+  (ceil mode, as ours for odd maps), a global max over what is left (the
+  identity on the 1×1 map of 32×32 inputs), then 512 → 4096 → 4096 → C
+  with ReLU and Dropout(0.5): `fedjax_mr.models.vgg.VGG16`."""
+
+  def __init__(self, in_ch: int, hw: int, num_classes: int):
+    super().__init__()
+    del hw
+    layers, ch = [], in_ch
+    for v in VGG16_PATTERN:
+      if v == 'M':
+        layers.append(nn.MaxPool2d(2, 2, ceil_mode=True))
+        continue
+      layers += [nn.Conv2d(ch, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU()]
+      ch = v
+    self.features = nn.Sequential(*layers)
+    self.classifier = nn.Sequential(
+      nn.Linear(ch, 4096),
+      nn.ReLU(),
+      nn.Dropout(0.5),
+      nn.Linear(4096, 4096),
+      nn.ReLU(),
+      nn.Dropout(0.5),
+      nn.Linear(4096, num_classes),
+    )
+
+  def forward(self, x):
+    x = self.features(x).amax(dim=(2, 3))
+    return self.classifier(x)
+
+
+MODELS = {
+  'cnn_mnist': CNNMnist,
+  'cnn_cifar': CNNCifar,
+  'resnet20': ResNet20,
+  'vgg16': VGG16,
+}
+
+
+def set_tf32(allow: bool) -> str:
+  """Allows (or forbids) TF32 in PyTorch's CUDA float32 matrix products and
+  cuDNN convolutions; returns a line stating the settings before and
+  after (PyTorch's own defaults: products False, cuDNN True)."""
+  before = _tf32_settings()
+  torch.backends.cuda.matmul.allow_tf32 = allow
+  torch.backends.cudnn.allow_tf32 = allow
+  return f'PyTorch TF32: {_tf32_settings()} (before: {before})'
+
+
+def _tf32_settings() -> str:
+  return (
+    f'matmul.allow_tf32={torch.backends.cuda.matmul.allow_tf32}, '
+    f'cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}'
+  )
 
 
 def num_parameters(module: nn.Module) -> int:
@@ -137,6 +220,9 @@ class FedAvgLoop:
     local_epochs, batch_size, lr, momentum: local SGD.
     device: 'cpu' or 'cuda'.
     threads: intra-op threads on the CPU (the same count fedjax_mr uses).
+    compute_dtype: 'float32', or 'bfloat16': the forward pass and loss under
+      `torch.autocast` in bfloat16, float32 weights (fedjax_mr's
+      `compute_dtype='bfloat16'` policy).
   """
 
   def __init__(
@@ -154,7 +240,9 @@ class FedAvgLoop:
     momentum: float,
     device: str,
     threads: int,
+    compute_dtype: str = 'float32',
   ):
+    self.autocast = compute_dtype == 'bfloat16'
     if device == 'cpu':
       torch.set_num_threads(threads)
     self.device = torch.device(device)
@@ -193,7 +281,11 @@ class FedAvgLoop:
       for s in range(0, n, self.b):
         batch = order[s : s + self.b]
         opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(self.x[batch]), self.y[batch])
+        with torch.autocast(
+          self.device.type, torch.bfloat16, enabled=self.autocast
+        ):
+          logits = self.model(self.x[batch])
+        loss = F.cross_entropy(logits.float(), self.y[batch])
         loss.backward()
         opt.step()
         steps += 1

@@ -346,6 +346,14 @@ CASES = {
       '--synthetic_beta',
     ),
     (['--synthetic_alpha=0.5'], '--synthetic_alpha=0.5'),
+    (['--sizes=range', '--max_client_size=5'], '--min_client_size'),
+    (['--limit_batch=-1'], '--limit_batch'),
+    (['--client_chunks=1,x'], '--client_chunks'),
+    (['--compute_dtype=float16'], '--compute_dtype'),
+    (
+      ['--dataset=synthetic', '--model=logistic', '--random_data'],
+      '--random_data',
+    ),
     (['positional'], 'unexpected arguments'),
   ],
   'experiments.pretrain_zoo': [

@@ -30,7 +30,13 @@ def test_benchmark_prints_its_figures(small_fmnist_dir):
   )
   assert proc.returncode == 0, proc.stderr
   out = proc.stdout
-  assert re.search(r'round/limit [\d.]+ \| \d+ samples/s', out)
+  m = re.search(
+    r"round/limit ([\d.]+) \(([\d.]+) of the limit's samples/s\) \| "
+    r'\d+ samples/s',
+    out,
+  )
+  assert m and abs(float(m[1]) * float(m[2]) - 1) < 0.01
+  assert re.search(r'\| state sha256 [0-9a-f]{16}$', out, re.M)
   assert re.search(r'server [\d.]+% of round', out)
   # MOON evaluates its one model: 1 model, once per 10 rounds by default.
   assert re.search(

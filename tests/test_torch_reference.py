@@ -54,3 +54,26 @@ def test_one_fedavg_round_matches_fedjax_mr():
     moved = np.abs(want.numpy() - before[name].numpy()).max()
     assert moved > 1e-4, name  # the round trained this tensor
     helpers.assert_close(got, want.numpy(), rtol=1e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize(
+  'name,classes,shape',
+  [
+    ('cnn_mnist', 10, (28, 28, 1)),
+    ('cnn_cifar', 10, (32, 32, 3)),
+    ('resnet20', 10, (32, 32, 3)),
+    ('vgg16', 10, (32, 32, 3)),
+    ('vgg16', 62, (28, 28, 1)),
+  ],
+)
+def test_reference_models_count_our_parameters(name, classes, shape):
+  ours = model_lib.get(name, classes, shape)
+  v = jax.eval_shape(ours.init, jax.random.key(0))
+  theirs = torch_reference.MODELS[name](shape[2], shape[0], classes)
+  want = sum(a.size for a in jax.tree.leaves(v['params']))
+  assert torch_reference.num_parameters(theirs) == want
+  # Running statistics: BatchNorm buffers, our batch_stats.
+  stats = sum(b.numel() for n, b in theirs.named_buffers() if 'running' in n)
+  assert stats == sum(a.size for a in jax.tree.leaves(v.get('batch_stats', {})))
+  logits = theirs.eval()(torch.zeros(2, shape[2], *shape[:2]))
+  assert tuple(logits.shape) == (2, classes)

@@ -171,6 +171,54 @@ def _dataset(name: str, spec: _Spec, train, test, **natural) -> Dataset:
   )
 
 
+# One example's shape, the images each dataset holds (`random_images`).
+IMAGE_SHAPES = {
+  'fashion_mnist': (28, 28, 1),
+  'mnist': (28, 28, 1),
+  'emnist': (28, 28, 1),
+  'femnist': (28, 28, 1),
+  'cifar10': (32, 32, 3),
+  'cifar100': (32, 32, 3),
+  'svhn_cropped': (32, 32, 3),
+  'cinic10': (32, 32, 3),
+}
+
+
+def random_images(
+  name: str, num_train: int, num_test: int, seed: int = 0
+) -> Dataset:
+  """A stand-in for image dataset `name`: its shape, classes and
+  normalisation, uniform random uint8 pixels and labels (for timing where
+  the data cannot be read, as on a machine without the dataset).
+
+  Args:
+    name: a key of `IMAGE_SHAPES`.
+    num_train, num_test: examples in each split (≥ 1).
+    seed: of the pixels and labels.
+
+  Raises:
+    ConfigError: an unknown name or a count below 1.
+  """
+  if name not in IMAGE_SHAPES:
+    raise errors.ConfigError(
+      f'`dataset`: no random stand-in for {name!r}; choose one of '
+      f'{", ".join(sorted(IMAGE_SHAPES))}'
+    )
+  if num_train < 1 or num_test < 1:
+    raise errors.ConfigError(
+      f'a random dataset needs ≥ 1 example per split, got {num_train} '
+      f'training and {num_test} test examples'
+    )
+  spec = _SPECS[name]
+  rng = np.random.default_rng(seed)
+
+  def split(n):
+    x = rng.integers(0, 256, (n, *IMAGE_SHAPES[name]), np.uint8)
+    return x, rng.integers(0, spec.num_classes, n).astype(np.int32)
+
+  return _dataset(name, spec, split(num_train), split(num_test))
+
+
 def tfds_name(name: str) -> str:
   """The tensorflow-datasets name `name` is read under ('' for the LEAF
   and CINIC-10 datasets)."""

@@ -1,9 +1,10 @@
 """Splitting a training set among simulated clients (host side, seeded).
 
 Every partition is a list of client index arrays into the training set:
-`iid`, `dirichlet`, `dirichlet_equal` and `shards` draw one from a seed;
-`load_file` reads one (`partition=file`), `save_file` writes one in that
-format.
+`iid`, `dirichlet`, `dirichlet_equal` and `shards` draw one from a seed,
+`sizes_between` clients of uniform sizes in a range (the benchmark's large
+cohorts); `load_file` reads one (`partition=file`), `save_file` writes one
+in that format.
 
 References:
   Dirichlet label skew as in NIID-Bench (Li et al., "Federated Learning on
@@ -35,6 +36,34 @@ def iid(num_examples: int, num_clients: int, seed: int) -> list[np.ndarray]:
   _check_counts(num_examples, num_clients, 1)
   perm = np.random.default_rng(seed).permutation(num_examples)
   return [np.sort(p) for p in np.array_split(perm, num_clients)]
+
+
+def sizes_between(
+  num_examples: int, num_clients: int, low: int, high: int, seed: int
+) -> list[np.ndarray]:
+  """Clients of uniformly drawn sizes in `[low, high]` (examples at random).
+
+  Each client's size is drawn uniformly from `low..high`, its examples
+  without replacement from one permutation of the set (disjoint clients);
+  labels play no part. The benchmark's large cohorts ("clients of 10-50
+  examples").
+
+  Returns:
+    `num_clients` sorted int64 index arrays, disjoint.
+
+  Raises:
+    ConfigError: `low` < 1 or above `high`, or `num_clients × high` more
+      than `num_examples` (checked before drawing).
+  """
+  if not 1 <= low <= high:
+    raise errors.ConfigError(
+      f'client sizes need 1 ≤ low ≤ high, got low={low}, high={high}'
+    )
+  _check_counts(num_examples, num_clients, high)
+  rng = np.random.default_rng(seed)
+  sizes = rng.integers(low, high + 1, num_clients)
+  perm = rng.permutation(num_examples)[: sizes.sum()]
+  return [np.sort(p) for p in np.split(perm, np.cumsum(sizes)[:-1])]
 
 
 def dirichlet(

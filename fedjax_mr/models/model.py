@@ -34,6 +34,12 @@ class Model(NamedTuple):
     num_classes: number of logits.
     input_dtype: dtype of the model input (float32 for images; int32 for
       token ids, which may also arrive as uint8).
+    compute_dtype: None (the default): compute in the variables' dtype,
+      float32. A floating dtype (bfloat16) is a mixed-precision policy: the
+      passes cast the float parameters and inputs to it and compute in it,
+      while the variables (the master weights the optimizer updates, and
+      BatchNorm's running statistics) stay float32; outputs come back as
+      float32 and gradients reach the float32 parameters through the cast.
   """
 
   name: str
@@ -41,6 +47,7 @@ class Model(NamedTuple):
   input_shape: tuple[int, ...]
   num_classes: int
   input_dtype: Any = jnp.float32
+  compute_dtype: Any = None
 
   def init(self, key: jax.Array) -> types.Variables:
     """Initial variables: `{'params': ...}` plus e.g. `'batch_stats'`."""
@@ -74,14 +81,18 @@ class Model(NamedTuple):
     """
     mutable = [k for k in variables if k != 'params']
     kwargs = dict(train=True, mask=mask, rngs={'dropout': key})
+    cast, x = self._compute(variables), self._input(x)
     if not mutable:
-      return self.module.apply(variables, x, **kwargs), {}
-    logits, state = self.module.apply(variables, x, mutable=mutable, **kwargs)
-    return logits, dict(state)
+      return self._output(self.module.apply(cast, x, **kwargs)), {}
+    logits, state = self.module.apply(cast, x, mutable=mutable, **kwargs)
+    return self._output(logits), _like(dict(state), variables)
 
   def apply_eval(self, variables: types.Variables, x: jax.Array) -> jax.Array:
     """Inference-mode forward pass: logits `[B, C]`."""
-    return self.module.apply(variables, x, train=False)
+    out = self.module.apply(
+      self._compute(variables), self._input(x), train=False
+    )
+    return self._output(out)
 
   def apply_train_features(
     self,
@@ -101,26 +112,59 @@ class Model(NamedTuple):
     kwargs = dict(
       train=True, mask=mask, rngs={'dropout': key}, features_only=True
     )
+    cast, x = self._compute(variables), self._input(x)
     if mutable:
-      feats, state = self.module.apply(variables, x, mutable=mutable, **kwargs)
-      state = dict(state)
+      feats, state = self.module.apply(cast, x, mutable=mutable, **kwargs)
+      state = _like(dict(state), variables)
     else:
-      feats, state = self.module.apply(variables, x, **kwargs), {}
+      feats, state = self.module.apply(cast, x, **kwargs), {}
+    feats = self._output(feats)
     return self.apply_head(variables, feats), feats, state
 
   def apply_features(
     self, variables: types.Variables, x: jax.Array
   ) -> jax.Array:
     """Inference-mode representation (the head's input) `[B, D]`."""
-    return self.module.apply(variables, x, train=False, features_only=True)
+    out = self.module.apply(
+      self._compute(variables),
+      self._input(x),
+      train=False,
+      features_only=True,
+    )
+    return self._output(out)
 
   def apply_head(
     self, variables: types.Variables, features: jax.Array
   ) -> jax.Array:
     """The head alone on representations `[B, D]`: logits `[B, C]`."""
-    return self.module.apply(
-      variables, features, train=False, from_features=True
+    out = self.module.apply(
+      self._compute(variables),
+      self._input(features),
+      train=False,
+      from_features=True,
     )
+    return self._output(out)
+
+  def _compute(self, variables: types.Variables) -> types.Variables:
+    """The variables a pass reads: the float parameters in the compute
+    dtype under a policy; the other collections (running statistics) as
+    they are, so their updates keep float32's precision."""
+    if self.compute_dtype is None:
+      return variables
+    return {**variables, 'params': self._input(variables['params'])}
+
+  def _input(self, tree: Any) -> Any:
+    """`tree`'s float leaves in the compute dtype (unchanged without a
+    policy); integer leaves (token ids) as they are."""
+    if self.compute_dtype is None:
+      return tree
+    return jax.tree.map(lambda a: _cast_float(a, self.compute_dtype), tree)
+
+  def _output(self, y: jax.Array) -> jax.Array:
+    """An output back in float32 under a policy (the loss's dtype)."""
+    if self.compute_dtype is None:
+      return y
+    return _cast_float(y, jnp.float32)
 
   def feature_dim(self) -> int:
     """D, the size of the representation the head takes."""
@@ -131,6 +175,21 @@ class Model(NamedTuple):
       variables,
     )
     return int(out.shape[-1])
+
+
+def _cast_float(a: jax.Array, dtype: Any) -> jax.Array:
+  a = jnp.asarray(a)
+  return a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+
+def _like(state: types.Variables, variables: types.Variables) -> Any:
+  """The updated collections `state` in the dtypes of `variables`' (a
+  policy computes BatchNorm's statistics in its dtype; they are kept as
+  the variables are, so a training loop's carry keeps its dtypes)."""
+  return {
+    k: jax.tree.map(lambda new, old: new.astype(old.dtype), v, variables[k])
+    for k, v in state.items()
+  }
 
 
 class _Entry(NamedTuple):
@@ -157,6 +216,9 @@ _ZOO = {
 }
 
 NAMES = tuple(sorted(_ZOO))
+# What `get(compute_dtype=...)` takes: float32, or a bfloat16 compute
+# policy with float32 master weights.
+COMPUTE_DTYPES = ('float32', 'bfloat16')
 
 
 def input_kind(name: str) -> str:
@@ -171,6 +233,7 @@ def get(
   input_shape: tuple[int, ...],
   *,
   dataset: str = '',
+  compute_dtype: str = 'float32',
 ) -> Model:
   """Returns the model `name` for a dataset's classes and example shape.
 
@@ -180,11 +243,19 @@ def get(
     input_shape: one example's shape: `(H, W, C)` images, `(T,)` tokens or
       `(D,)` vectors.
     dataset: the dataset's name, for error messages only.
+    compute_dtype: one of `COMPUTE_DTYPES`: 'float32' (the default) computes
+      in float32; 'bfloat16' in bfloat16 with float32 master weights (see
+      `Model.compute_dtype`).
 
   Raises:
-    ConfigError: unknown name, or a dataset this model cannot take (the
-      message names the `model` and `dataset` fields).
+    ConfigError: unknown name or compute dtype, or a dataset this model
+      cannot take (the message names the `model` and `dataset` fields).
   """
+  if compute_dtype not in COMPUTE_DTYPES:
+    raise errors.ConfigError(
+      f'`compute_dtype`: unknown value {compute_dtype!r}; choose one of '
+      f'{", ".join(COMPUTE_DTYPES)}'
+    )
   if name not in _ZOO:
     raise errors.ConfigError(
       f'`model`: unknown model {name!r}; choose one of {", ".join(NAMES)}'
@@ -213,5 +284,10 @@ def get(
     )
   dtype = jnp.int32 if entry.takes == 'tokens' else jnp.float32
   return Model(
-    name, entry.module(num_classes=num_classes), input_shape, num_classes, dtype
+    name,
+    entry.module(num_classes=num_classes),
+    input_shape,
+    num_classes,
+    dtype,
+    None if compute_dtype == 'float32' else jnp.dtype(compute_dtype),
   )

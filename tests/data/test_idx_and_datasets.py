@@ -243,3 +243,27 @@ def test_load_task_is_load_then_select_classes(tmp_path):
   expected = datasets.select_classes(whole, ids)
   np.testing.assert_array_equal(task.y_train, expected.y_train)
   np.testing.assert_array_equal(task.y_test, expected.y_test)
+
+
+@pytest.mark.parametrize(
+  'name,shape,classes',
+  [('fashion_mnist', (28, 28, 1), 10), ('cifar10', (32, 32, 3), 10)],
+)
+def test_random_images_stand_in_for_a_dataset(name, shape, classes):
+  ds = datasets.random_images(name, 300, 50, seed=1)
+  assert ds.x_train.shape == (300, *shape) and ds.x_test.shape == (50, *shape)
+  assert ds.x_train.dtype == np.uint8 and ds.y_train.dtype == np.int32
+  assert ds.num_classes == classes and ds.input_shape == shape
+  assert set(np.unique(ds.y_train).tolist()) == set(range(classes))
+  assert ds.x_train.min() == 0 and ds.x_train.max() == 255
+  real = datasets._SPECS[name]
+  assert (ds.scale, ds.shift) == (real.scale, real.shift)
+  again = datasets.random_images(name, 300, 50, seed=1)
+  np.testing.assert_array_equal(ds.x_train, again.x_train)
+
+
+def test_random_images_refuses_what_it_cannot_make():
+  with pytest.raises(errors.ConfigError, match='no random stand-in'):
+    datasets.random_images('shakespeare', 10, 10)
+  with pytest.raises(errors.ConfigError, match='≥ 1 example'):
+    datasets.random_images('cifar10', 0, 10)

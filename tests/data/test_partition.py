@@ -397,3 +397,24 @@ def test_dirichlet_equal_alpha_controls_the_classes_per_client():
 def test_dirichlet_equal_bad_inputs():
   with pytest.raises(errors.ConfigError, match='^`alpha` must'):
     partition.dirichlet_equal(np.zeros(10, int), 2, 0.0, 0)
+
+
+def test_sizes_between_draws_disjoint_clients_in_the_range():
+  parts = partition.sizes_between(1000, 40, 10, 20, seed=3)
+  sizes = np.array([len(p) for p in parts])
+  assert len(parts) == 40 and sizes.min() >= 10 and sizes.max() <= 20
+  assert len(set(sizes.tolist())) > 3  # drawn, not equal
+  allidx = np.concatenate(parts)
+  assert len(np.unique(allidx)) == len(allidx) == sizes.sum()
+  assert allidx.min() >= 0 and allidx.max() < 1000
+  again = partition.sizes_between(1000, 40, 10, 20, seed=3)
+  assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+  # low == high: every client that size.
+  assert {len(p) for p in partition.sizes_between(50, 5, 7, 7, 0)} == {7}
+
+
+def test_sizes_between_refuses_before_drawing():
+  with pytest.raises(errors.ConfigError, match='needs 200 examples'):
+    partition.sizes_between(199, 10, 10, 20, seed=0)
+  with pytest.raises(errors.ConfigError, match='low ≤ high'):
+    partition.sizes_between(1000, 10, 21, 20, seed=0)

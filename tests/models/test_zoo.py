@@ -47,6 +47,46 @@ def test_parameter_counts(name, classes, shape, count, stats):
   assert logits.shape == (2, classes)
 
 
+def test_vgg16_parameter_count_by_hand():
+  # What experiments/torch_reference.VGG16 (the benchmark's PyTorch VGG-16)
+  # must count too, layer by layer for 32×32×3 and C = 10. A 3×3
+  # convolution with bias: (9 × in + 1) × out; its BatchNorm: scale and
+  # bias, 2 × out (running statistics are not parameters).
+  def conv_bn(c_in, c_out):
+    return (9 * c_in + 1) * c_out + 2 * c_out
+
+  convs = [
+    conv_bn(3, 64),  # 1,920
+    conv_bn(64, 64),  # 37,056
+    conv_bn(64, 128),  # 74,112
+    conv_bn(128, 128),  # 147,840
+    conv_bn(128, 256),  # 295,680
+    conv_bn(256, 256),  # 590,592
+    conv_bn(256, 256),  # 590,592
+    conv_bn(256, 512),  # 1,181,184
+    *[conv_bn(512, 512)] * 5,  # 2,360,832 each
+  ]
+  assert convs[:5] == [1_920, 37_056, 74_112, 147_840, 295_680]
+  assert convs[7:] == [1_181_184, *[2_360_832] * 5]
+  dense = [
+    512 * 4096 + 4096,  # fc0: the 512 channels of the 1×1 map, 2,101,248
+    4096 * 4096 + 4096,  # fc1: 16,781,312
+    4096 * 10 + 10,  # fc2: 40,970
+  ]
+  assert dense == [2_101_248, 16_781_312, 40_970]
+  assert sum(convs) == 14_723_136 and sum(convs) + sum(dense) == 33_646_666
+  v = _abstract(model_lib.get('vgg16', 10, (32, 32, 3)))
+  assert tree.num_parameters(v['params']) == sum(convs) + sum(dense)
+  # Layer by layer too: the convolutions with their BatchNorms, the dense.
+  for i, want in enumerate(convs):
+    got = tree.num_parameters(v['params'][f'conv{i}']) + tree.num_parameters(
+      v['params'][f'bn{i}']
+    )
+    assert got == want, i
+  for j, want in enumerate(dense):
+    assert tree.num_parameters(v['params'][f'fc{j}']) == want, j
+
+
 def test_resnet20_leaves_out_the_unused_final_bn():
   # The reference builds BatchNorm(256) after the last stage and never calls
   # it: PyTorch counts 219,482 = 218,970 + 512 (its scale and bias).
