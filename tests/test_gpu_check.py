@@ -52,7 +52,9 @@ def _summary(out):
 
 
 def test_tiny_mode_files_each_item_as_it_ends(tmp_path):
-  items = ['papers_cnn_cifar', 'cohort_cnn_mnist_K4', 'determinism_cnn_cifar']
+  # Two of the 14 items (about 40 s here); the determinism item (its three
+  # runs about 50 s) and the others run the same driver with other flags.
+  items = ['papers_cnn_cifar', 'cohort_cnn_mnist_K4']
   proc = _run(tmp_path, ITEMS=' '.join(items))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   header = (tmp_path / 'header.txt').read_text()
@@ -61,7 +63,6 @@ def test_tiny_mode_files_each_item_as_it_ends(tmp_path):
 
   rows = _summary(tmp_path)
   names = ['01_papers_cnn_cifar', '04_cohort_cnn_mnist_K4']
-  names.append('12_determinism_cnn_cifar')
   assert sorted({r[0] for r in rows}) == names
   assert {r[1] for r in rows} == {'0'}
   lines = {n: [r[3] for r in rows if r[0] == n] for n in names}
@@ -84,12 +85,6 @@ def test_tiny_mode_files_each_item_as_it_ends(tmp_path):
   (cohort,) = [s for s in lines['04_cohort_cnn_mnist_K4'] if s[0] == '[']
   assert cohort.startswith('[range, 1 device(s)')
   assert "of the limit's samples/s" in cohort
-  # Determinism: the CPU's rounds are deterministic anyway.
-  det = lines['12_determinism_cnn_cifar']
-  assert any(
-    'deterministic runs: identical bits (state sha256 ' in s for s in det
-  )
-  assert any(s.startswith('det/default round time: ') for s in det)
 
   with tarfile.open(tmp_path / 'items.tar.gz') as tar:
     members = sorted(os.path.basename(m) for m in tar.getnames())
