@@ -96,6 +96,7 @@ def test_stitch_runs_evaluates_and_resumes(
     out,
     re.M,
   )
+  check_recording(tmp_path)
   results = json.load(open(tmp_path / 'results.json'))
   nets = results['networks']
   assert nets, 'no stitched network'
@@ -151,6 +152,113 @@ def test_stitch_runs_evaluates_and_resumes(
   (old / 'state.pkl').write_bytes(b'\x80\x04\x95 whatever')
   refused = _run(*args[:-1], f'--workdir={old}')
   assert refused.returncode == 2 and 'never unpickles' in refused.stderr
+
+
+# The FedStitch run's recording (beside the training algorithms' in
+# tests/harness/regression/, by the same rules: one exact entry per kind of
+# machine, else within the cross-machine tolerance; FEDJAX_MR_RECORD=1 or
+# add re-records, saying so in the commit).
+STITCH_RECORDING = os.path.join(
+  os.path.dirname(__file__), 'harness', 'regression', 'fedstitch.json'
+)
+
+
+def _timeless(value):
+  """`value` without the fields that are wall-clock times or memory."""
+  if isinstance(value, dict):
+    return {
+      k: _timeless(v)
+      for k, v in value.items()
+      if not (
+        k.endswith(('_time_s', '_seconds', 'seconds_per_round'))
+        or k in ('run_seconds', 'selection_seconds_total', 'peak_host_mib')
+      )
+    }
+  if isinstance(value, list):
+    return [_timeless(v) for v in value]
+  return value
+
+
+def stitch_recording(workdir) -> dict:
+  """What a FedStitch workdir's bits are: results.json, log.jsonl,
+  energy.jsonl and the JSON documents of its state and networks files
+  without times, and the SHA-256 of every array of those files."""
+  import hashlib
+
+  import numpy as np
+
+  def lines(name):
+    return [json.loads(x) for x in open(os.path.join(workdir, name))]
+
+  arrays, documents = {}, {}
+  for name in ('state.npz', 'networks.npz'):
+    with np.load(os.path.join(workdir, name), allow_pickle=False) as z:
+      for key in sorted(z.files):
+        a = np.ascontiguousarray(z[key])
+        if key == '__document__':  # JSON, holding the rounds' times
+          documents[name] = _timeless(json.loads(a.tobytes()))
+          continue
+        h = hashlib.sha256(f'{a.shape}{a.dtype}'.encode() + a.tobytes())
+        arrays[f'{name}:{key}'] = h.hexdigest()
+  return {
+    'results': _timeless(
+      json.load(open(os.path.join(workdir, 'results.json')))
+    ),
+    'log': _timeless(lines('log.jsonl')),
+    'energy': _timeless(lines('energy.jsonl')),
+    'documents': documents,
+    'arrays': arrays,
+  }
+
+
+def _assert_close(got, want, where=''):
+  """Equal structure, strings and integers; floats within the
+  cross-machine tolerance."""
+  from tests.harness import test_regression
+
+  if isinstance(want, dict):
+    assert got.keys() == want.keys(), where
+    for k in want:
+      _assert_close(got[k], want[k], f'{where}/{k}')
+  elif isinstance(want, list):
+    assert len(got) == len(want), where
+    for i, (g, w) in enumerate(zip(got, want)):
+      _assert_close(g, w, f'{where}[{i}]')
+  elif isinstance(want, float):
+    assert got == pytest.approx(
+      want, rel=test_regression.CROSS_MACHINE_RTOL, abs=1e-6
+    ), where
+  else:
+    assert got == want, where
+
+
+def check_recording(workdir) -> None:
+  """The run in `workdir` against the FedStitch recording: every bit on a
+  machine that has an entry, else within the cross-machine tolerance (its
+  arrays' hashes are not compared then)."""
+  from tests.harness import test_regression
+
+  got = stitch_recording(workdir)
+  numerics = test_regression.machine_numerics()
+  machines = {}
+  if os.path.exists(STITCH_RECORDING):
+    machines = json.load(open(STITCH_RECORDING))['machines']
+  mode = os.environ.get('FEDJAX_MR_RECORD')
+  if mode:
+    if mode == 'add' and machines:
+      want = next(iter(machines.values()))
+      _assert_close({**got, 'arrays': {}}, {**want, 'arrays': {}})
+    else:
+      machines = {}
+    machines[numerics] = got
+    with open(STITCH_RECORDING, 'w') as f:
+      json.dump({'machines': machines}, f, indent=1)
+    return
+  if numerics in machines:
+    assert got == machines[numerics]
+    return
+  want = next(iter(machines.values()))
+  _assert_close({**got, 'arrays': {}}, {**want, 'arrays': {}})
 
 
 def test_sigterm_says_so_and_the_run_resumes_to_the_same_networks(
