@@ -200,7 +200,7 @@ def _define_dataset_flags() -> list[str]:
   """The flags of the config fields that only some datasets read
   (Synthetic's α and β), with the help of `experiments.run`'s. Returns
   their names."""
-  from fedjax_mr.harness import config as config_lib
+  from fedjax_mr.pipeline import config as config_lib
 
   names = []
   for f in config_lib.base_fields():
@@ -305,7 +305,7 @@ def _generated_clients(options):
   """`({'lognormal': SyntheticData}, test set, classes, input shape)`:
   Synthetic(α, β)'s N clients and held-out test set as `experiments.run`
   builds them (`build.load_clients`, `options`: the algorithm's flags)."""
-  from fedjax_mr.harness import build
+  from fedjax_mr.pipeline import build
 
   clients = build.load_clients(_config(FLAGS.algorithm, options))
   test_set = (clients.x_test, clients.y_test, clients.scale, clients.shift)
@@ -323,9 +323,9 @@ def _algorithm(name, base, options):
   setting."""
   import jax
 
-  from fedjax_mr.harness import build
-  from fedjax_mr.harness import config as config_lib
-  from fedjax_mr.harness import registry
+  from fedjax_mr.pipeline import build
+  from fedjax_mr.pipeline import config as config_lib
+  from fedjax_mr.pipeline import registry
 
   config = _config(name, options)
   config_lib.validate(config)
@@ -338,7 +338,7 @@ def _algorithm(name, base, options):
 def _config(name, options):
   """The experiment config of the benchmark's setting for algorithm
   `name` (its hyper-parameter flags `options`)."""
-  from fedjax_mr.harness import config as config_lib
+  from fedjax_mr.pipeline import config as config_lib
 
   return config_lib.ExperimentConfig(
     algorithm=name,
@@ -550,7 +550,7 @@ def _prepare(
   import numpy as np
 
   from fedjax_mr.core import tree
-  from fedjax_mr.harness import distributed
+  from fedjax_mr.runtime import distributed
   from fedjax_mr.training import engine
 
   k = FLAGS.clients_per_round
@@ -990,7 +990,7 @@ def _check_flags():
   if FLAGS.num_devices < 0:
     cli.fail(f'--num_devices must be ≥ 0, got {FLAGS.num_devices}')
   from fedjax_mr.core import errors
-  from fedjax_mr.harness import config as config_lib
+  from fedjax_mr.pipeline import config as config_lib
 
   try:
     config = _config(FLAGS.algorithm, cli.algorithm_options(ALGORITHM_FLAGS))
@@ -1157,7 +1157,7 @@ def main(argv):
   cli.no_arguments(argv)
   _check_flags()
   from fedjax_mr.core import errors
-  from fedjax_mr.harness import distributed
+  from fedjax_mr.runtime import distributed
 
   k = FLAGS.clients_per_round
   distributed.initialize(host_devices=FLAGS.host_devices, clients_per_round=k)

@@ -457,7 +457,7 @@ def define_flag(name: str, f: dataclasses.Field, help_text: str) -> None:
 def define_algorithm_flags() -> list[str]:
   """The algorithms' hyper-parameter flags, from the registry (each help
   text names the algorithms that read it). Returns their names."""
-  from fedjax_mr.harness import registry
+  from fedjax_mr.pipeline import registry
 
   names = []
   for name, (f, users) in registry.all_flags().items():

@@ -9,7 +9,7 @@ r"""Runs several algorithm variants × seeds on one setting; tabulates them.
 Every flag of `experiments.run` sets the common config, but `--workdir`
 is the folder of the whole comparison: each run goes to
 `<workdir>/<variant>/s<seed>`. `--variants` names
-entries of `fedjax_mr.harness.compare.VARIANTS`; `--variant=name:field=
+entries of `fedjax_mr.analysis.compare.VARIANTS`; `--variant=name:field=
 value,...` (repeatable) defines another, e.g.
 `--variant=mr_module:algorithm=fedmr,fedmr_grouping=module`. Re-running
 resumes; `--summarize_only` just re-reads the metrics. Writes
@@ -30,7 +30,7 @@ from absl import flags
 from absl import logging
 
 from fedjax_mr.core import errors
-from fedjax_mr.harness import registry
+from fedjax_mr.pipeline import registry
 
 from . import run as run_flags  # defines the experiment flags
 
@@ -83,11 +83,12 @@ _TABLE = flags.DEFINE_enum(
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)
+  from fedjax_mr.analysis import compare
   from fedjax_mr.core import workdir as workdir_lib
-  from fedjax_mr.harness import compare
-  from fedjax_mr.harness import distributed
-  from fedjax_mr.harness import experiment
-  from fedjax_mr.harness import provenance
+  from fedjax_mr.pipeline import experiment
+  from fedjax_mr.pipeline import titles
+  from fedjax_mr.runtime import distributed
+  from fedjax_mr.runtime import provenance
 
   started = provenance.collect(with_devices=False)  # results.json's
   with cli.training_errors('re-run the same command to resume'):
@@ -107,7 +108,7 @@ def main(argv) -> None:
     workdir_lib.check_usable(out)
     base = run_flags.config_from_flags()
     runs = compare.configs(base, variants, seeds, out)
-    title = compare.setting_title(base)
+    title = titles.setting_title(base)
     if not _SUMMARIZE_ONLY.value:
       distributed.initialize_for(runs[0][2])
       train = functools.partial(experiment.train_and_evaluate, log=cli.log)

@@ -71,13 +71,13 @@ PNG_FILE = 'landscape.png'
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)
+  from fedjax_mr.analysis import landscape
   from fedjax_mr.core import workdir as workdir_lib
-  from fedjax_mr.harness import compare
-  from fedjax_mr.harness import experiment
-  from fedjax_mr.harness import landscape
-  from fedjax_mr.harness import metrics_io
-  from fedjax_mr.harness import plots
-  from fedjax_mr.harness import registry
+  from fedjax_mr.pipeline import experiment
+  from fedjax_mr.pipeline import registry
+  from fedjax_mr.pipeline import titles
+  from fedjax_mr.runtime import metrics_io
+  from fedjax_mr.runtime import plots
 
   landscape.check_args(
     steps=_STEPS.value,
@@ -113,7 +113,7 @@ def main(argv) -> None:
     grid = {
       'workdir': os.path.abspath(workdir),
       'algorithm': run.config.algorithm,
-      'setting': compare.setting_title(run.config),
+      'setting': titles.setting_title(run.config),
       'split': _SPLIT.value,
       **grid,
     }

@@ -16,7 +16,7 @@ end block (its classifier) on the same reference examples (from the
 `--pool`'s public split; default: the pool of the run's `--init_from`
 model) and the same test images, prints each round's accuracy beside the
 head's (for DepthFL's multi-exit model also each exit's alone) and their
-means, and writes `<workdir>/probe.json` (`fedjax_mr.harness.probe`).
+means, and writes `<workdir>/probe.json` (`fedjax_mr.analysis.probe`).
 `experiments.stitch_figures --figure=table3` shows the probe's mean
 beside the head's. Nothing is written before every input is checked and
 every round probed.
@@ -32,7 +32,7 @@ import os
 from absl import flags
 from absl import logging
 
-from fedjax_mr.harness import stitch_config
+from fedjax_mr.pipeline import stitch_config
 
 _WORKDIR = flags.DEFINE_string(
   'workdir', None, 'The finished run (its folder, as given to experiments.run).'
@@ -56,7 +56,7 @@ for _flag in ('workdir', 'pool', 'knn_reference'):
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore
-  from fedjax_mr.harness import probe
+  from fedjax_mr.analysis import probe
 
   record = probe.probe(
     _WORKDIR.value or '',

@@ -3,7 +3,7 @@ r"""Runs one federated training experiment.
   python -m experiments.run --flagfile=experiments/configs/default.flags
   python -m experiments.run --partition=iid --rounds=20 --workdir=/tmp/iid
 
-Every flag is a field of `fedjax_mr.harness.config.ExperimentConfig`:
+Every flag is a field of `fedjax_mr.pipeline.config.ExperimentConfig`:
 `--helpshort` lists the common ones, `--helpfull` also each algorithm's
 hyper-parameters (`--fedprox_mu`, `--fedmr_first_stage`, ...; each names
 the algorithms that read it). Re-running with the same `--workdir`
@@ -20,8 +20,8 @@ from . import cli  # isort: split
 from absl import flags
 from absl import logging
 
-from fedjax_mr.harness import config as config_lib
-from fedjax_mr.harness import registry
+from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import registry
 
 
 def _define_flags() -> None:
@@ -59,7 +59,7 @@ def main(argv) -> None:
   ):
     import jax
 
-    from fedjax_mr.harness import experiment
+    from fedjax_mr.pipeline import experiment
 
     try:
       # Checks every flag (before the distributed runtime starts: a bad

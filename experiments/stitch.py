@@ -38,9 +38,9 @@ rounds left) and writes, under `--workdir`:
   define the run (a re-run with the same flags resumes; other flags are
   refused). Neither file is a pickle: nothing is ever unpickled.
 
-Every flag is a field of `fedjax_mr.harness.stitch_config.StitchConfig`
+Every flag is a field of `fedjax_mr.pipeline.stitch_config.StitchConfig`
 (`--helpfull` lists them); the work is
-`fedjax_mr.harness.stitch_experiment.stitch_and_evaluate`.
+`fedjax_mr.pipeline.stitch_experiment.stitch_and_evaluate`.
 
 Pool models whose labels differ from the dataset's need `--label_map`, a
 JSON list with, per dataset class, the pool classes that count as it.
@@ -68,8 +68,8 @@ from . import cli  # isort: split
 from absl import flags
 from absl import logging
 
-from fedjax_mr.harness import stitch_config as config_lib
-from fedjax_mr.harness import stitch_experiment
+from fedjax_mr.pipeline import stitch_config as config_lib
+from fedjax_mr.pipeline import stitch_experiment
 
 
 def _define_flags() -> None:

@@ -222,8 +222,8 @@ def main(argv) -> None:
     cli.fail(f'--figure is needed: one of {", ".join(FIGURES)}')
   if not _OUTPUT.value:
     cli.fail('--output is needed: the folder to write the figure into')
+  from fedjax_mr.analysis import stitch_figures as figures
   from fedjax_mr.core import errors
-  from fedjax_mr.harness import stitch_figures as figures
 
   try:
     _main(figures, errors)

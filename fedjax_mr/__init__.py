@@ -5,9 +5,13 @@ Subpackages, by layer (each imports only the layers below it): `core`
 (interfaces, tree helpers, errors, files); `data`, `models` and `energy`
 (host-only Jetson energy tools; never imports jax); `training` (local
 training, optimizers, the round engine); `algorithms` (one module per
-algorithm) and `stitch` (FedStitch); `harness` (the registry, the
-experiment config, the host loop, comparison and figures), which the
-programs in `experiments/` call.
+algorithm) and `stitch` (FedStitch); `runtime` (what a run keeps and
+where it runs: checkpoints, metrics files, figures of them, TensorBoard,
+provenance, devices and processes); `pipeline` (the run pipeline: the
+registry, the experiment configs, the host loop, resume and records, for
+training runs and FedStitch runs); `analysis` (what is read from finished
+runs: comparisons, probes, landscapes, FedStitch's tables and figures).
+The programs in `experiments/` call the last two.
 
 The names below are loaded on first use, so `import fedjax_mr.energy` does
 not import jax.
@@ -19,11 +23,13 @@ __version__ = '0.1.0'
 
 _SUBPACKAGES = (
   'algorithms',
+  'analysis',
   'core',
   'data',
   'energy',
-  'harness',
   'models',
+  'pipeline',
+  'runtime',
   'stitch',
   'training',
 )
@@ -34,7 +40,7 @@ _EXPORTS = {
   'ClientOutput': ('fedjax_mr.core.types', 'ClientOutput'),
   'Algorithm': ('fedjax_mr.core.types', 'Algorithm'),
   'Dispatch': ('fedjax_mr.core.types', 'Dispatch'),
-  'ExperimentConfig': ('fedjax_mr.harness.config', 'ExperimentConfig'),
+  'ExperimentConfig': ('fedjax_mr.pipeline.config', 'ExperimentConfig'),
   'RoundState': ('fedjax_mr.training.engine', 'RoundState'),
   'load_dataset': ('fedjax_mr.data.datasets', 'load'),
   'from_partition': ('fedjax_mr.data.client_data', 'from_partition'),
@@ -48,9 +54,9 @@ _EXPORTS = {
   'make_round_fn': ('fedjax_mr.training.engine', 'make_round_fn'),
   'make_evaluate': ('fedjax_mr.training.engine', 'make_evaluate'),
   'init_state': ('fedjax_mr.training.engine', 'init_state'),
-  'setup': ('fedjax_mr.harness.experiment', 'setup'),
-  'train_and_evaluate': ('fedjax_mr.harness.experiment', 'train_and_evaluate'),
-  'load_run': ('fedjax_mr.harness.experiment', 'load_run'),
+  'setup': ('fedjax_mr.pipeline.experiment', 'setup'),
+  'train_and_evaluate': ('fedjax_mr.pipeline.experiment', 'train_and_evaluate'),
+  'load_run': ('fedjax_mr.pipeline.experiment', 'load_run'),
 }
 
 __all__ = sorted(_EXPORTS) + list(_SUBPACKAGES)

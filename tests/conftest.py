@@ -20,7 +20,7 @@ import tempfile
 # (`machine_numerics` changes), so every comparison in the suite is
 # between runs compiled alike, and the regression recordings, which hold
 # the bits a program gets, are checked in a process at the default level
-# (tests/harness/test_regression.py).
+# (tests/pipeline/test_regression.py).
 os.environ['XLA_FLAGS'] = (
   os.environ.get('XLA_FLAGS', '')
   + ' --xla_force_host_platform_device_count=2'

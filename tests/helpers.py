@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_mr.data import client_data
-from fedjax_mr.harness import config as config_lib
 from fedjax_mr.models import model as model_lib
+from fedjax_mr.pipeline import config as config_lib
 
 
 class Linear(nn.Module):

@@ -20,7 +20,7 @@ def test_every_exported_name_resolves(package):
 
 
 def test_the_top_level_names_are_the_functions_documented():
-  from fedjax_mr.harness import experiment
+  from fedjax_mr.pipeline import experiment
 
   assert fedjax_mr.load_run is experiment.load_run
   assert fedjax_mr.train_and_evaluate is experiment.train_and_evaluate

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from fedjax_mr.energy import profiles as energy_profiles
-from fedjax_mr.harness import config as config_lib
-from fedjax_mr.harness import experiment
+from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import experiment
 from tests import helpers
 from tests.data import test_idx_and_datasets as idx_tests
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from fedjax_mr.algorithms import fedavg
-from fedjax_mr.harness import experiment
-from fedjax_mr.harness import registry
+from fedjax_mr.pipeline import experiment
+from fedjax_mr.pipeline import registry
 from tests import helpers
 from tests.algorithms import contract
 
@@ -44,7 +44,7 @@ def fedclip(tmp_path, monkeypatch):
   module_text, entry_text = _blocks()
   (tmp_path / 'fedclip.py').write_text(module_text)
   (tmp_path / 'fedclip_entry.py').write_text(
-    'from fedjax_mr.harness.registry import Entry\n'
+    'from fedjax_mr.pipeline.registry import Entry\n'
     'import fedclip\n'
     f'ENTRIES = {{\n{entry_text}}}\n'
   )

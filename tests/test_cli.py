@@ -352,7 +352,7 @@ def test_out_of_memory_in_a_run_is_one_line(tmp_path):
   code = (
     'import sys, jax\n'
     'from experiments import run\n'
-    'from fedjax_mr.harness import experiment\n'
+    'from fedjax_mr.pipeline import experiment\n'
     'def oom(config, log):\n'
     '  raise jax.errors.JaxRuntimeError(\n'
     "    'RESOURCE_EXHAUSTED: Out of memory allocating 31700000000 bytes.\\n'\n"

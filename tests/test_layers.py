@@ -15,7 +15,9 @@ LAYERS = {
   'training': 2,
   'algorithms': 3,
   'stitch': 3,
-  'harness': 4,
+  'runtime': 3,
+  'pipeline': 4,
+  'analysis': 5,
 }
 
 

@@ -21,9 +21,9 @@ import re
 import numpy as np
 import pytest
 
-from fedjax_mr.harness import compare
-from fedjax_mr.harness import metrics_io
-from fedjax_mr.harness import stitch_figures
+from fedjax_mr.analysis import compare
+from fedjax_mr.analysis import stitch_figures
+from fedjax_mr.runtime import metrics_io
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 RECORDS = os.path.join(REPO, 'docs', 'results', 'fmnist_table')

@@ -155,11 +155,11 @@ def test_stitch_runs_evaluates_and_resumes(
 
 
 # The FedStitch run's recording (beside the training algorithms' in
-# tests/harness/regression/, by the same rules: one exact entry per kind of
+# tests/pipeline/regression/, by the same rules: one exact entry per kind of
 # machine, else within the cross-machine tolerance; FEDJAX_MR_RECORD=1 or
 # add re-records, saying so in the commit).
 STITCH_RECORDING = os.path.join(
-  os.path.dirname(__file__), 'harness', 'regression', 'fedstitch.json'
+  os.path.dirname(__file__), 'pipeline', 'regression', 'fedstitch.json'
 )
 
 
@@ -214,7 +214,7 @@ def stitch_recording(workdir) -> dict:
 def _assert_close(got, want, where=''):
   """Equal structure, strings and integers; floats within the
   cross-machine tolerance."""
-  from tests.harness import test_regression
+  from tests.pipeline import test_regression
 
   if isinstance(want, dict):
     assert got.keys() == want.keys(), where
@@ -236,7 +236,7 @@ def check_recording(workdir) -> None:
   """The run in `workdir` against the FedStitch recording: every bit on a
   machine that has an entry, else within the cross-machine tolerance (its
   arrays' hashes are not compared then)."""
-  from tests.harness import test_regression
+  from tests.pipeline import test_regression
 
   got = stitch_recording(workdir)
   numerics = test_regression.machine_numerics()
@@ -387,7 +387,7 @@ def test_transfer_setting_pool_on_five_classes_clients_on_the_others(
   # Five classes (chance 20 %), all four clients (about 125 examples
   # each, 25 local steps) from the pool's features: above chance after one
   # round (27.6 %; bit-reproducible on one device). The exact variables it
-  # starts from are tests/harness/test_transfer_setting.py's.
+  # starts from are tests/pipeline/test_transfer_setting.py's.
   assert row['test_accuracy'] > 0.25
   saved = json.load(open(tmp_path / 'tuned' / 'config.json'))
   assert saved['classes'] == '5-9' and saved['init_from'].endswith('cnn_mnist')

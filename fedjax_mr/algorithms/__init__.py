@@ -4,7 +4,7 @@ client): `fedavg`, `fedprox`, `scaffold`, `moon`, `fedgen`, `fedexp`,
 (FedMR, FedMR-p, Indep; its clients' secure recombination in
 `fedmr_secure`), `fedmut`; FedStitch's baselines `heterofl`, `depthfl`,
 `fedepth` and `finetune` (FT-Full, FT-Part). The programs find them
-through `fedjax_mr.harness.registry`."""
+through `fedjax_mr.pipeline.registry`."""
 
 from fedjax_mr.algorithms import clusamp as clusamp
 from fedjax_mr.algorithms import depthfl as depthfl

@@ -383,7 +383,7 @@ def clustered_sampling(
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.harness.registry`)."""
+  """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
   hp.validate(weighted=setting.weighted)
   return clustered_sampling(
     setting.local,

@@ -153,7 +153,7 @@ def fedavg(
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.harness.registry`)."""
+  """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
   del hp
   return fedavg(
     setting.local,

@@ -232,7 +232,7 @@ def fedexp(
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.harness.registry`)."""
+  """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
   return fedexp(
     setting.local,
     setting.clients_per_round,

@@ -603,7 +603,7 @@ def fedgen(
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.harness.registry`)."""
+  """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
   return fedgen(setting.local, setting.clients_per_round, hp, setting.weighted)
 
 

@@ -412,7 +412,7 @@ class Hparams:
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.harness.registry`)."""
+  """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
   hp.validate()
   return fedmut(
     setting.local,

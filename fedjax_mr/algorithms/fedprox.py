@@ -93,7 +93,7 @@ def fedprox(
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.harness.registry`)."""
+  """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
   return fedprox(
     setting.local,
     setting.clients_per_round,

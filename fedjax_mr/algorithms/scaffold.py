@@ -354,7 +354,7 @@ def scaffold(
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
-  """The registry's factory (see `fedjax_mr.harness.registry`)."""
+  """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
   return scaffold(
     setting.local,
     setting.clients_per_round,

@@ -11,8 +11,8 @@ from fedjax_mr.algorithms import fedepth
 from fedjax_mr.core import errors
 from fedjax_mr.core import tree
 from fedjax_mr.data import client_data as client_data_lib
-from fedjax_mr.harness import config as config_lib
 from fedjax_mr.models import model as model_lib
+from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.training import client
 from fedjax_mr.training import optimizers
 from tests import helpers

@@ -9,9 +9,9 @@ import pytest
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.algorithms import finetune
 from fedjax_mr.core import errors
-from fedjax_mr.harness import config as config_lib
-from fedjax_mr.harness import registry
 from fedjax_mr.models import model as model_lib
+from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import registry
 from fedjax_mr.training import budgets
 from fedjax_mr.training import client
 from fedjax_mr.training import engine

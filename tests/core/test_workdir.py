@@ -10,7 +10,7 @@ import pytest
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import workdir
-from fedjax_mr.harness import metrics_io
+from fedjax_mr.runtime import metrics_io
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -130,7 +130,7 @@ def test_two_runs_on_one_workdir(small_fmnist_dir, tmp_path):
 
 
 def test_compare_refuses_before_running_anything(small_fmnist_dir, tmp_path):
-  from fedjax_mr.harness import compare
+  from fedjax_mr.analysis import compare
 
   base = helpers.small_config(small_fmnist_dir)
   runs = compare.configs(

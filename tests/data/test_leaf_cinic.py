@@ -14,7 +14,7 @@ from fedjax_mr.data import cinic
 from fedjax_mr.data import client_data
 from fedjax_mr.data import datasets
 from fedjax_mr.data import leaf
-from fedjax_mr.harness import config as config_lib
+from fedjax_mr.pipeline import config as config_lib
 from tests import helpers
 
 # ---------------------------------------------------------------- writers --

@@ -1,0 +1,532 @@
+"""`train_and_evaluate(config, workdir)`: a whole run, resumable.
+
+`setup(config)` builds an `Experiment` (data and partition, model and
+algorithm, devices: `build`); `run(experiment, workdir)` is the host loop
+around the jit-compiled round: per round one metrics line (and an
+evaluation every `eval_every` rounds: `evaluation`), checkpoints every
+`checkpoint_every` rounds, and a learning-curve PNG at the end
+(`records`, `progress`). A workdir that holds a checkpoint resumes from
+it; the rounds after it are recomputed identically (every round's key is
+`fold_in(key, round)`). Ctrl-C or SIGTERM writes the current round's row
+and checkpoints that round on the way out, so no finished round is lost
+and no round's row is skipped (`resume`). `load_run` reads a run back.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+
+import jax
+
+from fedjax_mr.core import errors
+from fedjax_mr.core import jsonfile
+from fedjax_mr.core import tree
+from fedjax_mr.core import workdir as workdir_lib
+from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.models import model as model_lib
+from fedjax_mr.pipeline import build
+from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import energy_report
+from fedjax_mr.pipeline import evaluation
+from fedjax_mr.pipeline import progress
+from fedjax_mr.pipeline import records
+from fedjax_mr.pipeline import registry
+from fedjax_mr.pipeline import resume
+from fedjax_mr.runtime import checkpoint
+from fedjax_mr.runtime import distributed
+from fedjax_mr.runtime import metrics_io
+from fedjax_mr.training import engine
+
+# Named subkeys of the run key.
+_INIT, _ROUNDS = 0, 1
+
+
+class Result(NamedTuple):
+  """What a finished run returns.
+
+  Attributes:
+    state: the final `RoundState`.
+    history: every metrics row of the run (resumed rounds included).
+    workdir: where everything was written.
+  """
+
+  state: engine.RoundState
+  history: list[dict[str, Any]]
+  workdir: str
+
+
+def _log_default(line: str) -> None:
+  print(line, flush=True)
+
+
+def _quiet(line: str) -> None:
+  del line
+
+
+def setup(config: config_lib.ExperimentConfig) -> build.Experiment:
+  """Config → data, partition, model, algorithm and initial state.
+
+  Writes nothing. Every piece can be replaced before `run` (e.g.
+  `setup(config)._replace(algorithm=..., state=engine.init_state(...))`).
+
+  Raises:
+    UserError: bad config or data (the message names the config field).
+  """
+  return _setup(config, config_lib.validate(config))
+
+
+def _setup(
+  config: config_lib.ExperimentConfig, hparams: Any
+) -> build.Experiment:
+  """`setup` of a validated `config` whose algorithm's hyper-parameters
+  are `hparams`."""
+  mesh = distributed.mesh_for(config)
+  clients = build.load_clients(config)
+  model = model_lib.get(
+    config.model,
+    clients.num_classes,
+    clients.input_shape,
+    dataset=config.dataset,
+  )
+  model = registry.model_for(config.algorithm, model, hparams)
+  test = client_data_lib.eval_data(
+    clients.x_test,
+    clients.y_test,
+    config.eval_batch_size,
+    clients.scale,
+    clients.shift,
+    num_shards=mesh.devices.size,
+  )
+  key = jax.random.key(config.seed)
+  variables = model.init(jax.random.fold_in(key, _INIT))
+  if config.init_from:
+    variables = build.pretrained_variables(config, model, variables)
+  algorithm = build.build_algorithm(config, model, variables, hparams)
+  build.check_round_memory(config, algorithm, variables, mesh)
+  # Per-client state stays in host memory; each round moves its K rows.
+  state = engine.init_state(
+    algorithm, variables, len(clients.sizes), host_clients=True
+  )
+  on_host = build.data_placement(config, clients.data, mesh) in (
+    'host',
+    'memmap',
+  )
+  data, test, device_state = distributed.replicate(
+    (() if on_host else clients.data, test, state.replace(clients=())), mesh
+  )
+  if on_host:
+    # Each round sends the devices only its own clients' examples (from a
+    # file that `run` writes, under 'memmap').
+    data = engine.host_data(clients.data, config.clients_per_round)
+  state = device_state.replace(clients=state.clients)
+  return build.Experiment(
+    config=config,
+    model=model,
+    algorithm=algorithm,
+    data=data,
+    test=test,
+    state=state,
+    key=jax.random.fold_in(key, _ROUNDS),
+    mesh=mesh,
+    client_sizes=clients.sizes.tolist(),
+    partition=clients.partition,
+    data_fingerprint=clients.fingerprint,
+  )
+
+
+def train_and_evaluate(
+  config: config_lib.ExperimentConfig,
+  workdir: str | None = None,
+  *,
+  log: Callable[[str], None] = _log_default,
+  on_round: Callable[[int, dict[str, Any]], None] | None = None,
+) -> Result:
+  """Runs (or resumes) an experiment: `run(setup(config), workdir)`.
+
+  Args:
+    config: the experiment.
+    workdir: output folder; default `config.workdir`, else
+      `config.default_workdir()`.
+    log: where progress lines go.
+    on_round: called with (round, metrics row) after each round is logged
+      and checkpointed (tests use it to interrupt a run).
+
+  Returns:
+    A `Result`.
+
+  Raises:
+    UserError: bad config, data or workdir (the message names the config
+      field).
+    NonFiniteError: the train loss became non-finite; the metrics written
+      so far and the last checkpoint are kept.
+  """
+  hparams = config_lib.validate(config)
+  # The devices the command line would give, before anything asks JAX
+  # which process this is (that would fix its devices).
+  distributed.initialize_for(config)
+  workdir = workdir or config.workdir or config.default_workdir()
+  # Refuse another run's workdir before loading anything.
+  resume.check_workdir(config, workdir)
+  return run(_setup(config, hparams), workdir, log=log, on_round=on_round)
+
+
+def run(
+  experiment: build.Experiment,
+  workdir: str,
+  *,
+  log: Callable[[str], None] = _log_default,
+  on_round: Callable[[int, dict[str, Any]], None] | None = None,
+) -> Result:
+  """The host loop: rounds, metrics, evaluation, checkpoints, plots.
+
+  A workdir holding a checkpoint resumes from it (its config.json must
+  define the same run). The primary process holds the workdir's lock
+  (`fedjax_mr.core.workdir`) while it runs: a second run on the same
+  workdir is refused.
+
+  Args:
+    experiment: from `setup` (or built by hand).
+    workdir: output folder.
+    log: where progress lines go.
+    on_round: called with (round, metrics row) after each round is logged
+      and checkpointed.
+
+  Returns:
+    A `Result`.
+  """
+  primary = distributed.is_primary()
+  if not primary:
+    experiment = _memory_mapped(experiment, workdir)
+    return _run(experiment, workdir, _quiet, on_round)
+  # The primary process writes the workdir; one such process at a time.
+  with workdir_lib.acquire(workdir):
+    # Rebound, so that the in-memory set can be freed (unless the caller
+    # keeps `experiment`).
+    experiment = _memory_mapped(experiment, workdir)
+    return _run(experiment, workdir, log, on_round)
+
+
+def _memory_mapped(
+  experiment: build.Experiment, workdir: str
+) -> build.Experiment:
+  """`experiment` with its host training data memory-mapped from an
+  unnamed file in `workdir` (`client_data.memory_mapped`; each process
+  its own) where `build.data_placement` says 'memmap'.
+
+  Raises:
+    StorageError: the file cannot be written (a full disk).
+  """
+  data = experiment.data
+  if not isinstance(data, engine.HostData) or (
+    client_data_lib.is_memory_mapped(data.data)
+    or build.data_placement(experiment.config, data.data, experiment.mesh)
+    != 'memmap'
+  ):
+    return experiment
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    mapped = client_data_lib.memory_mapped(data.data, workdir)
+  except OSError as e:
+    mb = build.data_bytes(data.data) / 2**20
+    raise errors.StorageError(
+      f'cannot write the training set ({mb:,.1f} MiB) to a file in '
+      f'{e.filename or workdir}: {e.strerror or e}; free space, or run '
+      'with `data_placement=host`'
+    ) from None
+  return experiment._replace(data=data._replace(data=mapped))
+
+
+def _run(
+  experiment: build.Experiment,
+  workdir: str,
+  log: Callable[[str], None],
+  on_round: Callable[[int, dict[str, Any]], None] | None,
+) -> Result:
+  """`run` in every process (only the primary one writes files)."""
+  config = experiment.config
+  primary = distributed.is_primary()
+  data = experiment.data_fingerprint
+  ckpt, start, state = resume.restore(
+    config, workdir, experiment.state, log, primary, data
+  )
+  state = engine.to_host_clients(state)
+  os.makedirs(workdir, exist_ok=True)
+  if primary:
+    records.write_run_files(
+      config, workdir, bool(start), experiment.partition, data
+    )
+  if ckpt is None:
+    ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+  mapping = distributed.client_mapping(
+    config.clients_per_round,
+    config.client_chunk,
+    experiment.mesh,
+    tree.num_parameters(state.server.params),
+  )
+  meta = {'config': config.to_dict(), 'mapping': mapping, 'data': data}
+  if start is not None:
+    before = ckpt.metadata(start).get('mapping')
+    resume.announce(workdir, start, before, mapping, log)
+  else:
+    start = 0
+  rows = records.Records(config, workdir, start, primary, log)
+  progress.announce(experiment, state, mapping, log)
+  round_fn = _compile_round(experiment, mapping['client_chunk'])
+  loop = _Loop(
+    experiment,
+    evaluation.make_evaluators(experiment),
+    rows,
+    progress.Timer(start, config.rounds),
+    log,
+  )
+  saved_round = start
+  pending = None  # the round whose rows are not written: (r, metrics, t0)
+  with resume.TerminationAsInterrupt():
+    try:
+      for r in range(start + 1, config.rounds + 1):
+        t0 = time.perf_counter()
+        state, metrics = round_fn(state, experiment.data, experiment.key)
+        pending = (r, metrics, t0)
+        row = _record(loop, state, saved_round, *pending)
+        pending = None
+        if evaluation.due(config.checkpoint_every, r, config.rounds):
+          with resume.SignalsDeferred():
+            ckpt.save(r, state, {**meta, **rows.binding()})
+            saved_round = r
+        if on_round is not None:
+          on_round(r, row)
+    except (OSError, errors.StorageError) as e:
+      raise resume.storage_error(e, saved_round) from None
+    except KeyboardInterrupt:
+      resume.finish_interrupted(
+        pending=pending[0] if pending else None,
+        finish=lambda: _record(loop, state, saved_round, *pending),
+        rows=rows,
+        state=state,
+        saved_round=saved_round,
+        ckpt=ckpt,
+        meta=meta,
+        log=log,
+      )
+      ckpt.close()
+      raise
+    finally:
+      rows.close()
+  ckpt.close()
+  _finish(loop, workdir, primary)
+  return Result(state=state, history=rows.history, workdir=workdir)
+
+
+def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
+  """The experiment's round `step(state, data, key) -> (state, metrics)`,
+  jit-compiled with its state donated and its results replicated over
+  the mesh. Per-client state, if any, and training data kept in host
+  memory stay there (`engine.make_host_round`); the next round's view of
+  host data is gathered while a round runs where `build.prefetches`."""
+  mesh = experiment.mesh
+  k = experiment.config.clients_per_round
+  jitted = functools.partial(
+    jax.jit, donate_argnums=0, out_shardings=distributed.replicated(mesh)
+  )
+  make = functools.partial(
+    engine.make_round_fn,
+    experiment.algorithm,
+    clients_per_round=k,
+    client_chunk=chunk,
+    mesh=mesh if mesh.devices.size > 1 else None,
+  )
+  host_data = isinstance(experiment.data, engine.HostData)
+  if not engine.has_clients(experiment.state) and not host_data:
+    return jitted(make())
+  sample = jax.jit(
+    engine.make_sample_fn(experiment.algorithm, k),
+    out_shardings=distributed.replicated(mesh),
+  )
+  return engine.make_host_round(
+    sample,
+    jitted(make(client_rows=True)),
+    prefetch=build.prefetches(experiment),
+    # With several processes the views stay numpy, as jit takes them
+    # (a device_put there would check them across processes every round).
+    sharding=(
+      distributed.replicated(mesh) if jax.process_count() == 1 else None
+    ),
+  )
+
+
+class _Loop(NamedTuple):
+  """What the host loop keeps from round to round."""
+
+  experiment: build.Experiment
+  evaluators: evaluation.Evaluators
+  rows: records.Records
+  timer: progress.Timer
+  log: Callable[[str], None]
+
+
+def _record(
+  loop: _Loop,
+  state: engine.RoundState,
+  saved_round: int,
+  r: int,
+  metrics: Any,
+  t0: float,
+) -> dict[str, Any]:
+  """Evaluates round r's state (`state`, `metrics`; the round started at
+  `t0`), writes its rows and logs its line.
+
+  Raises:
+    NonFiniteError: the round's train loss is not finite (its rows are
+      written all the same).
+  """
+  config = loop.experiment.config
+  metrics = jax.device_get(metrics)
+  # The round's own time (dispatch, local training, aggregation, back on
+  # the host); evaluation is timed apart in 'eval_time_s'.
+  round_s = time.perf_counter() - t0
+  row, clients_row = records.round_rows(r, metrics)
+  if not math.isfinite(row['train_loss']):
+    loop.rows.write_diverged(row, clients_row)
+    raise errors.NonFiniteError(
+      f'non-finite train loss ({row["train_loss"]}) at round {r}; '
+      f'stopped. Metrics up to it are in {loop.rows.metrics_path}; the last '
+      f'checkpoint (round {saved_round}) is kept. Try a smaller `lr`.'
+    )
+  t_eval = time.perf_counter()
+  evaluated = evaluation.evaluate_round(
+    loop.evaluators,
+    config,
+    r,
+    state,
+    loop.experiment.data,
+    loop.experiment.test,
+    row,
+    clients_row,
+  )
+  row['round_time_s'] = round_s
+  if evaluated:
+    row['eval_time_s'] = time.perf_counter() - t_eval
+  loop.timer.tick(r, time.perf_counter() - t0)
+  row['elapsed_s'] = loop.timer.elapsed
+  loop.rows.write(row, clients_row)
+  loop.log(loop.timer.progress_line(row))
+  return row
+
+
+def _finish(loop: _Loop, workdir: str, primary: bool) -> None:
+  """After the last round: the learning curve, the summary lines and the
+  energy simulation (`energy_mix`)."""
+  config, history = loop.experiment.config, loop.rows.history
+  if history and primary:
+    records.plot_curve(config, history, workdir)
+  loop.log(loop.timer.summary(history, workdir))
+  if primary and config_lib.energy_mixes(config):
+    energy_report.write(
+      config, history, loop.experiment.client_sizes, workdir, loop.log
+    )
+
+
+class FinishedRun(NamedTuple):
+  """A run read back from its workdir (`load_run`).
+
+  Attributes:
+    config: the run's config (from config.json).
+    state: the `RoundState` of the checkpoint read (host arrays, on the
+      devices of this process's mesh as `setup` places them).
+    model: the model (`model.apply_eval(state.server.params, x)`), as the run
+      built it.
+    history: the metrics rows up to that round.
+    round: the rounds completed at that checkpoint.
+  """
+
+  config: config_lib.ExperimentConfig
+  state: engine.RoundState
+  model: Any
+  history: list[dict[str, Any]]
+  round: int
+
+
+def read_config(workdir: str) -> config_lib.ExperimentConfig:
+  """The config a run was made with (its config.json; fields this version
+  does not know are left out).
+
+  Raises:
+    ConfigError: no config.json, or one that does not read as a config.
+  """
+  config_path = os.path.join(workdir, records.CONFIG_FILE)
+  try:
+    saved = jsonfile.load(config_path, config_lib.MAX_CONFIG_BYTES)
+  except jsonfile.JsonFileError as e:
+    raise errors.ConfigError(str(e)) from None
+  known = set(config_lib.ExperimentConfig().to_dict())
+  try:
+    return config_lib.ExperimentConfig(
+      **{k: v for k, v in saved.items() if k in known}
+    )
+  except TypeError as e:
+    raise errors.ConfigError(f'{config_path}: {e}') from None
+
+
+def load_run(workdir: str, round_index: int | None = None) -> FinishedRun:
+  """Reads a run back: config, state, model and history in one call.
+
+  The model and the state's layout are rebuilt from config.json the way
+  the run built them (`setup`, so the run's dataset must be readable) and
+  the newest checkpoint that restores (or the one of `round_index`) is
+  read into them (`restore_run`); nothing in the workdir is written or
+  moved.
+
+  Raises:
+    UserError: no config.json or no intact checkpoint (of that round), or
+      one that this version cannot read; the message names the file.
+  """
+  return restore_run(workdir, setup(read_config(workdir)), round_index)
+
+
+def restore_run(
+  workdir: str,
+  experiment: build.Experiment,
+  round_index: int | None = None,
+) -> FinishedRun:
+  """The run in `workdir` at its newest intact checkpoint (or the one of
+  `round_index`), read into the state of `experiment` (`setup` of the
+  run's config) and checked against its digest; nothing is written or
+  moved.
+
+  Raises:
+    UserError: no checkpoint (of that round), or none that restores intact
+      (the message names the folder and, for a damaged one, why).
+  """
+  folder = os.path.join(workdir, checkpoint.FOLDER)
+  ckpt = checkpoint.Checkpointer(
+    workdir, keep=experiment.config.keep_checkpoints
+  )
+  try:
+    found = ckpt.find(
+      experiment.state,
+      at_most=round_index,
+      check=resume.bound_to(records.rows_digests(workdir)),
+    )
+    damaged = dict(found.damaged)
+    if round_index in damaged:
+      raise errors.ConfigError(
+        f'{folder}: the checkpoint of round {round_index} does not restore '
+        f'({damaged[round_index]})'
+      )
+    ckpt.check_found(found)
+  finally:
+    ckpt.close()
+  if found.round is None or round_index not in (None, found.round):
+    which = '' if round_index is None else f' of round {round_index}'
+    raise errors.ConfigError(f'{folder}: no checkpoint{which}')
+  rows = metrics_io.read(os.path.join(workdir, records.METRICS_FILE))
+  history = [r for r in rows if r['round'] <= found.round]
+  return FinishedRun(
+    experiment.config, found.state, experiment.model, history, found.round
+  )

@@ -1,0 +1,201 @@
+"""What a run says while it runs: the setting at the start, one line per
+round (loss, accuracies, elapsed time, rounds/s, ETA) and a summary."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from typing import Callable
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.data import datasets
+from fedjax_mr.pipeline import build
+from fedjax_mr.pipeline import records
+from fedjax_mr.pipeline import titles
+from fedjax_mr.runtime import checkpoint
+from fedjax_mr.runtime import distributed
+from fedjax_mr.runtime import tensorboard
+from fedjax_mr.training import engine
+
+
+def announce(
+  experiment: build.Experiment,
+  state: engine.RoundState,
+  mapping: Mapping[str, Any],
+  log: Callable[[str], None],
+) -> None:
+  """Logs the run's setting: algorithm, data, model, clients, rounds, the
+  devices (`mapping`: `distributed.client_mapping`) and what the backend
+  cannot promise.
+
+  Args:
+    experiment: the run about to start.
+    state: its `RoundState` (restored, if the run resumes).
+    mapping: how its clients are mapped onto the devices.
+    log: where the lines go.
+  """
+  config, data, test = experiment.config, experiment.data, experiment.test
+  host_data = isinstance(data, engine.HostData)
+  if host_data:
+    data = data.data
+  num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
+  if config.dataset == datasets.SYNTHETIC:
+    log(_synthetic_line(experiment, num_params))
+  else:
+    log(
+      f'{config.algorithm} on {config.dataset} ({int(data.num_examples)} '
+      f'train / {int(jax.numpy.sum(test.mask))} test), {config.model} '
+      f'({num_params:,} parameters), {data.num_clients} clients '
+      f'({config.partition}), {config.clients_per_round} per round, '
+      f'{titles.rounds(config.rounds)}'
+    )
+  unassigned = (experiment.partition or {}).get('unassigned', 0)
+  if unassigned:
+    log(
+      f'note: {unassigned} of {int(data.num_examples)} training examples are '
+      f'in no client (`partition={config.partition}`)'
+    )
+  num_devices, platform = mapping['devices'], mapping['platform']
+  per_device = distributed.clients_per_device(
+    config.clients_per_round, num_devices
+  )
+  log(
+    f'{num_devices} {platform} device(s) in {jax.process_count()} '
+    f'process(es); {per_device} clients per device, '
+    f'{mapping["client_chunk"]} at a time; {_placement(experiment)}'
+  )
+  note = distributed.reproducibility_note(platform, num_devices)
+  if note:
+    log(note)
+
+
+def _placement(experiment: build.Experiment) -> str:
+  """Where the run keeps its training data, in words."""
+  data = experiment.data
+  if isinstance(data, engine.HostData):
+    mb = build.data_bytes(data.data) / 2**20
+    where = (
+      'memory-mapped from an unnamed file in the workdir'
+      if client_data_lib.is_memory_mapped(data.data)
+      else 'in host memory'
+    )
+    ahead = "the next round's gathered while one trains"
+    if not experiment.config.prefetch:
+      ahead = 'not prefetched'
+    elif not build.prefetches(experiment):
+      ahead = "not prefetched: the sampler reads each round's result"
+    return (
+      f'training data {where} ({mb:,.1f} MiB), each round sending its '
+      f"clients' examples (at most {data.capacity:,}; {ahead})"
+    )
+  if isinstance(data, client_data_lib.ClientData):
+    mb = build.data_bytes(data) / 2**20
+    return f'training data on every device ({mb:,.1f} MiB)'
+  return 'training data generated on demand'
+
+
+def _synthetic_line(experiment: build.Experiment, num_params: int) -> str:
+  """`announce`'s first line for generated clients: α, β, N and the mean
+  client size."""
+  config, test = experiment.config, experiment.test
+  sizes = np.asarray(experiment.client_sizes, np.int64)
+  return (
+    f'{config.algorithm} on synthetic(α={config.synthetic_alpha:g}, '
+    f'β={config.synthetic_beta:g}): {len(sizes):,} clients generated on '
+    f'demand, {sizes.mean():.2f} examples each on average '
+    f'({sizes.min()}..{sizes.max()}; {sizes.sum():,} train / '
+    f'{int(jax.numpy.sum(test.mask)):,} test), {config.model} '
+    f'({num_params:,} parameters), {config.clients_per_round:,} per round, '
+    f'{titles.rounds(config.rounds)}'
+  )
+
+
+class Timer:
+  """Elapsed time, rounds/s (after the compiling first round) and ETA."""
+
+  def __init__(self, start: int, total: int):
+    self.start, self.total = start, total
+    self.elapsed = 0.0
+    self.first = None  # time of this process's first (compiling) round
+    self.steady: list[float] = []
+
+  def tick(self, r: int, seconds: float) -> None:
+    self.elapsed += seconds
+    if self.first is None:
+      self.first = seconds
+    else:
+      self.steady.append(seconds)
+
+  def rate(self) -> float:
+    times = self.steady or [self.first or 0.0]
+    return 1.0 / max(float(np.mean(times)), 1e-9)
+
+  def progress_line(self, row: dict[str, Any]) -> str:
+    r = row['round']
+    eta = (self.total - r) / self.rate()
+    acc = (
+      f' | test acc {row["test_accuracy"]:.4f}'
+      if 'test_accuracy' in row
+      else ''
+    )
+    if 'local_accuracy_mean' in row:
+      # The FedMR family keeps K models; the next round dispatches them.
+      k = len(row.get('client_ids', ())) or 'K'
+      acc += (
+        f" | next round's {k} models: mean test acc "
+        f'{row["local_accuracy_mean"]:.4f}'
+      )
+    return (
+      f'round {r}/{self.total} | train loss {row["train_loss"]:.4f}{acc} | '
+      f'elapsed {self.elapsed:.1f}s | {self.rate():.2f} rounds/s | '
+      f'ETA {eta:.0f}s'
+    )
+
+  def summary(self, history: list[dict[str, Any]], workdir: str) -> str:
+    evals = [r for r in history if 'test_accuracy' in r]
+    lines = [
+      f'done: {titles.rounds(self.total)}; this process ran '
+      f'{self.total - self.start} in {self.elapsed:.1f}s'
+    ]
+    if self.first is not None:
+      lines[0] += (
+        f' (first round incl. compile {self.first:.1f}s, then '
+        f'{1 / self.rate():.2f}s/round)'
+      )
+    if evals:
+      best = max(evals, key=lambda r: r['test_accuracy'])
+      last = evals[-1]
+      lines.append(
+        f'final test accuracy {last["test_accuracy"]:.4f} (loss '
+        f'{last["test_loss"]:.4f}) at round {last["round"]}; best '
+        f'{best["test_accuracy"]:.4f} at round {best["round"]}'
+      )
+    lines.append(f'workdir {workdir}: {", ".join(written_files(workdir))}')
+    return '\n'.join(lines)
+
+
+# What a run's workdir holds when it is done, in the summary's order.
+RUN_FILES = (
+  records.METRICS_FILE,
+  records.CLIENTS_FILE,
+  records.CONFIG_FILE,
+  records.PARTITION_FILE,
+  records.CURVE_FILE,
+  tensorboard.FOLDER + '/',
+  checkpoint.FOLDER + '/',
+)
+
+
+def written_files(workdir: str) -> list[str]:
+  """The files and folders of `RUN_FILES` that `workdir` holds (folders
+  with a trailing /): partition.json only for a partitioned dataset,
+  tensorboard/ only with `tensorboard`."""
+  return [
+    name
+    for name in RUN_FILES
+    if os.path.exists(os.path.join(workdir, name.rstrip('/')))
+  ]

@@ -1,0 +1,793 @@
+"""One FedStitch experiment: data, pool, clients, the run, its records.
+
+`stitch_and_evaluate(config)` validates a `StitchConfig`, loads the dataset
+and the pool, partitions the clients' examples, runs FedStitch
+(`fedjax_mr.stitch.federated.run`, resuming `state.npz` in the workdir)
+with the clients' energy coordinators in the loop, evaluates every
+stitched network, every pool model and the "Local" baseline, and writes
+under `config.workdir`: log.jsonl, energy.jsonl, results.json,
+partition.json, client_indices.json, networks.npz and state.npz (see
+experiments/stitch.py for what each holds). Every message names the
+config field (in backticks) that the program turns into its flag.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+from typing import Any
+from typing import Callable
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_mr import energy
+from fedjax_mr.core import errors
+from fedjax_mr.core import files
+from fedjax_mr.core import jsonfile
+from fedjax_mr.core import workdir as workdir_lib
+from fedjax_mr.data import datasets
+from fedjax_mr.data import partition
+from fedjax_mr.energy import fleet
+from fedjax_mr.energy import simulation
+from fedjax_mr.pipeline import resume
+from fedjax_mr.pipeline import stitch_config as config_lib
+from fedjax_mr.stitch import federated
+from fedjax_mr.stitch import label_maps
+from fedjax_mr.stitch import network
+from fedjax_mr.stitch import pool as pool_lib
+from fedjax_mr.stitch import state as state_lib
+from fedjax_mr.stitch import torchvision_import
+
+STATE_FILE = 'state.npz'
+CLIENTS_FILE = 'client_indices.json'
+
+Log = Callable[[str], None]
+
+
+def _log_default(line: str) -> None:
+  print(line, flush=True)
+
+
+# --- Checks that read files, before anything is written ---------------------
+
+
+def make_fleet(config: config_lib.StitchConfig) -> fleet.Fleet:
+  """The clients' energy coordinators of `energy_backend`; a bad setting is
+  refused (`ConfigError`) before the data loads, and nothing is written."""
+  seconds = config.energy_ms_per_score / 1000
+  if config.energy_backend == 'simulated':
+    try:
+      devices = simulation.assign_profiles(
+        config.energy_mix, config.num_clients, config.seed
+      )
+    except (ValueError, OSError) as e:
+      raise errors.ConfigError(
+        f'`energy_mix={config.energy_mix!r}`: {e}'
+      ) from None
+    return fleet.Fleet(
+      fleet.SimulatedBackend(devices), seconds_per_unit=seconds
+    )
+  return fleet.Fleet(_sysfs_backend(config), seconds_per_unit=seconds)
+
+
+def _sysfs_backend(config: config_lib.StitchConfig) -> fleet.SysfsBackend:
+  """This device's clocks through sysfs (or a dry run): its profile must
+  fit the device, and a real run must be allowed to write the clocks."""
+  where = f'`energy_sysfs_root={config.energy_sysfs_root}`'
+  root = energy.SysfsRoot(config.energy_sysfs_root)
+  if not root.is_dir('.'):
+    raise errors.ConfigError(f'{where}: no such directory')
+  try:
+    profile = energy.get_profile(config.energy_profile)
+  except (ValueError, OSError, TypeError, KeyError) as e:
+    raise errors.ConfigError(
+      f'`energy_profile={config.energy_profile}`: {e}'
+    ) from None
+  try:
+    info = energy.discover(root)
+    meter = energy.SysfsPowerMeter(root, info.power_channels)
+    plan = energy.SysfsDvfs(root, info, dry_run=True)
+    for setting in profile.configs:  # Each must fit this device.
+      plan.apply(setting)
+  except energy.EnergyError as e:
+    raise errors.ConfigError(
+      f'{where} with `energy_profile={config.energy_profile}`: {e}'
+    ) from None
+  if config.energy_backend == 'sysfs':
+    for rel, _ in plan.writes:
+      if not os.access(root.path(rel), os.W_OK):
+        raise errors.ConfigError(
+          f'`energy_backend=sysfs` may not write {root.path(rel)}: '
+          'changing clocks needs root (run with sudo), or use '
+          '`energy_backend=dry_run`'
+        )
+  dvfs = energy.SysfsDvfs(
+    root, info, dry_run=config.energy_backend == 'dry_run'
+  )
+  return fleet.SysfsBackend(dvfs, profile, meter.total_w)
+
+
+MAX_LABEL_MAP_BYTES = torchvision_import.MAX_LABEL_MAP_BYTES
+
+
+def read_label_map(
+  config: config_lib.StitchConfig, classes: list[int] | None = None
+) -> list | None:
+  """The map of `label_map` (a bundled map's name or a JSON file), the
+  dataset's bundled map under an `imagenet_pool` without one, else None. A
+  bundled map covers all the dataset's classes: with `classes`, the
+  entries of those classes."""
+  named = None
+  if config.label_map:
+    named = label_maps.bundled(config.label_map)
+  elif config.imagenet_pool:
+    named = label_maps.bundled(config.dataset)
+  if named is not None:
+    return named if classes is None else [named[c] for c in classes]
+  if not config.label_map:
+    return None
+  where = f'`label_map={errors.clip(config.label_map)}`'
+  try:
+    return jsonfile.load(config.label_map, MAX_LABEL_MAP_BYTES, top=list)
+  except jsonfile.JsonFileError as e:
+    raise errors.ConfigError(
+      f'{where}: {e.reason} (a label map is a JSON list in a regular file '
+      f'of at most {MAX_LABEL_MAP_BYTES >> 20} MiB; bundled maps: '
+      f'{", ".join(sorted(label_maps.BUNDLED))})'
+    ) from None
+
+
+def check_workdir(config: config_lib.StitchConfig) -> None:
+  """Refuses a workdir that cannot be written, is in use, holds a symbolic
+  link (or a folder) where the run writes a file, or holds a pickled
+  state of an older version (never unpickled)."""
+  workdir_lib.check_free(config.workdir)
+  workdir_lib.check_entries(
+    config.workdir,
+    files=(STATE_FILE, CLIENTS_FILE, 'partition.json', 'results.json'),
+  )
+  old_state = os.path.join(config.workdir, 'state.pkl')
+  if os.path.exists(old_state):
+    raise errors.ConfigError(
+      f'`workdir`: {old_state} is a state saved as a pickle by an older '
+      'version; fedjax_mr never unpickles, so it cannot resume it: pass '
+      'another `workdir` (or remove that file to start over)'
+    )
+
+
+# --- Data, pool and clients --------------------------------------------------
+
+
+class Setup(NamedTuple):
+  """What a FedStitch run needs, loaded and checked (`setup`).
+
+  Attributes:
+    config: the experiment.
+    ds: the dataset (its `classes` only, relabelled, if set).
+    classes: the dataset's classes the clients hold, or None (all).
+    models: the pool's pre-trained models.
+    chains: each model cut into blocks.
+    pool: the block pool.
+    label_map: per dataset class, the pool classes that count as it.
+    parts: per client, its training-example indices.
+    public: the pool's public examples of the clients' classes.
+    coordinators: the clients' energy coordinators (`make_fleet`).
+  """
+
+  config: config_lib.StitchConfig
+  ds: Any
+  classes: list[int] | None
+  models: list[pool_lib.PoolModel]
+  chains: list
+  pool: pool_lib.Pool
+  label_map: list | None
+  parts: list[np.ndarray]
+  public: np.ndarray
+  coordinators: fleet.Fleet
+
+
+def load_dataset(config: config_lib.StitchConfig) -> tuple[Any, Any]:
+  """`(dataset, classes)`: the dataset, with `classes` only if set."""
+  return datasets.load_task(config.dataset, config.data_dir, config.classes)
+
+
+def load_models(
+  config: config_lib.StitchConfig, ds: Any, classes: list[int] | None
+) -> list[pool_lib.PoolModel]:
+  """The pool's models; each must take the dataset's examples and, unless
+  evaluated by a kNN probe alone, answer the clients' classes."""
+  if config.imagenet_pool:
+    models = torchvision_import.load_pool(
+      config.imagenet_pool,
+      input_shape=ds.input_shape,
+      scale=ds.scale,
+      shift=ds.shift,
+      resolution=config.imagenet_resolution,
+      ids=list(config.pool_models) or None,
+    )
+  else:
+    models = pool_lib.load(config.pool, list(config.pool_models) or None)
+  for m in models:
+    if tuple(m.model.input_shape) != ds.input_shape:
+      raise errors.ConfigError(
+        f'`pool`: model {m.id} takes {m.model.input_shape}, `dataset='
+        f'{ds.name}` has examples of shape {ds.input_shape}'
+      )
+  if config.eval != 'knn':
+    task = list(classes or range(ds.num_classes))
+    for m in models:
+      pool_classes = m.meta.get('classes')
+      if pool_classes is not None and list(pool_classes) != task:
+        raise errors.ConfigError(
+          f'`eval={config.eval}`: pool model {m.id} was trained on classes '
+          f"{pool_classes}, the clients' task (`classes`) is {task}: its "
+          'head cannot answer it; use `eval=knn`'
+        )
+  return models
+
+
+def check_label_map(
+  config: config_lib.StitchConfig,
+  ds: Any,
+  models: list[pool_lib.PoolModel],
+  classes: list[int] | None,
+) -> list | None:
+  """The label map (`read_label_map`), checked against the dataset and the
+  pool's heads; refused where the heads need one and there is none."""
+  label_map = read_label_map(config, classes)
+  if label_map is not None and config.imagenet_pool:
+    label_map = torchvision_import.check_label_map(
+      label_map, ds.num_classes, min(m.model.num_classes for m in models)
+    )
+  if label_map is not None:
+    if len(label_map) != ds.num_classes:
+      raise errors.ConfigError(
+        f'`label_map`: {len(label_map)} entries, `dataset` has '
+        f'{ds.num_classes} classes'
+      )
+  elif config.eval != 'knn' and any(
+    m.model.num_classes != ds.num_classes for m in models
+  ):
+    raise errors.ConfigError(
+      '`label_map` is needed: pool models have other label spaces than '
+      f'`dataset={ds.name}` (bundled maps: '
+      f'{", ".join(sorted(label_maps.BUNDLED))})'
+    )
+  return label_map
+
+
+def public_examples(
+  config: config_lib.StitchConfig, ds: Any
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(public, private)`: the indices of the training examples in the
+  pool's public split of `ds` (none without one) and of the others, both
+  of the clients' classes only."""
+  split = None
+  if not config.imagenet_pool:
+    split = pool_lib.public_indices(config.pool)
+  if split is not None and split.get('dataset') == ds.name:
+    public = np.asarray(split['indices'], np.int64)
+    bad = public[(public < 0) | (public >= len(ds.y_train))]
+    if len(bad) or len(np.unique(public)) != len(public):
+      what = f'index {bad[0]}' if len(bad) else 'an index twice'
+      raise errors.DataError(
+        f'`pool`: {errors.clip(config.pool)}/public.json holds {what}; '
+        f'`dataset={ds.name}` has {len(ds.y_train)} training examples'
+      )
+  else:
+    public = np.zeros((0,), int)
+  private = np.setdiff1d(np.arange(len(ds.y_train)), public)
+  private = private[ds.y_train[private] >= 0]  # `classes`
+  public = public[ds.y_train[public] >= 0]
+  return public, private
+
+
+def knn_examples(
+  config: config_lib.StitchConfig,
+  ds: Any,
+  public: np.ndarray,
+  parts: list[np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(x, y)`: the labelled examples a kNN probe is fitted on, the first
+  `knn_reference` public examples (client 0's without a public split)."""
+  ref = public[: config.knn_reference] if len(public) else parts[0]
+  return ds.x_train[ref], ds.y_train[ref]
+
+
+def test_examples(
+  config: config_lib.StitchConfig, ds: Any
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(x, y)`: the test examples networks are evaluated on, the first
+  `eval_examples` (0: all) of the clients' classes."""
+  n_eval = config.eval_examples or len(ds.y_test)
+  return ds.x_test[:n_eval], ds.y_test[:n_eval]
+
+
+def client_examples(
+  config: config_lib.StitchConfig, ds: Any
+) -> tuple[list[np.ndarray], np.ndarray]:
+  """`(parts, public)`: per client its training-example indices (the
+  examples not in the pool's public split, partitioned by `partition`),
+  and the public examples, both of the clients' classes only."""
+  public, private = public_examples(config, ds)
+  n, seed = config.num_clients, config.seed
+  if config.partition == 'iid':
+    parts = partition.iid(len(private), n, seed)
+  elif config.partition == 'shards':
+    parts = partition.shards(
+      ds.y_train[private], n, config.shards_per_client, seed
+    )
+  elif config.partition == 'dirichlet_equal':
+    parts = partition.dirichlet_equal(
+      ds.y_train[private], n, config.alpha, seed
+    )
+  else:
+    parts = partition.dirichlet(ds.y_train[private], n, config.alpha, seed)
+  return [private[p] for p in parts], public
+
+
+def setup(config: config_lib.StitchConfig, log: Log = _log_default) -> Setup:
+  """Validates `config`, checks the files it names and the workdir, then
+  loads the dataset and the pool and partitions the clients' examples
+  (nothing is written).
+
+  Raises:
+    UserError: a bad field, file or workdir (the message names the field).
+  """
+  config_lib.validate(config)
+  read_label_map(config)  # a bad file is refused before the data loads
+  coordinators = make_fleet(config)
+  check_workdir(config)
+  ds, classes = load_dataset(config)
+  models = load_models(config, ds, classes)
+  label_map = check_label_map(config, ds, models, classes)
+  parts, public = client_examples(config, ds)
+  chains = pool_lib.chains(models, config.cuts)
+  pool = pool_lib.make_pool(chains)
+  log(
+    f'pool: {len(pool.blocks)} blocks from {len(models)} models '
+    f'({", ".join(f"{m.id}: {len(c)}" for m, c in zip(models, chains))}); '
+    f'{config.num_clients} clients, {config.partition}'
+    + (f' α={config.alpha}' if 'dirichlet' in config.partition else '')
+  )
+  return Setup(
+    config,
+    ds,
+    classes,
+    models,
+    chains,
+    pool,
+    label_map,
+    parts,
+    public,
+    coordinators,
+  )
+
+
+def make_batch_fn(s: Setup) -> federated.BatchFn:
+  """`(client, round) → [B, ...]`: `batch_size` of the client's examples
+  (with replacement if it has fewer), drawn by `(seed, client, round)`,
+  model-ready."""
+  ds, parts, b, seed = s.ds, s.parts, s.config.batch_size, s.config.seed
+
+  def batch_fn(c, r):
+    rng = np.random.default_rng([seed, c, r, 7])
+    idx = parts[c]
+    pick = rng.choice(len(idx), b, replace=len(idx) < b)
+    xb = ds.x_train[np.sort(idx[pick])]
+    return jnp.asarray(xb).astype(jnp.float32) * ds.scale + ds.shift
+
+  return batch_fn
+
+
+def make_evaluate(s: Setup) -> Callable[[network.Network], dict]:
+  """`net → {'head' and/or 'knn': accuracy}` on the test set (its first
+  `eval_examples`), as `eval` and `knn_at` say."""
+  config, ds = s.config, s.ds
+  x_test, y_test = test_examples(config, ds)
+  x_ref, y_ref = knn_examples(config, ds, s.public, s.parts)
+
+  def evaluate(net):
+    knn = config.eval != 'head'
+    trunk = knn and config.knn_at == 'trunk' and net.finished
+    acc = network.accuracies(
+      net,
+      x_test,
+      y_test,
+      scale=ds.scale,
+      shift=ds.shift,
+      head=config.eval in ('head', 'both'),
+      knn_reference=(x_ref, y_ref) if knn and not trunk else None,
+      label_map=s.label_map,
+    )
+    if trunk:  # the features its end block starts from
+      acc.update(
+        network.accuracies(
+          network.trunk(net),
+          x_test,
+          y_test,
+          scale=ds.scale,
+          shift=ds.shift,
+          head=False,
+          knn_reference=(x_ref, y_ref),
+        )
+      )
+    return acc
+
+  return evaluate
+
+
+# --- The run and its records -------------------------------------------------
+
+
+class Pace(NamedTuple):
+  """Where this process stands in a run, for a progress line's timing.
+
+  Attributes:
+    elapsed_s: seconds since this process began (or resumed) the run.
+    ran: the rounds this process ran (none from before a resume).
+    limit: the most rounds the run can take (`federated.round_limit`).
+  """
+
+  elapsed_s: float
+  ran: int
+  limit: int
+
+
+def pace_text(pace: Pace, done: int) -> str:
+  """`'12/≤35 rounds | elapsed 48.0s | 0.25 rounds/s | ETA ≤ 92s'` after
+  `done` rounds of the run: the elapsed time and rate are this process's
+  (a resumed run counts only its own rounds), and the ETA is the rounds
+  still possible (`pace.limit` − `done`) at the mean round time so far. It
+  bounds the rounds, not their time: a run can end sooner (every network
+  finished), and its rounds get cheaper as the pools shrink, but a round
+  is not promised to be as fast as the mean."""
+  mean = pace.elapsed_s / max(pace.ran, 1)
+  left = max(pace.limit - done, 0)
+  return (
+    f'{done}/≤{pace.limit} rounds | elapsed {pace.elapsed_s:.1f}s | '
+    f'{1 / max(mean, 1e-9):.2f} rounds/s | ETA ≤ {left * mean:.0f}s'
+  )
+
+
+def configs_text(clients: list[dict[str, Any]]) -> str:
+  """The clients' energy configurations, each once with its count, most
+  frequent first (ties: first seen), e.g. `'table2_3_MAXN ×7, table2_2
+  ×3'`."""
+  counts = collections.Counter(c['config'] for c in clients)
+  return ', '.join(f'{name} ×{n}' for name, n in counts.most_common())
+
+
+def round_lines(entry: dict[str, Any], pace: Pace | None = None) -> list[str]:
+  """A round's progress lines: depth, pool sizes, selection time, client
+  weights, and with `pace` how far the run is (`pace_text`); its energy,
+  with the configurations chosen and how many clients chose each (every
+  client's is in energy.jsonl); the blocks selected."""
+  w = entry['weights']
+  lines = [
+    f'round {entry["round"]:3d}  depth {entry["depth"]}  pool '
+    f'{",".join(map(str, entry["pool_sizes"]))}  selection '
+    f'{sum(entry["client_time_s"]):.2f} s  weights: effective '
+    f'{w["effective_clients"]:.1f} clients, max {w["max"]:.2f}×, min '
+    f'{w["min"]:.2f}×'
+  ]
+  if pace is not None:  # log entries count rounds from 0
+    lines[0] += ' | ' + pace_text(pace, entry['round'] + 1)
+  en = entry.get('energy')
+  if en is not None:
+    met = [c['met'] for c in en['clients']]
+    lines.append(
+      f'    energy {en["energy_j"]:.1f} J (highest frequency '
+      f'{en["default_energy_j"]:.1f} J); '
+      + (
+        'no deadline yet'
+        if en['deadline_s'] is None
+        else f'deadline {en["deadline_s"]:.2f} s, met by {sum(met)}/{len(met)}'
+      )
+      + '; configs '
+      + configs_text(en['clients'])
+    )
+  for s in entry.get('selected', []):
+    if 'block' in s:
+      lines.append(
+        f'    {s["network"]}  +  {s["block"]}  (votes {s["votes"]:.1f}, '
+        f'CKA {s["mean_cka"]:.3f})'
+      )
+  return lines
+
+
+def run_stitching(
+  s: Setup,
+  batch_fn: federated.BatchFn,
+  log: Log = _log_default,
+  clock: Callable[[], float] = time.perf_counter,
+) -> state_lib.State:
+  """FedStitch over every client (resuming the workdir's state), the
+  coordinators in the loop, each round's lines timed by `clock` (seconds);
+  then log.jsonl and energy.jsonl."""
+  config = s.config
+  saved = []  # the rounds this process finished (each saved when done)
+  limit = federated.round_limit(config_lib.library_config(config))
+  t0 = clock()
+
+  def on_round(state):
+    saved.append(state.log[-1]['round'])
+    pace = Pace(clock() - t0, len(saved), limit)
+    for line in round_lines(state.log[-1], pace):
+      log(line)
+
+  try:
+    state = federated.run(
+      s.pool,
+      batch_fn,
+      config.num_clients,
+      config_lib.library_config(config),
+      state_path=os.path.join(config.workdir, STATE_FILE),
+      identity=config_lib.identity(config, [m.id for m in s.models]),
+      on_round=on_round,
+      energy=s.coordinators,
+    )
+  except energy.EnergyError as e:  # e.g. the kernel refused a clock
+    raise errors.UserError(
+      f'`energy_backend={config.energy_backend}`: {e}'
+    ) from None
+  except KeyboardInterrupt:
+    # The state file is replaced whole after each round, so the one there
+    # is complete; the interrupted round is recomputed identically.
+    if saved:
+      log(f'interrupted: {STATE_FILE} holds the state after round {saved[-1]}')
+    raise
+  files.write_atomic(
+    os.path.join(config.workdir, 'log.jsonl'),
+    lambda f: f.writelines(
+      json.dumps({k: v for k, v in e.items() if k != 'energy'}) + '\n'
+      for e in state.log
+    ),
+  )
+  files.write_atomic(
+    os.path.join(config.workdir, 'energy.jsonl'),
+    lambda f: f.writelines(
+      json.dumps({'round': e['round'], **e['energy']}) + '\n' for e in state.log
+    ),
+  )
+  return state
+
+
+def eval_key(config: config_lib.StitchConfig) -> str:
+  """The accuracy networks are ranked by: the head's, else the kNN's."""
+  return 'head' if config.eval in ('head', 'both') else 'knn'
+
+
+def evaluate_networks(
+  s: Setup, state: state_lib.State, evaluate, log: Log = _log_default
+) -> list[dict[str, Any]]:
+  """Every finished network's accuracy, best first; the networks (paths
+  and stitches, never a pickle) go to networks.npz."""
+  nets = []
+  for fin in state.finished:
+    acc = evaluate(fin.net)
+    nets.append(
+      {
+        'path': fin.net.describe(),
+        'depth': fin.net.depth,
+        'round': fin.round,
+        'share': fin.share,
+        **acc,
+      }
+    )
+    log(
+      f'{fin.net.describe()}: '
+      + ', '.join(f'{k} {100 * v:.2f} %' for k, v in acc.items())
+    )
+  key = eval_key(s.config)
+  nets.sort(key=lambda n: -n[key])
+  state_lib.write_document(
+    os.path.join(s.config.workdir, 'networks.npz'),
+    state_lib.to_host(state)['finished'],
+    config_lib.identity(s.config, [m.id for m in s.models]),
+  )
+  return nets
+
+
+def local_line(
+  i: int, who: list[int], best: float, networks: int, elapsed_s: float
+) -> str:
+  """The line after the `i`-th (from 1) of the Local searches of clients
+  `who`: the best accuracy of its `networks`, the seconds since the first
+  began and the ETA of the others at the mean search time so far."""
+  left = (len(who) - i) * elapsed_s / i
+  return (
+    f'Local {i}/{len(who)} (client {who[i - 1]} alone): best '
+    f'{100 * best:.2f} % of {networks} networks | elapsed {elapsed_s:.1f}s '
+    f'| ETA {left:.0f}s'
+  )
+
+
+def local_baseline(
+  s: Setup,
+  batch_fn: federated.BatchFn,
+  evaluate,
+  log: Log = _log_default,
+  clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any] | None:
+  """The "Local" baseline: `local_clients` clients (drawn by the seed)
+  each stitching alone; the best accuracy each finds, logged with the time
+  by `clock` (seconds)."""
+  config = s.config
+  if config.local_clients <= 0:
+    return None
+  rng = np.random.default_rng([config.seed, 99])
+  who = sorted(
+    int(c)
+    for c in rng.choice(config.num_clients, config.local_clients, replace=False)
+  )
+  local_cfg = config_lib.library_config(config)._replace(clients_per_round=1)
+  local = {'clients': who, 'best': []}
+  t0 = clock()
+  for i, c in enumerate(who, 1):
+    st = federated.run(
+      s.pool, batch_fn, config.num_clients, local_cfg, population=[c]
+    )
+    accs = [evaluate(f.net)[eval_key(config)] for f in st.finished]
+    best = max(accs) if accs else float('nan')
+    local['best'].append(best)
+    log(local_line(i, who, best, len(accs), clock() - t0))
+  local['mean_best'] = float(np.nanmean(local['best']))
+  return local
+
+
+def _peak_mib() -> float:
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith('VmHWM:'):
+        return int(line.split()[1]) / 1024
+  return 0.0
+
+
+def _plain(o):
+  """JSON for numpy scalars and arrays."""
+  if isinstance(o, (np.generic, np.ndarray)):
+    return o.tolist()
+  raise TypeError(f'{type(o).__name__} is not JSON serializable')
+
+
+def make_results(
+  s: Setup,
+  state: state_lib.State,
+  nets: list[dict[str, Any]],
+  pool_acc: dict[str, dict],
+  local: dict[str, Any] | None,
+) -> dict[str, Any]:
+  """What results.json holds."""
+  config, rounds = s.config, state.log
+  energy_summary = {
+    'backend': config.energy_backend,
+    'devices': (
+      config.energy_mix
+      if config.energy_backend == 'simulated'
+      else config.energy_profile
+    ),
+    **fleet.summarize([e['energy'] for e in rounds]),
+  }
+  return {
+    'config': config_lib.library_config(config)._asdict(),
+    'partition': config.partition,
+    'dirichlet_alpha': config.alpha,
+    'eval': config.eval,
+    'knn_at': config.knn_at,
+    'pool_blocks': len(s.pool.blocks),
+    'pool_models': pool_acc,
+    'networks': nets,
+    'best': nets[0] if nets else None,
+    'local': local,
+    'rounds': len(rounds),
+    # Over every round of the run, also those before a resume.
+    'run_seconds': sum(e.get('round_time_s', 0.0) for e in rounds),
+    'selection_seconds_per_round': [sum(e['client_time_s']) for e in rounds],
+    'pool_sizes': [e['pool_sizes'] for e in rounds],
+    'selection_seconds_total': float(
+      sum(sum(e['client_time_s']) for e in rounds)
+    ),
+    'final_weights': rounds[-1]['weights'] if rounds else None,
+    'energy': energy_summary,
+    'peak_host_mib': _peak_mib(),
+  }
+
+
+def summary_lines(
+  results: dict[str, Any], key: str, sysfs_writes: int
+) -> list[str]:
+  """The closing lines: networks, the best (by accuracy `key`), each pool
+  model, the Local baseline, the energy totals (and the coordinators'
+  `sysfs_writes`), the peak memory."""
+  nets, local, en = results['networks'], results['local'], results['energy']
+  lines = [
+    f'{len(nets)} stitched networks in {results["rounds"]} rounds '
+    f'({results["run_seconds"]:.0f} s; client selection time '
+    f'{results["selection_seconds_total"]:.1f} s); best: '
+    + (f'{nets[0]["path"]} {100 * nets[0][key]:.2f} %' if nets else 'none')
+  ]
+  for m, acc in results['pool_models'].items():
+    lines.append(f'pool model {m} alone: {100 * acc[key]:.2f} %')
+  if local:
+    lines.append(
+      f"Local (mean of {len(local['clients'])} clients' best): "
+      f'{100 * local["mean_best"]:.2f} %'
+    )
+  lines.append(
+    f'energy ({en["backend"]}, {en["devices"]}): local coordinators '
+    f'{en["coordinated_energy_j"]:.1f} J vs {en["default_energy_j"]:.1f} J '
+    f'at the highest frequency, saving {100 * en["energy_saving"]:.1f} % '
+    f'(time {100 * en["time_change"]:+.1f} %, {en["missed"]} missed deadlines'
+    + (
+      ''
+      if en['backend'] == 'simulated'
+      else f'; {sysfs_writes} sysfs writes'
+      + (', planned only' if en['backend'] == 'dry_run' else '')
+    )
+    + '); per client and round in energy.jsonl'
+  )
+  lines.append(f'peak host memory {results["peak_host_mib"]:.0f} MiB')
+  return lines
+
+
+def stitch_and_evaluate(
+  config: config_lib.StitchConfig, *, log: Log = _log_default
+) -> dict[str, Any]:
+  """Runs (or resumes) one FedStitch experiment and evaluates it.
+
+  Args:
+    config: the experiment.
+    log: where progress lines go.
+
+  Returns:
+    What results.json holds.
+
+  Raises:
+    UserError: a bad field, file or workdir, or an energy backend that
+      failed (the message names the config field).
+    KeyboardInterrupt: Ctrl-C or SIGTERM; a re-run resumes after the last
+      round that ended.
+  """
+  with resume.TerminationAsInterrupt():  # SIGTERM ends as Ctrl-C does
+    return _stitch_and_evaluate(config, log)
+
+
+def _stitch_and_evaluate(
+  config: config_lib.StitchConfig, log: Log
+) -> dict[str, Any]:
+  s = setup(config, log)
+  batch_fn = make_batch_fn(s)
+  evaluate = make_evaluate(s)
+  with workdir_lib.acquire(config.workdir):  # one writer per workdir
+    # The clients' training examples, for experiments.run's
+    # `partition=file`: the training baselines learn from the same clients.
+    partition.save_file(os.path.join(config.workdir, CLIENTS_FILE), s.parts)
+    # Per client: size and examples per class (experiments.run's summary).
+    partition.save_summary(
+      os.path.join(config.workdir, 'partition.json'),
+      partition.summary(s.parts, s.ds.y_train, s.ds.num_classes),
+    )
+    state = run_stitching(s, batch_fn, log)
+    nets = evaluate_networks(s, state, evaluate, log)
+    pool_acc = {
+      # A pool model is its own blocks, with nothing between them.
+      m.id: evaluate(network.Network(tuple(chain), (None,) * len(chain)))
+      for m, chain in zip(s.models, s.chains)
+    }
+    local = local_baseline(s, batch_fn, evaluate, log)
+    results = make_results(s, state, nets, pool_acc, local)
+    files.write_atomic(
+      os.path.join(config.workdir, 'results.json'),
+      lambda f: json.dump(results, f, indent=1, default=_plain),
+    )
+  writes = sum(
+    len(c.get('writes', ())) for r in state.log for c in r['energy']['clients']
+  )
+  for line in summary_lines(results, eval_key(config), writes):
+    log(line)
+  return results

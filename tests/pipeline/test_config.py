@@ -1,0 +1,295 @@
+"""The partition flags of `ExperimentConfig`: validation and run identity."""
+
+import dataclasses
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from fedjax_mr.core import errors
+from fedjax_mr.pipeline import config as config_lib
+
+
+def _config(**changes):
+  values = dict(num_clients=3, clients_per_round=2, alpha=0.1)
+  values.update(changes)
+  return config_lib.ExperimentConfig(**values)
+
+
+@pytest.fixture
+def part_file(tmp_path):
+  path = tmp_path / 'split.json'
+  path.write_text(json.dumps({'clients': [[0, 1], [2], [5, 4]]}))
+  return path
+
+
+def test_shards_flags_and_workdir():
+  cfg = _config(partition='shards', shards_per_client=3)
+  config_lib.validate(cfg)
+  assert (
+    cfg.default_workdir() == 'runs/fedavg-fashion_mnist-cnn_mnist-shards3-s0'
+  )
+  assert cfg.identity()['shards_per_client'] == 3
+  with pytest.raises(errors.ConfigError, match=r'^`shards_per_client` must'):
+    config_lib.validate(_config(partition='shards', shards_per_client=0))
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^`shards_per_client=3` applies to `partition=shards` only, not '
+    r'`partition=iid`$',
+  ):
+    config_lib.validate(_config(partition='iid', shards_per_client=3))
+
+
+def test_dirichlet_equal_flags_and_workdir():
+  cfg = _config(partition='dirichlet_equal', alpha=0.5)
+  config_lib.validate(cfg)
+  assert cfg.default_workdir() == (
+    'runs/fedavg-fashion_mnist-cnn_mnist-dirichlet_equal0.5-s0'
+  )
+  assert cfg.identity()['alpha'] == 0.5
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^`alpha` must be finite and > 0 for `partition=dirichlet_equal`',
+  ):
+    config_lib.validate(_config(partition='dirichlet_equal', alpha=0.0))
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^`min_client_size=5` applies to `partition=dirichlet` only, not '
+    r'`partition=dirichlet_equal`$',
+  ):
+    config_lib.validate(_config(partition='dirichlet_equal', min_client_size=5))
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^`alpha=0.5` applies to `partition=dirichlet or dirichlet_equal` '
+    r'only, not `partition=iid`$',
+  ):
+    config_lib.validate(_config(partition='iid', alpha=0.5))
+
+
+def test_file_config_holds_the_content_hash(part_file, tmp_path):
+  sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
+  cfg = _config(partition='file', partition_file=str(part_file))
+  config_lib.validate(cfg)
+  assert cfg.partition_sha256 == sha
+  assert cfg.to_dict()['partition_sha256'] == sha
+  assert cfg.default_workdir().endswith(f'-file-{sha[:8]}-s0')
+  # The content defines the run; the path does not (run_only).
+  assert cfg.identity()['partition_sha256'] == sha
+  assert 'partition_file' not in cfg.identity()
+  moved = tmp_path / 'moved.json'
+  shutil.copy(part_file, moved)
+  same = _config(partition='file', partition_file=str(moved))
+  assert config_lib.config_diffs(same, cfg.to_dict()) == []
+  # A changed file is another run, from the flags as from a saved config.
+  part_file.write_text(json.dumps([[0], [2], [5, 4]]))
+  changed = _config(partition='file', partition_file=str(part_file))
+  new_sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
+  assert config_lib.config_diffs(changed, cfg.to_dict()) == [
+    f"`partition_sha256='{sha}'` there, '{new_sha}' here"
+  ]
+  with pytest.raises(
+    errors.ConfigError,
+    match=rf'^`partition_file={part_file}`: its sha256 is {new_sha}, not '
+    rf'`partition_sha256={sha}` ',
+  ):
+    config_lib.validate(dataclasses.replace(cfg, rounds=3))
+
+
+@pytest.mark.parametrize(
+  'changes,message',
+  [
+    (
+      {'partition': 'file'},
+      '`partition=file` needs `partition_file=<a JSON file of client index '
+      'lists>`',
+    ),
+    (
+      {'partition_file': '{f}'},
+      '`partition_file={f}` applies to `partition=file` only, not '
+      '`partition=dirichlet`',
+    ),
+    (
+      {'partition': 'iid', 'partition_sha256': 'ab'},
+      '`partition_sha256=ab` applies to `partition=file` only, not '
+      '`partition=iid`',
+    ),
+    (
+      {'partition': 'file', 'partition_file': '{f}', 'num_clients': 4},
+      '`partition_file={f}`: 3 clients, but `num_clients=4`; pass '
+      '`num_clients=3`',
+    ),
+    (
+      {'partition': 'file', 'partition_file': '{f}.missing'},
+      '`partition_file={f}.missing`: cannot read it: No such file or '
+      'directory (a partition file is a regular JSON file of at most 128 '
+      'MiB: it lists each training example at most once)',
+    ),
+  ],
+)
+def test_file_flag_errors(part_file, changes, message):
+  changes = {
+    k: v.replace('{f}', str(part_file)) if isinstance(v, str) else v
+    for k, v in changes.items()
+  }
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(_config(**changes))
+  assert str(e.value) == message.replace('{f}', str(part_file))
+
+
+def test_compare_variants_pass_the_new_partitions(part_file, tmp_path):
+  from fedjax_mr.analysis import compare
+
+  other = tmp_path / 'other.json'
+  other.write_text(json.dumps([[3], [2], [0, 1]]))
+  specs = [
+    'fedavg',
+    'sharded:partition=shards,shards_per_client=1',
+    f'split:partition=file,partition_file={part_file}',
+  ]
+  runs = compare.configs(
+    _config(), [compare.parse_variant(v) for v in specs], [0, 1], '/out'
+  )
+  got = {
+    (n, seed): (c.partition, c.shards_per_client, c.partition_sha256)
+    for n, seed, c in runs
+  }
+  sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
+  for seed in (0, 1):
+    assert got['fedavg', seed] == ('dirichlet', 2, '')
+    assert got['sharded', seed] == ('shards', 1, '')
+    assert got['split', seed] == ('file', 2, sha)
+  # On a base that reads a file, a variant reading another one gets that
+  # file's hash, not the base's; one that pins a hash is checked against it.
+  base = _config(partition='file', partition_file=str(part_file))
+  ((_, _, c),) = compare.configs(
+    base, [compare.parse_variant(f'b:partition_file={other}')], [0], '/o'
+  )
+  assert c.partition_sha256 == hashlib.sha256(other.read_bytes()).hexdigest()
+  with pytest.raises(errors.ConfigError, match=r'^variant b: .*sha256'):
+    compare.configs(
+      base,
+      [
+        compare.parse_variant(
+          f'b:partition_file={other},partition_sha256={sha}'
+        )
+      ],
+      [0],
+      '/o',
+    )
+
+
+def _synthetic(**changes):
+  values = dict(dataset='synthetic', model='logistic', num_clients=1000)
+  values.update(changes)
+  return config_lib.ExperimentConfig(**values)
+
+
+def test_synthetic_fields_define_the_run_and_its_workdir():
+  cfg = _synthetic(num_clients=10**6, clients_per_round=10**4)
+  config_lib.validate(cfg)
+  assert cfg.synthetic_alpha == cfg.synthetic_beta == 1.0
+  assert cfg.default_workdir() == (
+    'runs/fedavg-synthetic-logistic-alpha1_beta1-s0'
+  )
+  half = dataclasses.replace(cfg, synthetic_alpha=0.5, synthetic_beta=0.0)
+  config_lib.validate(half)
+  assert half.default_workdir().endswith('-alpha0.5_beta0-s0')
+  assert half.identity()['synthetic_alpha'] == 0.5
+  # Resuming with other rates is another run; a saved config from before
+  # these fields had their defaults.
+  assert config_lib.config_diffs(half, cfg.to_dict()) == [
+    '`synthetic_alpha=1.0` there, 0.5 here',
+    '`synthetic_beta=1.0` there, 0.0 here',
+  ]
+  older = {
+    k: v for k, v in cfg.to_dict().items() if not k.startswith('synthetic_')
+  }
+  assert config_lib.config_diffs(cfg, older) == []
+
+
+@pytest.mark.parametrize(
+  'changes,message',
+  [
+    (
+      {'dataset': 'fashion_mnist', 'model': 'cnn_mnist', 'synthetic_beta': 0},
+      '`synthetic_beta=0` applies to `dataset=synthetic` only, not '
+      '`dataset=fashion_mnist`',
+    ),
+    (
+      {'model': 'cnn_mnist'},
+      '`model=cnn_mnist` takes images; `dataset=synthetic` gives vectors '
+      '(models that take vectors: logistic)',
+    ),
+    ({'synthetic_alpha': -1.0}, '`synthetic_alpha` must be finite and ≥ 0'),
+    (
+      {'synthetic_beta': float('inf')},
+      '`synthetic_beta` must be finite and ≥ 0',
+    ),
+    (
+      {'partition': 'iid'},
+      '`partition=iid` does not apply to `dataset=synthetic`, whose clients '
+      'are generated (leave `partition` at its default)',
+    ),
+    (
+      {'alpha': 0.5},
+      '`alpha=0.5` does not apply to `dataset=synthetic`, whose clients are '
+      'generated',
+    ),
+    (
+      {'classes': '0-4'},
+      '`classes=0-4` does not apply to `dataset=synthetic`, whose clients '
+      'are generated',
+    ),
+    (
+      {'algorithm': 'heterofl'},
+      "`algorithm=heterofl` reads the clients' stored examples; "
+      '`dataset=synthetic` generates them on demand',
+    ),
+    (
+      {'num_clients': 2 * 10**7},
+      '`num_clients=20000000`: at most 10737418 synthetic clients',
+    ),
+  ],
+)
+def test_synthetic_refusals_name_the_field(changes, message):
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(_synthetic(**changes))
+  assert str(e.value).startswith(message)
+
+
+def test_logistic_takes_no_images():
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.validate(_config(model='logistic'))
+  assert str(e.value).startswith(
+    '`model=logistic` takes vectors; `dataset=fashion_mnist` gives images '
+    '(models that take images: cnn_cifar,'
+  )
+
+
+@pytest.mark.parametrize(
+  'content,reason',
+  [
+    ('{"rounds": ', 'not JSON (Expecting value'),
+    ('[1]', 'holds a list, not an object'),
+    (None, 'is a folder'),
+  ],
+)
+def test_an_unreadable_saved_config_is_one_line(tmp_path, content, reason):
+  path = tmp_path / 'config.json'
+  if content is None:
+    path.mkdir()
+  else:
+    path.write_text(content)
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.check_resumable(config_lib.ExperimentConfig(), str(path))
+  assert str(e.value).startswith(f'`workdir`: cannot read {path}: {reason}')
+
+
+def test_a_saved_config_value_is_quoted_clipped(tmp_path):
+  path = tmp_path / 'config.json'
+  path.write_text(json.dumps({'seed': 'x' * 1000}))
+  with pytest.raises(errors.ConfigError) as e:
+    config_lib.check_resumable(config_lib.ExperimentConfig(), str(path))
+  assert f"`seed='{'x' * 79}…` there" in str(e.value)
+  assert len(str(e.value)) < 400

@@ -1,0 +1,180 @@
+"""What a FedStitch run prints: its round lines (timing, energy
+configurations) and the Local baseline's lines, on hand-made entries and a
+fake clock."""
+
+import json
+import types
+
+import numpy as np
+import pytest
+
+from fedjax_mr.core import errors
+from fedjax_mr.pipeline import stitch_config
+from fedjax_mr.pipeline import stitch_experiment
+from fedjax_mr.stitch import federated
+
+Pace = stitch_experiment.Pace
+
+
+def _entry(r, configs=('table2_3_MAXN',) * 3, deadline_s=None):
+  """A log entry of round `r` (from 0) with one client per config."""
+  return {
+    'round': r,
+    'depth': 3,
+    'pool_sizes': [7, 5],
+    'client_time_s': [0.5, 0.25, 1.0],
+    'weights': {'effective_clients': 2.94, 'max': 1.2, 'min': 0.8},
+    'energy': {
+      'energy_j': 12.34,
+      'default_energy_j': 15.0,
+      'deadline_s': deadline_s,
+      'clients': [
+        {'config': c, 'met': None if deadline_s is None else i != 1}
+        for i, c in enumerate(configs)
+      ],
+    },
+  }
+
+
+_HEAD = (
+  'round   4  depth 3  pool 7,5  selection 1.75 s  weights: effective 2.9 '
+  'clients, max 1.20×, min 0.80×'
+)
+
+
+def test_a_round_prints_the_configurations_once_each_with_their_count():
+  entry = _entry(
+    4, ('table2_2', 'table2_3_MAXN', 'table2_2', 'table2_1'), deadline_s=1.5
+  )
+  entry['selected'] = [
+    {'network': 'a[0] → b[1]', 'block': 'c[2]', 'votes': 1.5, 'mean_cka': 0.75},
+    {'network': 'x[0]', 'dropped': 'no candidates'},
+  ]
+  assert stitch_experiment.round_lines(entry) == [
+    _HEAD,
+    '    energy 12.3 J (highest frequency 15.0 J); deadline 1.50 s, met by '
+    '3/4; configs table2_2 ×2, table2_3_MAXN ×1, table2_1 ×1',
+    '    a[0] → b[1]  +  c[2]  (votes 1.5, CKA 0.750)',
+  ]
+  assert stitch_experiment.round_lines(_entry(4))[1] == (
+    '    energy 12.3 J (highest frequency 15.0 J); no deadline yet; configs '
+    'table2_3_MAXN ×3'
+  )
+  del entry['energy']
+  assert stitch_experiment.round_lines(entry)[:2] == [
+    _HEAD,
+    '    a[0] → b[1]  +  c[2]  (votes 1.5, CKA 0.750)',
+  ]
+
+
+def test_equal_counts_keep_the_order_the_clients_are_in():
+  clients = [{'config': c} for c in ('b', 'a', 'a', 'c', 'b')]
+  assert stitch_experiment.configs_text(clients) == 'b ×2, a ×2, c ×1'
+
+
+def test_the_eta_bounds_the_rounds_left_at_this_process_pace():
+  # Resumed after round 1: this process ran rounds 2, 3 and 4 in 30 s, so
+  # 10 s a round; 5 of at most 35 are done, 30 may be left.
+  lines = stitch_experiment.round_lines(_entry(4), Pace(30.0, 3, 35))
+  assert lines[0] == (
+    f'{_HEAD} | 5/≤35 rounds | elapsed 30.0s | 0.10 rounds/s | ETA ≤ 300s'
+  )
+  # The last possible round leaves none.
+  assert stitch_experiment.pace_text(Pace(70.0, 35, 35), 35) == (
+    '35/≤35 rounds | elapsed 70.0s | 0.50 rounds/s | ETA ≤ 0s'
+  )
+
+
+def test_the_round_limit_is_the_selections_to_max_depth_times_their_rounds():
+  config = stitch_config.library_config(
+    stitch_config.StitchConfig(max_depth=8, rounds_per_selection=5)
+  )
+  assert federated.round_limit(config) == 35
+  assert federated.round_limit(config, max_rounds=20) == 20
+
+
+def _setup(tmp_path, **fields):
+  config = stitch_config.StitchConfig(workdir=str(tmp_path), **fields)
+  return stitch_experiment.Setup(
+    config, None, None, [], None, None, None, None, None, None
+  )
+
+
+def _clock(*times):
+  return iter(times).__next__
+
+
+def test_a_resumed_run_times_only_the_rounds_it_ran(tmp_path, monkeypatch):
+  def resumed_run(pool, batch_fn, num_clients, config, *, on_round, **kw):
+    del pool, batch_fn, num_clients, config, kw
+    log = tuple(_entry(r) for r in range(10))  # before the resume
+    for r in (10, 11):
+      log += (_entry(r),)
+      on_round(types.SimpleNamespace(log=log))
+    return types.SimpleNamespace(log=log)
+
+  monkeypatch.setattr(federated, 'run', resumed_run)
+  lines = []
+  s = _setup(tmp_path, max_depth=5, rounds_per_selection=5)  # ≤ 20 rounds
+  stitch_experiment.run_stitching(
+    s, None, lines.append, _clock(100.0, 112.0, 120.0)
+  )
+  rounds = [x.split(' | ', 1)[1] for x in lines if x.startswith('round')]
+  assert rounds == [
+    '11/≤20 rounds | elapsed 12.0s | 0.08 rounds/s | ETA ≤ 108s',
+    '12/≤20 rounds | elapsed 20.0s | 0.10 rounds/s | ETA ≤ 80s',
+  ]
+  # The files keep every client's configuration.
+  energy = (tmp_path / 'energy.jsonl').read_text().splitlines()
+  assert len(energy) == 12
+  assert [c['config'] for c in json.loads(energy[0])['clients']] == [
+    'table2_3_MAXN'
+  ] * 3
+
+
+def test_local_lines_count_the_searches_and_time_them(tmp_path, monkeypatch):
+  def alone(pool, batch_fn, num_clients, config, population):
+    del pool, batch_fn, num_clients
+    assert config.clients_per_round == 1 and len(population) == 1
+    return types.SimpleNamespace(
+      finished=[types.SimpleNamespace(net=k) for k in range(3)]
+    )
+
+  monkeypatch.setattr(federated, 'run', alone)
+  lines = []
+  s = _setup(tmp_path, num_clients=40, local_clients=2)
+  local = stitch_experiment.local_baseline(
+    s,
+    None,
+    lambda net: {'head': (0.5, 0.866, 0.7)[net]},
+    lines.append,
+    _clock(0.0, 100.0, 250.0),
+  )
+  a, b = local['clients']
+  assert lines == [
+    f'Local 1/2 (client {a} alone): best 86.60 % of 3 networks | elapsed '
+    '100.0s | ETA 100s',
+    f'Local 2/2 (client {b} alone): best 86.60 % of 3 networks | elapsed '
+    '250.0s | ETA 0s',
+  ]
+  assert stitch_experiment.local_line(2, [3, 25, 40], 0.866, 20, 208.0) == (
+    'Local 2/3 (client 25 alone): best 86.60 % of 20 networks | elapsed '
+    '208.0s | ETA 104s'
+  )
+
+
+def test_public_indices_outside_the_dataset_are_one_line(tmp_path):
+  config = stitch_config.StitchConfig(pool=str(tmp_path))
+  ds = types.SimpleNamespace(name='fashion_mnist', y_train=np.zeros(5, int))
+  path = tmp_path / 'public.json'
+  path.write_text('{"dataset": "fashion_mnist", "indices": [1, 3]}')
+  public, private = stitch_experiment.public_examples(config, ds)
+  assert public.tolist() == [1, 3] and private.tolist() == [0, 2, 4]
+  for indices, what in [('[1, 5]', 'index 5'), ('[1, 1]', 'an index twice')]:
+    path.write_text(f'{{"dataset": "fashion_mnist", "indices": {indices}}}')
+    with pytest.raises(errors.DataError) as e:
+      stitch_experiment.public_examples(config, ds)
+    assert str(e.value) == (
+      f'`pool`: {tmp_path}/public.json holds {what}; `dataset=fashion_mnist` '
+      'has 5 training examples'
+    )
