@@ -200,11 +200,12 @@ def _define_dataset_flags() -> list[str]:
   """The flags of the config fields that only some datasets read
   (Synthetic's α and β), with the help of `experiments.run`'s. Returns
   their names."""
+  from fedjax_mr.pipeline import checks
   from fedjax_mr.pipeline import config as config_lib
 
   names = []
   for f in config_lib.base_fields():
-    if f.name in config_lib.DATASET_FIELDS:
+    if f.name in checks.DATASET_FIELDS:
       cli.define_flag(f.name, f, f.metadata['help'])
       names.append(f.name)
   return names
@@ -324,12 +325,13 @@ def _algorithm(name, base, options):
   import jax
 
   from fedjax_mr.pipeline import build
+  from fedjax_mr.pipeline import checks
   from fedjax_mr.pipeline import config as config_lib
   from fedjax_mr.pipeline import registry
 
   config = _config(name, options)
-  config_lib.validate(config)
-  model = registry.model_for(name, base, config_lib.hparams(config))
+  checks.validate(config)
+  model = registry.model_for(name, base, checks.hparams(config))
   variables = model.init(jax.random.key(0))
   algorithm = build.build_algorithm(config, model, variables)
   return algorithm, variables, model, config_lib.multi_model(config)
@@ -340,7 +342,7 @@ def _config(name, options):
   `name` (its hyper-parameter flags `options`)."""
   from fedjax_mr.pipeline import config as config_lib
 
-  return config_lib.ExperimentConfig(
+  return config_lib.ExperimentConfig.from_flat(
     algorithm=name,
     dataset=FLAGS.dataset,
     model=FLAGS.model,
@@ -990,12 +992,12 @@ def _check_flags():
   if FLAGS.num_devices < 0:
     cli.fail(f'--num_devices must be ≥ 0, got {FLAGS.num_devices}')
   from fedjax_mr.core import errors
-  from fedjax_mr.pipeline import config as config_lib
+  from fedjax_mr.pipeline import checks
 
   try:
     config = _config(FLAGS.algorithm, cli.algorithm_options(ALGORITHM_FLAGS))
-    config_lib.validate(config)
-    config_lib.hparams(config)
+    checks.validate(config)
+    checks.hparams(config)
   except errors.UserError as e:
     cli.fail(str(e))
   for name in ('sizes', 'alpha'):

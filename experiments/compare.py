@@ -106,9 +106,9 @@ def main(argv) -> None:
     if not variants or not seeds:
       raise errors.ConfigError('--variants and --seeds must not be empty')
     workdir_lib.check_usable(out)
-    base = run_flags.config_from_flags()
+    base = run_flags.flag_values()
     runs = compare.configs(base, variants, seeds, out)
-    title = titles.setting_title(base)
+    title = titles.setting_title(compare.base_config(base))
     if not _SUMMARIZE_ONLY.value:
       distributed.initialize_for(runs[0][2])
       train = functools.partial(experiment.train_and_evaluate, log=cli.log)

@@ -109,10 +109,10 @@ def main(argv) -> None:
       seed=_SEED.value,
       points_per_pass=_POINTS_PER_PASS.value,
     )
-    name = registry.display_name(run.config.algorithm)
+    name = registry.display_name(run.config.algorithm.name)
     grid = {
       'workdir': os.path.abspath(workdir),
-      'algorithm': run.config.algorithm,
+      'algorithm': run.config.algorithm.name,
       'setting': titles.setting_title(run.config),
       'split': _SPLIT.value,
       **grid,

@@ -29,7 +29,7 @@ def _define_flags() -> None:
     help_text = f.metadata['help']
     allowed = config_lib.choices(f)
     if allowed:
-      # Validated by config_lib.validate, for one clear error message.
+      # Validated by checks.validate, for one clear error message.
       help_text += f' One of: {", ".join(allowed)}.'
     cli.define_flag(f.name, f, help_text)
     flags.declare_key_flag(f.name)  # listed by --helpshort
@@ -41,21 +41,32 @@ _define_flags()
 FLAGS = flags.FLAGS
 
 
-def config_from_flags() -> config_lib.ExperimentConfig:
+def flag_values() -> dict[str, object]:
+  """Every experiment flag's value, by name (the algorithms' too)."""
   names = [f.name for f in config_lib.base_fields()]
   names += list(registry.all_flags())
-  return config_lib.ExperimentConfig(
-    **{name: getattr(FLAGS, name) for name in names}
-  )
+  return {name: getattr(FLAGS, name) for name in names}
+
+
+def config_from_flags() -> config_lib.ExperimentConfig:
+  """The config of the flags (`partition_sha256` read from the partition
+  file where it is empty).
+
+  Raises:
+    ConfigError: an unknown --algorithm, or another algorithm's flag set.
+  """
+  config = config_lib.ExperimentConfig.from_flat(**flag_values())
+  return config_lib.with_file_digest(config)
 
 
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  config = config_from_flags()
+  with cli.training_errors('nothing was written'):
+    config = config_from_flags()
   with cli.training_errors(
     're-run with the same --workdir to resume',
-    workdir=config.workdir or config.default_workdir(),
+    workdir=config.run.workdir or config.default_workdir(),
   ):
     import jax
 
@@ -69,7 +80,7 @@ def main(argv) -> None:
     except jax.errors.JaxRuntimeError as e:
       if 'RESOURCE_EXHAUSTED' not in str(e):
         raise
-      cli.fail(out_of_memory(str(e), config.clients_per_round))
+      cli.fail(out_of_memory(str(e), config.server.clients_per_round))
 
 
 def out_of_memory(error: str, clients_per_round: int) -> str:

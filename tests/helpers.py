@@ -150,6 +150,13 @@ def linear_bn_model(num_classes=3, shape=(2, 2, 1)):
 
 def small_config(data_dir, **changes):
   """A fast Fashion-MNIST experiment: 10 clients, 4 per round, 1 epoch."""
+  return config_lib.ExperimentConfig.from_flat(
+    **small_values(data_dir, **changes)
+  )
+
+
+def small_values(data_dir, **changes):
+  """`small_config`'s flags, flat (what `compare.configs` takes)."""
   values = dict(
     data_dir=data_dir,
     num_clients=10,
@@ -161,7 +168,7 @@ def small_config(data_dir, **changes):
     checkpoint_every=1,
   )
   values.update(changes)
-  return config_lib.ExperimentConfig(**values)
+  return values
 
 
 def run_module(*args: str, timeout: int = 600):

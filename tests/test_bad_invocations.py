@@ -692,7 +692,7 @@ def prepared_runs(tmp_path_factory):
     'tiny_run': str(root / 'run'),
     'tiny_run_damaged': str(root / 'damaged'),
   }
-  config = config_lib.ExperimentConfig(
+  config = config_lib.ExperimentConfig.from_flat(
     data_dir=out['tiny_data'],
     partition='iid',
     num_clients=10,

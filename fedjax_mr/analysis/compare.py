@@ -27,6 +27,7 @@ import numpy as np
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
 from fedjax_mr.core import workdir as workdir_lib
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import registry
 from fedjax_mr.pipeline import titles
@@ -114,18 +115,29 @@ def run_dir(out: str, variant: str, seed: int) -> str:
   return os.path.join(out, variant, f's{seed}')
 
 
+def base_config(base: Mapping[str, Any]) -> config_lib.ExperimentConfig:
+  """The config of the flat flag values `base` without the algorithms'
+  own flags (which apply to the variants of the algorithms that read
+  them): the setting every variant shares."""
+  fields = {f.name for f in config_lib.base_fields()}
+  return config_lib.ExperimentConfig.from_flat(
+    **{k: v for k, v in base.items() if k in fields}
+  )
+
+
 def configs(
-  base: config_lib.ExperimentConfig,
+  base: Mapping[str, Any],
   variants: Sequence[tuple[str, Mapping[str, Any]]],
   seeds: Sequence[int],
   out: str,
 ) -> list[tuple[str, int, config_lib.ExperimentConfig]]:
   """Every (variant, seed, config), validated before anything runs.
 
-  A hyper-parameter field of an algorithm set in `base` (e.g.
-  `fedprox_mu`) applies to the variants of the algorithms that read it;
-  the others keep its default. One that no variant's algorithm reads is
-  refused.
+  `base` holds flat flag values (`ExperimentConfig.flat`, the flags of
+  `experiments.run`). A hyper-parameter field of an algorithm set in
+  `base` (e.g. `fedprox_mu`) applies to the variants of the algorithms
+  that read it; the others keep its default. One that no variant's
+  algorithm reads is refused.
 
   Raises:
     ConfigError: a variant named twice, a seed out of range or given
@@ -135,7 +147,7 @@ def configs(
   if len({name for name, _ in variants}) != len(variants):
     raise errors.ConfigError('`variants`: a name appears twice')
   for seed in seeds:
-    config_lib.check_seed('seeds', seed)
+    checks.check_seed('seeds', seed)
   seen = set()
   for seed in seeds:  # one run folder per seed: a second would be the first
     if seed in seen:
@@ -147,9 +159,10 @@ def configs(
   given = {
     flag: users
     for flag, (f, users) in algorithm_flags.items()
-    if base.options[flag] != f.default
+    if base.get(flag, f.default) != f.default
   }
-  algorithms = {o.get('algorithm', base.algorithm) for _, o in variants}
+  default = base.get('algorithm', config_lib.AlgorithmChoice().name)
+  algorithms = {o.get('algorithm', default) for _, o in variants}
   for flag, users in given.items():
     if not algorithms & set(users):
       raise errors.ConfigError(
@@ -158,7 +171,7 @@ def configs(
       )
   result = []
   for name, overrides in variants:
-    algorithm = overrides.get('algorithm', base.algorithm)
+    algorithm = overrides.get('algorithm', default)
     reset = {
       flag: algorithm_flags[flag][0].default
       for flag, users in given.items()
@@ -168,15 +181,19 @@ def configs(
       # The variant's own file: its hash is computed afresh.
       reset['partition_sha256'] = ''
     for seed in seeds:
-      config = dataclasses.replace(
-        base,
-        **reset,
-        **overrides,
-        seed=int(seed),
-        workdir=run_dir(out, name, seed),
+      values = {**base, **reset, **overrides}
+      if algorithm != default:  # its flags from the base, the others reset
+        values = {
+          k: v
+          for k, v in values.items()
+          if k not in algorithm_flags or algorithm in algorithm_flags[k][1]
+        }
+      values.update(seed=int(seed), workdir=run_dir(out, name, seed))
+      config = config_lib.with_file_digest(
+        config_lib.ExperimentConfig.from_flat(**values)
       )
       try:
-        config_lib.validate(config)
+        checks.validate(config)
       except errors.ConfigError as e:
         raise errors.ConfigError(f'variant {name}: {e}') from None
       result.append((name, int(seed), config))
@@ -255,34 +272,11 @@ def summarize(
   results: dict[str, Any] = {}
   curves = {}
   for name in variants:
-    per_seed, diverged, histories, evals = {}, {}, [], {}
-    plotted = {}  # seed -> rows, diverged runs too (drawn up to the end)
-    for seed in found.get(name, []) if seeds is None else seeds:
-      path = os.path.join(run_dir(out, name, seed), 'metrics.jsonl')
-      rows = metrics_io.read(path) if os.path.exists(path) else []
-      if not rows:
-        continue
-      plotted[seed] = rows
-      stop = metrics_io.diverged_at(rows)
-      if stop is not None:
-        diverged[str(seed)] = stop
-        continue
-      per_seed[str(seed)] = final_accuracy(rows, last)
-      evals[str(seed)] = min(last, sum('test_accuracy' in r for r in rows))
-      histories.append(rows)
-    if not per_seed and not diverged:
-      continue
-    values = np.array(list(per_seed.values()) or [math.nan])
-    results[name] = {
-      'per_seed': per_seed,
-      'mean': float(np.mean(values)),
-      'std': float(np.std(values)),
-      'n': len(per_seed),
-      'rounds': min((h[-1]['round'] for h in histories), default=0),
-      'evals': evals,
-      'diverged': diverged,
-    }
-    curves[name] = plotted
+    read = _read_variant(
+      out, name, found.get(name, []) if seeds is None else seeds, last
+    )
+    if read is not None:
+      results[name], curves[name] = read
   if not results:
     which = (f' of variants {", ".join(variants)}' if variants else '') + (
       f' with seeds {", ".join(map(str, seeds))}' if seeds else ''
@@ -291,8 +285,55 @@ def summarize(
       f'`workdir={out}`: no runs{which} there; nothing to summarize'
     )
   summary = {'variants': results, 'last': last}
-  # Who wrote the table, from when (each run's own config.json records the
-  # devices and versions it ran with).
+  _write_summary(out, summary, curves, title, started)
+  return summary
+
+
+def _read_variant(
+  out: str, name: str, seeds: Sequence[int], last: int
+) -> tuple[dict[str, Any], dict[int, list]] | None:
+  """One variant's entry of `summarize` and its rows by seed (diverged
+  runs too: they are drawn up to the end), or None without metrics."""
+  per_seed, diverged, histories, evals = {}, {}, [], {}
+  plotted = {}
+  for seed in seeds:
+    path = os.path.join(run_dir(out, name, seed), 'metrics.jsonl')
+    rows = metrics_io.read(path) if os.path.exists(path) else []
+    if not rows:
+      continue
+    plotted[seed] = rows
+    stop = metrics_io.diverged_at(rows)
+    if stop is not None:
+      diverged[str(seed)] = stop
+      continue
+    per_seed[str(seed)] = final_accuracy(rows, last)
+    evals[str(seed)] = min(last, sum('test_accuracy' in r for r in rows))
+    histories.append(rows)
+  if not per_seed and not diverged:
+    return None
+  values = np.array(list(per_seed.values()) or [math.nan])
+  entry = {
+    'per_seed': per_seed,
+    'mean': float(np.mean(values)),
+    'std': float(np.std(values)),
+    'n': len(per_seed),
+    'rounds': min((h[-1]['round'] for h in histories), default=0),
+    'evals': evals,
+    'diverged': diverged,
+  }
+  return entry, plotted
+
+
+def _write_summary(
+  out: str,
+  summary: dict[str, Any],
+  curves: Mapping[str, Mapping[int, list]],
+  title: str,
+  started: Mapping[str, Any] | None,
+) -> None:
+  """results.json (with who wrote the table, from when: each run's own
+  config.json records the devices and versions it ran with), results.md
+  and curves.png."""
   written = {
     **summary,
     'provenance': started or provenance.collect(with_devices=False),
@@ -303,9 +344,8 @@ def summarize(
   text = table(summary, title=title)
   files.write_atomic(os.path.join(out, TABLE_FILE), lambda f: f.write(text))
   labels = display_names(curves)
-  curves = {labels[name]: rows for name, rows in curves.items()}
-  plots.plot_curves(curves, os.path.join(out, CURVES_FILE), title=title)
-  return summary
+  named = {labels[name]: rows for name, rows in curves.items()}
+  plots.plot_curves(named, os.path.join(out, CURVES_FILE), title=title)
 
 
 def display_names(variants: Sequence[str]) -> dict[str, str]:
@@ -380,28 +420,28 @@ def run_matrix(
     `{(variant, seed): round}` of the runs that diverged.
   """
   for _, _, config in runs:  # refuse before running any of them
-    workdir_lib.check_free(config.workdir)
+    workdir_lib.check_free(config.run.workdir)
 
   def done(config) -> int:
-    rows = metrics_io.read(os.path.join(config.workdir, 'metrics.jsonl'))
+    rows = metrics_io.read(os.path.join(config.run.workdir, 'metrics.jsonl'))
     if not rows:
       return 0
     # A diverged run trains no more.
     if metrics_io.diverged_at(rows) is not None:
-      return config.rounds
+      return config.run.rounds
     return int(rows[-1]['round'])
 
   diverged = {}
   start, trained = time.monotonic(), 0
   for i, (name, seed, config) in enumerate(runs):
-    left = sum(max(0, c.rounds - done(c)) for _, _, c in runs[i:])
-    line = f'[{i + 1}/{len(runs)}] {name} seed {seed} in {config.workdir}'
+    left = sum(max(0, c.run.rounds - done(c)) for _, _, c in runs[i:])
+    line = f'[{i + 1}/{len(runs)}] {name} seed {seed} in {config.run.workdir}'
     line += f'; {titles.rounds(left)} left in the matrix'
     if trained and left:
       pace = (time.monotonic() - start) / trained
       line += f', ETA {_duration(left * pace)} ({pace:.1f} s/round so far)'
     log(line)
-    path = os.path.join(config.workdir, 'metrics.jsonl')
+    path = os.path.join(config.run.workdir, 'metrics.jsonl')
     before = done(config)
     stop = metrics_io.diverged_at(metrics_io.read(path))
     if stop is None:
@@ -414,7 +454,7 @@ def run_matrix(
     else:
       log(
         f'{name} seed {seed} diverged at round {stop} before; skipped '
-        f'(remove {config.workdir} to run it again)'
+        f'(remove {config.run.workdir} to run it again)'
       )
     if stop is not None:
       diverged[(name, seed)] = stop

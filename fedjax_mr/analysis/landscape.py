@@ -36,7 +36,7 @@ from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.models import model as model_lib
-from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import checks
 from fedjax_mr.training import engine
 
 # Added to a direction filter's norm before dividing by it (as the paper's
@@ -230,7 +230,7 @@ def check_args(
     raise errors.ConfigError(
       f'`split` must be one of {", ".join(SPLITS)}, got {split!r}'
     )
-  config_lib.check_seed('seed', seed)
+  checks.check_seed('seed', seed)
   if points_per_pass < 1:
     raise errors.ConfigError(
       f'`points_per_pass` must be >= 1, got {points_per_pass}'
@@ -255,7 +255,7 @@ def examples(
     x, y = dataset.x_test, dataset.y_test
   x, y = subset(x, y, num_examples, seed)
   return client_data_lib.eval_data(
-    x, y, config.eval_batch_size, dataset.scale, dataset.shift
+    x, y, config.evaluation.eval_batch_size, dataset.scale, dataset.shift
   )
 
 

@@ -140,9 +140,9 @@ def probe_data(
   """
   stitch = stitch_config.StitchConfig(
     pool=pool,
-    dataset=config.dataset,
-    data_dir=config.data_dir or None,
-    classes=config.classes,
+    dataset=config.data.dataset,
+    data_dir=config.data.data_dir or None,
+    classes=config.data.classes,
     knn_reference=knn_reference,
   )
   ds, _ = stitch_experiment.load_dataset(stitch)
@@ -150,8 +150,8 @@ def probe_data(
   if not len(public):
     raise errors.ConfigError(
       f'`pool={pool}`: its public split (public.json) holds no examples of '
-      f"the run's task (`dataset={config.dataset}`"
-      + (f', `classes={config.classes}`' if config.classes else '')
+      f"the run's task (`dataset={config.data.dataset}`"
+      + (f', `classes={config.data.classes}`' if config.data.classes else '')
       + '): the probe is fitted on them'
     )
   x_ref, y_ref = stitch_experiment.knn_examples(stitch, ds, public, [])
@@ -166,8 +166,8 @@ def pool_of(config: config_lib.ExperimentConfig, pool: str) -> str:
   Raises:
     ConfigError: none given and none to infer, or no public.json there.
   """
-  if not pool and config.init_from:
-    pool = os.path.dirname(os.path.normpath(config.init_from))
+  if not pool and config.model.init_from:
+    pool = os.path.dirname(os.path.normpath(config.model.init_from))
   if not pool:
     raise errors.ConfigError(
       '`pool` is needed: the run did not start from a pool model '
@@ -190,16 +190,16 @@ def kept_rounds(workdir: str, config: config_lib.ExperimentConfig) -> list:
   where = f'`workdir={workdir}`'
   if not os.path.isdir(os.path.join(workdir, checkpoint.FOLDER)):
     raise errors.ConfigError(f'{where}: no checkpoints, not a finished run')
-  ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+  ckpt = checkpoint.Checkpointer(workdir, keep=config.run.keep_checkpoints)
   try:
     rounds = ckpt.all_rounds()
   finally:
     ckpt.close()
-  if not rounds or rounds[-1] != config.rounds:
+  if not rounds or rounds[-1] != config.run.rounds:
     newest = f'round {rounds[-1]}' if rounds else 'none'
     raise errors.ConfigError(
       f'{where} is not a finished run: its newest checkpoint is {newest} '
-      f'of {config.rounds} rounds'
+      f'of {config.run.rounds} rounds'
     )
   return rounds
 
@@ -356,10 +356,10 @@ def make_record(
   multi = exits[0] is not None
   return {
     'workdir': os.path.abspath(workdir),
-    'algorithm': config.algorithm,
-    'model': config.model,
-    'dataset': config.dataset,
-    'classes': config.classes,
+    'algorithm': config.algorithm.name,
+    'model': config.model.name,
+    'dataset': config.data.dataset,
+    'classes': config.data.classes,
     'pool': os.path.abspath(pool),
     'k': K,
     'knn_reference': knn_reference,

@@ -29,6 +29,7 @@ from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
 from fedjax_mr.data import synthetic
 from fedjax_mr.models import model as model_lib
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import registry
 from fedjax_mr.training import client
@@ -126,14 +127,14 @@ def load_clients(config: config_lib.ExperimentConfig) -> Clients:
   """The dataset and partition of `config` as the clients' data and the
   test set; for `dataset=synthetic`, `num_clients` generated clients and
   their held-out test set (`fedjax_mr.data.synthetic`)."""
-  if config.dataset == datasets.SYNTHETIC:
+  if config.data.dataset == datasets.SYNTHETIC:
     data = synthetic.from_seed(
-      config.num_clients,
-      config.synthetic_alpha,
-      config.synthetic_beta,
-      config.seed,
+      config.partition.num_clients,
+      config.data.synthetic_alpha,
+      config.data.synthetic_beta,
+      config.run.seed,
     )
-    x_test, y_test = synthetic.held_out(data, config.seed)
+    x_test, y_test = synthetic.held_out(data, config.run.seed)
     return Clients(
       data=data,
       x_test=x_test,
@@ -144,7 +145,7 @@ def load_clients(config: config_lib.ExperimentConfig) -> Clients:
       shift=0.0,
       sizes=np.asarray(data.sizes),
       partition=synthetic.summary(
-        data, config.synthetic_alpha, config.synthetic_beta
+        data, config.data.synthetic_alpha, config.data.synthetic_beta
       ),
     )
   dataset = load_dataset(config)
@@ -172,15 +173,17 @@ def load_dataset(config: config_lib.ExperimentConfig) -> datasets.Dataset:
   """The dataset of a run, as `setup` loads it (its folder, CIFAR-100
   labels, LEAF filter, and the natural clients kept)."""
   dataset = datasets.load(
-    config.dataset,
-    config.data_dir or None,
-    cifar100_labels=config.cifar100_labels,
-    leaf_min_samples=config.leaf_min_samples,
+    config.data.dataset,
+    config.data.data_dir or None,
+    cifar100_labels=config.data.cifar100_labels,
+    leaf_min_samples=config.data.leaf_min_samples,
   )
-  if config.partition == 'natural':
-    dataset = datasets.natural_clients(dataset, config.num_clients, config.seed)
-  if config.classes:
-    classes = datasets.parse_classes(config.classes, dataset.num_classes)
+  if config.partition.kind == 'natural':
+    dataset = datasets.natural_clients(
+      dataset, config.partition.num_clients, config.run.seed
+    )
+  if config.data.classes:
+    classes = datasets.parse_classes(config.data.classes, dataset.num_classes)
     # Training indices stay valid (other classes get label −1), so a
     # natural partition is kept and filtered by `make_partition`.
     dataset = datasets.select_classes(dataset, classes)._replace(
@@ -198,7 +201,7 @@ def make_partition(
 
   Examples labelled −1 (not among `classes`) are in no client.
   """
-  if config.classes and config.partition in (
+  if config.data.classes and config.partition.kind in (
     'iid',
     'dirichlet',
     'dirichlet_equal',
@@ -208,21 +211,21 @@ def make_partition(
     keep = np.flatnonzero(labels >= 0)
     return [keep[p] for p in _partition(config, labels[keep], clients)]
   parts = _partition(config, labels, clients)
-  if not config.classes:
+  if not config.data.classes:
     return parts
   kept = [p[labels[p] >= 0] for p in parts]
-  if config.partition == 'file':
+  if config.partition.kind == 'file':
     for k, (p, q) in enumerate(zip(parts, kept)):
       if len(q) < len(p):
         bad = int(p[labels[p] < 0][0])
         raise errors.ConfigError(
-          f'`partition_file={config.partition_file}`: client {k} holds '
-          f'example {bad}, of a class outside `classes={config.classes}`'
+          f'`partition_file={config.partition.file}`: client {k} holds '
+          f'example {bad}, of a class outside `classes={config.data.classes}`'
         )
   empty = [k for k, q in enumerate(kept) if not len(q)]
   if empty:
     raise errors.ConfigError(
-      f'`classes={config.classes}`: client {empty[0]} has no examples of '
+      f'`classes={config.data.classes}`: client {empty[0]} has no examples of '
       'these classes'
     )
   return kept
@@ -233,37 +236,45 @@ def _partition(
   labels: np.ndarray,
   clients: Sequence[np.ndarray] | None,
 ) -> list[np.ndarray]:
-  if config.partition == 'natural':
+  if config.partition.kind == 'natural':
     if clients is None:
       raise errors.ConfigError(
-        f'`partition=natural`: `dataset={config.dataset}` has no natural '
+        f'`partition=natural`: `dataset={config.data.dataset}` has no natural '
         'clients'
       )
     return list(clients)
-  if config.partition == 'iid':
-    return partition_lib.iid(len(labels), config.num_clients, config.seed)
-  if config.partition == 'shards':
-    return partition_lib.shards(
-      labels, config.num_clients, config.shards_per_client, config.seed
+  if config.partition.kind == 'iid':
+    return partition_lib.iid(
+      len(labels), config.partition.num_clients, config.run.seed
     )
-  if config.partition == 'file':
+  if config.partition.kind == 'shards':
+    return partition_lib.shards(
+      labels,
+      config.partition.num_clients,
+      config.partition.shards_per_client,
+      config.run.seed,
+    )
+  if config.partition.kind == 'file':
     parts, _ = partition_lib.load_file(
-      config.partition_file,
-      config.num_clients,
+      config.partition.file,
+      config.partition.num_clients,
       num_examples=len(labels),
-      sha256=config.partition_sha256,
+      sha256=config.partition.sha256,
     )
     return parts
-  if config.partition == 'dirichlet_equal':
+  if config.partition.kind == 'dirichlet_equal':
     return partition_lib.dirichlet_equal(
-      labels, config.num_clients, config.alpha, config.seed
+      labels,
+      config.partition.num_clients,
+      config.partition.alpha,
+      config.run.seed,
     )
   return partition_lib.dirichlet(
     labels,
-    config.num_clients,
-    config.alpha,
-    config.seed,
-    min_size=config.min_client_size,
+    config.partition.num_clients,
+    config.partition.alpha,
+    config.run.seed,
+    min_size=config.partition.min_client_size,
   )
 
 
@@ -273,7 +284,7 @@ def build_algorithm(
   variables: types.Variables,
   hparams: Any = None,
 ) -> types.Algorithm:
-  """The algorithm named by `config.algorithm`, from the registry.
+  """The algorithm named by `config.algorithm.name`, from the registry.
 
   Args:
     config: the experiment (validated).
@@ -281,7 +292,7 @@ def build_algorithm(
     variables: the initial model variables as `model.init` returns them
       (their key order is the model's layer order, which FedMR-p's segments
       follow).
-    hparams: the algorithm's hyper-parameters as `config_lib.validate`
+    hparams: the algorithm's hyper-parameters as `checks.validate`
       returned them; None: read from `config` (and checked).
 
   Raises:
@@ -290,26 +301,26 @@ def build_algorithm(
   """
   local = client.LocalTraining(
     model,
-    config_lib.client_optimizer(config),
-    config.local_epochs,
-    config.batch_size,
+    checks.client_optimizer(config),
+    config.local.local_epochs,
+    config.local.batch_size,
   )
-  entry = registry.get(config.algorithm)
+  entry = registry.get(config.algorithm.name)
   setting = registry.Setting(
     local=local,
-    clients_per_round=config.clients_per_round,
-    num_clients=config.num_clients,
+    clients_per_round=config.server.clients_per_round,
+    num_clients=config.partition.num_clients,
     weighted=not config_lib.uniform_weights(config),
     variables=variables,
     server_optimizer=(
-      config_lib.server_optimizer(config) if entry.server_optimizer else None
+      checks.server_optimizer(config) if entry.server_optimizer else None
     ),
   )
   try:
-    hp = config_lib.hparams(config) if hparams is None else hparams
+    hp = checks.hparams(config) if hparams is None else hparams
     return entry.factory(setting, hp)
   except errors.ArgumentError as e:
-    raise config_lib.as_config_error(config.algorithm, e) from None
+    raise checks.as_config_error(config.algorithm.name, e) from None
 
 
 def pretrained_variables(
@@ -328,8 +339,8 @@ def pretrained_variables(
   """
   from fedjax_mr.stitch import pool as pool_lib  # orbax, on demand
 
-  where = f'`init_from={config.init_from}`'
-  folder, model_id = os.path.split(os.path.normpath(config.init_from))
+  where = f'`init_from={config.model.init_from}`'
+  folder, model_id = os.path.split(os.path.normpath(config.model.init_from))
   try:
     pretrained = pool_lib.load_model(folder, model_id)
   except errors.UserError as e:
@@ -348,8 +359,8 @@ def pretrained_variables(
   pool_classes = pretrained.meta.get('classes')
   # (`load_dataset` checked the ids against the dataset's classes.)
   run_classes = (
-    list(datasets.parse_classes(config.classes, 2**31))
-    if config.classes
+    list(datasets.parse_classes(config.data.classes, 2**31))
+    if config.data.classes
     else None
   )
   if pool_classes != run_classes:
@@ -373,14 +384,14 @@ def _check_pretrained(
   """Refuses a pool model (`pool.load_model`'s) that is not this run's:
   another model, dataset, input shape, number of classes or variables."""
   meta = pretrained.meta
-  if meta.get('model') != config.model:
+  if meta.get('model') != config.model.name:
     raise errors.ConfigError(
-      f'{where}: a {meta.get("model")} model, not `model={config.model}`'
+      f'{where}: a {meta.get("model")} model, not `model={config.model.name}`'
     )
-  if meta.get('dataset', config.dataset) != config.dataset:
+  if meta.get('dataset', config.data.dataset) != config.data.dataset:
     raise errors.ConfigError(
       f'{where}: trained on {meta.get("dataset")}, not '
-      f'`dataset={config.dataset}`'
+      f'`dataset={config.data.dataset}`'
     )
   if tuple(pretrained.model.input_shape) != tuple(model.input_shape) or (
     pretrained.model.num_classes != model.num_classes
@@ -398,7 +409,7 @@ def _check_pretrained(
   if not same:
     raise errors.ConfigError(
       f'{where}: its variables do not have the shapes of '
-      f'`model={config.model}` under `algorithm={config.algorithm}`'
+      f'`model={config.model.name}` under `algorithm={config.algorithm.name}`'
     )
 
 
@@ -449,8 +460,8 @@ def data_placement(
   memory, else 'host'."""
   if not isinstance(data, client_data_lib.ClientData):
     return 'generated'
-  if config.data_placement != 'auto':
-    return config.data_placement
+  if config.devices.data_placement != 'auto':
+    return config.devices.data_placement
   device = mesh.devices.flat[0]
   copies = mesh.devices.size if device.platform == 'cpu' else 1
   memory = _memory_bytes(device)
@@ -468,7 +479,7 @@ def prefetches(experiment: Experiment) -> bool:
   its training data are on the host, `prefetch` is on and its sampler
   reads nothing of the round before (`engine.draws_ahead`)."""
   return (
-    experiment.config.prefetch
+    experiment.config.devices.prefetch
     and isinstance(experiment.data, engine.HostData)
     and engine.draws_ahead(experiment.algorithm)
   )
@@ -502,13 +513,14 @@ def check_round_memory(
   memory = _memory_bytes(device)
   if not memory:
     return
-  k = config.clients_per_round
+  k = config.server.clients_per_round
   per_device = k if device.platform == 'cpu' else -(-k // mesh.devices.size)
   model = sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(variables))
   need = per_device * model * STACKED_MODELS_PER_CLIENT
   if need > memory:
     raise errors.ConfigError(
-      f'`clients_per_round={k}`: `algorithm={config.algorithm}` keeps every '
+      f'`clients_per_round={k}`: `algorithm={config.algorithm.name}` keeps '
+      'every '
       f"client's model of a round, at least {need / 2**30:,.1f} GiB "
       f'({STACKED_MODELS_PER_CLIENT} models of {model / 2**20:,.2f} MiB a '
       f'client), more than the {memory / 2**30:,.1f} GiB '

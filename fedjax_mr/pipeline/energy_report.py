@@ -35,11 +35,11 @@ def simulate_energy(
   rows = [row for row in history if 'client_ids' in row]
   ids = [row['client_ids'] for row in rows]
   work = simulation.training_workloads(
-    ids, sizes, config.local_epochs, config.energy_ms_per_sample / 1000
+    ids, sizes, config.local.local_epochs, config.energy.ms_per_sample / 1000
   )
   out = {}
-  for mix in config_lib.energy_mixes(config):
-    clients = simulation.assign_profiles(mix, len(sizes), config.seed)
+  for mix in config_lib.energy_mixes(config.energy):
+    clients = simulation.assign_profiles(mix, len(sizes), config.run.seed)
     report = simulation.simulate(work, clients, client_ids=ids)
     out[mix] = {**report.summary(), 'rounds_simulated': len(rows)}
   return out

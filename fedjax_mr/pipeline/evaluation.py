@@ -68,7 +68,7 @@ def make_evaluators(experiment: build.Experiment) -> Evaluators:
   # mutated), each on the whole test set.
   def evaluate_next(s, d, t):
     sent = engine.next_dispatch(
-      algorithm, s, d, experiment.key, config.clients_per_round
+      algorithm, s, d, experiment.key, config.server.clients_per_round
     )
     return evaluate_dispatched(sent, t)
 
@@ -92,13 +92,13 @@ def evaluate_round(
   """Adds the evaluations due after round r (`state`: its result) to its
   metrics row and clients row; whether any ran."""
   evaluated = False
-  if due(config.eval_every, r, config.rounds):
+  if due(config.evaluation.eval_every, r, config.run.rounds):
     ev = jax.device_get(evaluators.server(state.server, test))
     row['test_accuracy'] = float(ev['accuracy'])
     row['test_loss'] = float(ev['loss'])
     evaluated = True
   if evaluators.local is not None and due(
-    config.local_eval_every, r, config.rounds
+    config.evaluation.local_eval_every, r, config.run.rounds
   ):
     local = evaluators.local(
       state.replace(clients=()), engine.round_data(data), test

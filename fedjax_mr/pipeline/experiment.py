@@ -31,6 +31,7 @@ from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.pipeline import build
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import energy_report
 from fedjax_mr.pipeline import evaluation
@@ -78,7 +79,8 @@ def setup(config: config_lib.ExperimentConfig) -> build.Experiment:
   Raises:
     UserError: bad config or data (the message names the config field).
   """
-  return _setup(config, config_lib.validate(config))
+  config = config_lib.with_file_digest(config)
+  return _setup(config, checks.validate(config))
 
 
 def _setup(
@@ -89,23 +91,23 @@ def _setup(
   mesh = distributed.mesh_for(config)
   clients = build.load_clients(config)
   model = model_lib.get(
-    config.model,
+    config.model.name,
     clients.num_classes,
     clients.input_shape,
-    dataset=config.dataset,
+    dataset=config.data.dataset,
   )
-  model = registry.model_for(config.algorithm, model, hparams)
+  model = registry.model_for(config.algorithm.name, model, hparams)
   test = client_data_lib.eval_data(
     clients.x_test,
     clients.y_test,
-    config.eval_batch_size,
+    config.evaluation.eval_batch_size,
     clients.scale,
     clients.shift,
     num_shards=mesh.devices.size,
   )
-  key = jax.random.key(config.seed)
+  key = jax.random.key(config.run.seed)
   variables = model.init(jax.random.fold_in(key, _INIT))
-  if config.init_from:
+  if config.model.init_from:
     variables = build.pretrained_variables(config, model, variables)
   algorithm = build.build_algorithm(config, model, variables, hparams)
   build.check_round_memory(config, algorithm, variables, mesh)
@@ -123,7 +125,7 @@ def _setup(
   if on_host:
     # Each round sends the devices only its own clients' examples (from a
     # file that `run` writes, under 'memmap').
-    data = engine.host_data(clients.data, config.clients_per_round)
+    data = engine.host_data(clients.data, config.server.clients_per_round)
   state = device_state.replace(clients=state.clients)
   return build.Experiment(
     config=config,
@@ -151,7 +153,7 @@ def train_and_evaluate(
 
   Args:
     config: the experiment.
-    workdir: output folder; default `config.workdir`, else
+    workdir: output folder; default `config.run.workdir`, else
       `config.default_workdir()`.
     log: where progress lines go.
     on_round: called with (round, metrics row) after each round is logged
@@ -166,11 +168,12 @@ def train_and_evaluate(
     NonFiniteError: the train loss became non-finite; the metrics written
       so far and the last checkpoint are kept.
   """
-  hparams = config_lib.validate(config)
+  config = config_lib.with_file_digest(config)
+  hparams = checks.validate(config)
   # The devices the command line would give, before anything asks JAX
   # which process this is (that would fix its devices).
   distributed.initialize_for(config)
-  workdir = workdir or config.workdir or config.default_workdir()
+  workdir = workdir or config.run.workdir or config.default_workdir()
   # Refuse another run's workdir before loading anything.
   resume.check_workdir(config, workdir)
   return run(_setup(config, hparams), workdir, log=log, on_round=on_round)
@@ -262,10 +265,10 @@ def _run(
       config, workdir, bool(start), experiment.partition, data
     )
   if ckpt is None:
-    ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+    ckpt = checkpoint.Checkpointer(workdir, keep=config.run.keep_checkpoints)
   mapping = distributed.client_mapping(
-    config.clients_per_round,
-    config.client_chunk,
+    config.server.clients_per_round,
+    config.devices.client_chunk,
     experiment.mesh,
     tree.num_parameters(state.server.params),
   )
@@ -282,20 +285,20 @@ def _run(
     experiment,
     evaluation.make_evaluators(experiment),
     rows,
-    progress.Timer(start, config.rounds),
+    progress.Timer(start, config.run.rounds),
     log,
   )
   saved_round = start
   pending = None  # the round whose rows are not written: (r, metrics, t0)
   with resume.TerminationAsInterrupt():
     try:
-      for r in range(start + 1, config.rounds + 1):
+      for r in range(start + 1, config.run.rounds + 1):
         t0 = time.perf_counter()
         state, metrics = round_fn(state, experiment.data, experiment.key)
         pending = (r, metrics, t0)
         row = _record(loop, state, saved_round, *pending)
         pending = None
-        if evaluation.due(config.checkpoint_every, r, config.rounds):
+        if evaluation.due(config.run.checkpoint_every, r, config.run.rounds):
           with resume.SignalsDeferred():
             ckpt.save(r, state, {**meta, **rows.binding()})
             saved_round = r
@@ -330,7 +333,7 @@ def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
   memory stay there (`engine.make_host_round`); the next round's view of
   host data is gathered while a round runs where `build.prefetches`."""
   mesh = experiment.mesh
-  k = experiment.config.clients_per_round
+  k = experiment.config.server.clients_per_round
   jitted = functools.partial(
     jax.jit, donate_argnums=0, out_shardings=distributed.replicated(mesh)
   )
@@ -426,7 +429,7 @@ def _finish(loop: _Loop, workdir: str, primary: bool) -> None:
   if history and primary:
     records.plot_curve(config, history, workdir)
   loop.log(loop.timer.summary(history, workdir))
-  if primary and config_lib.energy_mixes(config):
+  if primary and config_lib.energy_mixes(config.energy):
     energy_report.write(
       config, history, loop.experiment.client_sizes, workdir, loop.log
     )
@@ -461,12 +464,13 @@ def read_config(workdir: str) -> config_lib.ExperimentConfig:
   """
   config_path = os.path.join(workdir, records.CONFIG_FILE)
   try:
-    saved = jsonfile.load(config_path, config_lib.MAX_CONFIG_BYTES)
+    saved = jsonfile.load(config_path, checks.MAX_CONFIG_BYTES)
   except jsonfile.JsonFileError as e:
     raise errors.ConfigError(str(e)) from None
-  known = set(config_lib.ExperimentConfig().to_dict())
+  known = {f.name for f in config_lib.base_fields()}
+  known |= set(registry.all_flags())
   try:
-    return config_lib.ExperimentConfig(
+    return config_lib.ExperimentConfig.from_flat(
       **{k: v for k, v in saved.items() if k in known}
     )
   except TypeError as e:
@@ -505,7 +509,7 @@ def restore_run(
   """
   folder = os.path.join(workdir, checkpoint.FOLDER)
   ckpt = checkpoint.Checkpointer(
-    workdir, keep=experiment.config.keep_checkpoints
+    workdir, keep=experiment.config.run.keep_checkpoints
   )
   try:
     found = ckpt.find(

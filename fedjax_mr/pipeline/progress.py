@@ -43,25 +43,27 @@ def announce(
   if host_data:
     data = data.data
   num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
-  if config.dataset == datasets.SYNTHETIC:
+  if config.data.dataset == datasets.SYNTHETIC:
     log(_synthetic_line(experiment, num_params))
   else:
     log(
-      f'{config.algorithm} on {config.dataset} ({int(data.num_examples)} '
-      f'train / {int(jax.numpy.sum(test.mask))} test), {config.model} '
+      f'{config.algorithm.name} on {config.data.dataset} '
+      f'({int(data.num_examples)} '
+      f'train / {int(jax.numpy.sum(test.mask))} test), {config.model.name} '
       f'({num_params:,} parameters), {data.num_clients} clients '
-      f'({config.partition}), {config.clients_per_round} per round, '
-      f'{titles.rounds(config.rounds)}'
+      f'({config.partition.kind}), {config.server.clients_per_round} per '
+      'round, '
+      f'{titles.rounds(config.run.rounds)}'
     )
   unassigned = (experiment.partition or {}).get('unassigned', 0)
   if unassigned:
     log(
       f'note: {unassigned} of {int(data.num_examples)} training examples are '
-      f'in no client (`partition={config.partition}`)'
+      f'in no client (`partition={config.partition.kind}`)'
     )
   num_devices, platform = mapping['devices'], mapping['platform']
   per_device = distributed.clients_per_device(
-    config.clients_per_round, num_devices
+    config.server.clients_per_round, num_devices
   )
   log(
     f'{num_devices} {platform} device(s) in {jax.process_count()} '
@@ -84,7 +86,7 @@ def _placement(experiment: build.Experiment) -> str:
       else 'in host memory'
     )
     ahead = "the next round's gathered while one trains"
-    if not experiment.config.prefetch:
+    if not experiment.config.devices.prefetch:
       ahead = 'not prefetched'
     elif not build.prefetches(experiment):
       ahead = "not prefetched: the sampler reads each round's result"
@@ -104,13 +106,14 @@ def _synthetic_line(experiment: build.Experiment, num_params: int) -> str:
   config, test = experiment.config, experiment.test
   sizes = np.asarray(experiment.client_sizes, np.int64)
   return (
-    f'{config.algorithm} on synthetic(α={config.synthetic_alpha:g}, '
-    f'β={config.synthetic_beta:g}): {len(sizes):,} clients generated on '
+    f'{config.algorithm.name} on synthetic(α={config.data.synthetic_alpha:g}, '
+    f'β={config.data.synthetic_beta:g}): {len(sizes):,} clients generated on '
     f'demand, {sizes.mean():.2f} examples each on average '
     f'({sizes.min()}..{sizes.max()}; {sizes.sum():,} train / '
-    f'{int(jax.numpy.sum(test.mask)):,} test), {config.model} '
-    f'({num_params:,} parameters), {config.clients_per_round:,} per round, '
-    f'{titles.rounds(config.rounds)}'
+    f'{int(jax.numpy.sum(test.mask)):,} test), {config.model.name} '
+    f'({num_params:,} parameters), {config.server.clients_per_round:,} per '
+    'round, '
+    f'{titles.rounds(config.run.rounds)}'
   )
 
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from fedjax_mr.core import jsonfile
 from fedjax_mr.data import partition as partition_lib
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import registry
 from fedjax_mr.pipeline import titles
@@ -200,7 +201,7 @@ def _provenance_records(config_path: str) -> list[dict[str, Any]]:
   """The provenance records of an earlier config.json (none if unreadable
   or missing: the checkpoint, not this file, defines the run)."""
   try:
-    records = jsonfile.load(config_path, config_lib.MAX_CONFIG_BYTES)
+    records = jsonfile.load(config_path, checks.MAX_CONFIG_BYTES)
   except jsonfile.JsonFileError:
     return []
   records = records.get(PROVENANCE_KEY, [])
@@ -213,7 +214,7 @@ def saved_data(config_path: str) -> dict[str, Any] | None:
   """The data fingerprint of a config.json (None if it has none: a run
   made before fingerprints, or an unreadable file)."""
   try:
-    found = jsonfile.load(config_path, config_lib.MAX_CONFIG_BYTES)
+    found = jsonfile.load(config_path, checks.MAX_CONFIG_BYTES)
   except jsonfile.JsonFileError:
     return None
   found = found.get(DATA_KEY)
@@ -248,7 +249,7 @@ def intact_rounds(workdir: str) -> tuple[int | None, str]:
 
 class Records:
   """A run's rows: metrics.jsonl, clients.jsonl, the TensorBoard events
-  (`config.tensorboard`) and the history in memory.
+  (`config.run.tensorboard`) and the history in memory.
 
   Only the primary process writes files; every process keeps `written`,
   the last round whose rows are written.
@@ -334,7 +335,7 @@ class Records:
       self._clients_written = clients_row['round']
 
   def _write_events(self, row: dict[str, Any]) -> None:
-    if not (self._primary and self._config.tensorboard):
+    if not (self._primary and self._config.run.tensorboard):
       return
     if self._events is None:
       # A resumed run's file makes TensorBoard drop the rounds it redoes.
@@ -358,7 +359,7 @@ def plot_curve(
   """Writes a run's learning curves (`plots.curves_figure`) as
   `<workdir>/learning_curve.png`."""
   plots.plot_curves(
-    {registry.display_name(config.algorithm): {config.seed: history}},
+    {registry.display_name(config.algorithm.name): {config.run.seed: history}},
     os.path.join(workdir, CURVE_FILE),
     title=titles.setting_title(config),
   )

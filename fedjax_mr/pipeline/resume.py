@@ -28,6 +28,7 @@ import jax
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import workdir as workdir_lib
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import records
 from fedjax_mr.runtime import checkpoint
@@ -52,7 +53,7 @@ def check_workdir(config: config_lib.ExperimentConfig, workdir: str) -> None:
     check_entries(workdir)
     config_path = os.path.join(workdir, records.CONFIG_FILE)
     if os.path.exists(config_path):
-      config_lib.check_resumable(config, config_path)
+      checks.check_resumable(config, config_path)
 
 
 def check_entries(workdir: str) -> None:
@@ -111,21 +112,21 @@ def restore(
 
   Raises:
     ConfigError: config.json or the checkpoint was made with another
-      config or other data, or the run is already past `config.rounds`.
+      config or other data, or the run is already past `config.run.rounds`.
     CheckpointError: checkpoints exist but none is intact.
   """
   config_path = os.path.join(workdir, records.CONFIG_FILE)
   # Only the primary process reads and writes config.json: the others
   # could find the file the primary has just written for this very run.
   if primary and os.path.exists(config_path):
-    config_lib.check_resumable(config, config_path)
+    checks.check_resumable(config, config_path)
     _check_data(config, workdir, records.saved_data(config_path), data)
   intact, why = records.intact_rounds(workdir)
   folder = os.path.join(workdir, checkpoint.FOLDER)
   if not os.path.isdir(folder) or not _steps(folder):
     _starts_over(folder, intact, log)
     return None, None, state
-  ckpt = checkpoint.Checkpointer(workdir, keep=config.keep_checkpoints)
+  ckpt = checkpoint.Checkpointer(workdir, keep=config.run.keep_checkpoints)
   check = bound_to(records.rows_digests(workdir))
   found = ckpt.find(state, at_most=intact, check=check)
   ckpt.check_found(found)
@@ -226,10 +227,10 @@ def _check_rounds(
   config: config_lib.ExperimentConfig, workdir: str, start: int
 ) -> None:
   """Refuses to resume the run after round `start` if it is already past
-  `config.rounds`."""
-  if start > config.rounds:
+  `config.run.rounds`."""
+  if start > config.run.rounds:
     raise errors.ConfigError(
-      f'`rounds={config.rounds}`: the run in {workdir} is already past it '
+      f'`rounds={config.run.rounds}`: the run in {workdir} is already past it '
       f'({start} rounds done); pass `rounds={start}` or more to resume it'
     )
 
@@ -246,7 +247,7 @@ def _check_checkpoint(
   # The config a checkpoint was made with is kept inside it: config.json
   # alone could be deleted or replaced.
   saved = metadata.get('config')
-  diffs = config_lib.config_diffs(config, saved) if saved else []
+  diffs = checks.config_diffs(config, saved) if saved else []
   if diffs:
     raise errors.ConfigError(
       f'the checkpoint after round {start} in {workdir} was made with '
@@ -270,7 +271,8 @@ def _check_data(
   keys = sorted(set(saved) | set(data))
   what = [k for k in keys if saved.get(k) != data.get(k)]
   raise errors.ConfigError(
-    f'`data_dir={config.data_dir}`: the {config.dataset} data loaded from '
+    f'`data_dir={config.data.data_dir}`: the {config.data.dataset} data loaded '
+    'from '
     f'it differ from those the run in {workdir} was made with '
     f'({", ".join(what)} differ); pass the folder of the same data, or '
     'another `workdir`'

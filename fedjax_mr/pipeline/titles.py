@@ -68,35 +68,38 @@ def setting_title(config: config_lib.ExperimentConfig) -> str:
   """
   c = config
   part = {
-    'dirichlet': f'Dir(α = {c.alpha:g})',
-    'dirichlet_equal': f'Dir(α = {c.alpha:g}), equal sizes',
-    'shards': f'{c.shards_per_client} shards per client',
-    'file': f'partition file {c.partition_sha256[:8]}',
+    'dirichlet': f'Dir(α = {c.partition.alpha:g})',
+    'dirichlet_equal': f'Dir(α = {c.partition.alpha:g}), equal sizes',
+    'shards': f'{c.partition.shards_per_client} shards per client',
+    'file': f'partition file {c.partition.sha256[:8]}',
     'iid': 'IID',
     'natural': 'LEAF users as clients',
-  }.get(c.partition, c.partition)
-  data = datasets.DISPLAY_NAMES.get(c.dataset, c.dataset)
-  if c.dataset == datasets.SYNTHETIC:
-    data = f'{data}(α = {c.synthetic_alpha:g}, β = {c.synthetic_beta:g})'
+  }.get(c.partition.kind, c.partition.kind)
+  data = datasets.DISPLAY_NAMES.get(c.data.dataset, c.data.dataset)
+  if c.data.dataset == datasets.SYNTHETIC:
+    data = (
+      f'{data}(α = {c.data.synthetic_alpha:g}, β = {c.data.synthetic_beta:g})'
+    )
     part = ''
   title = ', '.join(
     x
     for x in (
       data,
-      MODEL_NAMES.get(c.model, c.model),
+      MODEL_NAMES.get(c.model.name, c.model.name),
       part,
-      f'K = {c.clients_per_round} of {c.num_clients}',
-      f'E = {c.local_epochs}, B = {c.batch_size}, lr = {c.lr:g}',
-      f'momentum = {c.momentum:g}, {rounds(c.rounds)}',
+      f'K = {c.server.clients_per_round} of {c.partition.num_clients}',
+      f'E = {c.local.local_epochs}, B = {c.local.batch_size}, lr = '
+      f'{c.local.lr:g}',
+      f'momentum = {c.local.momentum:g}, {rounds(c.run.rounds)}',
     )
     if x
   )
-  defaults = config_lib.ExperimentConfig()
+  values = c.flat()
   extra = [
-    f'{f.name}={getattr(c, f.name)}'
+    f'{f.name}={values[f.name]}'
     for f in config_lib.base_fields()
     if not f.metadata['run_only']
     and f.name not in _TITLE_FIELDS
-    and getattr(c, f.name) != getattr(defaults, f.name)
+    and values[f.name] != f.default
   ]
   return title + ''.join(f', {e}' for e in extra)

@@ -229,13 +229,13 @@ def initialize_for(config) -> None:
   has not set up its devices before (then `note_devices` says so).
   """
   initialize(
-    host_devices=config.host_devices,
-    num_devices=config.num_devices,
-    clients_per_round=config.clients_per_round,
-    coordinator_address=config.coordinator_address,
-    num_processes=config.num_processes,
-    process_id=config.process_id,
-    coordinator_timeout=config.coordinator_timeout,
+    host_devices=config.devices.host_devices,
+    num_devices=config.devices.num_devices,
+    clients_per_round=config.server.clients_per_round,
+    coordinator_address=config.devices.processes.coordinator_address,
+    num_processes=config.devices.processes.num_processes,
+    process_id=config.devices.processes.process_id,
+    coordinator_timeout=config.devices.processes.coordinator_timeout,
   )
 
 
@@ -272,14 +272,15 @@ def mesh_for(config) -> jax.sharding.Mesh:
     initialize_for(config)
   else:
     note_devices(config)
-  mesh = make_mesh(config.num_devices)
+  mesh = make_mesh(config.devices.num_devices)
   num_devices = mesh.devices.size
-  if num_devices > config.clients_per_round:
+  if num_devices > config.server.clients_per_round:
     raise errors.ConfigError(
-      f'`clients_per_round={config.clients_per_round}` is fewer than the '
+      f'`clients_per_round={config.server.clients_per_round}` is fewer than '
+      'the '
       f'{num_devices} devices the clients are sharded over; set '
       '`num_devices` (or `host_devices` on CPU) to at most '
-      f'{config.clients_per_round}'
+      f'{config.server.clients_per_round}'
     )
   return mesh
 
@@ -290,12 +291,12 @@ def note_devices(config) -> None:
   if jax.process_count() > 1 or jax.devices()[0].platform != 'cpu':
     return
   want = (
-    config.host_devices
-    or config.num_devices
-    or auto_host_devices(config.clients_per_round)
+    config.devices.host_devices
+    or config.devices.num_devices
+    or auto_host_devices(config.server.clients_per_round)
   )
   have = len(jax.devices())
-  if have < want and not config.num_devices:
+  if have < want and not config.devices.num_devices:
     warnings.warn(
       f'JAX started with {have} CPU device(s) before this run was set up; '
       f'the command line would use {want}. Call '

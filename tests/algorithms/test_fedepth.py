@@ -12,7 +12,7 @@ from fedjax_mr.core import errors
 from fedjax_mr.core import tree
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.models import model as model_lib
-from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import checks
 from fedjax_mr.training import client
 from fedjax_mr.training import optimizers
 from tests import helpers
@@ -404,6 +404,6 @@ def test_bad_hparams_name_their_flag():
     try:
       fedepth.Hparams(**changes).validate()
     except errors.ArgumentError as e:
-      error = config_lib.as_config_error('fedepth', e)
+      error = checks.as_config_error('fedepth', e)
     assert isinstance(error, errors.ConfigError)
     assert str(error).startswith(f'`fedepth_{field}` must')

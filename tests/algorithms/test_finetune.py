@@ -10,7 +10,7 @@ from fedjax_mr.algorithms import fedavg
 from fedjax_mr.algorithms import finetune
 from fedjax_mr.core import errors
 from fedjax_mr.models import model as model_lib
-from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import registry
 from fedjax_mr.training import budgets
 from fedjax_mr.training import client
@@ -296,7 +296,7 @@ def test_eligibility_and_sampling_from_measured_memory():
   assert '\n' not in message and "FT-Full's training step" in message
   flags = registry.flags_of('ft_full')
   assert 'ft_budgets_gb' in flags and 'ft_budget_fractions' in flags
-  assert str(config_lib.as_config_error('ft_full', e.value)).startswith(
+  assert str(checks.as_config_error('ft_full', e.value)).startswith(
     '`clients_per_round` must be at most 3'
   )
   # FT-Part takes K = 7 but not 8.
@@ -316,7 +316,7 @@ def test_bad_hparams_name_their_flag():
     finetune.Hparams(budget_fractions='0.5,0.5').validate()
   with pytest.raises(errors.ArgumentError, match='^budgets_gb must be'):
     finetune.Hparams(budgets_gb='1,x').validate()
-  assert config_lib.field_of('ft_part', 'layers') == 'ft_layers'
+  assert checks.field_of('ft_part', 'layers') == 'ft_layers'
   local = contract.local_training(helpers.linear_bn_model())
   with pytest.raises(errors.ArgumentError, match='^layers must be in 1..3'):
     finetune.build_part(_setting(local, 2, 4), finetune.PartHparams(layers=4))

@@ -18,25 +18,27 @@ def _config(**changes):
   return helpers.small_config('/data', **changes)
 
 
+def _values(**changes):
+  return helpers.small_values('/data', **changes)
+
+
 def test_an_algorithms_flag_applies_to_its_variants_only(tmp_path):
-  base = _config(fedprox_mu=0.1, fedmut_alpha=2.0)
+  base = _values(fedprox_mu=0.1, fedmut_alpha=2.0)
   variants = [compare.parse_variant(v) for v in ('fedavg', 'fedprox', 'fedmut')]
   runs = compare.configs(base, variants, [0], str(tmp_path))
-  got = {n: (c.fedprox_mu, c.fedmut_alpha) for n, _, c in runs}
-  defaults = config_lib.ExperimentConfig()
-  assert got == {
-    'fedavg': (defaults.fedprox_mu, defaults.fedmut_alpha),
-    'fedprox': (0.1, defaults.fedmut_alpha),
-    'fedmut': (defaults.fedprox_mu, 2.0),
-  }
+  got = {n: c.algorithm.options() for n, _, c in runs}
+  assert got['fedavg'] == {}  # FedAvg has no hyper-parameter of its own
+  assert got['fedprox'] == {'fedprox_mu': 0.1}
+  defaults = config_lib.ExperimentConfig.from_flat(algorithm='fedmut')
+  assert got['fedmut'] == {**defaults.algorithm.options(), 'fedmut_alpha': 2.0}
   # A variant's own value wins; a flag no variant reads is refused.
   runs = compare.configs(
-    _config(fedprox_mu=0.1),
+    _values(fedprox_mu=0.1),
     [('p', {'algorithm': 'fedprox', 'fedprox_mu': 0.5})],
     [0],
     '/x',
   )
-  assert runs[0][2].fedprox_mu == 0.5
+  assert runs[0][2].algorithm.hparams.mu == 0.5
   with pytest.raises(
     errors.ConfigError, match=r'^`fedmut_alpha` applies to .*fedmut` only'
   ):
@@ -50,14 +52,14 @@ def test_a_seed_out_of_range_is_refused_before_anything_runs(tmp_path):
       errors.ConfigError,
       match=rf'^`seeds` must be in \[0, 2\*\*32\), got {seed}$',
     ):
-      compare.configs(_config(), variants, [0, seed], str(tmp_path))
+      compare.configs(_values(), variants, [0, seed], str(tmp_path))
   assert not os.listdir(tmp_path)
 
 
 def test_a_seed_given_twice_is_refused(tmp_path):
   variants = [compare.parse_variant('fedavg')]
   with pytest.raises(errors.ConfigError) as e:
-    compare.configs(_config(), variants, [0, 3, 0], str(tmp_path))
+    compare.configs(_values(), variants, [0, 3, 0], str(tmp_path))
   assert str(e.value) == '`seeds`: seed 0 appears twice; each seed is one run'
   assert not os.listdir(tmp_path)
 
@@ -128,18 +130,20 @@ def test_table_and_figure_name_the_variants_alike(tmp_path, monkeypatch):
 
 
 def test_the_matrix_says_how_long_it_has_left(tmp_path):
-  base = _config(rounds=4)
+  base = _values(rounds=4)
   runs = compare.configs(
     base, [compare.parse_variant('fedavg')], [0, 1, 2], str(tmp_path)
   )
   _write(str(tmp_path), 'fedavg', 2, [None, 0.5])  # half done before
 
   def train(config):
-    have = len(metrics_io.read(os.path.join(config.workdir, 'metrics.jsonl')))
-    for r in range(have + 1, config.rounds + 1):
-      os.makedirs(config.workdir, exist_ok=True)
+    have = len(
+      metrics_io.read(os.path.join(config.run.workdir, 'metrics.jsonl'))
+    )
+    for r in range(have + 1, config.run.rounds + 1):
+      os.makedirs(config.run.workdir, exist_ok=True)
       metrics_io.append(
-        os.path.join(config.workdir, 'metrics.jsonl'),
+        os.path.join(config.run.workdir, 'metrics.jsonl'),
         {'round': r, 'train_loss': 0.5},
       )
 

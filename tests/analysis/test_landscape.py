@@ -1,6 +1,5 @@
 """Loss landscapes: filter normalisation, the grid, and the program."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -156,7 +155,7 @@ def test_check_args_names_the_bad_argument(changes, name):
 
 def test_program_on_a_finished_run(small_fmnist_dir, tmp_path):
   cfg = helpers.small_config(small_fmnist_dir, rounds=2)
-  cfg = dataclasses.replace(cfg, algorithm='fedavg')
+  cfg = cfg.replace(algorithm='fedavg')
   work = str(tmp_path / 'run')
   experiment.train_and_evaluate(cfg, work, log=lambda line: None)
   before = sorted(os.listdir(work))

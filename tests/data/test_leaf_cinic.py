@@ -1,7 +1,6 @@
 """LEAF json, CINIC-10 folders and the new tfds datasets, on small fixtures
 written here in the real on-disk formats."""
 
-import dataclasses
 import json
 import os
 
@@ -14,6 +13,7 @@ from fedjax_mr.data import cinic
 from fedjax_mr.data import client_data
 from fedjax_mr.data import datasets
 from fedjax_mr.data import leaf
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from tests import helpers
 
@@ -363,18 +363,17 @@ def test_bad_options():
   ],
 )
 def test_config_validation(changes, message):
-  cfg = dataclasses.replace(
-    config_lib.ExperimentConfig(dataset='cifar10', model='cnn_cifar'),
-    **changes,
-  )
+  cfg = config_lib.ExperimentConfig.from_flat(
+    dataset='cifar10', model='cnn_cifar'
+  ).replace(**changes)
   with pytest.raises(errors.ConfigError, match=message):
-    config_lib.validate(cfg)
+    checks.validate(cfg)
 
 
 def test_natural_partition_is_valid_for_leaf_datasets():
   for name, model in (('femnist', 'cnn_femnist'), ('shakespeare', 'char_lstm')):
-    config_lib.validate(
-      config_lib.ExperimentConfig(
+    checks.validate(
+      config_lib.ExperimentConfig.from_flat(
         dataset=name, model=model, partition='natural', leaf_min_samples=100
       )
     )

@@ -1,4 +1,5 @@
-"""The partition flags of `ExperimentConfig`: validation and run identity."""
+"""`ExperimentConfig`: its tree of parts, its flat flags, the partition
+flags' validation and run identity."""
 
 import dataclasses
 import hashlib
@@ -8,13 +9,21 @@ import shutil
 import pytest
 
 from fedjax_mr.core import errors
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 
 
-def _config(**changes):
+def _values(**changes):
   values = dict(num_clients=3, clients_per_round=2, alpha=0.1)
   values.update(changes)
-  return config_lib.ExperimentConfig(**values)
+  return values
+
+
+def _config(**changes):
+  """The config of flags `changes`, with the partition file's digest read
+  as the programs read it (`with_file_digest`)."""
+  config = config_lib.ExperimentConfig.from_flat(**_values(**changes))
+  return config_lib.with_file_digest(config)
 
 
 @pytest.fixture
@@ -26,24 +35,24 @@ def part_file(tmp_path):
 
 def test_shards_flags_and_workdir():
   cfg = _config(partition='shards', shards_per_client=3)
-  config_lib.validate(cfg)
+  checks.validate(cfg)
   assert (
     cfg.default_workdir() == 'runs/fedavg-fashion_mnist-cnn_mnist-shards3-s0'
   )
   assert cfg.identity()['shards_per_client'] == 3
   with pytest.raises(errors.ConfigError, match=r'^`shards_per_client` must'):
-    config_lib.validate(_config(partition='shards', shards_per_client=0))
+    checks.validate(_config(partition='shards', shards_per_client=0))
   with pytest.raises(
     errors.ConfigError,
     match=r'^`shards_per_client=3` applies to `partition=shards` only, not '
     r'`partition=iid`$',
   ):
-    config_lib.validate(_config(partition='iid', shards_per_client=3))
+    checks.validate(_config(partition='iid', shards_per_client=3))
 
 
 def test_dirichlet_equal_flags_and_workdir():
   cfg = _config(partition='dirichlet_equal', alpha=0.5)
-  config_lib.validate(cfg)
+  checks.validate(cfg)
   assert cfg.default_workdir() == (
     'runs/fedavg-fashion_mnist-cnn_mnist-dirichlet_equal0.5-s0'
   )
@@ -52,26 +61,26 @@ def test_dirichlet_equal_flags_and_workdir():
     errors.ConfigError,
     match=r'^`alpha` must be finite and > 0 for `partition=dirichlet_equal`',
   ):
-    config_lib.validate(_config(partition='dirichlet_equal', alpha=0.0))
+    checks.validate(_config(partition='dirichlet_equal', alpha=0.0))
   with pytest.raises(
     errors.ConfigError,
     match=r'^`min_client_size=5` applies to `partition=dirichlet` only, not '
     r'`partition=dirichlet_equal`$',
   ):
-    config_lib.validate(_config(partition='dirichlet_equal', min_client_size=5))
+    checks.validate(_config(partition='dirichlet_equal', min_client_size=5))
   with pytest.raises(
     errors.ConfigError,
     match=r'^`alpha=0.5` applies to `partition=dirichlet or dirichlet_equal` '
     r'only, not `partition=iid`$',
   ):
-    config_lib.validate(_config(partition='iid', alpha=0.5))
+    checks.validate(_config(partition='iid', alpha=0.5))
 
 
 def test_file_config_holds_the_content_hash(part_file, tmp_path):
   sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
   cfg = _config(partition='file', partition_file=str(part_file))
-  config_lib.validate(cfg)
-  assert cfg.partition_sha256 == sha
+  checks.validate(cfg)
+  assert cfg.partition.sha256 == sha
   assert cfg.to_dict()['partition_sha256'] == sha
   assert cfg.default_workdir().endswith(f'-file-{sha[:8]}-s0')
   # The content defines the run; the path does not (run_only).
@@ -80,12 +89,12 @@ def test_file_config_holds_the_content_hash(part_file, tmp_path):
   moved = tmp_path / 'moved.json'
   shutil.copy(part_file, moved)
   same = _config(partition='file', partition_file=str(moved))
-  assert config_lib.config_diffs(same, cfg.to_dict()) == []
+  assert checks.config_diffs(same, cfg.to_dict()) == []
   # A changed file is another run, from the flags as from a saved config.
   part_file.write_text(json.dumps([[0], [2], [5, 4]]))
   changed = _config(partition='file', partition_file=str(part_file))
   new_sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
-  assert config_lib.config_diffs(changed, cfg.to_dict()) == [
+  assert checks.config_diffs(changed, cfg.to_dict()) == [
     f"`partition_sha256='{sha}'` there, '{new_sha}' here"
   ]
   with pytest.raises(
@@ -93,7 +102,7 @@ def test_file_config_holds_the_content_hash(part_file, tmp_path):
     match=rf'^`partition_file={part_file}`: its sha256 is {new_sha}, not '
     rf'`partition_sha256={sha}` ',
   ):
-    config_lib.validate(dataclasses.replace(cfg, rounds=3))
+    checks.validate(cfg.replace(rounds=3))
 
 
 @pytest.mark.parametrize(
@@ -133,7 +142,7 @@ def test_file_flag_errors(part_file, changes, message):
     for k, v in changes.items()
   }
   with pytest.raises(errors.ConfigError) as e:
-    config_lib.validate(_config(**changes))
+    checks.validate(_config(**changes))
   assert str(e.value) == message.replace('{f}', str(part_file))
 
 
@@ -148,10 +157,14 @@ def test_compare_variants_pass_the_new_partitions(part_file, tmp_path):
     f'split:partition=file,partition_file={part_file}',
   ]
   runs = compare.configs(
-    _config(), [compare.parse_variant(v) for v in specs], [0, 1], '/out'
+    _values(), [compare.parse_variant(v) for v in specs], [0, 1], '/out'
   )
   got = {
-    (n, seed): (c.partition, c.shards_per_client, c.partition_sha256)
+    (n, seed): (
+      c.partition.kind,
+      c.partition.shards_per_client,
+      c.partition.sha256,
+    )
     for n, seed, c in runs
   }
   sha = hashlib.sha256(part_file.read_bytes()).hexdigest()
@@ -161,11 +174,11 @@ def test_compare_variants_pass_the_new_partitions(part_file, tmp_path):
     assert got['split', seed] == ('file', 2, sha)
   # On a base that reads a file, a variant reading another one gets that
   # file's hash, not the base's; one that pins a hash is checked against it.
-  base = _config(partition='file', partition_file=str(part_file))
+  base = _values(partition='file', partition_file=str(part_file))
   ((_, _, c),) = compare.configs(
     base, [compare.parse_variant(f'b:partition_file={other}')], [0], '/o'
   )
-  assert c.partition_sha256 == hashlib.sha256(other.read_bytes()).hexdigest()
+  assert c.partition.sha256 == hashlib.sha256(other.read_bytes()).hexdigest()
   with pytest.raises(errors.ConfigError, match=r'^variant b: .*sha256'):
     compare.configs(
       base,
@@ -182,30 +195,30 @@ def test_compare_variants_pass_the_new_partitions(part_file, tmp_path):
 def _synthetic(**changes):
   values = dict(dataset='synthetic', model='logistic', num_clients=1000)
   values.update(changes)
-  return config_lib.ExperimentConfig(**values)
+  return config_lib.ExperimentConfig.from_flat(**values)
 
 
 def test_synthetic_fields_define_the_run_and_its_workdir():
   cfg = _synthetic(num_clients=10**6, clients_per_round=10**4)
-  config_lib.validate(cfg)
-  assert cfg.synthetic_alpha == cfg.synthetic_beta == 1.0
+  checks.validate(cfg)
+  assert cfg.data.synthetic_alpha == cfg.data.synthetic_beta == 1.0
   assert cfg.default_workdir() == (
     'runs/fedavg-synthetic-logistic-alpha1_beta1-s0'
   )
-  half = dataclasses.replace(cfg, synthetic_alpha=0.5, synthetic_beta=0.0)
-  config_lib.validate(half)
+  half = cfg.replace(synthetic_alpha=0.5, synthetic_beta=0.0)
+  checks.validate(half)
   assert half.default_workdir().endswith('-alpha0.5_beta0-s0')
   assert half.identity()['synthetic_alpha'] == 0.5
   # Resuming with other rates is another run; a saved config from before
   # these fields had their defaults.
-  assert config_lib.config_diffs(half, cfg.to_dict()) == [
+  assert checks.config_diffs(half, cfg.to_dict()) == [
     '`synthetic_alpha=1.0` there, 0.5 here',
     '`synthetic_beta=1.0` there, 0.0 here',
   ]
   older = {
     k: v for k, v in cfg.to_dict().items() if not k.startswith('synthetic_')
   }
-  assert config_lib.config_diffs(cfg, older) == []
+  assert checks.config_diffs(cfg, older) == []
 
 
 @pytest.mark.parametrize(
@@ -254,13 +267,13 @@ def test_synthetic_fields_define_the_run_and_its_workdir():
 )
 def test_synthetic_refusals_name_the_field(changes, message):
   with pytest.raises(errors.ConfigError) as e:
-    config_lib.validate(_synthetic(**changes))
+    checks.validate(_synthetic(**changes))
   assert str(e.value).startswith(message)
 
 
 def test_logistic_takes_no_images():
   with pytest.raises(errors.ConfigError) as e:
-    config_lib.validate(_config(model='logistic'))
+    checks.validate(_config(model='logistic'))
   assert str(e.value).startswith(
     '`model=logistic` takes vectors; `dataset=fashion_mnist` gives images '
     '(models that take images: cnn_cifar,'
@@ -282,7 +295,7 @@ def test_an_unreadable_saved_config_is_one_line(tmp_path, content, reason):
   else:
     path.write_text(content)
   with pytest.raises(errors.ConfigError) as e:
-    config_lib.check_resumable(config_lib.ExperimentConfig(), str(path))
+    checks.check_resumable(config_lib.ExperimentConfig.from_flat(), str(path))
   assert str(e.value).startswith(f'`workdir`: cannot read {path}: {reason}')
 
 
@@ -290,6 +303,64 @@ def test_a_saved_config_value_is_quoted_clipped(tmp_path):
   path = tmp_path / 'config.json'
   path.write_text(json.dumps({'seed': 'x' * 1000}))
   with pytest.raises(errors.ConfigError) as e:
-    config_lib.check_resumable(config_lib.ExperimentConfig(), str(path))
+    checks.check_resumable(config_lib.ExperimentConfig.from_flat(), str(path))
   assert f"`seed='{'x' * 79}…` there" in str(e.value)
   assert len(str(e.value)) < 400
+
+
+def _parts(kind, path=()):
+  """(path, dataclass) of the config tree's every node."""
+  yield path, kind
+  for f in dataclasses.fields(kind):
+    if f.metadata.get('part') and f.default_factory is not dataclasses.MISSING:
+      yield from _parts(f.default_factory, (*path, f.name))
+
+
+def test_the_config_is_a_tree_of_small_frozen_parts():
+  nodes = list(_parts(config_lib.ExperimentConfig))
+  assert len(nodes) == 12  # the config, its ten parts, devices' processes
+  for path, kind in nodes:
+    assert dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen
+    assert len(dataclasses.fields(kind)) <= 10, path
+    assert '__getattr__' not in vars(kind), path
+  cfg = config_lib.ExperimentConfig()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.local.lr = 1.0
+  # Every flag reaches one field, and the flat form goes both ways.
+  paths = [f.path for f in config_lib.base_fields()]
+  assert len(set(paths)) == len(paths) == len(config_lib.base_fields())
+  odd = _config(
+    algorithm='fedmut', fedmut_alpha=2.0, lr=0.05, partition='iid', seed=3
+  )
+  assert config_lib.ExperimentConfig.from_flat(**odd.flat()) == odd
+  assert odd.local.lr == 0.05 and odd.partition.kind == 'iid'
+  assert odd.algorithm.hparams.alpha == 2.0 and odd.run.seed == 3
+  assert odd.replace(rounds=7).run.rounds == 7
+  assert odd.replace(rounds=7).algorithm == odd.algorithm
+
+
+def test_building_a_config_reads_no_file(tmp_path):
+  missing = str(tmp_path / 'nowhere.json')
+  cfg = config_lib.ExperimentConfig.from_flat(
+    partition='file',
+    partition_file=missing,
+    num_clients=3,
+    clients_per_round=2,
+  )
+  assert cfg.partition.sha256 == ''  # read where a run starts, not here
+  assert config_lib.with_file_digest(cfg) == cfg  # unreadable: left empty
+  with pytest.raises(errors.ConfigError, match='nowhere.json'):
+    checks.validate(cfg)
+
+
+def test_another_algorithms_flag_is_refused_where_the_config_is_built():
+  with pytest.raises(
+    errors.ConfigError,
+    match=r'^`fedprox_mu=0.5` applies to `algorithm=fedprox` only, not '
+    r'`algorithm=fedavg`$',
+  ):
+    config_lib.ExperimentConfig.from_flat(fedprox_mu=0.5)
+  with pytest.raises(errors.ConfigError, match=r'^`algorithm`: unknown value'):
+    config_lib.ExperimentConfig.from_flat(algorithm='nope')
+  with pytest.raises(TypeError, match='hparams'):
+    config_lib.AlgorithmChoice('fedprox', config_lib.AlgorithmChoice().hparams)

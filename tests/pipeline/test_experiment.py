@@ -1,6 +1,5 @@
 """End-to-end runs on a small real subset of Fashion-MNIST."""
 
-import dataclasses
 import datetime
 import hashlib
 import json
@@ -18,6 +17,7 @@ import pytest
 from fedjax_mr.core import errors
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition as partition_lib
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import energy_report
 from fedjax_mr.pipeline import experiment
@@ -53,8 +53,8 @@ def _quiet(line):
 
 def test_run_learns_and_writes_everything(small_config, tmp_path):
   lines = []
-  cfg = dataclasses.replace(
-    small_config, partition='iid', alpha=0.1, rounds=5, local_epochs=3
+  cfg = small_config.replace(
+    partition='iid', alpha=0.1, rounds=5, local_epochs=3
   )
   res = experiment.train_and_evaluate(cfg, str(tmp_path), log=lines.append)
   files = set(os.listdir(tmp_path))
@@ -84,7 +84,7 @@ def test_run_learns_and_writes_everything(small_config, tmp_path):
     assert sum(x['examples'] for x in c['clients']) == row['num_examples']
     assert sum(x['steps'] for x in c['clients']) == row['num_steps']
     for x in c['clients']:  # local_epochs of batch_size (all clients 150)
-      steps = cfg.local_epochs * -(-x['examples'] // cfg.batch_size)
+      steps = cfg.local.local_epochs * -(-x['examples'] // cfg.local.batch_size)
       assert x['steps'] == steps
     mean = sum(x['examples'] * x['loss'] for x in c['clients'])
     assert mean / row['num_examples'] == pytest.approx(row['train_loss'])
@@ -142,8 +142,8 @@ def test_energy_mix_replays_the_sampled_clients(small_config, tmp_path):
   from fedjax_mr.energy import profiles
 
   mixes = ['tx2_literal', 'tx2_chained@1:0.5,tx2_chained@0.5:0.5']
-  cfg = dataclasses.replace(
-    small_config, rounds=3, energy_mix=';'.join(mixes), energy_ms_per_sample=4
+  cfg = small_config.replace(
+    rounds=3, energy_mix=';'.join(mixes), energy_ms_per_sample=4
   )
   lines = []
   experiment.train_and_evaluate(cfg, str(tmp_path), log=lines.append)
@@ -285,7 +285,7 @@ def test_interrupt_while_a_rounds_row_is_written_loses_no_row(
 
 def test_resume_with_more_rounds_continues(small_config, tmp_path):
   experiment.train_and_evaluate(
-    dataclasses.replace(small_config, rounds=2), str(tmp_path), log=_quiet
+    small_config.replace(rounds=2), str(tmp_path), log=_quiet
   )
   res = experiment.train_and_evaluate(small_config, str(tmp_path), log=_quiet)
   ref = experiment.train_and_evaluate(
@@ -313,7 +313,7 @@ def _same_scalars(workdir, rows):
 def test_tensorboard_events_match_metrics_across_a_resume(
   small_config, tmp_path
 ):
-  cfg = dataclasses.replace(small_config, rounds=4, checkpoint_every=2)
+  cfg = small_config.replace(rounds=4, checkpoint_every=2)
   work = str(tmp_path / 'w')
   with pytest.raises(RuntimeError, match='^x$'):  # after round 3; ckpt 2
     experiment.train_and_evaluate(
@@ -324,25 +324,25 @@ def test_tensorboard_events_match_metrics_across_a_resume(
   # Round 3 was run twice: TensorBoard shows it once, the second time.
   assert len(os.listdir(os.path.join(work, 'tensorboard'))) == 2
   _same_scalars(work, res.history)
-  off = dataclasses.replace(cfg, tensorboard=False)
+  off = cfg.replace(tensorboard=False)
   experiment.train_and_evaluate(off, str(tmp_path / 'off'), log=_quiet)
   assert not os.path.exists(tmp_path / 'off' / 'tensorboard')
 
 
 def test_workdir_of_another_config_is_an_error(small_config, tmp_path):
   experiment.train_and_evaluate(
-    dataclasses.replace(small_config, rounds=1), str(tmp_path), log=_quiet
+    small_config.replace(rounds=1), str(tmp_path), log=_quiet
   )
   with pytest.raises(errors.ConfigError, match=r'`alpha=0.5` there, 0.3 here'):
     experiment.train_and_evaluate(
-      dataclasses.replace(small_config, alpha=0.3), str(tmp_path), log=_quiet
+      small_config.replace(alpha=0.3), str(tmp_path), log=_quiet
     )
 
 
 def test_non_finite_loss_stops_with_round_and_keeps_files(
   small_config, tmp_path
 ):
-  cfg = dataclasses.replace(small_config, lr=1e9, momentum=0.0)
+  cfg = small_config.replace(lr=1e9, momentum=0.0)
   with pytest.raises(errors.NonFiniteError, match=r'at round 1; stopped'):
     experiment.train_and_evaluate(cfg, str(tmp_path), log=_quiet)
   rows = metrics_io.read(str(tmp_path / 'metrics.jsonl'))
@@ -386,7 +386,7 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
   ],
 )
 def test_bad_input_names_the_flag(small_config, tmp_path, changes, flag):
-  cfg = dataclasses.replace(small_config, **changes)
+  cfg = small_config.replace(**changes)
   with pytest.raises(errors.UserError) as e:
     experiment.train_and_evaluate(cfg, str(tmp_path), log=_quiet)
   assert flag in str(e.value)
@@ -401,7 +401,7 @@ def test_unreadable_data_dir(small_config, tmp_path):
     bad = tmp_path / 'locked'
     bad.mkdir()
     bad.chmod(0)
-  cfg = dataclasses.replace(small_config, data_dir=str(bad))
+  cfg = small_config.replace(data_dir=str(bad))
   with pytest.raises(errors.DataError, match='`data_dir`'):
     experiment.train_and_evaluate(cfg, str(tmp_path / 'w'), log=_quiet)
 
@@ -433,8 +433,7 @@ def _client_rows(exp):
 def test_shards_partition_runs(small_config, tmp_path):
   # Clients of 150 and 3 epochs: the round of the IID test above, compiled
   # once per session (the persistent compilation cache).
-  cfg = dataclasses.replace(
-    small_config,
+  cfg = small_config.replace(
     partition='shards',
     alpha=0.1,
     rounds=1,
@@ -442,8 +441,8 @@ def test_shards_partition_runs(small_config, tmp_path):
     eval_every=1,
   )
   exp = experiment.setup(cfg)
-  labels = datasets.load('fashion_mnist', cfg.data_dir).y_train
-  want = partition_lib.shards(labels, 10, 2, cfg.seed)
+  labels = datasets.load('fashion_mnist', cfg.data.data_dir).y_train
+  want = partition_lib.shards(labels, 10, 2, cfg.run.seed)
   assert _client_rows(exp) == [p.tolist() for p in want]
   res = experiment.run(exp, str(tmp_path), log=_quiet)
   part = json.load(open(tmp_path / 'partition.json'))
@@ -458,12 +457,10 @@ def test_shards_partition_runs(small_config, tmp_path):
 
 
 def test_dirichlet_equal_partition_gives_the_libraries_clients(small_config):
-  cfg = dataclasses.replace(
-    small_config, partition='dirichlet_equal', alpha=0.3
-  )
+  cfg = small_config.replace(partition='dirichlet_equal', alpha=0.3)
   exp = experiment.setup(cfg)
-  labels = datasets.load('fashion_mnist', cfg.data_dir).y_train
-  want = partition_lib.dirichlet_equal(labels, 10, 0.3, cfg.seed)
+  labels = datasets.load('fashion_mnist', cfg.data.data_dir).y_train
+  want = partition_lib.dirichlet_equal(labels, 10, 0.3, cfg.run.seed)
   assert _client_rows(exp) == [p.tolist() for p in want]
   assert {len(p) for p in want} == {150}  # 1,500 examples, equal clients
 
@@ -478,8 +475,7 @@ def test_file_partition_runs_and_resumes_only_with_the_same_file(
   clients = [c.tolist() for c in np.split(order, cuts)]
   path = tmp_path / 'split.json'
   path.write_text(json.dumps(clients))
-  cfg = dataclasses.replace(
-    small_config,
+  cfg = small_config.replace(
     partition='file',
     partition_file=str(path),
     alpha=0.1,
@@ -488,7 +484,7 @@ def test_file_partition_runs_and_resumes_only_with_the_same_file(
     eval_every=1,
   )
   sha = hashlib.sha256(path.read_bytes()).hexdigest()
-  assert cfg.partition_sha256 == sha
+  assert cfg.partition.sha256 == sha
   exp = experiment.setup(cfg)
   assert _client_rows(exp) == clients  # the file's lists, in its order
   work = str(tmp_path / 'run')
@@ -509,7 +505,7 @@ def test_file_partition_runs_and_resumes_only_with_the_same_file(
   # The same content at another path resumes (nothing left to train) ...
   moved = tmp_path / 'moved.json'
   moved.write_bytes(path.read_bytes())
-  again = config_lib.ExperimentConfig(
+  again = config_lib.ExperimentConfig.from_flat(
     **{**cfg.to_dict(), 'partition_file': str(moved), 'partition_sha256': ''}
   )
   lines = []
@@ -517,7 +513,7 @@ def test_file_partition_runs_and_resumes_only_with_the_same_file(
   assert any(line.startswith('resuming') for line in lines)
   # ... another content, with the same flags, is refused.
   path.write_text(json.dumps(clients[::-1]))
-  changed = config_lib.ExperimentConfig(
+  changed = config_lib.ExperimentConfig.from_flat(
     **{**cfg.to_dict(), 'partition_sha256': ''}
   )
   with pytest.raises(
@@ -529,10 +525,10 @@ def test_file_partition_runs_and_resumes_only_with_the_same_file(
 def test_file_partition_index_past_the_dataset(small_config, tmp_path):
   path = tmp_path / 'split.json'
   path.write_text(json.dumps([[i] for i in range(9)] + [[9, 1500]]))
-  cfg = dataclasses.replace(
-    small_config, partition='file', partition_file=str(path), alpha=0.1
+  cfg = small_config.replace(
+    partition='file', partition_file=str(path), alpha=0.1
   )
-  config_lib.validate(cfg)  # the range needs the dataset
+  checks.validate(cfg)  # the range needs the dataset
   with pytest.raises(errors.ConfigError) as e:
     experiment.setup(cfg)
   assert str(e.value) == (
@@ -547,9 +543,9 @@ def test_binary_sigkill_then_resume_matches(small_config, tmp_path, placement):
   killed; with the training set memory-mapped and each round's examples
   gathered while the round before trains, those of the set on the
   devices."""
-  cfg = dataclasses.replace(small_config, rounds=5)
+  cfg = small_config.replace(rounds=5)
   ref = experiment.train_and_evaluate(cfg, str(tmp_path / 'ref'), log=_quiet)
-  cfg = dataclasses.replace(cfg, data_placement=placement)
+  cfg = cfg.replace(data_placement=placement)
   work = str(tmp_path / 'bin')
   proc = _binary(_flags(cfg, work))
   for line in proc.stdout:
@@ -600,7 +596,7 @@ def test_binary_helpfull_documents_every_flag():
 def test_load_run_gives_back_config_state_model_and_history(
   small_config, tmp_path
 ):
-  cfg = dataclasses.replace(small_config, rounds=3, checkpoint_every=1)
+  cfg = small_config.replace(rounds=3, checkpoint_every=1)
   work = str(tmp_path / 'run')
   res = experiment.train_and_evaluate(cfg, work, log=_quiet)
   back = experiment.load_run(work)
@@ -638,7 +634,8 @@ def test_a_run_started_from_python_gets_the_command_lines_devices(
     if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')
   }
   code = (
-    'import jax; from fedjax_mr.runtime import distributed; from fedjax_mr.pipeline import experiment; '
+    'import jax; from fedjax_mr.runtime import distributed; '
+    'from fedjax_mr.pipeline import experiment; '
     'from tests import helpers; '
     f'cfg = helpers.small_config({small_fmnist_dir!r}, clients_per_round=3); '
     'e = experiment.setup(cfg); '
@@ -671,8 +668,8 @@ def test_data_in_host_memory_gives_the_same_run(
   runs = {}
   for placement in ('device', 'host', 'memmap'):
     lines = []
-    cfg = dataclasses.replace(
-      small_config, algorithm=algorithm, data_placement=placement, rounds=2
+    cfg = small_config.replace(
+      algorithm=algorithm, data_placement=placement, rounds=2
     )
     result = experiment.train_and_evaluate(
       cfg, str(tmp_path / placement), log=lines.append
@@ -740,13 +737,13 @@ def test_a_round_that_stacks_more_models_than_memory_is_refused(
   from fedjax_mr.models import model as model_lib
   from fedjax_mr.pipeline import build
 
-  config = config_lib.ExperimentConfig(
+  config = config_lib.ExperimentConfig.from_flat(
     algorithm=name, partition='iid', num_clients=100, clients_per_round=100
   )
-  model = model_lib.get(config.model, 10, (28, 28, 1))
+  model = model_lib.get(config.model.name, 10, (28, 28, 1))
   variables = model.init(jax.random.key(0))
   algorithm = build.build_algorithm(
-    config, model, variables, config_lib.hparams(config)
+    config, model, variables, checks.hparams(config)
   )
   mesh = distributed.mesh_for(config)
   need = 100 * build.STACKED_MODELS_PER_CLIENT * 66_130 * 4  # float32

@@ -3,7 +3,6 @@ what is done, a full disk, an unwritable workdir, a resume on another
 client mapping (issue 25, items 6, 7, 9, 10 and 14)."""
 
 import asyncio
-import dataclasses
 import errno
 import json
 import logging
@@ -127,9 +126,7 @@ def test_rounds_below_those_done_is_refused_before_writing(finished, tmp_path):
   with open(config_path) as f:
     saved = f.read()
   with pytest.raises(errors.ConfigError, match='already past it'):
-    experiment.train_and_evaluate(
-      dataclasses.replace(cfg, rounds=2), work, log=_quiet
-    )
+    experiment.train_and_evaluate(cfg.replace(rounds=2), work, log=_quiet)
   with open(config_path) as f:
     assert f.read() == saved
   assert json.loads(saved)['rounds'] == 4
@@ -169,9 +166,7 @@ def test_the_config_inside_the_checkpoint_is_checked(finished, tmp_path):
   os.remove(os.path.join(work, 'config.json'))
   before = sorted(_files(work))
   with pytest.raises(errors.ConfigError, match=r'`lr=0\.01` there, 0\.05 here'):
-    experiment.train_and_evaluate(
-      dataclasses.replace(cfg, lr=0.05), work, log=_quiet
-    )
+    experiment.train_and_evaluate(cfg.replace(lr=0.05), work, log=_quiet)
   assert sorted(_files(work)) == before
   # The same config resumes (and writes config.json again).
   experiment.train_and_evaluate(cfg, work, log=_quiet)
@@ -249,7 +244,7 @@ def test_a_resume_on_another_client_mapping_says_so(finished, tmp_path):
   }
   lines = []
   experiment.train_and_evaluate(
-    dataclasses.replace(cfg, client_chunk=2), work, log=lines.append
+    cfg.replace(client_chunk=2), work, log=lines.append
   )
   notes = [line for line in lines if line.startswith('note: round')]
   assert notes == [
@@ -262,7 +257,7 @@ def test_a_resume_on_another_client_mapping_says_so(finished, tmp_path):
   # Resumed with the mapping it was saved with: not a word.
   lines = []
   experiment.train_and_evaluate(
-    dataclasses.replace(cfg, rounds=5, client_chunk=2), work, log=lines.append
+    cfg.replace(rounds=5, client_chunk=2), work, log=lines.append
   )
   assert lines[0] == f'resuming {work} after round 4'
   assert not [line for line in lines if line.startswith('note: round')]
@@ -384,9 +379,7 @@ def test_an_unwritable_workdir_is_refused_before_anything(
   with pytest.raises(
     errors.ConfigError, match=r'^`workdir=.*`: it is not writable'
   ):
-    experiment.train_and_evaluate(
-      dataclasses.replace(cfg, rounds=6), work, log=_quiet
-    )
+    experiment.train_and_evaluate(cfg.replace(rounds=6), work, log=_quiet)
   assert {p: open(p, 'rb').read() for p in _files(work)} == before
 
 

@@ -21,7 +21,7 @@ import fedjax_mr as fm
 import jax
 if {touch_jax_first}:
   jax.devices()  # sets JAX's devices up before the run can
-config = fm.pipeline.config.ExperimentConfig(
+config = fm.pipeline.config.ExperimentConfig.from_flat(
   dataset='synthetic', model='logistic', num_clients=20,
   clients_per_round=2, local_epochs=1, rounds=1, eval_every=1)
 fm.train_and_evaluate(config, {workdir!r}, log=lambda line: None)

@@ -2,7 +2,6 @@
 record rows are recomputed rather than dropped, and the data are part of a
 run's identity."""
 
-import dataclasses
 import json
 import os
 import re
@@ -202,23 +201,21 @@ def test_garbled_checkpoint_metadata_does_not_skip_the_config_check(
     errors.ConfigError,
     match=r'^the checkpoint after round 2 .*\(`lr=0\.01` there, 0\.05 here',
   ):
-    experiment.train_and_evaluate(
-      dataclasses.replace(cfg, lr=0.05), work, log=_quiet
-    )
+    experiment.train_and_evaluate(cfg.replace(lr=0.05), work, log=_quiet)
   # Nothing moved before the refusal.
   assert os.path.exists(path)
 
 
 def _flags(cfg, work, data_dir=None, rounds=None):
   return [
-    f'--data_dir={data_dir or cfg.data_dir}',
-    f'--num_clients={cfg.num_clients}',
-    f'--clients_per_round={cfg.clients_per_round}',
-    f'--alpha={cfg.alpha}',
-    f'--local_epochs={cfg.local_epochs}',
-    f'--rounds={rounds or cfg.rounds}',
-    f'--eval_every={cfg.eval_every}',
-    f'--checkpoint_every={cfg.checkpoint_every}',
+    f'--data_dir={data_dir or cfg.data.data_dir}',
+    f'--num_clients={cfg.partition.num_clients}',
+    f'--clients_per_round={cfg.server.clients_per_round}',
+    f'--alpha={cfg.partition.alpha}',
+    f'--local_epochs={cfg.local.local_epochs}',
+    f'--rounds={rounds or cfg.run.rounds}',
+    f'--eval_every={cfg.evaluation.eval_every}',
+    f'--checkpoint_every={cfg.run.checkpoint_every}',
     f'--workdir={work}',
   ]
 
@@ -362,9 +359,7 @@ def test_a_roll_back_deletes_no_checkpoint_of_another_config(
   with pytest.raises(
     errors.ConfigError, match=r'^the checkpoint after round 4 .*`lr=0\.01`'
   ):
-    experiment.train_and_evaluate(
-      dataclasses.replace(cfg, lr=0.05), work, log=_quiet
-    )
+    experiment.train_and_evaluate(cfg.replace(lr=0.05), work, log=_quiet)
   assert _contents(work) == before
 
 
@@ -455,7 +450,7 @@ def test_a_resume_on_other_data_is_refused(
   os.remove(os.path.join(work, records.CONFIG_FILE))
   with pytest.raises(errors.ConfigError, match=r'^`data_dir=.*sha256 differ'):
     experiment.train_and_evaluate(
-      dataclasses.replace(cfg, data_dir=other, rounds=5), work, log=_quiet
+      cfg.replace(data_dir=other, rounds=5), work, log=_quiet
     )
 
 
@@ -464,7 +459,7 @@ def test_the_same_data_elsewhere_resumes(finished, small_fmnist_dir, tmp_path):
   moved = _copy_data(small_fmnist_dir, str(tmp_path / 'moved'))
   lines = []
   res = experiment.train_and_evaluate(
-    dataclasses.replace(cfg, data_dir=moved, rounds=5), work, log=lines.append
+    cfg.replace(data_dir=moved, rounds=5), work, log=lines.append
   )
   assert lines[0] == f'resuming {work} after round 4'
   assert [r['round'] for r in res.history] == [1, 2, 3, 4, 5]
@@ -731,9 +726,7 @@ def test_a_workdir_whose_files_are_not_its_own_is_refused_before_loading(
   before = {**_contents(work), **_contents(outside)}
   monkeypatch.setattr(build, 'load_clients', _no_data)
   with pytest.raises(errors.ConfigError) as e:
-    experiment.train_and_evaluate(
-      dataclasses.replace(cfg, rounds=6), work, log=_quiet
-    )
+    experiment.train_and_evaluate(cfg.replace(rounds=6), work, log=_quiet)
   assert str(e.value).startswith(f'`workdir={work}`: {fragment}')
   assert '\n' not in str(e.value)
   assert {**_contents(work), **_contents(outside)} == before

@@ -13,6 +13,7 @@ from fedjax_mr.analysis import compare
 from fedjax_mr.core import errors
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment
 from fedjax_mr.pipeline import registry
@@ -150,7 +151,7 @@ def test_toy_meets_the_contract_with_its_state_and_sampler(with_toy):
 
 def test_toy_runs_through_the_experiment(with_toy, small_fmnist_dir, tmp_path):
   cfg = helpers.small_config(small_fmnist_dir, algorithm='toy', toy_step=0.5)
-  assert cfg.toy_step == 0.5 and cfg.to_dict()['toy_step'] == 0.5
+  assert cfg.algorithm.hparams.step == 0.5 and cfg.to_dict()['toy_step'] == 0.5
   res = experiment.train_and_evaluate(cfg, str(tmp_path), log=lambda s: None)
   # Round-robin over 10 clients, 4 a round, 3 rounds: each id once or twice.
   ids = [r['client_ids'] for r in res.history]
@@ -160,9 +161,11 @@ def test_toy_runs_through_the_experiment(with_toy, small_fmnist_dir, tmp_path):
   )
   assert res.history[-1]['test_accuracy'] > 0.1
   with pytest.raises(errors.ConfigError, match='^`toy_step` must be > 0'):
-    config_lib.validate(dataclasses.replace(cfg, toy_step=-1.0))
+    checks.validate(cfg.replace(toy_step=-1.0))
   with pytest.raises(errors.ConfigError, match='applies to `algorithm=toy`'):
-    config_lib.validate(dataclasses.replace(cfg, algorithm='fedavg'))
+    config_lib.ExperimentConfig.from_flat(algorithm='fedavg', toy_step=0.5)
+  # Another algorithm in place of toy starts from its own defaults.
+  assert cfg.replace(algorithm='fedavg').algorithm.options() == {}
   assert compare.parse_variant('t2:algorithm=toy,toy_step=2')[1] == {
     'algorithm': 'toy',
     'toy_step': 2.0,
@@ -224,20 +227,21 @@ def test_display_names():
 
 
 def test_config_accepts_flags_and_rejects_unknown_names():
-  cfg = config_lib.ExperimentConfig(
+  cfg = config_lib.ExperimentConfig.from_flat(
     algorithm='scaffold', scaffold_control_steps='taken'
   )
-  assert cfg.scaffold_control_steps == 'taken' and cfg.fedprox_mu == 0.01
-  assert dataclasses.replace(cfg, seed=3).scaffold_control_steps == 'taken'
+  options = cfg.algorithm.options()
+  assert options['scaffold_control_steps'] == 'taken'
+  assert cfg.replace(seed=3).algorithm.options() == options
   with pytest.raises(TypeError, match='no_such_flag'):
-    config_lib.ExperimentConfig(no_such_flag=1)
+    config_lib.ExperimentConfig.from_flat(no_such_flag=1)
   with pytest.raises(AttributeError):
     cfg.no_such_flag  # noqa: B018
+  with pytest.raises(AttributeError):  # the flags are not attributes
+    cfg.scaffold_control_steps  # noqa: B018
   assert config_lib.uniform_weights(cfg)
   assert not config_lib.uniform_weights(
-    dataclasses.replace(
-      cfg, algorithm='fedprox', scaffold_control_steps='effective'
-    )
+    cfg.replace(algorithm='fedprox', scaffold_control_steps='effective')
   )
 
 
@@ -259,6 +263,6 @@ def test_algorithm_errors_name_their_field():
     ),
   ]
   for changes, message in bad:
-    cfg = config_lib.ExperimentConfig(**changes)
+    cfg = config_lib.ExperimentConfig.from_flat(**changes)
     with pytest.raises(errors.ConfigError, match='^' + message):
-      config_lib.validate(cfg)
+      checks.validate(cfg)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fedjax_mr.data import synthetic
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment
 from fedjax_mr.pipeline import registry
@@ -26,7 +27,7 @@ def _config(**changes):
     tensorboard=False,
   )
   values.update(changes)
-  return config_lib.ExperimentConfig(**values)
+  return config_lib.ExperimentConfig.from_flat(**values)
 
 
 def test_setup_generates_the_clients_and_holds_out_a_test_set():
@@ -66,7 +67,7 @@ def test_a_short_run_learns_and_says_what_it_runs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
   'name',
-  [n for n in registry.names() if n not in config_lib.STORED_DATA_ALGORITHMS],
+  [n for n in registry.names() if n not in checks.STORED_DATA_ALGORITHMS],
 )
 def test_every_algorithm_of_the_protocol_trains_on_generated_clients(
   name, tmp_path
@@ -86,7 +87,7 @@ def test_every_algorithm_of_the_protocol_trains_on_generated_clients(
   assert np.isfinite(res.history[-1]['train_loss'])
   # The sampled generated clients' examples were trained on (their sizes
   # follow from the seed, as setup's are; the first test checks that).
-  sizes = synthetic.client_sizes(cfg.num_clients, seed=cfg.seed)
+  sizes = synthetic.client_sizes(cfg.partition.num_clients, seed=cfg.run.seed)
   for row in res.history:
     assert row['num_examples'] == sum(int(sizes[i]) for i in row['client_ids'])
     assert row['num_steps'] >= len(row['client_ids'])

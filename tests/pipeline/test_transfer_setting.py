@@ -11,6 +11,7 @@ import pytest
 from fedjax_mr.core import errors
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.pipeline import build
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.stitch import pool as pool_lib
 
@@ -19,7 +20,7 @@ LABELS = np.array([0, -1, 1, 1, -1, 0, 2, -1, 2, 0, 1, 2])
 
 
 def config(**kw):
-  return config_lib.ExperimentConfig(
+  return config_lib.ExperimentConfig.from_flat(
     **{'num_clients': 3, 'clients_per_round': 2, 'classes': '5-7', **kw}
   )
 
@@ -121,4 +122,4 @@ def test_init_from_without_a_model_folder_is_refused_before_anything(
 ):
   c = config(init_from=str(tmp_path / 'nothing'))
   with pytest.raises(errors.ConfigError, match='`init_from=.*`: no meta.json'):
-    config_lib.validate(c)
+    checks.validate(c)

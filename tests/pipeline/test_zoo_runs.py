@@ -2,7 +2,6 @@
 tiny mock data (tfds) or tiny fixtures in the real formats (LEAF, CINIC-10);
 kill-and-resume keeps the BatchNorm state exact."""
 
-import dataclasses
 import json
 import math
 import os
@@ -15,6 +14,7 @@ import tensorflow_datasets as tfds
 
 from fedjax_mr.analysis import compare
 from fedjax_mr.core import errors
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment
 from fedjax_mr.pipeline import registry
@@ -22,7 +22,7 @@ from tests import helpers
 from tests.data import test_leaf_cinic as fixtures
 
 # 2 clients of 4 examples, batch 3: every epoch ends with a partial batch.
-TINY = config_lib.ExperimentConfig(
+TINY = config_lib.ExperimentConfig.from_flat(
   num_clients=2,
   clients_per_round=2,
   partition='iid',
@@ -55,10 +55,10 @@ def _quiet(line):
 
 
 def _run(config, workdir, data_dirs, **kw):
-  if config.dataset in data_dirs:
-    config = dataclasses.replace(config, data_dir=data_dirs[config.dataset])
+  if config.data.dataset in data_dirs:
+    config = config.replace(data_dir=data_dirs[config.data.dataset])
     return experiment.train_and_evaluate(config, workdir, log=_quiet, **kw)
-  examples = 4 if config.model in HEAVY else 8
+  examples = 4 if config.model.name in HEAVY else 8
   with tfds.testing.mock_data(num_examples=examples):
     return experiment.train_and_evaluate(config, workdir, log=_quiet, **kw)
 
@@ -94,7 +94,7 @@ def test_pair_runs_two_rounds(data_dirs, tmp_path, dataset, model, changes):
   if changes.get('data_dir') == 'EMPTY':  # no IDX files: tfds (mocked)
     (tmp_path / 'empty').mkdir()
     changes = {**changes, 'data_dir': str(tmp_path / 'empty')}
-  cfg = dataclasses.replace(TINY, dataset=dataset, model=model, **changes)
+  cfg = TINY.replace(dataset=dataset, model=model, **changes)
   res = _run(cfg, str(tmp_path / 'work'), data_dirs)
   assert [r['round'] for r in res.history] == [1, 2]
   assert all(math.isfinite(r['train_loss']) for r in res.history)
@@ -105,8 +105,8 @@ def test_pair_runs_two_rounds(data_dirs, tmp_path, dataset, model, changes):
   for r in res.history:
     n = [sizes[i] for i in r['client_ids']]
     assert r['num_examples'] == sum(n) > 0
-    assert r['num_steps'] == cfg.local_epochs * sum(
-      -(-s // cfg.batch_size) for s in n
+    assert r['num_steps'] == cfg.local.local_epochs * sum(
+      -(-s // cfg.local.batch_size) for s in n
     )
   variables = jax.device_get(res.state.server.params)
   if model in ('resnet20', 'resnet18', 'vgg16'):
@@ -130,8 +130,7 @@ def _bn_stats(stats, prefix=''):
 
 
 def test_natural_partition_uses_the_leaf_users(data_dirs, tmp_path):
-  cfg = dataclasses.replace(
-    TINY,
+  cfg = TINY.replace(
     dataset='femnist',
     model='cnn_femnist',
     partition='natural',
@@ -141,9 +140,7 @@ def test_natural_partition_uses_the_leaf_users(data_dirs, tmp_path):
   with pytest.raises(
     errors.ConfigError, match='`num_clients=5` exceeds the 4 users'
   ):
-    _run(
-      dataclasses.replace(cfg, num_clients=5), str(tmp_path / 'a'), data_dirs
-    )
+    _run(cfg.replace(num_clients=5), str(tmp_path / 'a'), data_dirs)
   _run(cfg, str(tmp_path / 'b'), data_dirs)
   part = json.load(open(tmp_path / 'b' / 'partition.json'))
   # Two of the writers (sizes 6, 3, 5, 2), whole.
@@ -151,9 +148,7 @@ def test_natural_partition_uses_the_leaf_users(data_dirs, tmp_path):
 
 
 def test_resnet20_kill_and_resume_keeps_batch_norm_state(data_dirs, tmp_path):
-  cfg = dataclasses.replace(
-    TINY, dataset='cifar100', model='resnet20', checkpoint_every=1
-  )
+  cfg = TINY.replace(dataset='cifar100', model='resnet20', checkpoint_every=1)
   ref = _run(cfg, str(tmp_path / 'ref'), data_dirs)
   assert [r['round'] for r in ref.history] == [1, 2]
   assert 0.0 <= ref.history[-1]['test_accuracy'] <= 1.0
@@ -200,7 +195,7 @@ def _read_flagfile(path):
       values[name] = value.lower() == 'true'
     else:
       values[name] = kind(value)
-  return config_lib.ExperimentConfig(**values)
+  return config_lib.ExperimentConfig.from_flat(**values)
 
 
 def test_paper_flagfiles_are_valid_and_named_by_their_setting():
@@ -212,14 +207,20 @@ def test_paper_flagfiles_are_valid_and_named_by_their_setting():
   assert len(files) == 36
   for name in files:
     cfg = _read_flagfile(os.path.join(CONFIGS, name))
-    config_lib.validate(cfg)
+    checks.validate(cfg)
     dataset, model, part = name[: -len('.flags')].split('_')
-    assert cfg.dataset == dataset and cfg.workdir.endswith(name[:-6])
-    assert model in cfg.model or (model, cfg.model) == ('lstm', 'char_lstm')
+    assert cfg.data.dataset == dataset and cfg.run.workdir.endswith(name[:-6])
+    assert model in cfg.model.name or (model, cfg.model.name) == (
+      'lstm',
+      'char_lstm',
+    )
     if part.startswith('dir'):
-      assert (cfg.partition, cfg.alpha) == ('dirichlet', float(part[3:]))
+      assert (cfg.partition.kind, cfg.partition.alpha) == (
+        'dirichlet',
+        float(part[3:]),
+      )
     else:
-      assert cfg.partition == part
+      assert cfg.partition.kind == part
     # The comment's compare command names the papers' variants, and they
     # validate against the file's setting.
     text = open(os.path.join(CONFIGS, name)).read()
