@@ -378,7 +378,10 @@ def adopt_program_help(program: str) -> None:
   main = sys.modules['__main__']
   if module is main:
     return
-  main.__doc__ = module.__doc__
+  # Its usage lines name the script, not `python -m <program>` (which
+  # works only in a checkout).
+  script = os.path.basename(sys.argv[0])
+  main.__doc__ = (module.__doc__ or '').replace(f'python -m {program}', script)
   for flag in flags.FLAGS.get_key_flags_for_module(program):
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
@@ -423,6 +426,49 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
   (file or sys.stderr).write(text)
 
 
+# The programs whose `--help` lists their flags by concern: {program
+# module: [(heading, [flag, ...]), ...]} (`set_help_groups`).
+_HELP_GROUPS: dict[str, list[tuple[str, list[str]]]] = {}
+_SHORT_HELP = ('--help', '--helpshort', '-help', '-helpshort', '-h', '-?')
+
+
+def set_help_groups(program: str, groups: list[tuple[str, list[str]]]) -> None:
+  """Makes `--help` (and `--helpshort`) of program module `program` list
+  its flags by concern, a line each, under `groups`' headings; the whole
+  help of every flag stays under `--helpfull`."""
+  _HELP_GROUPS[program] = groups
+
+
+def grouped_help(doc: str, groups: list[tuple[str, list[str]]]) -> str:
+  """A program's `--help`: its docstring, then each group's flags as
+  `--name=default  first sentence of the help`."""
+  lines = [doc.strip(), '']
+  lines.append(
+    'Flags by concern (--helpfull: every flag with its whole help, and '
+    "absl's own):"
+  )
+  for heading, names in groups:
+    lines += ['', f'{heading}:']
+    for name in names:
+      flag = flags.FLAGS[name]
+      default = (flag.default_as_str or '').strip("'")
+      text = ' '.join((flag.help or '').split())
+      first = re.split(r'(?<=[a-z0-9)]\.)\s(?=[A-Z])', text, maxsplit=1)[0]
+      line = f'  --{name}={default}  {first}'
+      lines.append(line if len(line) <= 80 else line[:79] + '…')
+  return '\n'.join(lines) + '\n'
+
+
+def _print_grouped_help(program: str, argv: list[str]) -> None:
+  """Prints `program`'s grouped help and exits 0 when `argv` asks for
+  `--help` or `--helpshort` (before `--`) and it has groups."""
+  groups = _HELP_GROUPS.get(program)
+  args = argv[1 : argv.index('--')] if '--' in argv else argv[1:]
+  if groups and any(a in _SHORT_HELP for a in args):
+    sys.stdout.write(grouped_help(sys.modules['__main__'].__doc__, groups))
+    sys.exit(0)
+
+
 def run(main: Callable[[list[str]], object]) -> None:
   """`absl.app.run(main)` with one-line errors for unparsable flags, bad
   input and unwritable files (`guarded`), and the library's warnings in
@@ -431,6 +477,7 @@ def run(main: Callable[[list[str]], object]) -> None:
   adopt_program_help(main.__module__)
 
   def parse_then_python_hook(argv: list[str]) -> list[str]:
+    _print_grouped_help(main.__module__, argv)
     args = parse_flags(argv)
     sys.excepthook = _python_excepthook  # see `_interrupted_starting`
     if _TERM_AT_START and signal.getsignal(signal.SIGTERM) == (

@@ -4,10 +4,11 @@ r"""Runs one federated training experiment.
   python -m experiments.run --partition=iid --rounds=20 --workdir=/tmp/iid
 
 Every flag is a field of `fedjax_mr.pipeline.config.ExperimentConfig`:
-`--helpshort` lists the common ones, `--helpfull` also each algorithm's
-hyper-parameters (`--fedprox_mu`, `--fedmr_first_stage`, ...; each names
-the algorithms that read it). Re-running with the same `--workdir`
-resumes. Installed, the program is the console script `fedjax-mr-run`.
+`--help` lists them by concern, a line each; `--helpfull` gives each
+flag's whole help and each algorithm's hyper-parameters (`--fedprox_mu`,
+`--fedmr_first_stage`, ...; each names the algorithms that read it).
+Re-running with the same `--workdir` resumes. Installed, the program is
+the console script `fedjax-mr-run`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,35 @@ def _define_flags() -> None:
 
 _define_flags()
 FLAGS = flags.FLAGS
+
+# `--help`: the flags by the config's parts.
+_HEADINGS = {
+  'data': 'Data',
+  'partition': 'Partition',
+  'model': 'Model',
+  'local': 'Local training',
+  'server': 'Server',
+  'algorithm': 'Algorithm (its own flags: --helpfull)',
+  'run': 'Run and records',
+  'evaluation': 'Evaluation',
+  'energy': 'Energy (simulated devices)',
+  'devices': 'Devices',
+  'devices.processes': 'Processes (multi-host)',
+}
+cli.set_help_groups(
+  __name__,
+  [
+    (
+      heading,
+      [
+        f.name
+        for f in config_lib.base_fields()
+        if '.'.join(f.path[:-1]) == part
+      ],
+    )
+    for part, heading in _HEADINGS.items()
+  ],
+)
 
 
 def flag_values() -> dict[str, object]:
