@@ -12,7 +12,7 @@ fi
 if ! .venv/bin/python -c 'import fedjax_mr, jax, flax, optax, orbax.checkpoint, tensorflow_datasets, pytest' 2>/dev/null \
   || [ pyproject.toml -nt .venv/.installed ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e '.[test]'
+  .venv/bin/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=strict
   touch .venv/.installed
 fi
 
