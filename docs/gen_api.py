@@ -53,7 +53,7 @@ def main():
       f.write(f'::: {name}\n')
 
 
-if __name__ == '__main__':
-  print('\n'.join(public_modules()))
-else:
+if __name__ == '<run_path>':  # mkdocs-gen-files runs it so
   main()
+elif __name__ == '__main__':
+  print('\n'.join(public_modules()))
