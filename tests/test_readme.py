@@ -51,6 +51,7 @@ def test_the_readme_is_a_landing_page():
   # No suite timings, test counts or machine names: those are records'.
   assert not re.search(r'\b[\d,]+ tests\b', text)
   assert not re.search(r'\d+(\.\d+)? (minutes|min|s) (on|from)\b', text)
+  assert not re.search(r'Intel|AMD|EPYC|Sapphire|H100|H200', text)
   for heading in ('## Set up and run', '## As a library', '## How to cite'):
     assert heading in text, heading
 
@@ -79,3 +80,15 @@ def test_the_docs_name_every_console_script():
     scripts = set(tomllib.load(f)['project']['scripts'])
   named = set(re.findall(r'`(fedjax-mr-[a-z-]+)`', docs_text.all_text()))
   assert named == scripts, (scripts - named, named - scripts)
+
+
+def test_the_readmes_links_lead_somewhere():
+  # Relative links name files or folders of the checkout; the documentation
+  # pages' own links are checked by the strict site build.
+  links = re.findall(r'\]\(([^)\s]+)\)', _readme())
+  local = [link.split('#')[0] for link in links if '://' not in link]
+  assert local
+  missing = [
+    link for link in local if not os.path.exists(os.path.join(REPO, link))
+  ]
+  assert not missing, missing

@@ -406,14 +406,43 @@ def check_stitch_table(text):
   assert _table(text, '| run | networks found |') == expected
 
 
-# Each README table's header line (its start) and its check, for
+# The pool of the FedStitch section trained on two CPUs: each
+# `pretrain.log` (experiments.pretrain_zoo's output) and its column.
+POOL_LOGS = {
+  'Intel Sapphire Rapids (the record above)': 'pretrain.log',
+  'AMD EPYC': os.path.join('pool_amd_epyc', 'pretrain.log'),
+}
+
+
+def check_pool_cpu_table(text):
+  """The pool's test accuracies per CPU in text `text`, row by row as
+  each machine's `pretrain_zoo` printed them."""
+  columns = {}
+  for title, log in POOL_LOGS.items():
+    with open(os.path.join(os.path.dirname(STITCH_RUN), log)) as f:
+      columns[title] = dict(
+        re.findall(r'^(\w+): test accuracy ([\d.]+) %', f.read(), re.M)
+      )
+  models = list(columns[next(iter(POOL_LOGS))])
+  expected = [['pool model', *POOL_LOGS]] + [
+    [m, *(f'{columns[t][m]} %' for t in POOL_LOGS)] for m in models
+  ]
+  assert _table(text, '| pool model |') == expected
+
+
+# Each table's header line (its start) and its check, for
 # tests/test_results_tables_tight.py.
 TABLES = {
   '| method | Dir(0.1)': check_results_table,
   '| α |': check_alpha_table,
   '| run | networks found |': check_stitch_table,
   '| method | IID |': check_transfer_table,
+  '| pool model |': check_pool_cpu_table,
 }
+
+
+def test_the_pool_per_cpu_table_is_its_two_logs():
+  check_pool_cpu_table(_page('| pool model |'))
 
 
 def test_the_transfer_table_is_table3_of_its_records():
