@@ -61,7 +61,8 @@ def test_the_docs_say_how_to_install_tensorboard():
 
   text = ' '.join(docs_text.all_text().split())
   extra = re.search(
-    r"`\.venv/bin/pip install -e '\.\[(\w+)\]'`, then "
+    r"`\.venv/bin/pip install -e '\.\[(\w+)\]' "
+    r'--config-settings editable_mode=strict`, then '
     r'`\.venv/bin/tensorboard --logdir runs/default`',
     text,
   )
