@@ -445,6 +445,25 @@ def test_the_pool_per_cpu_table_is_its_two_logs():
   check_pool_cpu_table(_page('| pool model |'))
 
 
+def test_the_pools_difference_is_the_cpus_as_the_page_says():
+  # The record's commit, on the AMD machine, trains cnn_mnist as the
+  # AMD column says (the code did not change it; the CPU did).
+  text = ' '.join(_readme().split())
+  said = re.search(
+    r'the record\'s own commit, (\w+), trains cnn_mnist on the AMD machine '
+    rf'to ({NUMBER}) % too \(`(pretrain_\w+\.log)`\)',
+    text,
+  )
+  assert said, 'the per-CPU sentence is gone'
+  folder = os.path.join(os.path.dirname(STITCH_RUN), 'pool_amd_epyc')
+  with open(os.path.join(folder, said.group(3))) as f:
+    old = re.search(r'^cnn_mnist: test accuracy ([\d.]+) %', f.read(), re.M)
+  with open(os.path.join(folder, 'pretrain.log')) as f:
+    new = re.search(r'^cnn_mnist: test accuracy ([\d.]+) %', f.read(), re.M)
+  assert old[1] == new[1] == said.group(2)
+  assert said.group(1) in said.group(3)
+
+
 def test_the_transfer_table_is_table3_of_its_records():
   check_transfer_table(_page('| method | IID |'))
 

@@ -16,6 +16,7 @@ import pytest
 
 from tests import docs_text
 from tests import test_build_md_records as build_md_records
+from tests import test_docs_tables as docs_tables
 from tests import test_readme_records as readme_records
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -61,6 +62,7 @@ CASES = [
   for header, check in {
     **readme_records.TABLES,
     **build_md_records.TABLES,
+    **docs_tables.TABLES,
   }.items()
 ]
 
