@@ -1,5 +1,6 @@
-"""BUILD.md's scale and benchmark tables, figure by figure, from their
-records in docs/results/scale.
+"""The scale and benchmark tables (once BUILD.md's, now on the site's
+"Scale and benchmarks" page, docs/results/scale.md, or wherever each
+moves), figure by figure, from their records in docs/results/scale.
 
 Each row names its record (or the table's paragraph names the logs);
 every printed figure must equal the record's value formatted to the
