@@ -31,7 +31,7 @@ PAGES = ['docs/quickstart.md'] + sorted(
   os.path.join('docs', folder, name)
   for folder in ('howto', 'results')
   for name in os.listdir(os.path.join(REPO, 'docs', folder))
-  if name.endswith('.md') and name != 'README.md'
+  if name.endswith('.md')
 )
 LANGUAGES = {'python', 'sh', 'text'}
 # Commands a shell block may use besides the programs, pip and pytest.
@@ -70,6 +70,17 @@ SHELL = [c for c in CASES if c[1] == 'sh']
 
 def _id(case):
   return f'{case[0]}:{case[3] + 1}'
+
+
+def test_no_command_writes_into_the_records():
+  # A program's output folder is never a tracked record folder: the
+  # figure commands draw from a copy under runs/ (git ignores it).
+  for case in SHELL:
+    for command in commands(case[2]):
+      for arg in command:
+        flag, _, value = arg.partition('=')
+        if flag in ('--workdir', '--output', '--out'):
+          assert not value.startswith('docs/'), (_id(case), arg)
 
 
 def test_every_block_says_what_it_is():
