@@ -215,7 +215,10 @@ def test_a_script_beside_the_clone_imports_the_package(tmp_path, strict):
   prefix = tmp_path / 'prefix'
   subprocess.run(
     [sys.executable, '-m', 'pip', '--disable-pip-version-check', '-q']
-    + ['install', '--no-deps', '--no-build-isolation', '--prefix', prefix]
+    # --ignore-installed: this environment's own install of the package
+    # stays (pip would otherwise uninstall it first).
+    + ['install', '--no-deps', '--no-build-isolation', '--ignore-installed']
+    + ['--prefix', prefix]
     + ['-e', str(clone)]
     + (options if strict else []),
     check=True,
