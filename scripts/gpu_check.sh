@@ -1,7 +1,7 @@
 #!/bin/bash
 # The prepared device call: every GPU figure the scale issue asks for, in
-# priority order, in one call of at most BUDGET seconds (BUILD.md,
-# "Benchmark", "The prepared GPU call").
+# priority order, in one call of at most BUDGET seconds (docs/results/scale.md,
+# "Benchmark"; docs/howto/gpu.md, "The project's GPU check").
 #
 #   OUT=/some/folder scripts/gpu_check.sh           # on the lent GPU
 #   OUT=/some/folder scripts/gpu_check.sh --tiny    # every item, tiny, on CPU

@@ -9,11 +9,17 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
+# Strict editable mode: the package is a tree of links to the checkout's
+# files on sys.path, so a script beside the clone's folder (which has no
+# __init__.py) still imports the package, not that folder (BUILD.md). The
+# tree links the files there were at install time: install again when
+# pyproject.toml or the list of the package's files changes.
+STAMP=$( (cat pyproject.toml; find fedjax_mr experiments -name '*.py' -o -name '*.flags' | LC_ALL=C sort) | sha256sum)
 if ! .venv/bin/python -c 'import fedjax_mr, jax, flax, optax, orbax.checkpoint, tensorflow_datasets, pytest' 2>/dev/null \
-  || [ pyproject.toml -nt .venv/.installed ]; then
+  || [ "$(cat .venv/.installed 2>/dev/null)" != "$STAMP" ]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e '.[test]'
-  touch .venv/.installed
+  .venv/bin/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=strict
+  echo "$STAMP" > .venv/.installed
 fi
 
 FMNIST=/usr/share/datasets/fashion-mnist

@@ -5,7 +5,7 @@ host device 0 and on device 1. Run one after the other, both give the same
 bits every time; launched together (both dispatched before either is
 waited for), one or both differ from that reference in the last digits,
 which the steps then grow. This is the source of the run-to-run
-differences of 2-device CPU runs (BUILD.md, "Reproducibility").
+differences of 2-device CPU runs (docs/howto/resume.md, "Reproducibility").
 
   .venv/bin/python scripts/xla_cpu_concurrency_repro.py           # S=400
   S=40 N=20 .venv/bin/python scripts/xla_cpu_concurrency_repro.py

@@ -111,6 +111,8 @@ SLOW_MODULES = {
   'test_packaging',
   'test_programs',
   'test_readme',
+  'test_docs_build',
+  'test_docs_blocks',
   'test_stitch_programs',
   'test_stitch_figures',
   'test_torch_reference',

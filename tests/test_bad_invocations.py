@@ -21,6 +21,7 @@ import pytest
 from fedjax_mr.energy import profiles as energy_profiles
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment
+from tests import docs_text
 from tests import helpers
 from tests.data import test_idx_and_datasets as idx_tests
 
@@ -573,11 +574,10 @@ MAX_LINE = 2100  # an error line: its message, user content clipped
 _CONTROL = re.compile(r'[\x00-\x08\x0b-\x1f\x7f]')
 
 
-def test_the_table_has_at_least_80_cases_and_build_md_counts_them():
+def test_the_table_has_at_least_80_cases_and_the_docs_count_them():
   n = sum(len(c) for c in CASES.values())
   assert n >= 80
-  with open(os.path.join(REPO, 'BUILD.md')) as f:
-    text = ' '.join(f.read().split())
+  text = ' '.join(docs_text.all_text().split())  # on whichever page
   words = {9: 'nine', 10: 'ten', 11: 'eleven', 12: 'twelve'}
   said = f'({n} invocations of {words.get(len(CASES), len(CASES))} programs)'
   assert said in text, said

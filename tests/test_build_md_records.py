@@ -1,5 +1,6 @@
-"""BUILD.md's scale and benchmark tables, figure by figure, from their
-records in docs/results/scale.
+"""The scale and benchmark tables (once BUILD.md's, now on the site's
+"Scale and benchmarks" page, docs/results/scale.md, or wherever each
+moves), figure by figure, from their records in docs/results/scale.
 
 Each row names its record (or the table's paragraph names the logs);
 every printed figure must equal the record's value formatted to the
@@ -17,6 +18,7 @@ import glob
 import os
 import re
 
+from tests import docs_text
 from tests import test_readme_records as readme_records
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -34,9 +36,15 @@ ARENAS = '| | 1 device | 2 devices | 2 over 1 |'
 PREFETCH = '| placement | prefetch | run | round 2 | round 3 |'
 
 
+def _page(header):
+  """The text of the page that holds the table whose header starts so."""
+  return docs_text.read(docs_text.holding(header))
+
+
 def _build_md():
-  with open(os.path.join(REPO, 'BUILD.md')) as f:
-    return f.read()
+  """Every page of the documentation (the sentences' figures are found
+  wherever they moved)."""
+  return docs_text.all_text()
 
 
 @functools.cache
@@ -329,31 +337,31 @@ TABLES = {
 
 
 def test_streaming_memory_table_is_its_records():
-  check_streaming_table(_build_md())
+  check_streaming_table(_page(STREAMING))
 
 
 def test_synthetic_memory_table_is_its_records():
-  check_synthetic_table(_build_md())
+  check_synthetic_table(_page(SYNTHETIC))
 
 
 def test_h200_table_is_its_logs():
-  check_h200_table(_build_md())
+  check_h200_table(_page(H200))
 
 
 def test_sampler_table_is_its_records():
-  check_sampler_table(_build_md())
+  check_sampler_table(_page(SAMPLER))
 
 
 def test_overhead_table_is_its_records():
-  check_overhead_table(_build_md())
+  check_overhead_table(_page(OVERHEAD))
 
 
 def test_arenas_table_is_its_records():
-  check_arenas_table(_build_md())
+  check_arenas_table(_page(ARENAS))
 
 
 def test_prefetch_table_is_its_records():
-  check_prefetch_table(_build_md())
+  check_prefetch_table(_page(PREFETCH))
 
 
 def test_the_chunked_rounds_memory_sentences_are_their_records():

@@ -186,3 +186,68 @@ def test_the_installed_programs_print_their_help_from_elsewhere(
   full = helps('fedjax-mr-run', '--helpfull')
   assert full.startswith('Runs one federated training experiment.')
   assert '  --fedprox_mu:' in full and '  --[no]logtostderr:' in full
+
+
+def _setup_install_options():
+  """The options of scripts/setup.sh's `pip install` of the checkout."""
+  with open(os.path.join(ROOT, 'scripts', 'setup.sh')) as f:
+    (line,) = [
+      line for line in f if "install --quiet -e '.[test]'" in line.strip()
+    ]
+  return line.split("'.[test]'", 1)[1].split()
+
+
+@pytest.mark.parametrize('strict', [True, False], ids=['setup', 'lenient'])
+def test_a_script_beside_the_clone_imports_the_package(tmp_path, strict):
+  # A clone in a folder named like the package, and a script in the
+  # folder that holds it: its first sys.path entry holds the clone's
+  # folder, `fedjax_mr/` without an `__init__.py`. Under the setup's
+  # install (strict editable mode: a link tree on sys.path) the script
+  # gets the package; under setuptools' default (lenient) mode it got
+  # that folder as an empty namespace package, which this checks too.
+  clone = tmp_path / 'fedjax_mr'
+  clone.mkdir()
+  for name in ['pyproject.toml', 'setup.cfg', 'README.md', 'LICENSE']:
+    shutil.copy(os.path.join(ROOT, name), clone / name)
+  for folder in ['fedjax_mr', 'experiments']:
+    shutil.copytree(
+      os.path.join(ROOT, folder),
+      clone / folder,
+      ignore=shutil.ignore_patterns('__pycache__'),
+    )
+  options = _setup_install_options()
+  assert options == ['--config-settings', 'editable_mode=strict'], options
+  prefix = tmp_path / 'prefix'
+  subprocess.run(
+    [sys.executable, '-m', 'pip', '--disable-pip-version-check', '-q']
+    # --ignore-installed: this environment's own install of the package
+    # stays (pip would otherwise uninstall it first).
+    + ['install', '--no-deps', '--no-build-isolation', '--ignore-installed']
+    + ['--prefix', prefix]
+    + ['-e', str(clone)]
+    + (options if strict else []),
+    check=True,
+    capture_output=True,
+  )
+  (site_dir,) = prefix.glob('lib/python*/site-packages')
+  (tmp_path / 'script.py').write_text(
+    'import site, sys\n'
+    f'site.addsitedir({str(site_dir)!r})\n'
+    'import fedjax_mr\n'
+    "print(fedjax_mr.__file__, 'load_dataset' in fedjax_mr._EXPORTS)\n"
+  )
+  # -S: only the clone's install, not this environment's own.
+  proc = subprocess.run(
+    [sys.executable, '-S', 'script.py'],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+  )
+  if strict:
+    assert proc.returncode == 0, proc.stderr
+    where, exported = proc.stdout.split()
+    assert where.startswith(str(clone / 'build')), where
+    assert exported == 'True'
+  else:  # the namespace package: the error a user met
+    assert proc.returncode == 1, proc.stdout
+    assert "module 'fedjax_mr' has no attribute" in proc.stderr, proc.stderr

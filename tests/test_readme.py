@@ -1,9 +1,12 @@
-"""The README's library example runs as written, and its commands exist."""
+"""The README's library example runs as written, its commands exist, and
+it stays a landing page."""
 
 import os
 import re
 import subprocess
 import sys
+
+from tests import docs_text
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 
@@ -42,12 +45,24 @@ def test_ci_runs_the_readme_test_command():
   assert 'experiments.compare' in commands[0]
 
 
-def test_the_readme_says_how_to_install_tensorboard():
+def test_the_readme_is_a_landing_page():
+  text = _readme()
+  assert len(text.splitlines()) <= 200
+  # No suite timings, test counts or machine names: those are records'.
+  assert not re.search(r'\b[\d,]+ tests\b', text)
+  assert not re.search(r'\d+(\.\d+)? (minutes|min|s) (on|from)\b', text)
+  assert not re.search(r'Intel|AMD|EPYC|Sapphire|H100|H200', text)
+  for heading in ('## Set up and run', '## As a library', '## How to cite'):
+    assert heading in text, heading
+
+
+def test_the_docs_say_how_to_install_tensorboard():
   import tomllib
 
-  text = ' '.join(_readme().split())
+  text = ' '.join(docs_text.all_text().split())
   extra = re.search(
-    r"`\.venv/bin/pip install -e '\.\[(\w+)\]'`, then "
+    r"`\.venv/bin/pip install -e '\.\[(\w+)\]' "
+    r'--config-settings editable_mode=strict`, then '
     r'`\.venv/bin/tensorboard --logdir runs/default`',
     text,
   )
@@ -59,10 +74,22 @@ def test_the_readme_says_how_to_install_tensorboard():
   )
 
 
-def test_the_readme_names_every_console_script():
+def test_the_docs_name_every_console_script():
   import tomllib
 
   with open(os.path.join(REPO, 'pyproject.toml'), 'rb') as f:
     scripts = set(tomllib.load(f)['project']['scripts'])
-  named = set(re.findall(r'`(fedjax-mr-[a-z-]+)`', _readme()))
+  named = set(re.findall(r'`(fedjax-mr-[a-z-]+)`', docs_text.all_text()))
   assert named == scripts, (scripts - named, named - scripts)
+
+
+def test_the_readmes_links_lead_somewhere():
+  # Relative links name files or folders of the checkout; the documentation
+  # pages' own links are checked by the strict site build.
+  links = re.findall(r'\]\(([^)\s]+)\)', _readme())
+  local = [link.split('#')[0] for link in links if '://' not in link]
+  assert local
+  missing = [
+    link for link in local if not os.path.exists(os.path.join(REPO, link))
+  ]
+  assert not missing, missing

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from fedjax_mr.analysis import compare
-from fedjax_mr.analysis import stitch_figures
 from fedjax_mr.runtime import metrics_io
+from fedjax_mr.analysis import stitch_figures
+from tests import docs_text
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 RECORDS = os.path.join(REPO, 'docs', 'results', 'fmnist_table')
@@ -79,8 +80,14 @@ NUMBERS = rf'{NUMBER}(?:, {NUMBER})*'
 
 
 def _readme():
-  with open(os.path.join(REPO, 'README.md')) as f:
-    return f.read()
+  """Every page of the documentation, README.md's and the site's (a
+  sentence's figures are found wherever it moved)."""
+  return docs_text.all_text()
+
+
+def _page(header):
+  """The text of the page that holds the table whose header starts so."""
+  return docs_text.read(docs_text.holding(header))
 
 
 def _table(text, header_start):
@@ -271,11 +278,11 @@ def check_alpha_table(text):
 
 
 def test_results_table_cells_recompute_from_their_records():
-  check_results_table(_readme())
+  check_results_table(_page('| method | Dir(0.1)'))
 
 
 def test_alpha_ablation_cells_recompute_from_their_records():
-  check_alpha_table(_readme())
+  check_alpha_table(_page('| α |'))
 
 
 @pytest.mark.parametrize(
@@ -399,22 +406,70 @@ def check_stitch_table(text):
   assert _table(text, '| run | networks found |') == expected
 
 
-# Each README table's header line (its start) and its check, for
+# The pool of the FedStitch section trained on two CPUs: each
+# `pretrain.log` (experiments.pretrain_zoo's output) and its column.
+POOL_LOGS = {
+  'Intel Sapphire Rapids (the record above)': 'pretrain.log',
+  'AMD EPYC': os.path.join('pool_amd_epyc', 'pretrain.log'),
+}
+
+
+def check_pool_cpu_table(text):
+  """The pool's test accuracies per CPU in text `text`, row by row as
+  each machine's `pretrain_zoo` printed them."""
+  columns = {}
+  for title, log in POOL_LOGS.items():
+    with open(os.path.join(os.path.dirname(STITCH_RUN), log)) as f:
+      columns[title] = dict(
+        re.findall(r'^(\w+): test accuracy ([\d.]+) %', f.read(), re.M)
+      )
+  models = list(columns[next(iter(POOL_LOGS))])
+  expected = [['pool model', *POOL_LOGS]] + [
+    [m, *(f'{columns[t][m]} %' for t in POOL_LOGS)] for m in models
+  ]
+  assert _table(text, '| pool model |') == expected
+
+
+# Each table's header line (its start) and its check, for
 # tests/test_results_tables_tight.py.
 TABLES = {
   '| method | Dir(0.1)': check_results_table,
   '| α |': check_alpha_table,
   '| run | networks found |': check_stitch_table,
   '| method | IID |': check_transfer_table,
+  '| pool model |': check_pool_cpu_table,
 }
 
 
+def test_the_pool_per_cpu_table_is_its_two_logs():
+  check_pool_cpu_table(_page('| pool model |'))
+
+
+def test_the_pools_difference_is_the_cpus_as_the_page_says():
+  # The record's commit, on the AMD machine, trains cnn_mnist as the
+  # AMD column says (the code did not change it; the CPU did).
+  text = ' '.join(_readme().split())
+  said = re.search(
+    r'the record\'s own commit, (\w+), trains cnn_mnist on the AMD machine '
+    rf'to ({NUMBER}) % too \(`(pretrain_\w+\.log)`\)',
+    text,
+  )
+  assert said, 'the per-CPU sentence is gone'
+  folder = os.path.join(os.path.dirname(STITCH_RUN), 'pool_amd_epyc')
+  with open(os.path.join(folder, said.group(3))) as f:
+    old = re.search(r'^cnn_mnist: test accuracy ([\d.]+) %', f.read(), re.M)
+  with open(os.path.join(folder, 'pretrain.log')) as f:
+    new = re.search(r'^cnn_mnist: test accuracy ([\d.]+) %', f.read(), re.M)
+  assert old[1] == new[1] == said.group(2)
+  assert said.group(1) in said.group(3)
+
+
 def test_the_transfer_table_is_table3_of_its_records():
-  check_transfer_table(_readme())
+  check_transfer_table(_page('| method | IID |'))
 
 
 def test_the_fedstitch_table_recomputes_from_its_record():
-  check_stitch_table(_readme())
+  check_stitch_table(_page('| run | networks found |'))
 
 
 def test_the_resnet_cells_still_rising_are_as_the_readme_counts():

@@ -1,8 +1,9 @@
 """The results tables' checks are tight: one unit more or less in the last
-printed digit of any figure of any table they cover fails its check.
+printed digit of any figure of any results table of the documentation
+(README.md, BUILD.md, the site's pages under docs/) fails its check.
 
 Each figure of each body row (the labels' too: a row's label picks its
-record) is changed alone, in memory, in the README or BUILD.md text
+record) is changed alone, in memory, in the text of the page that holds it
 (+1 in its last digit, −1 where that digit is 9); the table's check must
 then fail. Figures inside identifiers (`resnet18_w16`, a commit, a record
 name) and inside `code` are names, not figures, and are left alone.
@@ -13,7 +14,9 @@ import re
 
 import pytest
 
+from tests import docs_text
 from tests import test_build_md_records as build_md_records
+from tests import test_docs_tables as docs_tables
 from tests import test_readme_records as readme_records
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -53,12 +56,14 @@ def _mutations(line):
     yield cell, figure, line[: m.start()] + changed + line[m.end() :]
 
 
+# Each table on the page that holds it now, wherever it moved.
 CASES = [
-  ('README.md', header, check)
-  for header, check in readme_records.TABLES.items()
-] + [
-  ('BUILD.md', header, check)
-  for header, check in build_md_records.TABLES.items()
+  (docs_text.holding(header), header, check)
+  for header, check in {
+    **readme_records.TABLES,
+    **build_md_records.TABLES,
+    **docs_tables.TABLES,
+  }.items()
 ]
 
 

@@ -344,8 +344,35 @@ def _write_summary(
   text = table(summary, title=title)
   files.write_atomic(os.path.join(out, TABLE_FILE), lambda f: f.write(text))
   labels = display_names(curves)
-  named = {labels[name]: rows for name, rows in curves.items()}
-  plots.plot_curves(named, os.path.join(out, CURVES_FILE), title=title)
+  groups = families(list(curves)) if len(curves) > plots.MAX_SIDE_LEGEND else {}
+  plots.plot_curves(
+    {labels[name]: rows for name, rows in curves.items()},
+    os.path.join(out, CURVES_FILE),
+    title=title,
+    groups={g: [labels[v] for v in vs] for g, vs in groups.items()},
+  )
+
+
+def families(variants: Sequence[str], size: int = 5) -> dict[str, list[str]]:
+  """The rows of the many-methods figure: after the first variant (the
+  reference, drawn in every row), the variants of algorithms that keep K
+  models (FedMR's family) apart from the others, each in rows of at most
+  `size`, in their order."""
+  named = registry.variants()
+  kinds: dict[str, list[str]] = {'keep K models': [], 'aggregate': []}
+  for name in variants[1:]:
+    algorithm = named.get(name, {}).get('algorithm')
+    multi = (
+      algorithm in registry.REGISTRY and registry.get(algorithm).multi_model
+    )
+    kinds['keep K models' if multi else 'aggregate'].append(name)
+  rows = {}
+  for kind, members in sorted(kinds.items(), key=lambda k: k[0] != 'aggregate'):
+    chunks = [members[i : i + size] for i in range(0, len(members), size)]
+    for i, chunk in enumerate(chunks):
+      part = f' ({i + 1} of {len(chunks)})' if len(chunks) > 1 else ''
+      rows[f'methods that {kind}{part}'] = chunk
+  return rows
 
 
 def display_names(variants: Sequence[str]) -> dict[str, str]:

@@ -45,7 +45,7 @@ class SimClient(NamedTuple):
 
 
 def parse_mix(spec: str) -> list[tuple[str, float, float]]:
-  """Parses 'name[@speed][:weight],...' into (name, speed, weight) triples."""
+  """Parses `name[@speed][:weight],...` into (name, speed, weight) triples."""
   entries = []
   for item in spec.split(','):
     item = item.strip()
@@ -361,11 +361,11 @@ def simulate(
   """Simulates rounds with the coordinator and with the default governor.
 
   Args:
-    workloads: per round, the work of each participant [R][n_r]: seconds at
+    workloads: per round, the work of each participant `[R][n_r]`: seconds at
       the profile's first configuration (`work_unit='seconds'`) or a number
       of samples (`'samples'`, needs the profile's cycles_per_sample).
     clients: the device of every client id (see `assign_profiles`).
-    client_ids: per round, the participants' ids [R][n_r]; by default
+    client_ids: per round, the participants' ids `[R][n_r]`; by default
       0..n_r-1.
     work_unit: 'seconds' or 'samples'.
     margin: the coordinator's deadline margin (see `choose_config`).

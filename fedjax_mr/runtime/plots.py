@@ -212,16 +212,75 @@ def curves_figure(runs: Runs, title: str = '') -> Any:
     name: [curve(seeds, p.key, p.scale) for p in panels]
     for name, seeds in runs.items()
   }
-  # Room on the right for a side legend (one method's is inside).
-  fig, axes = _grid(
-    len(panels), 3.0 if 1 < len(runs) <= MAX_SIDE_LEGEND else 0.5
-  )
+  fig, axes = _grid(len(panels), 0.5)
   colors = dict(zip(runs, _colors(len(runs))))
   cut = False
   for i, (ax, panel) in enumerate(zip(axes, panels)):
     column = {name: c[i] for name, c in curves.items()}
     cut |= _draw_panel(ax, panel, column, colors)
+    _say_who(ax, panel, column)
   _legend(fig, axes, runs, curves, colors)
+  lines = [line for line in (title, '; '.join(_notes(curves, cut))) if line]
+  if lines:
+    suptitle(fig, '\n'.join(lines))
+  return fig
+
+
+def _drawn(c: Curve) -> bool:
+  """Whether curve `c` has any value to draw."""
+  return bool(len(c.rounds) or any(len(s.rounds) for s in c.stopped))
+
+
+def _say_who(ax: Any, panel: Panel, column: Mapping[str, Curve]) -> None:
+  """Titles an optional panel (the K models' cosine) with the methods
+  that logged it, when others did not (FedMR's family, not FedAvg)."""
+  if panel not in OPTIONAL_PANELS:
+    return
+  logged = [n for n, c in column.items() if _drawn(c)]
+  if len(logged) < len(column):
+    ax.set_title(
+      textwrap.fill(f'{", ".join(logged)} only', 50), fontsize='small'
+    )
+
+
+def families_figure(
+  runs: Runs, groups: Mapping[str, Sequence[str]], title: str = ''
+) -> Any:
+  """Small multiples of many methods: one row per group of methods
+  (`groups`: row title -> method labels of `runs`), each row's test
+  accuracy and train loss (and the K models' cosine where its methods
+  logged it), with the first method of `runs` drawn in grey in every row
+  as the reference.
+
+  Returns:
+    A `matplotlib.figure.Figure` on the Agg canvas.
+  """
+  figure, canvas = _matplotlib()
+  reference = next(iter(runs))
+  keys = {p.key for p in _panels(runs)}
+  panels = [p for p in PANELS + OPTIONAL_PANELS if p.key in keys]
+  panels = [p for p in panels if p.key != 'test_loss']
+  fig = figure(
+    figsize=(4.4 * len(panels), 3.0 * len(groups) + 0.8),
+    layout='constrained',
+  )
+  canvas(fig)
+  axes = fig.subplots(len(groups), len(panels), squeeze=False)
+  cut = False
+  for row, (name, members) in zip(axes, groups.items()):
+    shown = [reference] + [m for m in members if m != reference]
+    colors = dict(zip(shown, ['0.6'] + _colors(len(shown) - 1)))
+    for ax, panel in zip(row, panels):
+      column = {m: curve(runs[m], panel.key, panel.scale) for m in shown}
+      logged = {m: c for m, c in column.items() if _drawn(c)}
+      if not logged:  # a cosine panel of a row without FedMR's family
+        ax.set_visible(False)
+        continue
+      cut |= _draw_panel(ax, panel, logged, colors)
+      _say_who(ax, panel, column)
+    row[0].set_title(name, loc='left', fontsize='medium')
+    _legend(fig, row[:1], {m: runs[m] for m in shown}, {}, colors, inside=True)
+  curves = {m: [curve(runs[m], 'train_loss')] for m in runs}
   lines = [line for line in (title, '; '.join(_notes(curves, cut))) if line]
   if lines:
     suptitle(fig, '\n'.join(lines))
@@ -343,17 +402,21 @@ def _legend(
   runs: Runs,
   curves: Mapping[str, list[Curve]],
   colors: Mapping,
+  inside: bool = False,
 ) -> None:
   """One entry per method (dashed when no seed finished, × when one
   diverged): a single method's inside its first panel (`axes[0]`),
-  several beside the panels, or below them in columns when there are more
-  than `MAX_SIDE_LEGEND`."""
+  several below the panels, in rows of four, or of three when there are
+  more than `MAX_SIDE_LEGEND` (beside the panels, centred, a legend
+  floated between two rows of them, and at the top right it ran into a
+  long title); `inside`: all inside `axes[0]`."""
   from matplotlib.lines import Line2D
 
   handles, labels = [], []
   for name, seeds in runs.items():
-    finished = any(c.seeds for c in curves[name])
-    stopped = any(c.stopped for c in curves[name])
+    drawn = curves.get(name) or [curve(seeds, 'train_loss')]
+    finished = any(c.seeds for c in drawn)
+    stopped = any(c.stopped for c in drawn)
     handles.append(
       Line2D(
         [],
@@ -367,16 +430,14 @@ def _legend(
       )
     )
     labels.append(legend_label(name, seeds))
-  if len(handles) == 1:  # one method: inside the accuracy panel
+  if len(handles) == 1 or inside:  # inside the accuracy panel
     axes[0].legend(handles, labels, loc='best', fontsize='small')
-  elif len(handles) <= MAX_SIDE_LEGEND:
-    fig.legend(handles, labels, loc='outside right center', fontsize='small')
-  else:
+  else:  # below the panels, in columns
     fig.legend(
       handles,
       labels,
       loc='outside lower center',
-      ncols=min(3, len(handles)),
+      ncols=min(4 if len(handles) <= MAX_SIDE_LEGEND else 3, len(handles)),
       fontsize='small',
     )
 
@@ -461,9 +522,16 @@ def log_ticks(low: float, high: float, at_least: int = 4) -> list[float]:
   return [float(f'{t:.6g}') for t in even if low <= t <= high]
 
 
-def plot_curves(runs: Runs, path: str, title: str = '') -> None:
-  """Writes `curves_figure(runs, title)` as a PNG at `path` (atomically)."""
-  save(curves_figure(runs, title), path)
+def plot_curves(
+  runs: Runs,
+  path: str,
+  title: str = '',
+  groups: Mapping[str, Sequence[str]] | None = None,
+) -> None:
+  """Writes `curves_figure(runs, title)` as a PNG at `path` (atomically),
+  or `families_figure(runs, groups, title)` when `groups` are given."""
+  fig = families_figure(runs, groups, title) if groups else None
+  save(fig or curves_figure(runs, title), path)
 
 
 def save(fig: Any, path: str, dpi: int = 120) -> None:

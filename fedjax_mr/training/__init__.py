@@ -6,7 +6,7 @@ step), `optimizers` (client and server optimizers that keep their
 hyper-parameters; `server_step`), `budgets` (client memory budgets) and
 `engine` (the jitted round: sampling, dispatch, the K client updates,
 aggregation; evaluation). Nothing here imports an algorithm or the
-experiment harness.
+run pipeline.
 """
 
 from fedjax_mr.training import budgets as budgets

@@ -188,3 +188,18 @@ def test_a_variant_cannot_set_what_each_run_gets(spec, names):
   # These used to reach dataclasses.replace twice ("got multiple values").
   with pytest.raises(errors.ConfigError, match=f'^`variants`: .*{names}'):
     compare.parse_variant(spec)
+
+
+def test_many_variants_are_drawn_in_rows_by_family():
+  # After the reference (drawn in every row), those that keep K models
+  # apart from the others, in rows of at most `size`; a variant the
+  # registry does not name aggregates.
+  rows = compare.families(
+    ['fedavg', 'fedprox', 'scaffold', 'fedmr', 'indep', 'fedexp', 'custom'],
+    size=2,
+  )
+  assert rows == {
+    'methods that aggregate (1 of 2)': ['fedprox', 'scaffold'],
+    'methods that aggregate (2 of 2)': ['fedexp', 'custom'],
+    'methods that keep K models': ['fedmr', 'indep'],
+  }

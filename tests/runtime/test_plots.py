@@ -108,31 +108,71 @@ def test_curves_figure_draws_percent_bands_and_diverged_marks():
   for ax in fig.axes[:3]:
     ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks
-  # The legend, right of every panel, names the divergence.
+  # The legend, below every panel, names the divergence.
   (legend,) = fig.legends
   texts = [t.get_text().replace('\n  ', ' ') for t in legend.get_texts()]
   assert texts == [
     'FedAvg (3 seeds; seed 2 diverged at round 3)',
     'FedMR',
   ]
-  right = max(ax.get_window_extent().x1 for ax in fig.axes)
-  assert legend.get_window_extent().x0 >= right
+  bottom = min(ax.get_window_extent().y0 for ax in fig.axes)
+  assert legend.get_window_extent().y1 <= bottom
   title = fig._suptitle.get_text()
   assert title.startswith('the setting\nmean ± 1 std over seeds')
   assert 'diverged' in title
 
 
-def test_a_long_title_does_not_run_into_the_side_legend():
-  # A compare setting's title spans most of the figure's width; the side
-  # legend used to sit at the top right, under its last words.
+def test_a_long_title_does_not_run_into_the_legend():
+  # A compare setting's title spans most of the figure's width; a side
+  # legend at the top right sat under its last words (and one centred on
+  # the right floated between two rows of panels).
   long = ', '.join(['fashion_mnist cnn_mnist, dirichlet α=0.1'] * 3)
-  fig = plots.curves_figure({'FedAvg': SEEDS, 'FedMR': {0: SEEDS[0]}}, long)
+  fedmr = rows([0.5, 0.6], [1.0, 0.9], cosines=[0.9, 0.8])
+  runs = {'FedAvg': SEEDS, 'FedMR': {0: fedmr}}
+  fig = plots.curves_figure(runs, long)
   fig.canvas.draw()
   (legend,) = fig.legends
   box = legend.get_window_extent()
   title = fig._suptitle.get_window_extent()
-  assert title.x1 > box.x0  # the title does reach over the legend's column
   assert box.y1 <= title.y0
+  # Four panels in two rows: the legend is below both, not between them.
+  assert len([ax for ax in fig.axes if ax.get_visible()]) == 4
+  assert box.y1 <= min(ax.get_window_extent().y0 for ax in fig.axes)
+  # The K models' cosine is FedMR's alone, and its panel says so.
+  assert fig.axes[3].get_title() == 'FedMR only'
+
+
+def test_many_methods_are_drawn_in_rows_by_family():
+  # A reference, then methods that aggregate and methods that keep K
+  # models (which log the cosine): a row per group, the reference in
+  # grey in each, a legend inside each row's accuracy panel.
+  flat = {0: rows([0.5, 0.6], [1.0, 0.9])}
+  kept = {0: rows([0.4, 0.5], [1.2, 1.1], cosines=[0.9, 0.8])}
+  runs = {'FedAvg': flat, 'A': flat, 'B': flat, 'FedMR': kept}
+  groups = {'aggregate': ['A', 'B'], 'keep K models': ['FedMR']}
+  fig = plots.families_figure(runs, groups, 'the setting')
+  fig.canvas.draw()
+  visible = [ax for ax in fig.axes if ax.get_visible()]
+  # Accuracy and train loss per row, the cosine only in FedMR's row.
+  assert [ax.get_ylabel() for ax in visible] == [
+    'test accuracy (%)',
+    'train loss (log scale)',
+    'test accuracy (%)',
+    'train loss (log scale)',
+    'mean pairwise cosine of the K models',
+  ]
+  assert visible[0].get_title(loc='left') == 'aggregate'
+  assert visible[2].get_title(loc='left') == 'keep K models'
+  assert visible[4].get_title() == 'FedMR only'
+  for ax, names in [
+    (visible[0], ['FedAvg', 'A', 'B']),
+    (visible[2], ['FedAvg', 'FedMR']),
+  ]:
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == names
+    grey = [line for line in _lines(ax) if line.get_color() == '0.6']
+    assert len(grey) == 1  # the reference
+    helpers.assert_close(grey[0].get_ydata(), [50, 60])
 
 
 def test_a_loss_that_explodes_is_cut_off_at_a_ceiling():

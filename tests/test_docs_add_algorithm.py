@@ -1,4 +1,4 @@
-"""BUILD.md's "Adding an algorithm" example, run as written: its module and
+"""The "Add an algorithm" how-to's example, run as written: its module and
 its registry entry, through the experiment and the shared contract."""
 
 import importlib.util
@@ -16,16 +16,20 @@ from fedjax_mr.pipeline import registry
 from tests import helpers
 from tests.algorithms import contract
 
-BUILD_MD = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'BUILD.md')
+PAGE = os.path.join(
+  os.path.dirname(os.path.dirname(__file__)),
+  'docs',
+  'howto',
+  'add-algorithm.md',
+)
 
 
 def _blocks() -> tuple[str, str]:
-  """The example's module and its registry entry, as BUILD.md prints them."""
-  with open(BUILD_MD) as f:
+  """The example's module and its registry entry, as the how-to prints
+  them (its first two Python blocks)."""
+  with open(PAGE) as f:
     text = f.read()
-  section = text[text.index('### Adding an algorithm') :]
-  section = section[: section.index('\n### ', 1)]
-  module, entry = re.findall(r'```python\n(.*?)```', section, re.S)[:2]
+  module, entry = re.findall(r'```python\n(.*?)```', text, re.S)[:2]
   assert module.startswith('# fedjax_mr/algorithms/fedclip.py')
   return module, entry
 
