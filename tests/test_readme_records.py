@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from fedjax_mr.analysis import compare
-from fedjax_mr.runtime import metrics_io
 from fedjax_mr.analysis import stitch_figures
+from fedjax_mr.runtime import metrics_io
 from tests import docs_text
 
 REPO = os.path.dirname(os.path.dirname(__file__))
