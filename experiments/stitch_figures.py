@@ -205,9 +205,11 @@ _NUM_CLASSES = flags.DEFINE_integer(
 
 
 def _runs(figures):
+  from fedjax_mr.analysis import stitch_tables
+
   if not _RUNS.value:
     cli.fail(f'--runs is needed for --figure={_FIGURE.value}')
-  return figures.parse_runs(_RUNS.value)
+  return stitch_tables.parse_runs(_RUNS.value)
 
 
 def _print_written(paths) -> None:
@@ -232,6 +234,8 @@ def main(argv) -> None:
 
 
 def _main(figures, errors) -> None:
+  from fedjax_mr.analysis import stitch_tables
+
   name, out = _FIGURE.value, _OUTPUT.value
   if name == 'memory':
     _memory(figures, errors, out)
@@ -240,11 +244,11 @@ def _main(figures, errors) -> None:
     cli.fail(f'--last must be ≥ 1, got {_LAST.value}')
   runs = _runs(figures)
   if name == 'table3':
-    data, text = figures.accuracy_table(runs, _LAST.value)
+    data, text = stitch_tables.accuracy_table(runs, _LAST.value)
     print(text, end='')
     _print_written(figures.write(out, name, data, text))
   elif name == 'voting':
-    data, text = figures.voting_table(runs)
+    data, text = stitch_tables.voting_table(runs)
     print(text, end='')
     _print_written(figures.write(out, name, data, text))
   elif name == 'acc_vs_time':
@@ -290,15 +294,16 @@ def _main(figures, errors) -> None:
 def _rank(figures, runs, out) -> None:
   import os
 
+  from fedjax_mr.analysis import stitch_tables
   from fedjax_mr.core import jsonfile
 
   paths = [p for cols in runs.values() for p in cols.values()]
   if len(paths) != 1:
     cli.fail(f'--runs: rank_vs_classes takes one workdir, got {len(paths)}')
   (path,) = paths
-  if figures.kind_of(path) != 'stitch':
+  if stitch_tables.kind_of(path) != 'stitch':
     cli.fail(f'--runs: {path} is not a FedStitch workdir (no log.jsonl)')
-  log = figures.read_log(path)
+  log = stitch_tables.read_log(path)
   if not log:
     cli.fail(f'--runs: {path}/log.jsonl holds no round')
   summary_path = _PARTITION_SUMMARY.value or os.path.join(
@@ -318,7 +323,7 @@ def _rank(figures, runs, out) -> None:
       f"{where}: cannot read the clients' classes ({e.reason}); want a "
       "JSON partition summary with per-client 'label_histograms'"
     )
-  state = figures.stitch_state(path)
+  state = stitch_tables.stitch_state(path)
   weights = None
   if state is not None and state[0].get('weights') is not None:
     weights = [float(w) for w in state[0]['weights']]
@@ -327,7 +332,7 @@ def _rank(figures, runs, out) -> None:
         f'--partition_summary: {summary_path} has {len(classes)} clients, '
         f'the run {path} has {len(weights)}'
       )
-  res = figures.stitch_results(path)
+  res = stitch_tables.stitch_results(path)
   data = figures.rank_data(
     log, classes, weights, (res or {}).get('local') or None
   )
@@ -339,6 +344,7 @@ def _rank(figures, runs, out) -> None:
 
 
 def _memory(figures, errors, out) -> None:
+  from fedjax_mr.analysis import stitch_memory
   from fedjax_mr.models import model as model_lib
 
   for flag in (_BATCH_SIZE, _TRAIN_BATCH_SIZE, _NUM_CLASSES, _FT_LAYERS):
@@ -371,7 +377,7 @@ def _memory(figures, errors, out) -> None:
     except (KeyError, ValueError) as e:
       cli.fail(f'--models: {m}: {e}')
   try:
-    data = figures.memory_data(
+    data = stitch_memory.memory_data(
       chains,
       models,
       baselines,
@@ -381,9 +387,9 @@ def _memory(figures, errors, out) -> None:
     )
   except errors.ArgumentError as e:  # FT-Part's layers, the one argument
     cli.fail(f'--ft_layers: {e.message}')
-  text = figures.memory_table(data)
+  text = stitch_memory.memory_table(data)
   print(text, end='')
-  fig = figures.memory_figure(data)
+  fig = stitch_memory.memory_figure(data)
   _print_written(figures.write(out, 'memory', data, text, fig))
 
 

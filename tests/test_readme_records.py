@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from fedjax_mr.analysis import compare
-from fedjax_mr.analysis import stitch_figures
+from fedjax_mr.analysis import stitch_tables
 from fedjax_mr.runtime import metrics_io
 from tests import docs_text
 
@@ -330,10 +330,10 @@ def _transfer_table():
   cwd = os.getcwd()
   os.chdir(REPO)  # runs.json names its records relative to the checkout
   try:
-    runs = stitch_figures.parse_runs(TRANSFER_RUNS)
+    runs = stitch_tables.parse_runs(TRANSFER_RUNS)
     paths = [p for cols in runs.values() for p in cols.values()]
     assert all(os.path.isdir(p) for p in paths), 'a record is missing'
-    _, text = stitch_figures.accuracy_table(runs, LAST)
+    _, text = stitch_tables.accuracy_table(runs, LAST)
   finally:
     os.chdir(cwd)
   return [line for line in text.splitlines() if line.startswith('|')]

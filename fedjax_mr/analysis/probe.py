@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from fedjax_mr.analysis import stitch_figures
+from fedjax_mr.analysis import stitch_tables
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.core import workdir as workdir_lib
@@ -58,7 +58,7 @@ from fedjax_mr.stitch import network
 
 # What `probe` writes into the run's workdir (named where the tables,
 # host-only, read it).
-PROBE_FILE = stitch_figures.PROBE_FILE
+PROBE_FILE = stitch_tables.PROBE_FILE
 # The stitch probe's neighbours (`network.accuracies`' default) and
 # reference size (experiments.stitch's `knn_reference` default).
 K = 5

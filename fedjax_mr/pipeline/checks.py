@@ -4,7 +4,7 @@
 hyper-parameters; the optimizers are built here from their parts
 (`client_optimizer`, `server_optimizer`), so that an optimizer's
 `ArgumentError` names its flag. Errors are `ConfigError`s naming the flag
-in backticks, which the programs render as `--flag`.
+in backticks, which the programs render as their flags.
 """
 
 from __future__ import annotations

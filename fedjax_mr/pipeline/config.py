@@ -17,7 +17,7 @@ from the registry. Fields marked `run_only` may change when a run resumes;
 the others define the run. Nothing here reads a file: `with_file_digest`
 fills `partition_sha256` where a run starts. The checks are in
 `fedjax_mr.pipeline.checks`; their errors name flags in backticks, which
-the programs render as `--flag` (`experiments.cli.render`).
+the programs render as their flags (`experiments.cli.render`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fedjax_mr.analysis import stitch_figures as figures
+from fedjax_mr.analysis import stitch_tables
 from fedjax_mr.core import errors
 from fedjax_mr.core import jsonfile
 from fedjax_mr.stitch import state as state_lib
@@ -373,12 +374,12 @@ def test_table3_shows_the_probe_beside_each_training_runs_head(tmp_path):
   _run_dir(probed, [0.5, 0.7, 0.9], rounds=3)
   _run_dir(plain, [0.6, 0.8], rounds=2)
   _json(
-    os.path.join(probed, figures.PROBE_FILE),
+    os.path.join(probed, stitch_tables.PROBE_FILE),
     {'rounds': [2, 3], 'accuracy': [0.8, 0.84], 'mean': 0.82},
   )
   runs = {'FedStitch': {'iid': stitch}, 'FT': {'iid': probed}}
   runs['FedAvg'] = {'iid': plain}
-  data, text = figures.accuracy_table(runs, last=2)
+  data, text = stitch_tables.accuracy_table(runs, last=2)
   lines = text.splitlines()
   assert lines[0] == '| method | iid | iid, 5-NN on trunk |'
   assert '| FedStitch | 90.00 | 90.00 |' in lines
@@ -389,7 +390,7 @@ def test_table3_shows_the_probe_beside_each_training_runs_head(tmp_path):
   assert data['probed'] and data['rows'][3]['cells']['iid']['probe'] == 0.82
   # Without any probe.json, the table is as it was: no such column.
   del runs['FT']
-  _, text = figures.accuracy_table(runs, last=2)
+  _, text = stitch_tables.accuracy_table(runs, last=2)
   assert text.splitlines()[0] == '| method | iid |'
 
 
@@ -431,11 +432,11 @@ def test_acc_vs_round_curves(results):
 
 def test_trailing_means_by_hand():
   # Window 3 over 1, 2, 3, 4, 8: 1, 1.5, 2, 3, 5.
-  means = figures.trailing_means([1, 2, 3, 4, 8], window=3)
+  means = stitch_tables.trailing_means([1, 2, 3, 4, 8], window=3)
   assert means == pytest.approx([1, 1.5, 2, 3, 5])
-  assert figures.trailing_means([0.4, 0.6], window=1) == [0.4, 0.6]
+  assert stitch_tables.trailing_means([0.4, 0.6], window=1) == [0.4, 0.6]
   with pytest.raises(ValueError, match='window must be ≥ 1, got 0'):
-    figures.trailing_means([0.5], window=0)
+    stitch_tables.trailing_means([0.5], window=0)
 
 
 def test_round_axis_floor_leaves_out_each_runs_first_fifth():
@@ -454,16 +455,18 @@ def test_trailing_gain_by_hand():
   # Accuracy r/100 at rounds 1..30: the last 10 (21..30) average 0.255,
   # the last 10 by round 10 (1..10) 0.055: a gain of 0.2.
   evaluated = [(r, r / 100) for r in range(1, 31)]
-  assert figures.trailing_gain(evaluated) == pytest.approx(0.2)
+  assert stitch_tables.trailing_gain(evaluated) == pytest.approx(0.2)
   # Round 29 leaves only 9 evaluations by round 9: no gain yet.
-  assert figures.trailing_gain(evaluated[:-1]) is None
+  assert stitch_tables.trailing_gain(evaluated[:-1]) is None
   # Every other round: rounds 42..60 against rounds 22..40, 0.2 apart.
   sparse = [(r, r / 100) for r in range(2, 61, 2)]
-  assert figures.trailing_gain(sparse) == pytest.approx(0.2)
+  assert stitch_tables.trailing_gain(sparse) == pytest.approx(0.2)
   flat = [(r, 0.9) for r in range(1, 101)]
-  assert figures.trailing_gain(flat, window=5, span=50) == pytest.approx(0.0)
+  assert stitch_tables.trailing_gain(flat, window=5, span=50) == pytest.approx(
+    0.0
+  )
   with pytest.raises(ValueError, match='window and span'):
-    figures.trailing_gain(flat, window=0)
+    stitch_tables.trailing_gain(flat, window=0)
 
 
 def test_table3_gives_each_long_runs_rounds_and_trailing_gain(tmp_path):
@@ -471,7 +474,7 @@ def test_table3_gives_each_long_runs_rounds_and_trailing_gain(tmp_path):
   _run_dir(rising, [r / 100 for r in range(1, 31)], rounds=30)
   _run_dir(flat, [0.5 + 0.001 * (r % 2) for r in range(1, 41)], rounds=40)
   runs = {'up': {'iid': rising}, 'level': {'iid': flat}}
-  data, text = figures.accuracy_table(runs, last=10)
+  data, text = stitch_tables.accuracy_table(runs, last=10)
   lines = text.splitlines()
   assert '| up | 25.50 (best 30.00; 30 rounds, +20.00 in 20, rising) |' in lines
   assert '| level | 50.05 (best 50.10; 40 rounds, +0.00 in 20, flat) |' in lines
@@ -479,7 +482,7 @@ def test_table3_gives_each_long_runs_rounds_and_trailing_gain(tmp_path):
   # 0.199 points prints as +0.20 but is under the criterion: flat.
   edge = str(tmp_path / 'edge')
   _run_dir(edge, [0.5] * 10 + [0.5] * 10 + [0.50199] * 10, rounds=30)
-  _, text = figures.accuracy_table({'edge': {'iid': edge}}, last=10)
+  _, text = stitch_tables.accuracy_table({'edge': {'iid': edge}}, last=10)
   assert '30 rounds, +0.20 in 20, flat) |' in text
   assert data['rows'][0]['cells']['iid']['gain'] == pytest.approx(0.2)
 
@@ -566,17 +569,17 @@ def test_missing_inputs_are_one_line_errors(results):
 
 def test_parse_runs_forms(tmp_path):
   spec = 'A:iid=x/1, noniid=x/2; B:y'
-  assert figures.parse_runs(spec) == {
+  assert stitch_tables.parse_runs(spec) == {
     'A': {'iid': 'x/1', 'noniid': 'x/2'},
     'B': {'run': 'y'},
   }
   path = tmp_path / 'runs.json'
   path.write_text(json.dumps({'A': {'iid': 'x/1'}, 'B': 'y'}))
-  assert figures.parse_runs(str(path)) == {
+  assert stitch_tables.parse_runs(str(path)) == {
     'A': {'iid': 'x/1'},
     'B': {'run': 'y'},
   }
-  assert figures.columns_of(figures.parse_runs(spec)) == [
+  assert stitch_tables.columns_of(stitch_tables.parse_runs(spec)) == [
     'iid',
     'noniid',
     'run',
@@ -588,13 +591,13 @@ def test_a_malformed_file_of_a_workdir_is_one_line_naming_it(tmp_path):
   model.mkdir()
   (model / 'meta.json').write_text('{"test_accuracy": "high"}')
   with pytest.raises(jsonfile.JsonFileError) as e:
-    figures.cell(str(model))
+    stitch_tables.cell(str(model))
   assert str(e.value) == (
     f'{model}/meta.json: "test_accuracy" is the string "high", not a number'
   )
   (model / 'meta.json').write_text('[0.5]')
   with pytest.raises(jsonfile.JsonFileError, match='holds a list, not an'):
-    figures.cell(str(model))
+    stitch_tables.cell(str(model))
 
 
 def test_a_bad_partition_summary_or_runs_file_names_the_field(tmp_path):
@@ -610,7 +613,7 @@ def test_a_bad_partition_summary_or_runs_file_names_the_field(tmp_path):
   runs = tmp_path / 'runs.json'
   runs.write_text('[1]')
   with pytest.raises(errors.ConfigError) as e:
-    figures.parse_runs(str(runs))
+    stitch_tables.parse_runs(str(runs))
   assert str(e.value).startswith(
     f'`runs={runs}`: holds a list, not an object (want a JSON object'
   )
