@@ -6,8 +6,9 @@ Subpackages, by layer (each imports only the layers below it): `core`
 (host-only Jetson energy tools; never imports jax); `training` (local
 training, optimizers, the round engine); `algorithms` (one module per
 algorithm) and `stitch` (FedStitch); `harness` (the registry, the
-experiment config, the host loop, comparison and figures), which the
-programs in `experiments/` call.
+experiment config, the host loop, comparison and figures) and `bench`
+(the benchmark of a round against its limit), which the programs in
+`experiments/` call.
 
 The names below are loaded on first use, so `import fedjax_mr.energy` does
 not import jax.
@@ -19,6 +20,7 @@ __version__ = '0.1.0'
 
 _SUBPACKAGES = (
   'algorithms',
+  'bench',
   'core',
   'data',
   'energy',

@@ -16,6 +16,8 @@ LAYERS = {
   'algorithms': 3,
   'stitch': 3,
   'harness': 4,
+  # The benchmark builds its runs as the run pipeline does.
+  'bench': 5,
 }
 
 
