@@ -88,13 +88,14 @@ def main(argv):
     cli.algorithm_options(ALGORITHM_FLAGS),
     FLAGS.client_chunks,
   )
-  for name in ('sizes', 'alpha'):
-    if bench.synthetic(setting) and FLAGS[name].present:
-      cli.fail(
-        f'--{name} sets the shares of a stored dataset; --dataset=synthetic '
-        'clients have their own lognormal sizes'
-      )
   try:
+    bench.check(setting)  # first, as measure would: its errors come first
+    for name in ('sizes', 'alpha'):
+      if bench.synthetic(setting) and FLAGS[name].present:
+        cli.fail(
+          f'--{name} sets the shares of a stored dataset; '
+          '--dataset=synthetic clients have their own lognormal sizes'
+        )
     torch_loop = _torch_loop() if setting.pytorch else None
     bench.measure(setting, torch_loop=torch_loop, log=cli.log)
   except errors.UserError as e:
