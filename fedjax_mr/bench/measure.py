@@ -70,6 +70,7 @@ import os
 import time
 from typing import Any
 from typing import Callable
+from typing import NamedTuple
 from typing import Protocol
 
 import jax
@@ -146,24 +147,24 @@ def _measure(setting, torch_loop, log) -> report_lib.Report:
   device_settings = setting_lib.device_settings(setting, n_dev)
   clients = _setup(setting, {s for s, _ in device_settings})
   say(report_lib.header_line(setting, n_dev, platform))
-  if clients['stored'] is None:
+  if clients.stored is None:
     config = runs_lib.experiment_config(setting, setting.algorithm)
     say(
       report_lib.clients_line(
-        clients['data']['lognormal'],
+        clients.data['lognormal'],
         config.synthetic_alpha,
         config.synthetic_beta,
       )
     )
   results = []
-  if setting.pytorch and clients['stored'] is None:
+  if setting.pytorch and clients.stored is None:
     say('PyTorch reference: none for generated clients (`dataset=synthetic`)')
   for sizes in setting_lib.size_kinds(setting):
     devs = [dev for s, dev in device_settings if s == sizes]
     if not devs:
       continue
     loop = None
-    if setting.pytorch and clients['stored'] is not None:
+    if setting.pytorch and clients.stored is not None:
       loop, line = _torch(setting, torch_loop, clients, sizes)
       if loop is not None or sizes == device_settings[0][0]:
         say(line)
@@ -193,18 +194,32 @@ def _torch(setting, torch_loop, clients, sizes):
   """(the PyTorch loop or None, its line) on the clients of `sizes`."""
   if torch_loop is None:
     return None, NO_TORCH_LINE
-  ds, parts = clients['stored']
-  num_params = sum(v.size for v in jax.tree.leaves(clients['params']))
+  ds, parts = clients.stored
+  num_params = sum(v.size for v in jax.tree.leaves(clients.variables['params']))
   device = 'cpu' if jax.devices()[0].platform == 'cpu' else 'cuda'
   return torch_loop(setting, ds, parts[sizes], num_params, device)
 
 
-def _setup(setting, sizes) -> dict[str, Any]:
-  """The model (`base`), its optimizer (`opt`) and initial `variables`,
-  the clients of each size kind of `sizes` (`data`: {kind: ClientData or
-  SyntheticData}), the `test_set` `(x, y, scale, shift)`, what the PyTorch
-  loop reads (`stored`: `(dataset, {kind: partition})`, None for generated
-  clients) and the timed `algorithms` ({name: `runs.algorithm`'s})."""
+class _Clients(NamedTuple):
+  """What every setting of a benchmark times with: the zoo model (`base`),
+  its optimizer (`opt`) and initial `variables`, the clients of each size
+  kind (`data`: {kind: ClientData or SyntheticData}), the `test_set`
+  `(x, y, scale, shift)`, what the PyTorch loop reads (`stored`: `(dataset,
+  {kind: partition})`, None for generated clients) and the timed
+  `algorithms` ({name: `runs.algorithm`'s})."""
+
+  base: model_lib.Model
+  opt: optax.GradientTransformation
+  variables: Any
+  data: dict[str, Any]
+  test_set: tuple
+  stored: tuple | None
+  algorithms: dict[str, tuple]
+
+
+def _setup(setting, sizes) -> _Clients:
+  """The model, clients and algorithms of `setting`, with the clients of
+  each size kind of `sizes`."""
   if setting_lib.synthetic(setting):
     c = runs_lib.generated_clients(setting)
     data, stored = {'lognormal': c.data}, None
@@ -221,16 +236,15 @@ def _setup(setting, sizes) -> dict[str, Any]:
   variables = base.init(jax.random.key(0))
   # The requested algorithm with its options; FedAvg beside it with none.
   names = dict.fromkeys([setting.algorithm, 'fedavg'])
-  return {
-    'base': base,
-    'opt': optax.sgd(0.01, momentum=0.9),
-    'variables': variables,
-    'params': variables['params'],
-    'data': data,
-    'test_set': test_set,
-    'stored': stored,
-    'algorithms': {n: runs_lib.algorithm(setting, n, base) for n in names},
-  }
+  return _Clients(
+    base=base,
+    opt=optax.sgd(0.01, momentum=0.9),
+    variables=variables,
+    data=data,
+    test_set=test_set,
+    stored=stored,
+    algorithms={n: runs_lib.algorithm(setting, n, base) for n in names},
+  )
 
 
 def _stored_clients(setting, sizes):
@@ -275,7 +289,7 @@ def _bench_sizes(setting, sizes, devs, clients, torch_loop):
   is taken between runs seconds apart, so drifts in the machine's speed
   (large on shared 2-core machines) cancel.
   """
-  data = clients['data'][sizes]
+  data = clients.data[sizes]
   runs, baseline = _prepare_runs(setting, sizes, devs, clients)
   b = min(setting.batch_size, int(data.max_size))
   lb = setting.limit_batch or b
@@ -285,7 +299,7 @@ def _bench_sizes(setting, sizes, devs, clients, torch_loop):
         f'`limit_batch={lb}` exceeds the {data.x.shape[0]} training examples'
       )
   limit, flops = limit_lib.limit_fn(
-    clients['base'], clients['opt'], clients['variables'], data, lb, b
+    clients.base, clients.opt, clients.variables, data, lb, b
   )
   for r in ([baseline] if baseline else []) + runs:  # warm-up
     r['state'], m = r['step'](r['state'])
@@ -317,8 +331,8 @@ def _prepare_runs(setting, sizes, devs, clients):
   """The prepared runs of size kind `sizes`: one per device setting of
   `devs` and chunk of `client_chunks`, and FedAvg's beside another
   algorithm on the first device setting (None beside FedAvg)."""
-  data, test_set = clients['data'][sizes], clients['test_set']
-  name, algorithms = setting.algorithm, clients['algorithms']
+  data, test_set = clients.data[sizes], clients.test_set
+  name, algorithms = setting.algorithm, clients.algorithms
   runs = []
   for dev in devs:
     first = None
