@@ -23,6 +23,7 @@ tests/test_torch_reference.py where PyTorch is installed).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Sequence
 
@@ -317,3 +318,43 @@ class FedAvgLoop:
   def _sync(self):
     if self.device.type == 'cuda':
       torch.cuda.synchronize()
+
+
+def bench_loop(
+  setting, dataset, partition, num_params: int, device: str
+) -> tuple[FedAvgLoop | None, str]:
+  """The loop `fedjax_mr.bench.measure` times beside a round: a
+  `FedAvgLoop` of the benchmark `setting` on `dataset` split by
+  `partition` (SGD at 0.01, momentum 0.9, as the round), on `device`
+  ('cpu' or 'cuda'), and the line saying its TF32 settings; or None and a
+  line saying there is no such model here. Raises RuntimeError if the
+  model's parameters do not number `num_params`, the JAX model's."""
+  if setting.model not in MODELS:
+    return None, (
+      f'PyTorch reference: none for {setting.model} (it has '
+      f'{", ".join(MODELS)})'
+    )
+  loop = FedAvgLoop(
+    setting.model,
+    dataset.x_train,
+    dataset.y_train,
+    partition,
+    dataset.scale,
+    dataset.shift,
+    dataset.num_classes,
+    setting.local_epochs,
+    setting.batch_size,
+    0.01,
+    0.9,
+    device,
+    setting.threads or os.cpu_count(),
+    setting.compute_dtype,
+  )
+  # JAX's default float32 products use TF32 on NVIDIA GPUs: the same here.
+  line = set_tf32(setting.matmul_precision == 'default')
+  theirs = num_parameters(loop.model)
+  if num_params != theirs:
+    raise RuntimeError(
+      f'the PyTorch {setting.model} has {theirs} parameters, ours {num_params}'
+    )
+  return loop, line

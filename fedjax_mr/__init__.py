@@ -10,8 +10,9 @@ where it runs: checkpoints, metrics files, figures of them, TensorBoard,
 provenance, devices and processes); `pipeline` (the run pipeline: the
 registry, the experiment configs, the host loop, resume and records, for
 training runs and FedStitch runs); `analysis` (what is read from finished
-runs: comparisons, probes, landscapes, FedStitch's tables and figures).
-The programs in `experiments/` call the last two.
+runs: comparisons, probes, landscapes, FedStitch's tables and figures);
+`bench` (the benchmark of a round against its limit). The programs in
+`experiments/` call the last three.
 
 The names below are loaded on first use, so `import fedjax_mr.energy` does
 not import jax.
@@ -24,6 +25,7 @@ __version__ = '0.1.0'
 _SUBPACKAGES = (
   'algorithms',
   'analysis',
+  'bench',
   'core',
   'data',
   'energy',

@@ -8,7 +8,8 @@ import fedjax_mr
 
 
 @pytest.mark.parametrize(
-  'package', ['fedjax_mr', 'fedjax_mr.core', 'fedjax_mr.training']
+  'package',
+  ['fedjax_mr', 'fedjax_mr.bench', 'fedjax_mr.core', 'fedjax_mr.training'],
 )
 def test_every_exported_name_resolves(package):
   module = importlib.import_module(package)

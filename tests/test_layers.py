@@ -18,6 +18,8 @@ LAYERS = {
   'runtime': 3,
   'pipeline': 4,
   'analysis': 5,
+  # The benchmark builds its runs as the run pipeline does.
+  'bench': 5,
 }
 
 

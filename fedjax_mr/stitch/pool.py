@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 from typing import NamedTuple
 from typing import Sequence
@@ -61,6 +62,111 @@ def split_public(
     )
   perm = np.random.default_rng(seed).permutation(num_train)
   return np.sort(perm[:public_size]), np.sort(perm[public_size:])
+
+
+def write_public_split(
+  workdir: str,
+  dataset: str,
+  public: np.ndarray,
+  public_size: int,
+  seed: int,
+  classes: Sequence[int] | None,
+) -> dict[str, Any]:
+  """Writes the pool folder `workdir`'s public split, `public.json`
+  (`public`: the indices `split_public` drew from `dataset`'s training
+  split; `classes`: those the pool learns, None: all); refuses a folder
+  whose pool was trained on another split. The caller holds the folder's
+  lock.
+
+  Returns:
+    The split as written: {'dataset', 'seed', 'public_size', 'indices',
+    'classes'}.
+
+  Raises:
+    ConfigError: the folder's public.json cannot be read, or holds another
+      split.
+  """
+  split_path = os.path.join(workdir, 'public.json')
+  split = {
+    'dataset': dataset,
+    'seed': seed,
+    'public_size': public_size,
+    'indices': public.tolist(),
+    'classes': None if classes is None else list(classes),
+  }
+  if os.path.lexists(split_path):
+    try:
+      old = jsonfile.load(split_path, MAX_PUBLIC_BYTES)
+    except jsonfile.JsonFileError as e:
+      raise errors.ConfigError(
+        f'`workdir={workdir}`: its public split {e} (the split of '
+        'the pool trained there): use a new `workdir`'
+      ) from None
+    if (
+      old.get('indices') != split['indices']
+      or old.get('classes') != (split['classes'])
+    ):
+      raise errors.ConfigError(
+        f'`workdir={workdir}` holds a pool trained on another public '
+        'split (`dataset`, `public_size`, `seed` or `classes` differ): '
+        'use a new `workdir`'
+      )
+  files.write_atomic(split_path, lambda f: json.dump(split, f))
+  return split
+
+
+def pretrain_and_save(
+  workdir: str,
+  name: str,
+  model: models_lib.Model,
+  dataset: Any,
+  x: np.ndarray,
+  y: np.ndarray,
+  *,
+  public_size: int,
+  classes: Sequence[int] | None,
+  epochs: int,
+  batch_size: int,
+  learning_rate: float,
+  seed: int,
+) -> dict[str, Any]:
+  """Trains `model` (the zoo model `name`) on the public examples (`x`,
+  `y`) of `dataset` (a `datasets.Dataset`; `pretrain`'s arguments), saves
+  it in the pool folder `workdir` (`save_model`) and returns its metadata
+  (`test_accuracy` on the dataset's test set, `train_loss` per epoch,
+  `train_seconds`, ...)."""
+  t0 = time.perf_counter()
+  variables, losses = pretrain(
+    model,
+    x,
+    y,
+    scale=dataset.scale,
+    shift=dataset.shift,
+    epochs=epochs,
+    batch_size=batch_size,
+    learning_rate=learning_rate,
+    seed=seed,
+  )
+  seconds = time.perf_counter() - t0
+  acc = accuracy(
+    model,
+    variables,
+    dataset.x_test,
+    dataset.y_test,
+    scale=dataset.scale,
+    shift=dataset.shift,
+  )
+  meta = {
+    'dataset': dataset.name,
+    'public_size': public_size,
+    'classes': classes,
+    'epochs': epochs,
+    'train_loss': losses,
+    'test_accuracy': acc,
+    'train_seconds': seconds,
+  }
+  save_model(workdir, name, model, variables, **meta)
+  return meta
 
 
 def pretrain(
