@@ -605,11 +605,12 @@ def _compiled_round(algorithm, state, data, key, chunk, mesh, d):
   """`step(state, data, key) -> (state, metrics)`, compiled as
   experiments.run compiles it (without donation): one jitted round, or
   for per-client state in host memory the jitted sampler and the round
-  on the sampled rows (`engine.make_host_round`)."""
+  on the sampled rows (`host_round.make_host_round`)."""
   import jax
   import numpy as np
 
   from fedjax_mr.training import engine
+  from fedjax_mr.training import host_round
 
   k = FLAGS.clients_per_round
   make = functools.partial(
@@ -630,7 +631,7 @@ def _compiled_round(algorithm, state, data, key, chunk, mesh, d):
     .lower(device_state, data, key, ids, rows)
     .compile()
   )
-  return engine.make_host_round(sample, rows_round)
+  return host_round.make_host_round(sample, rows_round)
 
 
 def _server_seconds(algorithm, state, data, key):
@@ -697,14 +698,15 @@ def _evaluation(algorithm, model, multi, data, test_set, key, d, mesh):
   from fedjax_mr.core import types
   from fedjax_mr.data import client_data
   from fedjax_mr.training import engine
+  from fedjax_mr.training import evaluation
 
   k = FLAGS.clients_per_round
   x_test, y_test, scale, shift = test_set
   test = client_data.eval_data(
     x_test, y_test, FLAGS.eval_batch_size, scale, shift, num_shards=d
   )
-  evaluate_model = engine.make_evaluate(model, mesh)
-  evaluate_many = engine.make_evaluate_dispatched(model, algorithm, mesh)
+  evaluate_model = evaluation.make_evaluate(model, mesh)
+  evaluate_many = evaluation.make_evaluate_dispatched(model, algorithm, mesh)
 
   def evaluate(st):
     out = {
@@ -915,11 +917,11 @@ def _balance(data, client_ids, b, d):
   """
   import numpy as np
 
-  from fedjax_mr.training import engine
+  from fedjax_mr.training import placement
 
   sizes = np.asarray(data.sizes)[np.asarray(client_ids)]
   steps = -(-sizes // b)
-  perm = np.asarray(engine.balanced_order(sizes, d))
+  perm = np.asarray(placement.balanced_order(sizes, d))
   per_device = steps[perm].reshape(d, -1).sum(axis=1)
   return float(per_device.mean() / per_device.max())
 
