@@ -50,7 +50,7 @@ _SNAP = flags.DEFINE_enum(
 _CPU_METHOD = flags.DEFINE_enum(
   'cpu_method',
   'limits',
-  energy.dvfs.CPU_METHODS,
+  energy.sysfs_dvfs.CPU_METHODS,
   'Pin CPU clocks with min = max limits or the userspace governor.',
 )
 _ALLOW_EMC = flags.DEFINE_bool(

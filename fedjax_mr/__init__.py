@@ -54,7 +54,7 @@ _EXPORTS = {
   'make_local_update': ('fedjax_mr.training.client', 'make_local_update'),
   'make_client_update': ('fedjax_mr.training.client', 'make_client_update'),
   'make_round_fn': ('fedjax_mr.training.engine', 'make_round_fn'),
-  'make_evaluate': ('fedjax_mr.training.engine', 'make_evaluate'),
+  'make_evaluate': ('fedjax_mr.training.evaluation', 'make_evaluate'),
   'init_state': ('fedjax_mr.training.engine', 'init_state'),
   'setup': ('fedjax_mr.pipeline.experiment', 'setup'),
   'train_and_evaluate': ('fedjax_mr.pipeline.experiment', 'train_and_evaluate'),

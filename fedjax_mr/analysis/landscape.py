@@ -37,7 +37,7 @@ from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.pipeline import checks
-from fedjax_mr.training import engine
+from fedjax_mr.training import evaluation
 
 # Added to a direction filter's norm before dividing by it (as the paper's
 # code does), so that a zero filter stays zero.
@@ -139,7 +139,7 @@ def make_surface(
 
   `points_per_pass` points are evaluated at once (vmapped), one pass after
   another (`lax.map`); within a point, the batches of examples run one
-  after another (`engine.make_evaluate`), so memory is that of
+  after another (`evaluation.make_evaluate`), so memory is that of
   `points_per_pass` evaluations of one batch. Jit the result.
 
   One point per pass is the fastest on XLA:CPU: vmapping over the weights
@@ -157,7 +157,7 @@ def make_surface(
     {'loss': [G], 'accuracy': [G]}`, inference mode (BatchNorm running
     statistics), padded examples masked out.
   """
-  evaluate = engine.make_evaluate(model)
+  evaluate = evaluation.make_evaluate(model)
 
   def surface(variables, d1, d2, points, data):
     def at(point):

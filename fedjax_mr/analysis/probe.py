@@ -102,7 +102,7 @@ def trunk(
   pool model is: the network whose output the stitch probe reads.
 
   Raises:
-    ConfigError: a model that cannot be cut into blocks (`blocks.NAMES`).
+    ConfigError: a model that cannot be cut into blocks (`units.NAMES`).
   """
   name, variables = zoo_view(model, jax.device_get(variables))
   chain = blocks.split('model', name, variables, model.input_shape, cuts)

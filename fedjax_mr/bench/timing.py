@@ -24,6 +24,9 @@ from fedjax_mr.core import tree
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data
 from fedjax_mr.training import engine
+from fedjax_mr.training import evaluation as evaluation_lib
+from fedjax_mr.training import host_round
+from fedjax_mr.training import placement
 
 
 def prepare(
@@ -110,7 +113,7 @@ def compiled_round(algorithm, state, data, key, k: int, chunk: int, mesh):
   """`step(state, data, key) -> (state, metrics)` of K=`k` clients,
   compiled as a training run compiles it (without donation): one jitted
   round, or for per-client state in host memory the jitted sampler and
-  the round on the sampled rows (`engine.make_host_round`)."""
+  the round on the sampled rows (`host_round.make_host_round`)."""
   make = functools.partial(
     engine.make_round_fn,
     algorithm,
@@ -129,7 +132,7 @@ def compiled_round(algorithm, state, data, key, k: int, chunk: int, mesh):
     .lower(device_state, data, key, ids, rows)
     .compile()
   )
-  return engine.make_host_round(sample, rows_round)
+  return host_round.make_host_round(sample, rows_round)
 
 
 def server_seconds(algorithm, state, data, key, k: int) -> float:
@@ -186,8 +189,10 @@ def evaluation(algorithm, model, multi: bool, data, test, key, k: int, mesh):
   Returns:
     `evaluate(state)` (not jitted): the evaluations.
   """
-  evaluate_model = engine.make_evaluate(model, mesh)
-  evaluate_many = engine.make_evaluate_dispatched(model, algorithm, mesh)
+  evaluate_model = evaluation_lib.make_evaluate(model, mesh)
+  evaluate_many = evaluation_lib.make_evaluate_dispatched(
+    model, algorithm, mesh
+  )
 
   def evaluate(st):
     out = {
@@ -233,7 +238,7 @@ def balance(data, client_ids, b: int, d: int) -> float:
   """
   sizes = np.asarray(data.sizes)[np.asarray(client_ids)]
   steps = -(-sizes // b)
-  perm = np.asarray(engine.balanced_order(sizes, d))
+  perm = np.asarray(placement.balanced_order(sizes, d))
   per_device = steps[perm].reshape(d, -1).sum(axis=1)
   return float(per_device.mean() / per_device.max())
 

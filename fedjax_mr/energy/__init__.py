@@ -4,7 +4,9 @@ Pure Python and numpy; this package never imports jax. Every file access goes
 through a `SysfsRoot`, which tests point at a fake tree.
 
 Modules: `sysfs` (file access), `discovery` (what the board has), `dvfs`
-(setting clocks, restoring them), `power` and `energy_meter` (measuring),
+(what the DVFS backends share: errors, saved state, restoring on exit),
+`sysfs_dvfs` and `nvpmodel` (the backends: setting clocks through sysfs,
+switching nvpmodel modes), `power` and `energy_meter` (measuring),
 `tegrastats` (log parser), `profiles` (device profiles, TX2 Table II),
 `coordinator` (FedStitch §IV-D), `fleet` (the clients' coordinators in a
 run's round loop, on simulated devices or through sysfs), `simulation`
@@ -17,11 +19,13 @@ from fedjax_mr.energy import discovery as discovery
 from fedjax_mr.energy import dvfs as dvfs
 from fedjax_mr.energy import energy_meter as energy_meter
 from fedjax_mr.energy import fleet as fleet
+from fedjax_mr.energy import nvpmodel as nvpmodel
 from fedjax_mr.energy import power as power
 from fedjax_mr.energy import profiles as profiles
 from fedjax_mr.energy import profiling as profiling
 from fedjax_mr.energy import simulation as simulation
 from fedjax_mr.energy import sysfs as sysfs
+from fedjax_mr.energy import sysfs_dvfs as sysfs_dvfs
 from fedjax_mr.energy import tegrastats as tegrastats
 from fedjax_mr.energy.coordinator import Choice as Choice
 from fedjax_mr.energy.coordinator import choose_config as choose_config
@@ -39,8 +43,6 @@ from fedjax_mr.energy.dvfs import ApplyResult as ApplyResult
 from fedjax_mr.energy.dvfs import DvfsError as DvfsError
 from fedjax_mr.energy.dvfs import DvfsPermissionError as DvfsPermissionError
 from fedjax_mr.energy.dvfs import DvfsState as DvfsState
-from fedjax_mr.energy.dvfs import NvpmodelDvfs as NvpmodelDvfs
-from fedjax_mr.energy.dvfs import SysfsDvfs as SysfsDvfs
 from fedjax_mr.energy.dvfs import read_clocks as read_clocks
 from fedjax_mr.energy.dvfs import snap as snap
 from fedjax_mr.energy.energy_meter import EnergyMeter as EnergyMeter
@@ -49,6 +51,7 @@ from fedjax_mr.energy.energy_meter import trapezoid_energy as trapezoid_energy
 from fedjax_mr.energy.fleet import Fleet as Fleet
 from fedjax_mr.energy.fleet import SimulatedBackend as SimulatedBackend
 from fedjax_mr.energy.fleet import SysfsBackend as SysfsBackend
+from fedjax_mr.energy.nvpmodel import NvpmodelDvfs as NvpmodelDvfs
 from fedjax_mr.energy.power import SysfsPowerMeter as SysfsPowerMeter
 from fedjax_mr.energy.power import total_power_mw as total_power_mw
 from fedjax_mr.energy.profiles import BUILTIN_PROFILES as BUILTIN_PROFILES
@@ -69,3 +72,4 @@ from fedjax_mr.energy.simulation import sample_rounds as sample_rounds
 from fedjax_mr.energy.simulation import simulate as simulate
 from fedjax_mr.energy.sysfs import EnergyError as EnergyError
 from fedjax_mr.energy.sysfs import SysfsRoot as SysfsRoot
+from fedjax_mr.energy.sysfs_dvfs import SysfsDvfs as SysfsDvfs

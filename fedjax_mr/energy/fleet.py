@@ -20,7 +20,7 @@ One code path, two backends:
   speed, see `simulation.assign_profiles`). The work still runs; its time
   and energy are the profile's model of it: t = base / speedup_k and
   E = P_k·t, base being the work's time at configs[0] on that device.
-* `SysfsBackend`: the configuration is set through `dvfs.SysfsDvfs` on a
+* `SysfsBackend`: the configuration is set through `sysfs_dvfs.SysfsDvfs` on a
   Jetson (or a fake tree), the time is the wall clock of the work and the
   energy an `EnergyMeter` on the INA3221 rails. With a dry-run `SysfsDvfs`
   the writes are planned and recorded but never made.
@@ -51,10 +51,10 @@ from typing import NamedTuple
 from typing import Sequence
 
 from fedjax_mr.energy import coordinator
-from fedjax_mr.energy import dvfs as dvfs_lib
 from fedjax_mr.energy import energy_meter
 from fedjax_mr.energy import profiles
 from fedjax_mr.energy import simulation
+from fedjax_mr.energy import sysfs_dvfs
 
 BACKENDS = ('simulated', 'dry_run', 'sysfs')
 
@@ -123,7 +123,7 @@ class SysfsBackend:
 
   def __init__(
     self,
-    dvfs: dvfs_lib.SysfsDvfs,
+    dvfs: sysfs_dvfs.SysfsDvfs,
     profile: profiles.DeviceProfile,
     read_power_w: Callable[[], float],
     *,

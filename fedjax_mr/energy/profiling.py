@@ -14,10 +14,11 @@ from typing import Sequence
 import numpy as np
 
 from fedjax_mr.energy import discovery
-from fedjax_mr.energy import dvfs as dvfs_lib
 from fedjax_mr.energy import energy_meter
+from fedjax_mr.energy import nvpmodel
 from fedjax_mr.energy import profiles
 from fedjax_mr.energy import sysfs
+from fedjax_mr.energy import sysfs_dvfs
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def matmul_workload(size: int = 256, steps: int = 10, seed: int = 0):
 
 
 def measure_profile(
-  backend: dvfs_lib.SysfsDvfs | dvfs_lib.NvpmodelDvfs,
+  backend: sysfs_dvfs.SysfsDvfs | nvpmodel.NvpmodelDvfs,
   read_power_w: Callable[[], float],
   configs: Sequence[profiles.DvfsConfig],
   workload: Callable[[], None],

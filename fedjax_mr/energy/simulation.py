@@ -385,6 +385,91 @@ def simulate(
   Returns:
     Per-round and total time and energy under both policies.
   """
+  client_ids = _checked_ids(workloads, client_ids, work_unit, deadline_mode)
+  bias = _time_factors(len(clients), model_error, time_factors, seed)
+  scale = [1.0] * len(clients)  # The coordinators' feedback state.
+
+  rounds = []
+  prev_times = None
+  for r, (ids, works) in enumerate(zip(client_ids, workloads)):
+    report, prev_times = _simulate_round(
+      r,
+      ids,
+      works,
+      clients,
+      bias,
+      scale,
+      prev_times,
+      work_unit=work_unit,
+      margin=margin,
+      alpha=alpha,
+      deadline_mode=deadline_mode,
+      deadline_factors=deadline_factors,
+    )
+    rounds.append(report)
+  return _report(rounds, clients)
+
+
+def _simulate_round(
+  r: int,
+  ids: Sequence[int],
+  works: Sequence[float],
+  clients: Sequence[SimClient],
+  bias: Sequence[float],
+  scale: list[float],
+  prev_times: Sequence[float] | None,
+  *,
+  work_unit: str,
+  margin: float,
+  alpha: float,
+  deadline_mode: str,
+  deadline_factors: Sequence[float] | None,
+) -> tuple[RoundReport, list[float]]:
+  """Round `r` (participants `ids`, their `works`) under the default
+  governor and under the coordinators, whose feedback `scale` it updates;
+  returns its report and the coordinated true times (the next round's
+  `prev_times`). The options are `simulate`'s."""
+  if len(ids) != len(works):
+    raise ValueError(f'round {r}: {len(ids)} clients, {len(works)} workloads')
+  devices = [clients[i] for i in ids]
+  base = _base_times(devices, works, work_unit)
+
+  def true_time(j, k):
+    return base[j] * bias[ids[j]] / devices[j].profile.speedup[k]
+
+  fastest = [c.profile.fastest for c in devices]
+  default_times = [true_time(j, k) for j, k in enumerate(fastest)]
+  default_round, default_energy = _round_energy(devices, fastest, default_times)
+
+  deadline = _deadline(
+    deadline_mode, default_round, prev_times, deadline_factors, r
+  )
+  chosen, times = _coordinated(
+    devices, ids, base, true_time, scale, deadline, margin, alpha
+  )
+  coord_round, coord_energy = _round_energy(devices, chosen, times)
+  report = RoundReport(
+    round=r,
+    clients=tuple(ids),
+    deadline_s=deadline,
+    default_time_s=default_round,
+    default_energy_j=default_energy,
+    coordinated_time_s=coord_round,
+    coordinated_energy_j=coord_energy,
+    configs=tuple(int(k) for k in chosen),
+    missed=0 if deadline is None else int(sum(t > deadline for t in times)),
+  )
+  return report, times
+
+
+def _checked_ids(
+  workloads: Sequence[Sequence[float]],
+  client_ids: Sequence[Sequence[int]] | None,
+  work_unit: str,
+  deadline_mode: str,
+) -> Sequence[Sequence[int]]:
+  """`simulate`'s arguments checked; the participants' ids of each round
+  (by default 0..n_r-1)."""
   if work_unit not in WORK_UNITS:
     raise ValueError(f'work_unit must be one of {WORK_UNITS}: {work_unit!r}')
   if deadline_mode not in DEADLINE_MODES:
@@ -395,47 +480,13 @@ def simulate(
     client_ids = [list(range(len(w))) for w in workloads]
   if len(client_ids) != len(workloads):
     raise ValueError('client_ids and workloads must have one entry per round')
-  bias = _time_factors(len(clients), model_error, time_factors, seed)
-  scale = [1.0] * len(clients)  # The coordinators' feedback state.
+  return client_ids
 
-  rounds = []
-  prev_times = None
-  for r, (ids, works) in enumerate(zip(client_ids, workloads)):
-    if len(ids) != len(works):
-      raise ValueError(f'round {r}: {len(ids)} clients, {len(works)} workloads')
-    devices = [clients[i] for i in ids]
-    base = _base_times(devices, works, work_unit)
 
-    def true_time(j, k):
-      return base[j] * bias[ids[j]] / devices[j].profile.speedup[k]
-
-    fastest = [c.profile.fastest for c in devices]
-    default_times = [true_time(j, k) for j, k in enumerate(fastest)]
-    default_round, default_energy = _round_energy(
-      devices, fastest, default_times
-    )
-
-    deadline = _deadline(
-      deadline_mode, default_round, prev_times, deadline_factors, r
-    )
-    chosen, times = _coordinated(
-      devices, ids, base, true_time, scale, deadline, margin, alpha
-    )
-    coord_round, coord_energy = _round_energy(devices, chosen, times)
-    prev_times = times
-    rounds.append(
-      RoundReport(
-        round=r,
-        clients=tuple(ids),
-        deadline_s=deadline,
-        default_time_s=default_round,
-        default_energy_j=default_energy,
-        coordinated_time_s=coord_round,
-        coordinated_energy_j=coord_energy,
-        configs=tuple(int(k) for k in chosen),
-        missed=0 if deadline is None else int(sum(t > deadline for t in times)),
-      )
-    )
+def _report(
+  rounds: Sequence[RoundReport], clients: Sequence[SimClient]
+) -> SimulationReport:
+  """The rounds and their totals under both policies."""
   return SimulationReport(
     rounds=tuple(rounds),
     client_labels=tuple(c.label for c in clients),

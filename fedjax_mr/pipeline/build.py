@@ -34,6 +34,7 @@ from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import registry
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import host_round
 
 
 class Experiment(NamedTuple):
@@ -46,7 +47,7 @@ class Experiment(NamedTuple):
     model: the model.
     algorithm: the federated algorithm.
     data: the clients' training data: `ClientData` on the devices,
-      `engine.HostData` (in host memory, memory-mapped by `run` under
+      `host_round.HostData` (in host memory, memory-mapped by `run` under
       `data_placement=memmap`), or `SyntheticData` for
       `dataset=synthetic`.
     test: the test set (`EvalData`, on the devices).
@@ -477,11 +478,11 @@ def data_placement(
 def prefetches(experiment: Experiment) -> bool:
   """Whether a run gathers the next round's examples while a round runs:
   its training data are on the host, `prefetch` is on and its sampler
-  reads nothing of the round before (`engine.draws_ahead`)."""
+  reads nothing of the round before (`host_round.draws_ahead`)."""
   return (
     experiment.config.devices.prefetch
-    and isinstance(experiment.data, engine.HostData)
-    and engine.draws_ahead(experiment.algorithm)
+    and isinstance(experiment.data, host_round.HostData)
+    and host_round.draws_ahead(experiment.algorithm)
   )
 
 

@@ -21,6 +21,8 @@ from fedjax_mr.pipeline import build
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.runtime import distributed
 from fedjax_mr.training import engine
+from fedjax_mr.training import evaluation
+from fedjax_mr.training import host_round
 
 
 class Evaluators(NamedTuple):
@@ -52,7 +54,7 @@ def make_evaluators(experiment: build.Experiment) -> Evaluators:
     experiment.mesh,
   )
   eval_mesh = mesh if mesh.devices.size > 1 else None
-  evaluate_model = engine.make_evaluate(experiment.model, eval_mesh)
+  evaluate_model = evaluation.make_evaluate(experiment.model, eval_mesh)
   server = jax.jit(
     lambda s, t: evaluate_model(types.evaluated_model(algorithm, s), t),
     out_shardings=distributed.replicated(mesh),
@@ -60,7 +62,7 @@ def make_evaluators(experiment: build.Experiment) -> Evaluators:
   if not config_lib.multi_model(config):
     return Evaluators(server=server, local=None)
 
-  evaluate_dispatched = engine.make_evaluate_dispatched(
+  evaluate_dispatched = evaluation.make_evaluate_dispatched(
     experiment.model, algorithm, eval_mesh
   )
 
@@ -101,7 +103,7 @@ def evaluate_round(
     config.evaluation.local_eval_every, r, config.run.rounds
   ):
     local = evaluators.local(
-      state.replace(clients=()), engine.round_data(data), test
+      state.replace(clients=()), host_round.round_data(data), test
     )
     local = jax.device_get(local)['accuracy']
     row['local_accuracy_mean'] = float(np.mean(local))

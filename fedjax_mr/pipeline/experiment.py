@@ -43,6 +43,7 @@ from fedjax_mr.runtime import checkpoint
 from fedjax_mr.runtime import distributed
 from fedjax_mr.runtime import metrics_io
 from fedjax_mr.training import engine
+from fedjax_mr.training import host_round
 
 # Named subkeys of the run key.
 _INIT, _ROUNDS = 0, 1
@@ -125,7 +126,7 @@ def _setup(
   if on_host:
     # Each round sends the devices only its own clients' examples (from a
     # file that `run` writes, under 'memmap').
-    data = engine.host_data(clients.data, config.server.clients_per_round)
+    data = host_round.host_data(clients.data, config.server.clients_per_round)
   state = device_state.replace(clients=state.clients)
   return build.Experiment(
     config=config,
@@ -226,7 +227,7 @@ def _memory_mapped(
     StorageError: the file cannot be written (a full disk).
   """
   data = experiment.data
-  if not isinstance(data, engine.HostData) or (
+  if not isinstance(data, host_round.HostData) or (
     client_data_lib.is_memory_mapped(data.data)
     or build.data_placement(experiment.config, data.data, experiment.mesh)
     != 'memmap'
@@ -330,7 +331,7 @@ def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
   """The experiment's round `step(state, data, key) -> (state, metrics)`,
   jit-compiled with its state donated and its results replicated over
   the mesh. Per-client state, if any, and training data kept in host
-  memory stay there (`engine.make_host_round`); the next round's view of
+  memory stay there (`host_round.make_host_round`); the next round's view of
   host data is gathered while a round runs where `build.prefetches`."""
   mesh = experiment.mesh
   k = experiment.config.server.clients_per_round
@@ -344,14 +345,14 @@ def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
     client_chunk=chunk,
     mesh=mesh if mesh.devices.size > 1 else None,
   )
-  host_data = isinstance(experiment.data, engine.HostData)
+  host_data = isinstance(experiment.data, host_round.HostData)
   if not engine.has_clients(experiment.state) and not host_data:
     return jitted(make())
   sample = jax.jit(
     engine.make_sample_fn(experiment.algorithm, k),
     out_shardings=distributed.replicated(mesh),
   )
-  return engine.make_host_round(
+  return host_round.make_host_round(
     sample,
     jitted(make(client_rows=True)),
     prefetch=build.prefetches(experiment),

@@ -20,6 +20,7 @@ from fedjax_mr.runtime import checkpoint
 from fedjax_mr.runtime import distributed
 from fedjax_mr.runtime import tensorboard
 from fedjax_mr.training import engine
+from fedjax_mr.training import host_round
 
 
 def announce(
@@ -39,7 +40,7 @@ def announce(
     log: where the lines go.
   """
   config, data, test = experiment.config, experiment.data, experiment.test
-  host_data = isinstance(data, engine.HostData)
+  host_data = isinstance(data, host_round.HostData)
   if host_data:
     data = data.data
   num_params = sum(x.size for x in jax.tree.leaves(state.server.params))
@@ -78,7 +79,7 @@ def announce(
 def _placement(experiment: build.Experiment) -> str:
   """Where the run keeps its training data, in words."""
   data = experiment.data
-  if isinstance(data, engine.HostData):
+  if isinstance(data, host_round.HostData):
     mb = build.data_bytes(data.data) / 2**20
     where = (
       'memory-mapped from an unnamed file in the workdir'

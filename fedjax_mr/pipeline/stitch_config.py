@@ -18,11 +18,11 @@ from typing import Sequence
 
 from fedjax_mr.core import errors
 from fedjax_mr.energy import fleet
-from fedjax_mr.stitch import blocks
 from fedjax_mr.stitch import cka
 from fedjax_mr.stitch import config as stitch_config
 from fedjax_mr.stitch import network
 from fedjax_mr.stitch import projection
+from fedjax_mr.stitch import units
 
 PARTITIONS = ('iid', 'dirichlet', 'dirichlet_equal', 'shards')
 KNN_AT = ('output', 'trunk')
@@ -60,7 +60,7 @@ class StitchConfig:
   cuts: str = _field(
     'default',
     'Where models are cut into blocks.',
-    choices=blocks.CUT_STYLES,
+    choices=units.CUT_STYLES,
     identity=True,
   )
   dataset: str = _field('fashion_mnist', 'Dataset.', identity=True)

@@ -1,6 +1,7 @@
 """FedStitch: training-free federated stitching of pre-trained blocks.
 
-Modules: `blocks` (cutting a pre-trained zoo model into typed blocks),
+Modules: `units` (the zoo's models as chains of units, their cut lists),
+`blocks` (cutting a pre-trained zoo model into typed blocks),
 `cka` (linear CKA, align-corners resizing), `projection` (the stitching
 layer: least-squares fit, spatial policy, folding), `network` (stitched
 networks, head / kNN evaluation), `pool` (training, saving and loading a
@@ -25,8 +26,8 @@ from fedjax_mr.stitch import projection as projection
 from fedjax_mr.stitch import server as server
 from fedjax_mr.stitch import state as state
 from fedjax_mr.stitch import torchvision_import as torchvision_import
+from fedjax_mr.stitch import units as units
 from fedjax_mr.stitch.blocks import Block as Block
-from fedjax_mr.stitch.blocks import cut_list as cut_list
 from fedjax_mr.stitch.blocks import split as split
 from fedjax_mr.stitch.cka import linear_cka as linear_cka
 from fedjax_mr.stitch.config import Config as Config
@@ -35,3 +36,4 @@ from fedjax_mr.stitch.network import Network as Network
 from fedjax_mr.stitch.pool import Pool as Pool
 from fedjax_mr.stitch.pool import make_pool as make_pool
 from fedjax_mr.stitch.projection import Stitch as Stitch
+from fedjax_mr.stitch.units import cut_list as cut_list

@@ -22,6 +22,7 @@ from fedjax_mr.core import types
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
 from fedjax_mr.training import optimizers
+from fedjax_mr.training import sampling
 from tests import helpers
 
 
@@ -171,7 +172,7 @@ def check_server_side(
     k_dispatch, k_train, k_aggregate, k_ids = jax.random.split(
       jax.random.key(seed * 1000 + r), 4
     )
-    ids = engine.sample_clients(k_ids, num_clients, num_models)
+    ids = sampling.sample_clients(k_ids, num_clients, num_models)
     round_index = jnp.int32(r)
     sent = dispatch(state, ids, round_index, k_dispatch)
     assert isinstance(sent, types.Dispatch)

@@ -15,7 +15,7 @@ from fedjax_mr.core import errors
 from fedjax_mr.data import client_data
 from fedjax_mr.pipeline import experiment
 from fedjax_mr.runtime import metrics_io
-from fedjax_mr.training import engine
+from fedjax_mr.training import evaluation
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -109,7 +109,7 @@ def test_surface_centre_is_the_model_and_each_point_its_shifted_model():
   surface = jax.jit(landscape.make_surface(model, points_per_pass=4))
   out = surface(variables, d1, d2, jnp.asarray(points), data)
   assert out['loss'].shape == (9,)
-  evaluate = jax.jit(engine.make_evaluate(model))
+  evaluate = jax.jit(evaluation.make_evaluate(model))
   centre = evaluate(variables, data)
   helpers.assert_close(out['loss'][4], centre['loss'], rtol=1e-6)
   assert out['accuracy'][4] == centre['accuracy']

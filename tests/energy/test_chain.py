@@ -4,10 +4,10 @@ import pytest
 
 from fedjax_mr.energy import coordinator
 from fedjax_mr.energy import discovery
-from fedjax_mr.energy import dvfs
 from fedjax_mr.energy import energy_meter
 from fedjax_mr.energy import power
 from fedjax_mr.energy import profiles
+from fedjax_mr.energy import sysfs_dvfs
 from tests.energy import fake_sysfs
 
 
@@ -16,7 +16,7 @@ def run_round(kernel, profile, deadline_s, base_s, clock):
   info = discovery.discover(kernel)
   meter = power.SysfsPowerMeter(kernel, info.power_channels)
   choice = coordinator.choose_config(profile, deadline_s, base_time_s=base_s)
-  with dvfs.SysfsDvfs(kernel, info, settle_s=0) as backend:
+  with sysfs_dvfs.SysfsDvfs(kernel, info, settle_s=0) as backend:
     result = backend.apply(choice.config)
     assert not result.throttled
     kernel.set_busy(True)
@@ -75,7 +75,7 @@ def test_orin_throttled_round_and_feedback(orin, clock, caplog):
   profile = fake_sysfs.ORIN_TEST_PROFILE
   orin.throttle_cpu_khz = 1036800
   orin.throttle_gpu_hz = 612000000
-  with dvfs.SysfsDvfs(orin, settle_s=0) as backend:
+  with sysfs_dvfs.SysfsDvfs(orin, settle_s=0) as backend:
     result = backend.apply(profile.configs[1])
     assert result.mismatches == tuple(
       f'{p} asked 2201600 kHz, runs 1036800 kHz'
@@ -97,7 +97,7 @@ def test_orin_throttled_round_and_feedback(orin, clock, caplog):
 def test_exception_mid_round_restores(tx2, clock):
   before = fake_sysfs.control_files(tx2)
   with pytest.raises(ZeroDivisionError):
-    with dvfs.SysfsDvfs(tx2, settle_s=0) as backend:
+    with sysfs_dvfs.SysfsDvfs(tx2, settle_s=0) as backend:
       backend.apply(profiles.TX2_TABLE2_CONFIGS[0])
       tx2.run_workload(clock, 1.0)
       1 / 0

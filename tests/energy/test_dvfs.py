@@ -10,8 +10,10 @@ import pytest
 
 from fedjax_mr.energy import discovery
 from fedjax_mr.energy import dvfs
+from fedjax_mr.energy import nvpmodel
 from fedjax_mr.energy import profiles
 from fedjax_mr.energy import sysfs
+from fedjax_mr.energy import sysfs_dvfs
 from tests.energy import fake_sysfs
 
 P0 = 'sys/devices/system/cpu/cpufreq/policy0'
@@ -22,7 +24,7 @@ MAXQ, MAXP, MAXN = profiles.TX2_TABLE2_CONFIGS
 
 
 def backend(kernel, **kwargs):
-  return dvfs.SysfsDvfs(kernel, settle_s=0, **kwargs)
+  return sysfs_dvfs.SysfsDvfs(kernel, settle_s=0, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -209,7 +211,7 @@ def test_read_only_file_gives_permission_error(tmp_path):
   root = sysfs.SysfsRoot(fake_sysfs.build_tx2_tree(tmp_path))
   os.chmod(tmp_path / P0 / 'scaling_min_freq', 0o444)
   with pytest.raises(dvfs.DvfsPermissionError, match='needs root'):
-    dvfs.SysfsDvfs(root, settle_s=0).apply(MAXQ)
+    sysfs_dvfs.SysfsDvfs(root, settle_s=0).apply(MAXQ)
 
 
 def test_restore_failure_is_reported(tx2):
@@ -305,7 +307,7 @@ def test_userspace_needs_the_governor(tmp_path):
   (tmp_path / P0 / 'scaling_available_governors').write_text('schedutil\n')
   root = sysfs.SysfsRoot(tmp_path)
   with pytest.raises(dvfs.DvfsError, match='no userspace governor'):
-    dvfs.SysfsDvfs(root, cpu_method='userspace', settle_s=0).apply(
+    sysfs_dvfs.SysfsDvfs(root, cpu_method='userspace', settle_s=0).apply(
       profiles.DvfsConfig('x', {'policy0': 1344000})
     )
 
@@ -331,19 +333,19 @@ class FakeNvpmodel:
   def __call__(self, args):
     self.commands.append(tuple(args))
     if args[1] == '-q':
-      return dvfs.CommandResult(
+      return nvpmodel.CommandResult(
         0, f'NV Power Mode: MODE{self.mode}\n{self.mode}\n'
       )
     if self.refuse:
-      return dvfs.CommandResult(255, self.refuse)
+      return nvpmodel.CommandResult(255, self.refuse)
     if not self.stuck:
       self.mode = int(args[2])
-    return dvfs.CommandResult(0, '')
+    return nvpmodel.CommandResult(0, '')
 
 
 def test_nvpmodel_switches_and_restores():
   runner = FakeNvpmodel(mode=0)
-  with dvfs.NvpmodelDvfs(runner) as n:
+  with nvpmodel.NvpmodelDvfs(runner) as n:
     result = n.apply(MAXQ)
     assert runner.mode == 1
     assert result.effective == MAXQ
@@ -360,7 +362,7 @@ def test_nvpmodel_switches_and_restores():
 
 def test_nvpmodel_reads_clocks_back(tx2):
   runner = FakeNvpmodel(mode=0)
-  result = dvfs.NvpmodelDvfs(runner, root=tx2).apply(MAXN)
+  result = nvpmodel.NvpmodelDvfs(runner, root=tx2).apply(MAXN)
   assert result.effective.cpu_khz == {'policy0': 2035200, 'policy1': 2035200}
   assert result.effective.gpu_hz == 1300500000
 
@@ -368,17 +370,17 @@ def test_nvpmodel_reads_clocks_back(tx2):
 def test_nvpmodel_permission_denied():
   runner = FakeNvpmodel(refuse='NVPM ERROR: failed to open: Permission denied')
   with pytest.raises(dvfs.DvfsPermissionError, match='sudo'):
-    dvfs.NvpmodelDvfs(runner).apply(MAXQ)
+    nvpmodel.NvpmodelDvfs(runner).apply(MAXQ)
 
 
 def test_nvpmodel_mode_that_needs_a_reboot():
   with pytest.raises(dvfs.DvfsError, match='reboot'):
-    dvfs.NvpmodelDvfs(FakeNvpmodel(stuck=True)).apply(MAXQ)
+    nvpmodel.NvpmodelDvfs(FakeNvpmodel(stuck=True)).apply(MAXQ)
 
 
 def test_nvpmodel_dry_run_and_missing_id():
   runner = FakeNvpmodel()
-  n = dvfs.NvpmodelDvfs(runner, dry_run=True)
+  n = nvpmodel.NvpmodelDvfs(runner, dry_run=True)
   n.apply(MAXP)
   assert runner.commands == []
   assert n.commands == [('nvpmodel', '-m', '2')]
@@ -388,8 +390,8 @@ def test_nvpmodel_dry_run_and_missing_id():
 
 def test_parse_nvpmodel_query():
   assert (
-    dvfs.parse_nvpmodel_query('NV Fan Mode:quiet\nNV Power Mode: MAXQ\n1\n')
+    nvpmodel.parse_nvpmodel_query('NV Fan Mode:quiet\nNV Power Mode: MAXQ\n1\n')
     == 1
   )
   with pytest.raises(dvfs.DvfsError):
-    dvfs.parse_nvpmodel_query('garbage')
+    nvpmodel.parse_nvpmodel_query('garbage')

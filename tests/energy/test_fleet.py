@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from fedjax_mr.energy import discovery
-from fedjax_mr.energy import dvfs
 from fedjax_mr.energy import fleet
 from fedjax_mr.energy import power
 from fedjax_mr.energy import profiles
 from fedjax_mr.energy import simulation
+from fedjax_mr.energy import sysfs_dvfs
 from tests.energy import fake_sysfs
 
 CHAINED = profiles.TX2_TABLE2_CHAINED  # P = 7.5, 9.375, 10.6875 W; idle 1.9
@@ -160,7 +160,7 @@ def _sysfs_fleet(kernel, clock, dry_run=False):
   info = discovery.discover(kernel)
   meter = power.SysfsPowerMeter(kernel, info.power_channels)
   backend = fleet.SysfsBackend(
-    dvfs.SysfsDvfs(kernel, info, settle_s=0, dry_run=dry_run),
+    sysfs_dvfs.SysfsDvfs(kernel, info, settle_s=0, dry_run=dry_run),
     CHAINED,
     meter.total_w,
     clock=clock,

@@ -10,6 +10,7 @@ from fedjax_mr.energy import dvfs
 from fedjax_mr.energy import power
 from fedjax_mr.energy import profiles
 from fedjax_mr.energy import profiling
+from fedjax_mr.energy import sysfs_dvfs
 from tests.energy import fake_sysfs
 
 LITERAL = profiles.TX2_TABLE2_LITERAL
@@ -151,7 +152,7 @@ def test_sweep_configs(tx2):
 def test_measure_profile_recovers_the_emulated_profile(tx2, clock):
   """The emulator runs LITERAL; measuring must give LITERAL's numbers."""
   meter = power.SysfsPowerMeter(tx2)
-  with dvfs.SysfsDvfs(tx2, settle_s=0) as backend:
+  with sysfs_dvfs.SysfsDvfs(tx2, settle_s=0) as backend:
     measured = profiling.measure_profile(
       backend,
       meter.total_w,

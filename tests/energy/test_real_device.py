@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from fedjax_mr.energy import discovery
-from fedjax_mr.energy import dvfs
 from fedjax_mr.energy import power
 from fedjax_mr.energy import profiling
 from fedjax_mr.energy import sysfs
+from fedjax_mr.energy import sysfs_dvfs
 from tests.energy import fake_sysfs
 
 ROOT = sysfs.SysfsRoot('/')
@@ -59,6 +59,6 @@ def test_dry_run_program():
 def test_apply_and_restore():
   before = fake_sysfs.control_files(ROOT)
   info = discovery.discover(ROOT)
-  with dvfs.SysfsDvfs(ROOT, info) as backend:
+  with sysfs_dvfs.SysfsDvfs(ROOT, info) as backend:
     backend.apply(profiling.sweep_configs(info, 2)[0])
   assert fake_sysfs.control_files(ROOT) == before

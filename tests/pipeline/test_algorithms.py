@@ -15,7 +15,7 @@ from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment
 from fedjax_mr.pipeline import registry
 from fedjax_mr.runtime import metrics_io
-from fedjax_mr.training import engine
+from fedjax_mr.training import evaluation
 from tests import helpers
 
 
@@ -128,7 +128,7 @@ def test_single_model_algorithms_resume_exactly(
       lambda a, b: (a + b) / 2, server.params, server.previous
     )
     setup = experiment.setup(cfg)
-    ev = engine.make_evaluate(setup.model)(averaged, setup.test)
+    ev = evaluation.make_evaluate(setup.model)(averaged, setup.test)
     helpers.assert_close(
       res.history[-1]['test_accuracy'], float(ev['accuracy']), atol=1e-6
     )

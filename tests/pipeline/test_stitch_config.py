@@ -7,11 +7,11 @@ import pytest
 from fedjax_mr.core import errors
 from fedjax_mr.energy import fleet
 from fedjax_mr.pipeline import stitch_config as config_lib
-from fedjax_mr.stitch import blocks
 from fedjax_mr.stitch import cka
 from fedjax_mr.stitch import config as stitch_config
 from fedjax_mr.stitch import network
 from fedjax_mr.stitch import projection
+from fedjax_mr.stitch import units
 
 Config = config_lib.StitchConfig
 
@@ -23,7 +23,7 @@ def test_the_choices_are_the_librarys():
     if config_lib.choices(f)
   }
   assert choices == {
-    'cuts': blocks.CUT_STYLES,
+    'cuts': units.CUT_STYLES,
     'partition': config_lib.PARTITIONS,
     'aggregation': stitch_config.AGGREGATIONS,
     'view': cka.VIEWS,

@@ -6,11 +6,12 @@ import pytest
 
 from fedjax_mr.core import errors
 from fedjax_mr.stitch import blocks
+from fedjax_mr.stitch import units
 from tests import helpers
 from tests.stitch import common
 
 
-@pytest.mark.parametrize('style', blocks.CUT_STYLES)
+@pytest.mark.parametrize('style', units.CUT_STYLES)
 @pytest.mark.parametrize(
   'name,classes,shape', common.SMALL_ZOO, ids=[z[0] for z in common.SMALL_ZOO]
 )
@@ -29,7 +30,7 @@ def test_blocks_in_turn_equal_the_model(name, classes, shape, style):
   helpers.assert_close(h, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('style', blocks.CUT_STYLES)
+@pytest.mark.parametrize('style', units.CUT_STYLES)
 @pytest.mark.parametrize(
   'name,classes,shape', common.SMALL_ZOO, ids=[z[0] for z in common.SMALL_ZOO]
 )
@@ -46,16 +47,16 @@ def test_kinds_specs_and_units(name, classes, shape, style):
   for prev, nxt in zip(chain[:-1], chain[1:]):
     assert nxt.in_spec == prev.out_spec
   # The blocks partition the units, in order, and begin at the cuts.
-  units = blocks.units(name, v, per_linear=style == 'per_linear')
-  assert [u for b in chain for u in b.units] == [u.name for u in units]
-  cuts = blocks.cut_list(name, v, style)
+  all_units = units.units(name, v, per_linear=style == 'per_linear')
+  assert [u for b in chain for u in b.units] == [u.name for u in all_units]
+  cuts = units.cut_list(name, v, style)
   assert tuple(b.units[0] for b in chain) == cuts
 
 
 def test_cut_styles_by_hand():
   v = common.variables('cnn_cifar', 10, common.IMAGE)
-  assert blocks.cut_list('cnn_cifar', v) == ('conv0', 'conv1', 'head')
-  assert blocks.cut_list('cnn_cifar', v, 'per_linear') == (
+  assert units.cut_list('cnn_cifar', v) == ('conv0', 'conv1', 'head')
+  assert units.cut_list('cnn_cifar', v, 'per_linear') == (
     'conv0',
     'conv1',
     'fc0',
@@ -63,7 +64,7 @@ def test_cut_styles_by_hand():
     'fc2',
   )
   v = common.variables('resnet20', 10, common.IMAGE)
-  assert blocks.cut_list('resnet20', v, 'every_unit') == (
+  assert units.cut_list('resnet20', v, 'every_unit') == (
     'conv1',
     'layer1_0',
     'layer1_1',
@@ -109,9 +110,9 @@ def _abstract(name, shape):
 
 def test_vgg16_default_cut_list_has_14_blocks():
   v = _abstract('vgg16', (32, 32, 3))
-  cuts = blocks.cut_list('vgg16', v)
+  cuts = units.cut_list('vgg16', v)
   assert cuts == tuple(f'conv{i}' for i in range(13)) + ('head',)
-  assert len(blocks.cut_list('vgg16', v, 'per_linear')) == 16
+  assert len(units.cut_list('vgg16', v, 'per_linear')) == 16
 
 
 def test_resnet18_default_has_5_blocks_shapes_only():
@@ -161,7 +162,7 @@ def test_bad_cuts_raise_config_error(cuts, pattern):
 def test_unknown_style_in_cut_list():
   v = common.variables('cnn_mnist', 10, common.IMAGE)
   with pytest.raises(errors.ConfigError, match=r'`cuts`.*per_layer'):
-    blocks.cut_list('cnn_mnist', v, 'per_layer')
+    units.cut_list('cnn_mnist', v, 'per_layer')
 
 
 @pytest.mark.parametrize('fn', ['split', 'cut_list', 'units'])
@@ -169,8 +170,8 @@ def test_unknown_model_names_the_argument(fn):
   v = common.variables('cnn_mnist', 10, common.IMAGE)
   call = {
     'split': lambda: blocks.split('m', 'lenet', v, common.IMAGE),
-    'cut_list': lambda: blocks.cut_list('lenet', v),
-    'units': lambda: blocks.units('lenet', v),
+    'cut_list': lambda: units.cut_list('lenet', v),
+    'units': lambda: units.units('lenet', v),
   }[fn]
   with pytest.raises(errors.ConfigError) as e:
     call()

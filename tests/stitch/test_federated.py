@@ -5,11 +5,11 @@ import pytest
 
 from fedjax_mr.core import errors
 from fedjax_mr.energy import discovery
-from fedjax_mr.energy import dvfs
 from fedjax_mr.energy import fleet
 from fedjax_mr.energy import power
 from fedjax_mr.energy import profiles
 from fedjax_mr.energy import simulation
+from fedjax_mr.energy import sysfs_dvfs
 from fedjax_mr.stitch import config as config_lib
 from fedjax_mr.stitch import federated
 from fedjax_mr.stitch import network
@@ -265,7 +265,7 @@ def test_sysfs_clocks_restored_when_a_run_fails(tmp_path):
   info = discovery.discover(kernel)
   meter = power.SysfsPowerMeter(kernel, info.power_channels)
   backend = fleet.SysfsBackend(
-    dvfs.SysfsDvfs(kernel, info, settle_s=0),
+    sysfs_dvfs.SysfsDvfs(kernel, info, settle_s=0),
     profiles.TX2_TABLE2_CHAINED,
     meter.total_w,
     threaded=False,

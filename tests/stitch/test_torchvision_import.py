@@ -21,6 +21,7 @@ from fedjax_mr.models import imagenet
 from fedjax_mr.stitch import blocks
 from fedjax_mr.stitch import pool as pool_lib
 from fedjax_mr.stitch import torchvision_import as tvi
+from fedjax_mr.stitch import units
 from tests import helpers
 
 DATA = os.path.join(os.path.dirname(__file__), 'data', 'torchvision')
@@ -316,12 +317,12 @@ def test_full_size_networks_give_the_papers_block_counts(
   assert sum(x.size for x in jax.tree.leaves(v['params'])) == _PARAMS[arch]
   chain = blocks.split(arch, model.name, v, (224, 224, 3))
   assert len(chain) == count
-  cuts = blocks.cut_list(model.name, v)
+  cuts = units.cut_list(model.name, v)
   assert cuts == tuple(b.units[0] for b in chain)  # no cut twice
   assert [b.kind for b in chain].count('start') == 1
   assert [b.kind for b in chain].count('end') == 1
   assert chain[-1].out_spec == (1000,)
-  assert len(blocks.cut_list(model.name, v, 'per_linear')) == per_linear
+  assert len(units.cut_list(model.name, v, 'per_linear')) == per_linear
 
 
 def test_the_pools_counts_add_up_to_52():
@@ -334,7 +335,7 @@ def test_the_pools_counts_add_up_to_52():
 
 def test_small_resnet_cuts_at_stage_inputs_with_a_downsample():
   m = _loaded('resnet50')
-  assert blocks.cut_list(m.model.name, m.variables, module=m.model.module) == (
+  assert units.cut_list(m.model.name, m.variables, module=m.model.module) == (
     'stem',
     'layer1_0',
     'layer2_0',
@@ -343,7 +344,7 @@ def test_small_resnet_cuts_at_stage_inputs_with_a_downsample():
     'head',
   )
   m = _loaded('densenet121')
-  assert blocks.cut_list(m.model.name, m.variables, module=m.model.module) == (
+  assert units.cut_list(m.model.name, m.variables, module=m.model.module) == (
     'stem',
     'denseblock1_layer1',
     'transition1',

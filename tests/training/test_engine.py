@@ -10,7 +10,10 @@ from fedjax_mr.core import types
 from fedjax_mr.data import client_data
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import evaluation
 from fedjax_mr.training import optimizers
+from fedjax_mr.training import placement
+from fedjax_mr.training import sampling
 from tests import helpers
 from tests.algorithms import contract
 
@@ -67,7 +70,7 @@ def test_client_chunking_gives_same_result(chunk):
 
 def test_sampling_distinct_and_varies_by_round():
   ids = [
-    np.asarray(engine.sample_clients(jax.random.key(r), 10, 4))
+    np.asarray(sampling.sample_clients(jax.random.key(r), 10, 4))
     for r in range(20)
   ]
   for i in ids:
@@ -97,7 +100,7 @@ def test_evaluate_counts_padding_out():
   model = helpers.linear_model(zero_init=True)
   x = np.zeros((7, 2, 2, 1), np.uint8)
   y = np.array([0, 0, 0, 1, 2, 0, 1])
-  evaluate = jax.jit(engine.make_evaluate(model))
+  evaluate = jax.jit(evaluation.make_evaluate(model))
   res = evaluate(model.init(jax.random.key(0)), client_data.eval_data(x, y, 3))
   # Zero model: all logits equal, argmax = class 0: 4 of 7 correct.
   helpers.assert_close(res['accuracy'], 4 / 7, rtol=1e-6)
@@ -114,24 +117,26 @@ def test_evaluate_split_over_two_devices_is_the_same_evaluation():
   # 7 examples in batches of 3: 3 batches, padded to 4 for two devices.
   test = client_data.eval_data(x, y, 3, num_shards=2)
   assert test.x.shape[0] == 4 and float(test.mask.sum()) == 7
-  one = jax.jit(engine.make_evaluate(model))(variables, test)
-  two = jax.jit(engine.make_evaluate(model, mesh))(variables, test)
+  one = jax.jit(evaluation.make_evaluate(model))(variables, test)
+  two = jax.jit(evaluation.make_evaluate(model, mesh))(variables, test)
   for key in ('accuracy', 'loss'):
     assert float(two[key]) == float(one[key]), key
   stacked = jax.tree.map(lambda v: jnp.stack([v, -v, 2 * v]), variables)
-  many = jax.jit(engine.make_evaluate_many(model, mesh))(stacked, test)
+  many = jax.jit(evaluation.make_evaluate_many(model, mesh))(stacked, test)
   for i, sign in enumerate([1, -1, 2]):
-    alone = jax.jit(engine.make_evaluate(model))(
+    alone = jax.jit(evaluation.make_evaluate(model))(
       jax.tree.map(lambda v: sign * v, variables), test
     )
     assert float(many['accuracy'][i]) == float(alone['accuracy'])
     helpers.assert_close(many['loss'][i], alone['loss'], rtol=1e-6)
   with pytest.raises(ValueError, match='do not split over 2 devices'):
-    engine.make_evaluate(model, mesh)(variables, client_data.eval_data(x, y, 3))
+    evaluation.make_evaluate(model, mesh)(
+      variables, client_data.eval_data(x, y, 3)
+    )
 
 
 def test_balanced_order_hand_case():
-  perm = engine.balanced_order(jnp.array([1, 10, 3, 7]), 2)
+  perm = placement.balanced_order(jnp.array([1, 10, 3, 7]), 2)
   np.testing.assert_array_equal(perm, [1, 0, 3, 2])  # shard sums 11 and 10
 
 
@@ -139,7 +144,7 @@ def test_balanced_order_balances_steps():
   rng = np.random.default_rng(0)
   for _ in range(20):
     sizes = rng.integers(1, 1000, 12)
-    perm = np.asarray(engine.balanced_order(jnp.asarray(sizes), 3))
+    perm = np.asarray(placement.balanced_order(jnp.asarray(sizes), 3))
     assert sorted(perm.tolist()) == list(range(12))
     sums = sizes[perm].reshape(3, 4).sum(1)
     assert sums.max() - sums.min() <= sizes.max()

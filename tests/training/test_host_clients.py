@@ -1,4 +1,4 @@
-"""Per-client state in host memory (`engine.make_host_round`): each round
+"""Per-client state in host memory (`host_round.make_host_round`): each round
 gathers its K rows on the host and writes them back; the results must be
 the device-resident round's, bit for bit, and only K rows reach the
 devices."""
@@ -11,6 +11,7 @@ from fedjax_mr.algorithms import moon
 from fedjax_mr.algorithms import scaffold
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import host_round
 from fedjax_mr.training import optimizers
 from tests import helpers
 
@@ -47,7 +48,7 @@ def _host_rounds(algorithm, variables, data, k, mesh, rounds=3):
   assert not any(a.flags.writeable for a in jax.tree.leaves(state.clients))
   state = engine.to_host_clients(state)
   arrays = jax.tree.leaves(state.clients)
-  step = engine.make_host_round(
+  step = host_round.make_host_round(
     jax.jit(engine.make_sample_fn(algorithm, k)),
     jax.jit(
       engine.make_round_fn(
@@ -113,7 +114,9 @@ def test_round_sees_k_rows_not_n():
     return fn(s, d, key, ids, rows)
 
   fn = engine.make_round_fn(algorithm, clients_per_round=2, client_rows=True)
-  step = engine.make_host_round(engine.make_sample_fn(algorithm, 2), rows_round)
+  step = host_round.make_host_round(
+    engine.make_sample_fn(algorithm, 2), rows_round
+  )
   step(state, data, jax.random.key(0))
   assert seen == [2]
 

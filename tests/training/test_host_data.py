@@ -1,4 +1,4 @@
-"""Training data in host memory (`engine.HostData`): each round trains on
+"""Training data in host memory (`host_round.HostData`): each round trains on
 the view of its sampled clients (`client_data.gather_round`); the results
 must be those of the whole training set on the devices, bit for bit."""
 
@@ -14,6 +14,7 @@ from fedjax_mr.algorithms import scaffold
 from fedjax_mr.data import client_data
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
+from fedjax_mr.training import host_round
 from fedjax_mr.training import optimizers
 from tests import helpers
 
@@ -81,7 +82,7 @@ def test_host_data_rounds_equal_device_data_rounds(name, devices):
   algorithm = _algorithms(local, 3)[name]
   variables = model.init(jax.random.key(0))
   data = _shuffled_data()
-  step = engine.make_host_round(
+  step = host_round.make_host_round(
     jax.jit(engine.make_sample_fn(algorithm, 3)),
     jax.jit(
       engine.make_round_fn(
@@ -90,7 +91,7 @@ def test_host_data_rounds_equal_device_data_rounds(name, devices):
     ),
   )
   results = []
-  for where in (data, engine.host_data(data, 3)):
+  for where in (data, host_round.host_data(data, 3)):
     state = engine.init_state(algorithm, variables, 6, host_clients=True)
     history = []
     for _ in range(3):
@@ -153,7 +154,7 @@ def test_prefetched_and_memory_mapped_rounds_equal_plain_ones(
   model = helpers.linear_model()
   local = client.LocalTraining(model, optimizers.sgd(0.2, momentum=0.9), 2, 4)
   algorithm = _algorithms(local, 3)[name]
-  assert engine.draws_ahead(algorithm)
+  assert host_round.draws_ahead(algorithm)
   sample = jax.jit(engine.make_sample_fn(algorithm, 3))
   rows_round = jax.jit(
     engine.make_round_fn(
@@ -163,17 +164,17 @@ def test_prefetched_and_memory_mapped_rounds_equal_plain_ones(
   sharding = None
   if mesh is not None:
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  in_memory = engine.host_data(_shuffled_data(), 3)
+  in_memory = host_round.host_data(_shuffled_data(), 3)
   mapped = in_memory._replace(
     data=client_data.memory_mapped(in_memory.data, str(tmp_path))
   )
   assert client_data.is_memory_mapped(mapped.data)
   assert not os.listdir(tmp_path)  # the file has no name
   plain = _host_data_rounds(
-    algorithm, in_memory, engine.make_host_round(sample, rows_round)
+    algorithm, in_memory, host_round.make_host_round(sample, rows_round)
   )
   drawn = []
-  ahead = engine.make_host_round(
+  ahead = host_round.make_host_round(
     _counting(sample, drawn), rows_round, prefetch=True, sharding=sharding
   )
   # A fresh key object of the same value each round still hits.
@@ -181,10 +182,10 @@ def test_prefetched_and_memory_mapped_rounds_equal_plain_ones(
   assert drawn == [0, 1, 2, 3]  # round 0, then each next one ahead
   # Resumed after round 2 (a new process: nothing drawn ahead).
   first, _ = _host_data_rounds(
-    algorithm, mapped, engine.make_host_round(sample, rows_round), rounds=2
+    algorithm, mapped, host_round.make_host_round(sample, rows_round), rounds=2
   )
   drawn.clear()
-  resumed = engine.make_host_round(
+  resumed = host_round.make_host_round(
     _counting(sample, drawn), rows_round, prefetch=True, sharding=sharding
   )
   state, m = resumed(jax.tree.map(np.array, first), mapped, jax.random.key(7))
@@ -206,10 +207,10 @@ def test_prefetch_draws_afresh_for_another_round_key_or_data():
   rows_round = jax.jit(
     engine.make_round_fn(algorithm, clients_per_round=2, client_rows=True)
   )
-  data = engine.host_data(_shuffled_data(), 2)
+  data = host_round.host_data(_shuffled_data(), 2)
   other = data._replace(data=data.data.replace(x=255 - data.data.x))
-  plain = engine.make_host_round(sample, rows_round)
-  ahead = engine.make_host_round(sample, rows_round, prefetch=True)
+  plain = host_round.make_host_round(sample, rows_round)
+  ahead = host_round.make_host_round(sample, rows_round, prefetch=True)
   state = engine.init_state(algorithm, model.init(jax.random.key(0)), 6)
   one = jax.random.key(1)
   for s, d, key in ((1, data, 2), (1, other, 1), (0, data, 1)):
@@ -230,5 +231,5 @@ def test_samplers_that_read_the_round_are_not_drawn_ahead():
   local = client.LocalTraining(
     helpers.linear_model(), optimizers.sgd(0.2), 1, 4
   )
-  assert engine.draws_ahead(fedavg.fedavg(local, 2))
-  assert not engine.draws_ahead(clusamp.clustered_sampling(local, 2, 6))
+  assert host_round.draws_ahead(fedavg.fedavg(local, 2))
+  assert not host_round.draws_ahead(clusamp.clustered_sampling(local, 2, 6))

@@ -1,15 +1,17 @@
 """Drawing K of N clients uniformly without replacement
-(`engine.sample_clients`, `engine.sample_sparse`)."""
+(`sampling.sample_clients`, `sampling.sample_sparse`)."""
 
 import jax
 import numpy as np
 
-from fedjax_mr.training import engine
+from fedjax_mr.training import sampling
 
 
 def _many(n, k, draws=4000):
   keys = jax.random.split(jax.random.key(11), draws)
-  return np.asarray(jax.vmap(lambda key: engine.sample_sparse(key, n, k))(keys))
+  return np.asarray(
+    jax.vmap(lambda key: sampling.sample_sparse(key, n, k))(keys)
+  )
 
 
 def test_sparse_ids_are_distinct_and_in_range():
@@ -69,13 +71,13 @@ def test_small_populations_keep_their_draws():
   permutation (`jax.random.choice`), as every recorded run drew them."""
   key = jax.random.key(3)
   want = jax.random.choice(key, 100, (10,), replace=False)
-  np.testing.assert_array_equal(engine.sample_clients(key, 100, 10), want)
-  big = engine.DENSE_SAMPLING_MAX + 1
+  np.testing.assert_array_equal(sampling.sample_clients(key, 100, 10), want)
+  big = sampling.DENSE_SAMPLING_MAX + 1
   np.testing.assert_array_equal(
-    engine.sample_clients(key, big, 10), engine.sample_sparse(key, big, 10)
+    sampling.sample_clients(key, big, 10), sampling.sample_sparse(key, big, 10)
   )
   # Many clients a round (more than a quarter of N): the permutation.
   np.testing.assert_array_equal(
-    engine.sample_clients(key, big, big // 2),
+    sampling.sample_clients(key, big, big // 2),
     jax.random.choice(key, big, (big // 2,), replace=False),
   )

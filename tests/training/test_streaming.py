@@ -1,5 +1,5 @@
 """Streaming aggregation: the engine sums what each client contributes as
-clients finish (`engine.stream_clients`) instead of stacking the K trained
+clients finish (`streaming.stream_clients`) instead of stacking the K trained
 models; it must agree with the stacked sum, and hold a chunk, not K."""
 
 import jax
@@ -18,6 +18,7 @@ from fedjax_mr.core import types
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
 from fedjax_mr.training import optimizers
+from fedjax_mr.training import streaming
 from tests import helpers
 
 
@@ -49,7 +50,7 @@ def test_streamed_sum_by_hand(chunk):
   # Five clients: models 1..5 times ones, weights (examples) 1..5, so the
   # weighted sum is 1*1 + 2*2 + ... + 5*5 = 55 and the weights sum to 15;
   # every value is an integer, exact in float32 in any order.
-  sums, states = engine.stream_clients(
+  sums, states = streaming.stream_clients(
     _fake_client,
     lambda out: fedavg.mean_contribution(out, weighted=True),
     _inputs(5),
@@ -73,7 +74,7 @@ def test_on_the_cpu_clients_add_up_in_their_order_whatever_the_chunk(chunk):
   assert jax.default_backend() == 'cpu'
   x = jax.random.normal(jax.random.key(3), (64,)) * jnp.logspace(-4, 4, 64)
   inputs = (x, *_inputs(64)[1:])
-  sums, _ = engine.stream_clients(
+  sums, _ = streaming.stream_clients(
     _fake_client,
     lambda out: fedavg.mean_contribution(out, weighted=False),
     inputs,
@@ -91,7 +92,7 @@ def test_on_the_cpu_clients_add_up_in_their_order_whatever_the_chunk(chunk):
 def test_invalid_clients_add_nothing(chunk):
   # Clients 1 and 3 are filling entries: they add zeros to the sums but
   # keep their rows of scalars (the engine drops those).
-  sums, _ = engine.stream_clients(
+  sums, _ = streaming.stream_clients(
     _fake_client,
     lambda out: fedavg.mean_contribution(out, weighted=False),
     _inputs(4),

@@ -52,13 +52,14 @@ def wrap(mod, name, label=None):
 from fedjax_mr.harness import checkpoint  # noqa: E402 (after the sampler starts)
 from fedjax_mr.harness import resume  # noqa: E402 (after the sampler starts)
 from fedjax_mr.training import engine  # noqa: E402 (after the sampler starts)
+from fedjax_mr.training import host_round  # noqa: E402 (after the sampler starts)
 
 wrap(engine, 'init_state')
 wrap(engine, 'to_host_clients')
 wrap(checkpoint, 'digest')
 wrap(checkpoint.Checkpointer, 'save')
 wrap(resume, 'restore')
-orig = engine.make_host_round
+orig = host_round.make_host_round
 
 
 def mhr(*a, **k):
@@ -77,7 +78,7 @@ def mhr(*a, **k):
   return s
 
 
-engine.make_host_round = mhr
+host_round.make_host_round = mhr
 import orbax.checkpoint as ocp  # noqa: E402 (after the sampler starts)
 
 wrap(ocp.CheckpointManager, 'save', 'orbax save')

@@ -74,6 +74,7 @@ def gather_seconds(config):
 
   from fedjax_mr.data import client_data
   from fedjax_mr.training import engine
+  from fedjax_mr.training import host_round
 
   ex = experiment.setup(config)
   sample = jax.jit(
@@ -83,7 +84,7 @@ def gather_seconds(config):
   state = ex.state.replace(clients=())
   for r in range(20):
     ids = np.asarray(
-      sample(state.replace(round=r), engine.round_data(ex.data), ex.key)
+      sample(state.replace(round=r), host_round.round_data(ex.data), ex.key)
     )
     t0 = time.perf_counter()
     client_data.gather_round(ex.data.data, ids, ex.data.capacity)
