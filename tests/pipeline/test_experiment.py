@@ -386,8 +386,8 @@ def test_non_finite_loss_stops_with_round_and_keeps_files(
   ],
 )
 def test_bad_input_names_the_flag(small_config, tmp_path, changes, flag):
-  cfg = small_config.replace(**changes)
-  with pytest.raises(errors.UserError) as e:
+  with pytest.raises(errors.UserError) as e:  # building, or starting
+    cfg = small_config.replace(**changes)
     experiment.train_and_evaluate(cfg, str(tmp_path), log=_quiet)
   assert flag in str(e.value)
 
@@ -484,6 +484,8 @@ def test_file_partition_runs_and_resumes_only_with_the_same_file(
     eval_every=1,
   )
   sha = hashlib.sha256(path.read_bytes()).hexdigest()
+  assert cfg.partition.sha256 == ''  # building a config reads no file
+  cfg = config_lib.with_file_digest(cfg)  # what a run does where it starts
   assert cfg.partition.sha256 == sha
   exp = experiment.setup(cfg)
   assert _client_rows(exp) == clients  # the file's lists, in its order
