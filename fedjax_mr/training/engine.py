@@ -415,10 +415,11 @@ def _run_sharded(
   return _gather((outputs, client_state), inverse)
 
 
-def _round_metrics(
+def round_metrics(
   outputs: types.ClientOutput | types.Sums, ids: jax.Array
 ) -> dict[str, jax.Array]:
-  """The engine's own metrics of a round (see `make_round_fn`)."""
+  """The engine's own metrics of a round (see `make_round_fn`), from its
+  K outputs (stacked, or `Sums`) and sampled `ids`."""
   n = outputs.num_examples.astype(jnp.float32)
   return {
     'train_loss': jnp.sum(n * outputs.loss) / jnp.sum(n),
@@ -542,7 +543,7 @@ def make_round_fn(
     server_state, server_metrics = aggregate(
       state.server, outputs, ids, state.round, k_aggregate
     )
-    metrics = {**_round_metrics(outputs, ids), **server_metrics}
+    metrics = {**round_metrics(outputs, ids), **server_metrics}
     new_state = state.replace(round=state.round + 1, server=server_state)
     return new_state, client_state, metrics
 
