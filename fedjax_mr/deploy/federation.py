@@ -64,6 +64,22 @@ def _toml_value(value) -> str:
   return f'"{escaped}"'
 
 
+# What `flwr run` prints of its own, besides Flower's log lines.
+_FLWR_LINES = (
+  'Using SuperLink',
+  'Successfully',
+  'Flower App configuration',
+  '- Recommended',
+)
+
+
+def _own_line(line: str) -> bool:
+  """Whether a line of `flwr run`'s stream is the App's own (not one of
+  Flower's log lines, which are coloured, nor its notices)."""
+  text = line.strip()
+  return bool(text) and '\x1b[' not in line and not text.startswith(_FLWR_LINES)
+
+
 def options(**values: object) -> list[str]:
   """Flower's command-line options for `values`: each name with two
   dashes and its underscores as hyphens, then its value (`True` alone:
@@ -133,6 +149,12 @@ class Federation:
     env['FLWR_TELEMETRY_ENABLED'] = '0'
     env['FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION'] = '1'
     env['TMPDIR'] = os.path.join(self.folder, 'tmp')
+    # A node starts a process per message: compiled programs are kept
+    # (JAX's persistent cache, bit-identical to compiling again).
+    env.setdefault(
+      'JAX_COMPILATION_CACHE_DIR', os.path.join(self.folder, 'jax')
+    )
+    env.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
     return env
 
   def _start(self, name: str, command: list[str]) -> subprocess.Popen:
@@ -322,30 +344,35 @@ class Federation:
     self,
     app_dir: str,
     run_config: Mapping[str, object],
-    timeout: float | None = None,
+    echo: Callable[[str], None] | None = None,
   ) -> None:
     """Submits the Flower App in `app_dir` with `run_config` and waits
-    until the run ends (its log in `logs/run.log`).
+    until the run ends; its output goes to `logs/run.log`, and the App's
+    own lines (not Flower's log lines) to `echo` as well.
 
     Raises:
       FederationError: the run could not be submitted.
-      subprocess.TimeoutExpired: it ran past `timeout` seconds.
     """
-    with open(os.path.join(self.logs, 'run.log'), 'ab') as out:
+    command = [self._tool('flwr'), 'run', app_dir, FEDERATION]
+    command += options(stream=True, run_config=config_pairs(run_config))
+    with open(os.path.join(self.logs, 'run.log'), 'a') as out:
       process = subprocess.Popen(
-        [
-          self._tool('flwr'), 'run', app_dir, FEDERATION,
-          *options(stream=True, run_config=config_pairs(run_config)),
-        ],
+        command,
         stdin=subprocess.DEVNULL,
-        stdout=out,
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        text=True,
         env=self.env(),
         cwd=self.folder,
         process_group=self._group,
-      )  # fmt: skip
+      )
       self._processes.append(process)
-      code = process.wait(timeout)
+      for line in process.stdout:
+        out.write(line)
+        out.flush()
+        if echo is not None and _own_line(line):
+          echo(line.rstrip('\n'))
+      code = process.wait()
     if code:
       raise FederationError(
         f'flwr run failed ({code}); see {os.path.join(self.logs, "run.log")}'
