@@ -15,6 +15,7 @@ from fedjax_mr.deploy import codec
 from fedjax_mr.deploy import node
 from fedjax_mr.deploy import server
 from fedjax_mr.harness import config as config_lib
+from fedjax_mr.harness import records
 from fedjax_mr.training import engine
 
 NODES = 2
@@ -131,6 +132,14 @@ def test_a_failed_or_malformed_reply_is_left_out_and_named(
   assert int(metrics['client_examples'][1]) == 0
   assert int(metrics['client_steps'][1]) == 0
   assert len(lines) == 1 and f'client {ids[1]}' in lines[0]
+  # The records: the metrics row names it, the clients row marks it.
+  row, clients_row = records.round_rows(1, jax.device_get(metrics))
+  assert row['failed_clients'] == [ids[1]]
+  assert [c.get('failed', False) for c in clients_row['clients']] == [
+    False,
+    True,
+    False,
+  ]
   assert says in lines[0]
   # What the round aggregated: the two replies that arrived, and for
   # algorithms that need every model, the model client 1 was sent.
