@@ -35,6 +35,7 @@ from fedjax_mr.deploy import server as server_lib
 QUERY, TRAIN = 'query', 'train'
 POLL_S = 0.05
 DISCOVERY_TIMEOUT_S = 300.0
+REJOIN_TIMEOUT_S = 120.0
 
 server_app = ServerApp()
 client_app = ClientApp()
@@ -55,7 +56,7 @@ def _state_folder(context: Context) -> str | None:
 
 
 @client_app.query()
-def identify(message: Message, context: Context) -> Message:
+def answer_index(message: Message, context: Context) -> Message:
   """Replies this node's index."""
   index, num_nodes, _ = _node_of(context)
   content = RecordDict(
@@ -80,15 +81,33 @@ def train(message: Message, context: Context) -> Message:
 
 class GridTransport:
   """`server.Transport` over Flower's grid: requests as `train` messages
-  to the nodes' ids, replies pulled as they arrive."""
+  to the nodes' ids, replies pulled as they arrive.
+
+  A node that went offline fails its requests (Flower answers them with
+  an error). A node that comes back with its registered key has its old
+  id and simply gets the next round's requests; one that comes back with
+  a new id (an insecure federation) is asked its index before a round
+  whose nodes are not all online (`identify`).
+  """
 
   def __init__(self, grid: Grid, node_ids: dict[int, int]):
     self.grid = grid
     self.node_ids = node_ids
 
+  def refresh(self) -> None:
+    """Maps the indices of offline nodes to new online ids, if any."""
+    online = set(self.grid.get_node_ids())
+    known = set(self.node_ids.values())
+    if online - known and known - online:
+      found = identify(
+        self.grid, len(self.node_ids), online - known, REJOIN_TIMEOUT_S
+      )
+      self.node_ids.update(found)
+
   def exchange(
     self, requests: Sequence[server_lib.Request], timeout: float | None
   ) -> Iterator[tuple[int, Any]]:
+    self.refresh()
     messages = [
       Message(r.content, dst_node_id=self.node_ids[r.node], message_type=TRAIN)
       for r in requests
@@ -108,30 +127,20 @@ class GridTransport:
       yield p, None
 
 
-def discover(grid: Grid, num_nodes: int, timeout: float) -> dict[int, int]:
-  """`{node index: Flower node id}` of the `num_nodes` nodes: each node
-  online is asked once (a `query` message) and its reply awaited (a node
-  starts a process per message, which may take a while).
-
-  Raises:
-    TimeoutError: not every index answered within `timeout` seconds.
-  """
+def identify(
+  grid: Grid, num_nodes: int, node_ids: set[int], timeout: float
+) -> dict[int, int]:
+  """`{index: id}` of the nodes of `node_ids` that answer a `query`
+  message within `timeout` seconds as nodes of a federation of
+  `num_nodes`."""
+  messages = [
+    Message(RecordDict(), dst_node_id=n, message_type=QUERY)
+    for n in sorted(node_ids)
+  ]
+  asked = dict(zip(grid.push_messages(messages), sorted(node_ids)))
   found: dict[int, int] = {}
-  asked: dict[str, int] = {}  # message id -> node id
   deadline = time.monotonic() + timeout
-  while len(found) < num_nodes:
-    if time.monotonic() > deadline:
-      raise TimeoutError(
-        f'{num_nodes - len(found)} of {num_nodes} nodes did not answer in '
-        f'{timeout:.0f} s'
-      )
-    known = {*asked.values(), *found.values()}
-    new = [n for n in grid.get_node_ids() if n not in known]
-    messages = [
-      Message(RecordDict(), dst_node_id=n, message_type=QUERY) for n in new
-    ]
-    if messages:
-      asked.update(zip(grid.push_messages(messages), new))
+  while asked and time.monotonic() < deadline:
     for reply in grid.pull_messages(list(asked)):
       node_id = asked.pop(reply.metadata.reply_to_message_id, None)
       if node_id is None or reply.has_error():
@@ -139,7 +148,33 @@ def discover(grid: Grid, num_nodes: int, timeout: float) -> dict[int, int]:
       info = reply.content['node']
       if int(info['num-nodes']) == num_nodes:
         found[int(info['index'])] = node_id
-    time.sleep(0.25)
+    if asked:
+      time.sleep(POLL_S)
+  return found
+
+
+def discover(grid: Grid, num_nodes: int, timeout: float) -> dict[int, int]:
+  """`{node index: Flower node id}` of the `num_nodes` nodes, each asked
+  its index (`identify`) as it comes online (a node starts a process per
+  message, which may take a while).
+
+  Raises:
+    TimeoutError: not every index answered within `timeout` seconds.
+  """
+  found: dict[int, int] = {}
+  deadline = time.monotonic() + timeout
+  while len(found) < num_nodes:
+    left = deadline - time.monotonic()
+    if left <= 0:
+      raise TimeoutError(
+        f'{num_nodes - len(found)} of {num_nodes} nodes did not answer in '
+        f'{timeout:.0f} s'
+      )
+    new = set(grid.get_node_ids()) - set(found.values())
+    if new:
+      found.update(identify(grid, num_nodes, new, left))
+    else:
+      time.sleep(0.25)
   return found
 
 

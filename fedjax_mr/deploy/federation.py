@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from typing import Callable
 from typing import Mapping
 
@@ -137,6 +138,9 @@ class Federation:
     self.nodes: list[subprocess.Popen | None] = []
     self._group = None
     self._processes: list[subprocess.Popen] = []
+    # Marks the environment of every process of this federation (and of
+    # their children, those Flower starts in sessions of their own too).
+    self.mark = f'{os.getpid()}-{uuid.uuid4().hex}'
 
   # Environment and processes.
 
@@ -149,6 +153,7 @@ class Federation:
     env['FLWR_TELEMETRY_ENABLED'] = '0'
     env['FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION'] = '1'
     env['TMPDIR'] = os.path.join(self.folder, 'tmp')
+    env[watchdog.MARK_VARIABLE] = self.mark
     # A node starts a process per message: compiled programs are kept
     # (JAX's persistent cache, bit-identical to compiling again).
     env.setdefault(
@@ -226,7 +231,7 @@ class Federation:
 
   def _start_watchdog(self) -> None:
     process = subprocess.Popen(
-      [sys.executable, '-m', watchdog.__name__, str(os.getpid())],
+      [sys.executable, '-m', watchdog.__name__, str(os.getpid()), self.mark],
       stdin=subprocess.DEVNULL,
       # A group of its own in this session (others may join it), apart
       # from the terminal's: Ctrl-C reaches the program alone, which
@@ -381,7 +386,7 @@ class Federation:
   def stop(self) -> None:
     """Stops every process of the federation (SIGTERM, then SIGKILL)."""
     if self._group is not None:
-      watchdog.stop_group(self._group)
+      watchdog.stop_group(self._group, self.mark)
       self._group = None
     for process in self._processes:
       try:

@@ -11,6 +11,7 @@ import pytest
 
 from fedjax_mr.deploy import credentials
 from fedjax_mr.deploy import federation
+from fedjax_mr.deploy import watchdog
 
 
 def _log(folder, name):
@@ -71,8 +72,10 @@ def test_only_registered_nodes_with_the_ca_join(tmp_path):
 
 
 def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
-  # The parent starts the watchdog and a process in its group, then waits
-  # to be killed with SIGKILL, which it cannot handle.
+  # The parent starts the watchdog, a process in its group and one that
+  # leaves it for a session of its own (as Flower's SuperLink starts its
+  # SuperExec) with the federation's mark, then waits to be killed with
+  # SIGKILL, which it cannot handle.
   parent = subprocess.Popen(
     [
       sys.executable,
@@ -82,10 +85,14 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
         import os, subprocess, sys, time
         from fedjax_mr.deploy import watchdog
         dog = subprocess.Popen(
-          [sys.executable, '-m', watchdog.__name__, str(os.getpid())],
+          [sys.executable, '-m', watchdog.__name__, str(os.getpid()), 'M1'],
           process_group=0)
+        env = {**os.environ, watchdog.MARK_VARIABLE: 'M1'}
         child = subprocess.Popen(['sleep', '600'], process_group=dog.pid)
-        print(dog.pid, child.pid, flush=True)
+        away = subprocess.Popen(
+          ['bash', '-c', "trap '' TERM; sleep 600"], env=env,
+          start_new_session=True)
+        print(dog.pid, child.pid, away.pid, flush=True)
         time.sleep(600)
         """
       ),
@@ -93,14 +100,19 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
     stdout=subprocess.PIPE,
     text=True,
   )
-  group, child = map(int, parent.stdout.readline().split())
+  group, child, away = map(int, parent.stdout.readline().split())
   assert child in _group_members(group)
+  assert away in watchdog._members(group, 'M1')
   parent.send_signal(signal.SIGKILL)
   parent.wait()
-  deadline = time.monotonic() + 30
-  while _group_members(group) and time.monotonic() < deadline:
+  deadline = time.monotonic() + 60
+  while watchdog._members(group, 'M1') and time.monotonic() < deadline:
     time.sleep(0.2)
-  assert _group_members(group) == []
+  assert watchdog._members(group, 'M1') == []
+  assert (
+    not os.path.exists(f'/proc/{away}')
+    or open(f'/proc/{away}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z'
+  )
 
 
 def test_bad_arguments_are_named(tmp_path):
