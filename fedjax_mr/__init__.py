@@ -7,7 +7,8 @@ Subpackages, by layer (each imports only the layers below it): `core`
 training, optimizers, the round engine); `algorithms` (one module per
 algorithm) and `stitch` (FedStitch); `harness` (the registry, the
 experiment config, the host loop, comparison and figures), which the
-programs in `experiments/` call.
+programs in `experiments/` call; `deploy` (the harness's runs on a
+Flower federation; the `deploy` extra).
 
 The names below are loaded on first use, so `import fedjax_mr.energy` does
 not import jax.
@@ -21,6 +22,7 @@ _SUBPACKAGES = (
   'algorithms',
   'core',
   'data',
+  'deploy',
   'energy',
   'harness',
   'models',

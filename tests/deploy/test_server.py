@@ -20,6 +20,9 @@ from fedjax_mr.training import engine
 
 NODES = 2
 
+# Whole rounds through the engine and the deployed round (over 1.5 s).
+pytestmark = pytest.mark.slow
+
 
 def _experiment(algorithm):
   return adapter.setup(
