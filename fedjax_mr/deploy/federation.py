@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -110,7 +108,6 @@ class Federation:
       `key=value` pairs).
     host: the address the SuperLink listens on.
     insecure: no TLS and no node authentication.
-    log: where progress lines go.
   """
 
   def __init__(
@@ -121,7 +118,6 @@ class Federation:
     *,
     host: str = '127.0.0.1',
     insecure: bool = False,
-    log: Callable[[str], None] = print,
   ):
     if num_nodes < 1:
       raise ValueError(f'num_nodes must be >= 1, got {num_nodes}')
@@ -130,7 +126,6 @@ class Federation:
     self.node_config = node_config
     self.host = host
     self.insecure = insecure
-    self.log = log
     self.home = os.path.join(self.folder, 'home')
     self.logs = os.path.join(self.folder, 'logs')
     self.port = None
@@ -329,13 +324,6 @@ class Federation:
     """Starts SuperNode i (again, after it ended: it rejoins)."""
     return self._start(f'supernode{i}', self.node_command(i, **kwargs))
 
-  def kill_node(self, i: int) -> None:
-    """Kills SuperNode i (SIGKILL), as a crashed device."""
-    node = self.nodes[i]
-    if node is not None and node.poll() is None:
-      node.send_signal(signal.SIGKILL)
-      node.wait()
-
   def online_nodes(self) -> int:
     """SuperNodes the SuperLink lists as online."""
     out = self._flwr('supernode', 'list', FEDERATION, *options(format='json'))
@@ -400,8 +388,3 @@ class Federation:
 
   def __exit__(self, *exc) -> None:
     self.stop()
-
-
-def describe(command: list[str]) -> str:
-  """`command` as a shell line (for logs and docs)."""
-  return shlex.join(command)

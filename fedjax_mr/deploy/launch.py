@@ -118,7 +118,6 @@ def run(
       },
       host=host,
       insecure=insecure,
-      log=log,
     )
     if insecure:
       log(INSECURE_WARNING.format(address=host))
