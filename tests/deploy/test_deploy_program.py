@@ -43,7 +43,7 @@ def _check(proc):
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize('algorithm', ['fedavg', 'fedmr'])
+@pytest.mark.parametrize('algorithm', ['fedavg', 'fedmr', 'scaffold'])
 def test_deployed_run_equals_the_simulation(tmp_path, algorithm):
   flags = [*FLAGS, f'--algorithm={algorithm}']
   simulated, deployed = str(tmp_path / 'sim'), str(tmp_path / 'dep')
