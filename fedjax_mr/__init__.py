@@ -11,8 +11,9 @@ provenance, devices and processes); `pipeline` (the run pipeline: the
 registry, the experiment configs, the host loop, resume and records, for
 training runs and FedStitch runs); `analysis` (what is read from finished
 runs: comparisons, probes, landscapes, FedStitch's tables and figures);
-`bench` (the benchmark of a round against its limit). The programs in
-`experiments/` call the last three.
+`bench` (the benchmark of a round against its limit); `deploy` (the run
+pipeline's runs on a Flower federation; the `deploy` extra). The programs
+in `experiments/` call the last four.
 
 The names below are loaded on first use, so `import fedjax_mr.energy` does
 not import jax.
@@ -28,6 +29,7 @@ _SUBPACKAGES = (
   'bench',
   'core',
   'data',
+  'deploy',
   'energy',
   'models',
   'pipeline',

@@ -125,6 +125,10 @@ SLOW_MODULES = {
   'test_registry',
   'test_zoo',
   'test_workdir',
+  # A local Flower federation's processes (tests/deploy).
+  'test_federation',
+  'test_deploy_program',
+  'test_deploy_faults',
 }
 SLOW_FIXTURES = {'small_fmnist_dir', 'fashion_mnist'}
 

@@ -519,6 +519,19 @@ CASES = {
     (['--workdir=experiments', '--output=README.md'], '--output=README.md'),
     (['positional'], 'unexpected arguments'),
   ],
+  'experiments.deploy': [
+    (['--nodes=0'], '--nodes'),
+    (['--nodes=-2'], '--nodes'),
+    (['--nodes=x'], '--nodes'),
+    (['--round_timeout=-1'], '--round_timeout'),
+    (['--round_timeout=nan'], '--round_timeout'),
+    (['--round_timeout=inf'], '--round_timeout'),
+    (['--seed=-1'], '--seed'),
+    (
+      ['--algorithm=fedmr', '--fedmr_secure_repeats=1'],
+      '--fedmr_secure_repeats',
+    ),
+  ],
   'experiments.probe': [
     ([], '--workdir='),
     (['--workdir='], '--workdir'),
@@ -563,6 +576,8 @@ BASE = {
   'experiments.landscape': ['--workdir=/nonexistent/run', '--output={S}'],
   # Writes into --workdir: {S}, which no case may create.
   'experiments.probe': ['--workdir={S}'],
+  # Writes into --workdir: {S}, which no case may create.
+  'experiments.deploy': ['--workdir={S}', '--rounds=1'],
   'experiments.profile_device': ['--output={S}/profile.json'],
   'experiments.benchmark': ['--rounds=1', '--local_epochs=1'],
   # cinic10: a case wrongly accepted fails fast (no network, or a download

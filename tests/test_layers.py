@@ -20,6 +20,8 @@ LAYERS = {
   'analysis': 5,
   # The benchmark builds its runs as the run pipeline does.
   'bench': 5,
+  # Deployment on Flower: the run pipeline's runs over a network.
+  'deploy': 5,
 }
 
 

@@ -149,6 +149,7 @@ def train_and_evaluate(
   *,
   log: Callable[[str], None] = _log_default,
   on_round: Callable[[int, dict[str, Any]], None] | None = None,
+  make_round: Callable[[build.Experiment, int], Callable] | None = None,
 ) -> Result:
   """Runs (or resumes) an experiment: `run(setup(config), workdir)`.
 
@@ -159,6 +160,7 @@ def train_and_evaluate(
     log: where progress lines go.
     on_round: called with (round, metrics row) after each round is logged
       and checkpointed (tests use it to interrupt a run).
+    make_round: see `run`.
 
   Returns:
     A `Result`.
@@ -177,7 +179,13 @@ def train_and_evaluate(
   workdir = workdir or config.run.workdir or config.default_workdir()
   # Refuse another run's workdir before loading anything.
   resume.check_workdir(config, workdir)
-  return run(_setup(config, hparams), workdir, log=log, on_round=on_round)
+  return run(
+    _setup(config, hparams),
+    workdir,
+    log=log,
+    on_round=on_round,
+    make_round=make_round,
+  )
 
 
 def run(
@@ -186,6 +194,7 @@ def run(
   *,
   log: Callable[[str], None] = _log_default,
   on_round: Callable[[int, dict[str, Any]], None] | None = None,
+  make_round: Callable[[build.Experiment, int], Callable] | None = None,
 ) -> Result:
   """The host loop: rounds, metrics, evaluation, checkpoints, plots.
 
@@ -200,6 +209,10 @@ def run(
     log: where progress lines go.
     on_round: called with (round, metrics row) after each round is logged
       and checkpointed.
+    make_round: `make_round(experiment, client_chunk) -> step(state,
+      data, key) -> (state, metrics)`, the round the loop calls; default
+      the jit-compiled engine round. The deployment layer passes a round
+      whose clients are remote (`fedjax_mr.deploy`).
 
   Returns:
     A `Result`.
@@ -207,13 +220,13 @@ def run(
   primary = distributed.is_primary()
   if not primary:
     experiment = _memory_mapped(experiment, workdir)
-    return _run(experiment, workdir, _quiet, on_round)
+    return _run(experiment, workdir, _quiet, on_round, make_round)
   # The primary process writes the workdir; one such process at a time.
   with workdir_lib.acquire(workdir):
     # Rebound, so that the in-memory set can be freed (unless the caller
     # keeps `experiment`).
     experiment = _memory_mapped(experiment, workdir)
-    return _run(experiment, workdir, log, on_round)
+    return _run(experiment, workdir, log, on_round, make_round)
 
 
 def _memory_mapped(
@@ -251,6 +264,7 @@ def _run(
   workdir: str,
   log: Callable[[str], None],
   on_round: Callable[[int, dict[str, Any]], None] | None,
+  make_round: Callable[[build.Experiment, int], Callable] | None = None,
 ) -> Result:
   """`run` in every process (only the primary one writes files)."""
   config = experiment.config
@@ -281,7 +295,7 @@ def _run(
     start = 0
   rows = records.Records(config, workdir, start, primary, log)
   progress.announce(experiment, state, mapping, log)
-  round_fn = _compile_round(experiment, mapping['client_chunk'])
+  round_fn = (make_round or _compile_round)(experiment, mapping['client_chunk'])
   loop = _Loop(
     experiment,
     evaluation.make_evaluators(experiment),

@@ -173,6 +173,12 @@ def round_rows(
       )
     ],
   }
+  # A deployed round names the clients whose reply failed
+  # (`fedjax_mr.deploy`); they trained nothing that was aggregated.
+  failed = set(row.get('failed_clients', ()))
+  for client in clients_row['clients']:
+    if client['id'] in failed:
+      client['failed'] = True
   return row, clients_row
 
 

@@ -148,7 +148,7 @@ PER_CLIENT_METRICS = (
 )
 
 
-def _round_metrics(
+def round_metrics(
   outputs: types.ClientOutput | types.Sums, ids: jax.Array
 ) -> dict[str, jax.Array]:
   """The engine's own metrics of a round (see `make_round_fn`)."""
@@ -240,7 +240,7 @@ def _rows_round(
   server_state, server_metrics = aggregate(
     state.server, outputs, ids, state.round, k_aggregate
   )
-  metrics = {**_round_metrics(outputs, ids), **server_metrics}
+  metrics = {**round_metrics(outputs, ids), **server_metrics}
   new_state = state.replace(round=state.round + 1, server=server_state)
   return new_state, client_state, metrics
 

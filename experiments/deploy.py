@@ -1,0 +1,81 @@
+r"""Runs one federated training experiment on a local Flower federation.
+
+  python -m experiments.deploy --nodes=3 --flagfile=default
+  python -m experiments.deploy --nodes=2 --partition=iid --rounds=20 \
+      --workdir=/tmp/iid
+
+Starts a Flower SuperLink and `--nodes` SuperNodes as processes on this
+machine (127.0.0.1, free ports; node i serves clients i, i + N, ...), with
+TLS from a certificate authority it makes and Flower's node
+authentication, and runs the experiment of `experiments.run`'s flags over
+them: the server samples, dispatches and aggregates, each node trains its
+clients, and the workdir holds what `experiments.run` writes (the same
+metrics rows with `--num_devices=1 --client_chunk=1`). Re-running with the
+same `--workdir` resumes. Every process it starts is stopped when it ends,
+fails, is interrupted or killed. The federation's files (certificates,
+Flower's home, logs) are in `<workdir>/flower`. Installed, the program is
+the console script `fedjax-mr-deploy` (the `deploy` extra).
+"""
+
+from __future__ import annotations
+
+# First: Ctrl-C while the modules below import ends in one line (cli).
+from . import cli  # isort: split
+
+from absl import flags
+from absl import logging
+
+from . import run as run_program
+
+flags.DEFINE_integer(
+  'nodes', 2, 'SuperNodes to start (node i serves clients i, i + N, ...).'
+)
+flags.DEFINE_float(
+  'round_timeout',
+  0.0,
+  'Seconds a round waits for its replies (0: no deadline); clients '
+  'without a reply by then count as failed (the clients row names them).',
+)
+flags.DEFINE_bool(
+  'insecure_federation',
+  False,
+  'Run without TLS and node authentication (prints a warning).',
+)
+flags.DEFINE_string(
+  'federation_host',
+  '127.0.0.1',
+  'The address the SuperLink listens on (its certificate names it).',
+)
+for _name in ('nodes', 'round_timeout', 'insecure_federation'):
+  flags.declare_key_flag(_name)
+FLAGS = flags.FLAGS
+
+
+def main(argv) -> None:
+  cli.no_arguments(argv)
+  logging.set_verbosity(logging.WARNING)
+  with cli.training_errors('nothing was written'):
+    config = run_program.config_from_flags()
+  with cli.training_errors(
+    're-run with the same --workdir to resume',
+    workdir=config.run.workdir or config.default_workdir(),
+  ):
+    from fedjax_mr.deploy import launch
+
+    launch.run(
+      config,
+      FLAGS.nodes,
+      round_timeout=FLAGS.round_timeout,
+      insecure=FLAGS.insecure_federation,
+      host=FLAGS.federation_host,
+      log=cli.log,
+    )
+
+
+def entry() -> None:
+  """The console script `fedjax-mr-deploy`."""
+  cli.run(main)
+
+
+if __name__ == '__main__':
+  entry()

@@ -1,0 +1,164 @@
+"""The certificates and node keys a federation needs, made locally.
+
+`make(folder, num_nodes, hosts)` writes a certificate authority, the
+SuperLink's TLS certificate (signed by it, valid for `hosts`) and one
+authentication key pair per SuperNode (EC P-384, OpenSSH format, which
+Flower reads), with `cryptography`, the package flwr depends on. Private
+keys are written readable by their owner only. Nothing is sent anywhere:
+the CA certificate goes to every node, each node's private key to that
+node alone, and the public keys are registered with the SuperLink.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from typing import NamedTuple
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+# Certificates are valid this long: a federation's run, with room.
+VALID_DAYS = 30
+
+
+class Credentials(NamedTuple):
+  """Paths of what `make` wrote.
+
+  Attributes:
+    ca_cert: the CA certificate (PEM), which every node trusts.
+    server_cert: the SuperLink's certificate (PEM).
+    server_key: its private key (PEM).
+    node_keys: `[num_nodes]` private authentication keys (OpenSSH).
+    node_public_keys: the matching public keys (OpenSSH), to register.
+  """
+
+  ca_cert: str
+  server_cert: str
+  server_key: str
+  node_keys: tuple[str, ...]
+  node_public_keys: tuple[str, ...]
+
+
+def _write(path: str, data: bytes, private: bool = False) -> None:
+  flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+  fd = os.open(path, flags, 0o600 if private else 0o644)
+  with os.fdopen(fd, 'wb') as f:
+    f.write(data)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+  return key.private_bytes(
+    serialization.Encoding.PEM,
+    serialization.PrivateFormat.PKCS8,
+    serialization.NoEncryption(),
+  )
+
+
+def _name(common_name: str) -> x509.Name:
+  return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _san(hosts: tuple[str, ...]) -> x509.SubjectAlternativeName:
+  names: list[x509.GeneralName] = []
+  for host in hosts:
+    try:
+      names.append(x509.IPAddress(ipaddress.ip_address(host)))
+    except ValueError:
+      names.append(x509.DNSName(host))
+  return x509.SubjectAlternativeName(names)
+
+
+def _certificate(
+  subject: x509.Name,
+  key: ec.EllipticCurvePrivateKey,
+  issuer: x509.Name,
+  issuer_key: ec.EllipticCurvePrivateKey,
+  ca: bool,
+  hosts: tuple[str, ...] = (),
+) -> x509.Certificate:
+  now = datetime.datetime.now(datetime.timezone.utc)
+  builder = (
+    x509.CertificateBuilder()
+    .subject_name(subject)
+    .issuer_name(issuer)
+    .public_key(key.public_key())
+    .serial_number(x509.random_serial_number())
+    .not_valid_before(now - datetime.timedelta(minutes=5))
+    .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+    .add_extension(x509.BasicConstraints(ca=ca, path_length=None), True)
+  )
+  if hosts:
+    builder = builder.add_extension(_san(hosts), False)
+  return builder.sign(issuer_key, hashes.SHA256())
+
+
+def make(
+  folder: str, num_nodes: int, hosts: tuple[str, ...] = ('127.0.0.1',)
+) -> Credentials:
+  """Writes a CA, the SuperLink's certificate for `hosts` and
+  `num_nodes` node key pairs into `folder` (created).
+
+  Args:
+    folder: where the files go.
+    num_nodes: node key pairs to make (>= 1).
+    hosts: the names and IP addresses the SuperLink is reached at; the
+      loopback names are always added (its own processes use them).
+
+  Raises:
+    ValueError: `num_nodes` < 1 or `hosts` empty.
+  """
+  if num_nodes < 1:
+    raise ValueError(f'num_nodes must be >= 1, got {num_nodes}')
+  hosts = tuple(dict.fromkeys((*hosts, '127.0.0.1', 'localhost')))
+  os.makedirs(folder, exist_ok=True)
+  ca_key = ec.generate_private_key(ec.SECP384R1())
+  ca_name = _name('fedjax_mr federation CA')
+  ca = _certificate(ca_name, ca_key, ca_name, ca_key, ca=True)
+  server_key = ec.generate_private_key(ec.SECP384R1())
+  server = _certificate(
+    _name('fedjax_mr superlink'), server_key, ca_name, ca_key, False, hosts
+  )
+  pem = serialization.Encoding.PEM
+  paths = {
+    n: os.path.join(folder, n) for n in ('ca.crt', 'server.crt', 'server.key')
+  }
+  _write(paths['ca.crt'], ca.public_bytes(pem))
+  _write(paths['server.crt'], server.public_bytes(pem))
+  _write(paths['server.key'], _pem_key(server_key), private=True)
+  keys, public = [], []
+  for i in range(num_nodes):
+    keys.append(os.path.join(folder, f'node{i}.key'))
+    public.append(keys[-1] + '.pub')
+    write_node_key(keys[-1], public[-1])
+  return Credentials(
+    paths['ca.crt'],
+    paths['server.crt'],
+    paths['server.key'],
+    tuple(keys),
+    tuple(public),
+  )
+
+
+def write_node_key(private_path: str, public_path: str) -> None:
+  """Writes one node's authentication key pair (EC P-384, OpenSSH)."""
+  key = ec.generate_private_key(ec.SECP384R1())
+  _write(
+    private_path,
+    key.private_bytes(
+      serialization.Encoding.PEM,
+      serialization.PrivateFormat.OpenSSH,
+      serialization.NoEncryption(),
+    ),
+    private=True,
+  )
+  _write(
+    public_path,
+    key.public_key().public_bytes(
+      serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    ),
+  )

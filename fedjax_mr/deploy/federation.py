@@ -1,0 +1,390 @@
+"""A Flower federation on this machine: a SuperLink and N SuperNodes.
+
+`Federation(folder, num_nodes, ...)` starts, as processes, a SuperLink on
+`host` (127.0.0.1 unless given) and N SuperNodes that connect to it, each
+on free ports; `run(app_dir, run_config)` submits a Flower App to it
+(`flwr run`) and waits for the run to end; `stop()` (or leaving the
+`with` block) stops every process it started.
+
+Secure by default: TLS with a CA and certificates made in
+`<folder>/credentials` (`credentials.make`), and Flower's node
+authentication: each SuperNode holds its own key, whose public half is
+registered with the SuperLink before the node starts; a node with another
+key is refused. `insecure=True` runs without either (the caller warns).
+
+Everything Flower writes stays in `folder`: its home (`FLWR_HOME`), the
+processes' logs, temporary files. Telemetry is off, runtime dependency
+installation (`uv sync`) is off (the environment is this one, and it may
+be offline), and the processes start from this Python's environment (its
+`bin` first on PATH, where `flower-superexec` is).
+
+Every process joins one process group, led by a watchdog
+(`watchdog.py`) that stops the group when the program that started it
+ends in any way, SIGKILL included.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from typing import Callable
+from typing import Mapping
+
+from fedjax_mr.deploy import credentials as credentials_lib
+from fedjax_mr.deploy import watchdog
+
+FEDERATION = 'local'  # the connection's name in Flower's config.toml
+START_TIMEOUT_S = 120.0
+
+
+class FederationError(RuntimeError):
+  """A federation process failed to start or a run failed; the message
+  names the log to read."""
+
+
+def free_port(host: str = '127.0.0.1') -> int:
+  """A TCP port free on `host` now (the OS's choice)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind((host, 0))
+    return s.getsockname()[1]
+
+
+def _toml_value(value) -> str:
+  if isinstance(value, bool):
+    return 'true' if value else 'false'
+  if isinstance(value, (int, float)):
+    return repr(value)
+  escaped = str(value).replace('\\', '\\\\').replace('"', '\\"')
+  return f'"{escaped}"'
+
+
+# What `flwr run` prints of its own, besides Flower's log lines.
+_FLWR_LINES = (
+  'Using SuperLink',
+  'Successfully',
+  'Flower App configuration',
+  '- Recommended',
+)
+
+
+def _own_line(line: str) -> bool:
+  """Whether a line of `flwr run`'s stream is the App's own (not one of
+  Flower's log lines, which are coloured, nor its notices)."""
+  text = line.strip()
+  return bool(text) and '\x1b[' not in line and not text.startswith(_FLWR_LINES)
+
+
+def options(**values: object) -> list[str]:
+  """Flower's command-line options for `values`: each name with two
+  dashes and its underscores as hyphens, then its value (`True` alone:
+  a switch)."""
+  args = []
+  for name, value in values.items():
+    args.append('-' * 2 + name.replace('_', '-'))
+    if value is not True:
+      args.append(str(value))
+  return args
+
+
+def config_pairs(config: Mapping[str, object]) -> str:
+  """`config` as Flower's space separated `key=value` pairs (TOML
+  values)."""
+  return ' '.join(f'{k}={_toml_value(v)}' for k, v in config.items())
+
+
+class Federation:
+  """A SuperLink and `num_nodes` SuperNodes on this machine (see the
+  module docstring).
+
+  Args:
+    folder: where credentials, Flower's home, logs and temporary files go.
+    num_nodes: SuperNodes to start (>= 1).
+    node_config: `node_config(i)`, SuperNode i's node config (its
+      `key=value` pairs).
+    host: the address the SuperLink listens on.
+    insecure: no TLS and no node authentication.
+  """
+
+  def __init__(
+    self,
+    folder: str,
+    num_nodes: int,
+    node_config: Callable[[int], Mapping[str, object]] = lambda i: {},
+    *,
+    host: str = '127.0.0.1',
+    insecure: bool = False,
+  ):
+    if num_nodes < 1:
+      raise ValueError(f'num_nodes must be >= 1, got {num_nodes}')
+    self.folder = os.path.abspath(folder)
+    self.num_nodes = num_nodes
+    self.node_config = node_config
+    self.host = host
+    self.insecure = insecure
+    self.home = os.path.join(self.folder, 'home')
+    self.logs = os.path.join(self.folder, 'logs')
+    self.port = None
+    self.credentials = None
+    self.nodes: list[subprocess.Popen | None] = []
+    self._group = None
+    self._processes: list[subprocess.Popen] = []
+    # Marks the environment of every process of this federation (and of
+    # their children, those Flower starts in sessions of their own too).
+    self.mark = f'{os.getpid()}-{uuid.uuid4().hex}'
+
+  # Environment and processes.
+
+  def env(self) -> dict[str, str]:
+    """The environment of every federation process."""
+    env = dict(os.environ)
+    bin_dir = os.path.dirname(sys.executable)
+    env['PATH'] = bin_dir + os.pathsep + env.get('PATH', '')
+    env['FLWR_HOME'] = self.home
+    env['FLWR_TELEMETRY_ENABLED'] = '0'
+    env['FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION'] = '1'
+    env['TMPDIR'] = os.path.join(self.folder, 'tmp')
+    env[watchdog.MARK_VARIABLE] = self.mark
+    # A node starts a process per message: compiled programs are kept
+    # (JAX's persistent cache, bit-identical to compiling again).
+    env.setdefault(
+      'JAX_COMPILATION_CACHE_DIR', os.path.join(self.folder, 'jax')
+    )
+    env.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+    return env
+
+  def _start(self, name: str, command: list[str]) -> subprocess.Popen:
+    """Starts `command` in the federation's process group, its output
+    in `logs/<name>.log`."""
+    with open(os.path.join(self.logs, f'{name}.log'), 'ab') as out:
+      process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=self.env(),
+        cwd=self.folder,
+        process_group=self._group,
+      )
+    self._processes.append(process)
+    return process
+
+  def _tool(self, name: str) -> str:
+    return os.path.join(os.path.dirname(sys.executable), name)
+
+  def _flwr(self, *args: str, timeout: float = START_TIMEOUT_S) -> str:
+    """Runs the `flwr` command line with `args` against this federation;
+    its output (raises `FederationError` when it fails)."""
+    done = subprocess.run(
+      [self._tool('flwr'), *args],
+      stdin=subprocess.DEVNULL,
+      capture_output=True,
+      text=True,
+      env=self.env(),
+      cwd=self.folder,
+      timeout=timeout,
+      process_group=self._group,
+    )
+    if done.returncode:
+      raise FederationError(
+        f'flwr {args[0]} {args[1] if len(args) > 1 else ""} failed '
+        f'({done.returncode}): {(done.stdout + done.stderr).strip()[-300:]}'
+      )
+    return done.stdout
+
+  # Start.
+
+  def start(self) -> Federation:
+    """Starts the watchdog, the SuperLink and the SuperNodes; returns once
+    the SuperLink answers and the nodes are started."""
+    for path in (self.home, self.logs, os.path.join(self.folder, 'tmp')):
+      os.makedirs(path, exist_ok=True)
+    try:
+      self._start_watchdog()
+      if not self.insecure:
+        self.credentials = credentials_lib.make(
+          os.path.join(self.folder, 'credentials'),
+          self.num_nodes,
+          (self.host,),
+        )
+      self.port = free_port(self.host)
+      self._write_cli_config()
+      self._start_superlink()
+      self._wait_for_superlink()
+      if not self.insecure:
+        for key in self.credentials.node_public_keys:
+          self._flwr('supernode', 'register', key, FEDERATION)
+      self.nodes = [self.start_node(i) for i in range(self.num_nodes)]
+    except BaseException:
+      self.stop()
+      raise
+    return self
+
+  def _start_watchdog(self) -> None:
+    process = subprocess.Popen(
+      [sys.executable, '-m', watchdog.__name__, str(os.getpid()), self.mark],
+      stdin=subprocess.DEVNULL,
+      # A group of its own in this session (others may join it), apart
+      # from the terminal's: Ctrl-C reaches the program alone, which
+      # then stops the group.
+      process_group=0,
+    )
+    self._group = process.pid
+    self._processes.append(process)
+
+  def _write_cli_config(self) -> None:
+    lines = [
+      '[superlink]',
+      f'default = "{FEDERATION}"',
+      f'[superlink.{FEDERATION}]',
+      f'address = "{self.address}"',
+    ]
+    if self.insecure:
+      lines.append('insecure = true')
+    else:
+      lines.append(
+        f'root-certificates = {_toml_value(self.credentials.ca_cert)}'
+      )
+    with open(os.path.join(self.home, 'config.toml'), 'w') as f:
+      f.write('\n'.join(lines) + '\n')
+
+  @property
+  def address(self) -> str:
+    """The SuperLink's `host:port`."""
+    return f'{self.host}:{self.port}'
+
+  def _tls_args(self) -> list[str]:
+    if self.insecure:
+      return options(insecure=True)
+    c = self.credentials
+    return options(
+      ssl_ca_certfile=c.ca_cert,
+      ssl_certfile=c.server_cert,
+      ssl_keyfile=c.server_key,
+      enable_supernode_auth=True,
+    )
+
+  def _start_superlink(self) -> None:
+    self.superlink = self._start(
+      'superlink',
+      [
+        self._tool('flower-superlink'),
+        *self._tls_args(),
+        *options(
+          disable_runtime_dependency_installation=True,
+          host=self.host,
+          port=self.port,
+        ),
+      ],
+    )
+
+  def _wait_for_superlink(self) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+      if self.superlink.poll() is not None:
+        raise FederationError(
+          f'the SuperLink ended at start ({self.superlink.returncode}); see '
+          f'{os.path.join(self.logs, "superlink.log")}'
+        )
+      try:
+        socket.create_connection((self.host, self.port), timeout=1).close()
+        return
+      except OSError:
+        time.sleep(0.25)
+    raise FederationError(f'the SuperLink did not start in {START_TIMEOUT_S} s')
+
+  def node_command(
+    self,
+    i: int,
+    *,
+    key: str | None = None,
+    root_certificates: str | None = None,
+  ) -> list[str]:
+    """SuperNode i's command line; `key`/`root_certificates` replace its
+    own key and the CA certificate (tests start impostors with them)."""
+    command = [self._tool('flower-supernode')] + options(
+      superlink=self.address,
+      node_config=config_pairs(self.node_config(i)),
+      port=free_port(),
+      max_retries=0,
+    )
+    if self.insecure:
+      return command + options(insecure=True)
+    c = self.credentials
+    return command + options(
+      root_certificates=root_certificates or c.ca_cert,
+      auth_supernode_private_key=key or c.node_keys[i],
+    )
+
+  def start_node(self, i: int, **kwargs) -> subprocess.Popen:
+    """Starts SuperNode i (again, after it ended: it rejoins)."""
+    return self._start(f'supernode{i}', self.node_command(i, **kwargs))
+
+  def online_nodes(self) -> int:
+    """SuperNodes the SuperLink lists as online."""
+    out = self._flwr('supernode', 'list', FEDERATION, *options(format='json'))
+    return sum(
+      1 for n in json.loads(out).get('nodes', []) if n.get('status') == 'online'
+    )
+
+  # Run and stop.
+
+  def run(
+    self,
+    app_dir: str,
+    run_config: Mapping[str, object],
+    echo: Callable[[str], None] | None = None,
+  ) -> None:
+    """Submits the Flower App in `app_dir` with `run_config` and waits
+    until the run ends; its output goes to `logs/run.log`, and the App's
+    own lines (not Flower's log lines) to `echo` as well.
+
+    Raises:
+      FederationError: the run could not be submitted.
+    """
+    command = [self._tool('flwr'), 'run', app_dir, FEDERATION]
+    command += options(stream=True, run_config=config_pairs(run_config))
+    with open(os.path.join(self.logs, 'run.log'), 'a') as out:
+      process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=self.env(),
+        cwd=self.folder,
+        process_group=self._group,
+      )
+      self._processes.append(process)
+      for line in process.stdout:
+        out.write(line)
+        out.flush()
+        if echo is not None and _own_line(line):
+          echo(line.rstrip('\n'))
+      code = process.wait()
+    if code:
+      raise FederationError(
+        f'flwr run failed ({code}); see {os.path.join(self.logs, "run.log")}'
+      )
+
+  def stop(self) -> None:
+    """Stops every process of the federation (SIGTERM, then SIGKILL)."""
+    if self._group is not None:
+      watchdog.stop_group(self._group, self.mark)
+      self._group = None
+    for process in self._processes:
+      try:
+        process.wait(timeout=5)
+      except subprocess.TimeoutExpired:
+        process.kill()
+    self._processes = []
+
+  def __enter__(self) -> Federation:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()

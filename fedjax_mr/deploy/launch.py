@@ -1,0 +1,150 @@
+"""One federated run on a local Flower federation: `run(config, nodes)`.
+
+Checks the config and the workdir (nothing is written before a run can
+start), then starts a SuperLink and `nodes` SuperNodes on this machine
+(`federation.Federation`, files in `<workdir>/flower`), submits the Flower
+App (`apps.py`) and waits for it: the ServerApp runs `experiments.run`'s
+host loop over the federation and writes the same workdir (metrics, clients
+rows, checkpoints, provenance; a workdir with a checkpoint resumes). Every
+process is stopped when the run ends, fails or is interrupted, and when
+the calling process is killed (the federation's watchdog).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Callable
+
+from fedjax_mr.core import errors
+from fedjax_mr.core import workdir as workdir_lib
+from fedjax_mr.deploy import adapter
+from fedjax_mr.deploy import federation
+
+FOLDER = 'flower'  # the federation's files, inside the workdir
+RESULT = 'result.json'
+
+_APP = """\
+[build-system]
+requires = ["hatchling"]
+build-backend = "hatchling.build"
+
+[project]
+name = "fedjax-mr-deploy"
+version = "1.0.0"
+description = "fedjax_mr's algorithms on a Flower federation"
+license = "Apache-2.0"
+dependencies = []
+
+[tool.flwr.app]
+publisher = "fedjax-mr"
+
+[tool.flwr.app.components]
+serverapp = "fedjax_mr.deploy.apps:server_app"
+clientapp = "fedjax_mr.deploy.apps:client_app"
+
+[tool.flwr.app.config]
+spec = ""
+workdir = ""
+result = ""
+num-nodes = 1
+round-timeout = 0.0
+"""
+
+INSECURE_WARNING = (
+  'warning: an insecure federation: no TLS and no node authentication; '
+  'anyone who reaches {address} can join it and read the models'
+)
+
+
+def write_app(folder: str) -> str:
+  """Writes the Flower App's pyproject.toml into `folder`; the folder."""
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, 'pyproject.toml'), 'w') as f:
+    f.write(_APP)
+  return folder
+
+
+def run(
+  config: adapter.Config,
+  nodes: int,
+  *,
+  round_timeout: float = 0.0,
+  insecure: bool = False,
+  host: str = '127.0.0.1',
+  log: Callable[[str], None] = print,
+) -> str:
+  """Runs (or resumes) `config` on a local federation of `nodes` nodes;
+  returns the workdir.
+
+  Args:
+    config: the run (`experiments.run`'s flags).
+    nodes: SuperNodes (node i serves clients i, i + nodes, …).
+    round_timeout: seconds a round waits for replies (0: no deadline);
+      clients without a reply by then count as failed.
+    insecure: no TLS and no node authentication (a warning is logged).
+    host: the address the SuperLink listens on.
+    log: where progress lines go.
+
+  Raises:
+    UserError: a bad argument or config field (named), the workdir, or
+      the run's own failure (one line).
+  """
+  if nodes < 1:
+    raise errors.ConfigError(f'`nodes={nodes}` must be >= 1')
+  if not math.isfinite(round_timeout) or round_timeout < 0:
+    raise errors.ConfigError(
+      f'`round_timeout={round_timeout}` must be finite and >= 0 (0: none)'
+    )
+  workdir = adapter.check(config)
+  folder = os.path.join(os.path.abspath(workdir), FOLDER)
+  with workdir_lib.acquire(folder, 'workdir'):
+    spec = os.path.dirname(
+      adapter.write_config(config, os.path.join(folder, 'spec'))
+    )
+    app = write_app(os.path.join(folder, 'app'))
+    result = os.path.join(folder, RESULT)
+    if os.path.exists(result):
+      os.remove(result)
+    fed = federation.Federation(
+      folder,
+      nodes,
+      lambda i: {
+        'node-index': i,
+        'num-nodes': nodes,
+        'spec': spec,
+        'state': os.path.join(folder, 'nodes', f'node{i}'),
+      },
+      host=host,
+      insecure=insecure,
+    )
+    if insecure:
+      log(INSECURE_WARNING.format(address=host))
+    with fed:
+      log(f'federation: a SuperLink on {fed.address}, {nodes} SuperNodes')
+      fed.run(
+        app,
+        {
+          'spec': spec,
+          'workdir': os.path.abspath(workdir),
+          'result': result,
+          'num-nodes': nodes,
+          'round-timeout': float(round_timeout),
+        },
+        echo=log,
+      )
+    _check_result(result, fed)
+  return workdir
+
+
+def _check_result(path: str, fed: federation.Federation) -> None:
+  try:
+    with open(path) as f:
+      result = json.load(f)
+  except (OSError, ValueError):
+    raise errors.UserError(
+      f'the run ended without a result; see {os.path.join(fed.logs, "run.log")}'
+    ) from None
+  if 'error' in result:
+    raise errors.UserError(str(result['error']))

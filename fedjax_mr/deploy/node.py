@@ -1,0 +1,222 @@
+"""The node side of a deployed round: one client's update, checked in and
+out.
+
+A request (`request_content`) holds the dispatch's shared part, the
+client's row of its per-client part, the client's key and, as config, its
+id and the round. The node rebuilds the run's experiment from its config
+(the same `setup` as `experiments.run`: its data, partition, model and
+algorithm), decodes the request against the algorithm's dispatch shapes,
+runs `algorithm.client_update` jit-compiled on its own copy of the data
+and replies the `ClientOutput` (`train`). The server decodes the reply
+against the output's shape (`read_reply`).
+
+Per-client state (SCAFFOLD's control variate c_i) lives on the node that
+serves the client, as in a real deployment: after round r it writes the
+client's new state to `<state>/client<c>.round<r>.npz` (`np.savez`, read
+back with `allow_pickle=False` and checked against the algorithm's state
+shapes), and a request of round r reads the newest file of an earlier
+round. So a server that resumes from the checkpoint of round R, after a
+crash or a SIGKILL, and asks again for round R + 1 gets every node's
+state of round R: files of rounds after it are never read, and are
+overwritten as the rounds are trained again.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flwr.app import ConfigRecord
+from flwr.app import RecordDict
+
+from fedjax_mr.core import files
+from fedjax_mr.core import types
+from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.deploy import codec
+from fedjax_mr.training import engine
+from fedjax_mr.training import host_round
+
+
+class RequestError(ValueError):
+  """A request this node cannot serve (not its client, a malformed
+  model); the message says which."""
+
+
+def client_view(data: Any, client: int) -> Any:
+  """What client `client`'s update reads: `data`, or for a training set
+  kept on the host (`host_round.HostData`) the view of that client alone, as
+  the engine's round gathers it (the same examples)."""
+  if isinstance(data, host_round.HostData):
+    return client_data_lib.gather_round(
+      data.data, np.asarray([client]), data.capacity
+    )
+  return data
+
+
+def _client_state_row(state: engine.RoundState) -> Any:
+  if not engine.has_clients(state):
+    return ()
+  return jax.tree.map(lambda x: np.zeros(x.shape[1:], x.dtype), state.clients)
+
+
+def _state_file(folder: str, client: int, r: int) -> str:
+  return os.path.join(folder, f'client{client}.round{r}.npz')
+
+
+def load_client_state(folder: str, client: int, r: int, template: Any) -> Any:
+  """Client `client`'s state for round `r` (0-based): the newest file of
+  a round before `r` in `folder`, else `template` (the initial state).
+
+  Raises:
+    RequestError: a file that does not hold `template`'s leaves.
+  """
+  pattern = re.compile(rf'client{client}\.round(\d+)\.npz')
+  rounds = []
+  if os.path.isdir(folder):
+    for name in os.listdir(folder):
+      found = pattern.fullmatch(name)
+      if found and int(found.group(1)) < r:
+        rounds.append(int(found.group(1)))
+  if not rounds:
+    return template
+  path = _state_file(folder, client, max(rounds))
+  leaves, treedef = jax.tree.flatten(template)
+  with np.load(path, allow_pickle=False) as saved:
+    values = [saved[f'arr_{i}'] for i in range(len(saved.files))]
+  if len(values) != len(leaves) or any(
+    v.shape != np.shape(t) or v.dtype != np.asarray(t).dtype
+    for v, t in zip(values, leaves)
+  ):
+    raise RequestError(f'{path} does not hold the client state it should')
+  return jax.tree.unflatten(treedef, values)
+
+
+def save_client_state(folder: str, client: int, r: int, state: Any) -> None:
+  """Writes client `client`'s state after round `r` (atomically)."""
+  os.makedirs(folder, exist_ok=True)
+  leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
+  files.write_atomic(
+    _state_file(folder, client, r),
+    lambda f: np.savez(f, *leaves),
+    binary=True,
+  )
+
+
+def _initial_row(state: engine.RoundState) -> Any:
+  """The initial per-client state (every row of `init_state`'s is it)."""
+  return jax.tree.map(lambda x: np.array(x[0]), state.clients)
+
+
+def output_shape(experiment: Any, sent: types.Dispatch, state: Any) -> Any:
+  """The shape of one client's `ClientOutput` for dispatch `sent` (a tree
+  of `jax.ShapeDtypeStruct`)."""
+  row = jax.tree.map(lambda x: x[0], sent.per_client)
+  out, _ = jax.eval_shape(
+    experiment.algorithm.client_update,
+    sent.shared,
+    row,
+    _client_state_row(state),
+    client_view(experiment.data, 0),
+    jnp.int32(0),
+    jax.random.key(0),
+  )
+  return out
+
+
+def request_content(
+  sent: types.Dispatch, position: int, client: int, key: jax.Array, r: int
+) -> RecordDict:
+  """Request k of a round: the shared part, row `position` of the
+  per-client part, the client's key (its data) and its id and round."""
+  row = jax.tree.map(lambda x: x[position], sent.per_client)
+  return RecordDict(
+    {
+      'shared': codec.encode(sent.shared),
+      'row': codec.encode(row),
+      'key': codec.encode(jax.random.key_data(key)),
+      'meta': ConfigRecord({'client': int(client), 'round': int(r)}),
+    }
+  )
+
+
+def read_reply(reply: RecordDict, template: Any) -> types.ClientOutput:
+  """The `ClientOutput` a reply holds, checked against `template`.
+
+  Raises:
+    codec.ReplyError: it holds no output, or not one of `template`'s
+      tree, shapes and dtypes, or too large, or non-finite.
+  """
+  if not isinstance(reply, RecordDict) or 'output' not in reply:
+    raise codec.ReplyError('reply holds no output record')
+  return codec.decode(reply['output'], template)
+
+
+def _dispatch_shape(experiment: Any) -> types.Dispatch:
+  k = experiment.config.server.clients_per_round
+  return jax.eval_shape(
+    experiment.algorithm.dispatch,
+    experiment.state.server,
+    jnp.zeros((k,), jnp.int32),
+    jnp.int32(0),
+    jax.random.key(0),
+  )
+
+
+def train(
+  experiment: Any,
+  content: RecordDict,
+  node: int,
+  num_nodes: int,
+  state_folder: str | None = None,
+) -> RecordDict:
+  """Serves one request on node `node` of `num_nodes`: decodes it against
+  the algorithm's dispatch, runs the client's update and returns the
+  reply. An algorithm's per-client state is read from and written to
+  `state_folder` (see the module docstring).
+
+  Raises:
+    RequestError: the client is not this node's, or the request does not
+      match the dispatch (its message names the part).
+  """
+  meta = content['meta']
+  client, r = int(meta['client']), int(meta['round'])
+  if not 0 <= client < len(experiment.client_sizes):
+    raise RequestError(f'client {client} does not exist')
+  if client % num_nodes != node:
+    raise RequestError(f'client {client} is not served by node {node}')
+  shape = _dispatch_shape(experiment)
+  row_shape = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shape.per_client
+  )
+  key_shape = jax.eval_shape(jax.random.key_data, jax.random.key(0))
+  try:
+    shared = codec.decode(content['shared'], shape.shared)
+    row = codec.decode(content['row'], row_shape)
+    key_data = codec.decode(content['key'], key_shape)
+  except codec.ReplyError as e:
+    raise RequestError(f'request of round {r + 1}: {e}') from None
+  client_state = _client_state_row(experiment.state)
+  if engine.has_clients(experiment.state):
+    if state_folder is None:
+      raise RequestError(
+        'a node of an algorithm with client state needs a state folder'
+      )
+    client_state = load_client_state(
+      state_folder, client, r, _initial_row(experiment.state)
+    )
+  update = jax.jit(experiment.algorithm.client_update)
+  output, new_state = update(
+    shared,
+    row,
+    client_state,
+    client_view(experiment.data, client),
+    jnp.int32(client),
+    jax.random.wrap_key_data(key_data),
+  )
+  if engine.has_clients(experiment.state):
+    save_client_state(state_folder, client, r, new_state)
+  return RecordDict({'output': codec.encode(output)})

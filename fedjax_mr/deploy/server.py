@@ -1,0 +1,282 @@
+"""The server side of a deployed round: the engine's round with its
+clients on other machines.
+
+`make_round(experiment, chunk, transport)` returns `step(state, data,
+key) -> (state, metrics)`, the round `experiments.run`'s host loop calls
+(`adapter.train_and_evaluate`), computed with the algorithm's own pure
+functions and the engine's keys, in the engine's order:
+
+1. `engine.make_sample_fn`: the K ids; `engine.round_keys`: the dispatch,
+   client and aggregation keys, client k's key row k of
+   `split(k_clients, K)`;
+2. `algorithm.dispatch`; request k holds the shared part, row k of the
+   per-client part, the client's id and key, and goes to the node that
+   serves the client (`node_of`);
+3. each reply is decoded against the `ClientOutput` that the client's
+   update returns (`codec.decode`: tree, shapes, dtypes, size, finite
+   values) before anything reads it; a refused reply is logged and its
+   client counted as failed;
+4. an algorithm with a `contribution` is summed in the simulation's
+   order: groups of `chunk` clients in sampled order, each group's rows
+   added one after another and then to the running sum (the engine's
+   `stream_clients` on one device). A reply that arrives early waits
+   until its group is complete; the server holds the running sum and
+   those replies, never K models. A failed client adds nothing (as the
+   engine's masked clients). Other algorithms (the FedMR family) need
+   the K models: a failed client's slot holds the model it was sent, as
+   if it trained zero steps on zero examples (so the round completes,
+   and its loss and examples count for nothing);
+5. `algorithm.aggregate` (`types.aggregate_stacked` for stacked
+   outputs), then `engine.round_metrics`, plus `failed_clients` (ids, in
+   sampled order) when any failed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+from typing import Callable
+from typing import Iterator
+from typing import NamedTuple
+from typing import Protocol
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_mr.core import types
+from fedjax_mr.deploy import codec
+from fedjax_mr.deploy import node as node_lib
+from fedjax_mr.training import engine
+from fedjax_mr.training import host_round
+
+
+class Request(NamedTuple):
+  """One client's work of a round.
+
+  Attributes:
+    position: k, the client's place in the sampled order.
+    client: its id.
+    node: the index of the node that serves it.
+    content: what is sent (`node.request_content`).
+  """
+
+  position: int
+  client: int
+  node: int
+  content: Any
+
+
+class Transport(Protocol):
+  """How requests reach nodes and replies come back (Flower's grid in a
+  deployment, a function in tests)."""
+
+  def exchange(
+    self, requests: Sequence[Request], timeout: float | None
+  ) -> Iterator[tuple[int, Any]]:
+    """Sends `requests`; yields `(position, reply)` as replies arrive, and
+    `(position, None)` for each request without a reply after `timeout`
+    seconds (None: no deadline) or whose node failed."""
+
+
+class NoClientError(RuntimeError):
+  """No client of a round replied: there is nothing to aggregate."""
+
+
+def node_of(client: int, num_nodes: int) -> int:
+  """The node that serves `client`: node i serves clients i, i + N, …"""
+  return int(client) % num_nodes
+
+
+def _add(a: Any, b: Any) -> Any:
+  return jax.tree.map(jnp.add, a, b)
+
+
+def _zeros_like(tree: Any) -> Any:
+  return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), tree)
+
+
+class _Summer:
+  """The running sum of contributions in the simulation's order (see the
+  module docstring, step 4)."""
+
+  def __init__(self, contribution, template, k: int, chunk: int):
+    self.contribution = jax.jit(contribution)
+    self.zeros = _zeros_like(jax.eval_shape(contribution, template))
+    self.total = jax.tree.map(jnp.asarray, self.zeros)
+    self.k, self.chunk = k, max(1, min(int(chunk), k))
+    self.waiting: dict[int, Any] = {}  # position -> contribution or None
+    self.next = 0  # the first position not yet added
+
+  def put(self, position: int, output: Any | None) -> None:
+    """Client `position`'s output (None: it failed); adds every group
+    that is complete."""
+    self.waiting[position] = (
+      None if output is None else self.contribution(output)
+    )
+    while self.next < self.k:
+      group = range(self.next, min(self.next + self.chunk, self.k))
+      if any(p not in self.waiting for p in group):
+        return
+      parts = [self.waiting.pop(p) for p in group]
+      parts = [self.zeros if p is None else p for p in parts]
+      part = functools.reduce(_add_jit, parts[1:], parts[0])
+      self.total = _add_jit(self.total, part)
+      self.next = group.stop
+
+
+_add_jit = jax.jit(_add)
+
+
+def _stack(outputs: list[Any]) -> Any:
+  return jax.tree.map(
+    lambda *xs: np.stack([np.asarray(x) for x in xs]), *outputs
+  )
+
+
+def make_round(
+  experiment: Any,
+  chunk: int,
+  transport: Transport,
+  num_nodes: int,
+  *,
+  timeout: float | None = None,
+  log: Callable[[str], None] = print,
+) -> Callable:
+  """The deployed round of `experiment` (see the module docstring);
+  `chunk` is the simulation's `client_chunk` on one device (the order of
+  the sums)."""
+  algorithm = experiment.algorithm
+  k = experiment.config.server.clients_per_round
+  sample = jax.jit(engine.make_sample_fn(algorithm, k))
+  dispatch = jax.jit(algorithm.dispatch)
+  keys_of = jax.jit(engine.round_keys)
+  split = jax.jit(lambda key: jax.random.split(key, k))
+  summed = algorithm.contribution is not None
+  aggregate = jax.jit(
+    algorithm.aggregate
+    if summed
+    else functools.partial(types.aggregate_stacked, algorithm)
+  )
+  metrics_of = jax.jit(engine.round_metrics)
+
+  def step(state, data, key):
+    device_state = state.replace(clients=())
+    ids = sample(device_state, host_round.round_data(data), key)
+    _, k_dispatch, k_clients, k_aggregate = keys_of(key, state.round)
+    sent = dispatch(state.server, ids, state.round, k_dispatch)
+    client_keys = split(k_clients)
+    at = [int(i) for i in np.asarray(jax.device_get(ids))]
+    r = int(jax.device_get(state.round))
+    template = node_lib.output_shape(experiment, sent, state)
+    requests = [
+      Request(
+        p,
+        c,
+        node_of(c, num_nodes),
+        node_lib.request_content(sent, p, c, client_keys[p], r),
+      )
+      for p, c in enumerate(at)
+    ]
+    if summed:
+      outputs, failed = _collect_sums(
+        transport, requests, template, timeout, log, r, algorithm, chunk
+      )
+    else:
+      stacked, failed = _collect(transport, requests, template, timeout, log, r)
+      outputs = _stacked_outputs(algorithm, sent, stacked, template)
+    server_state, server_metrics = aggregate(
+      state.server, outputs, ids, state.round, k_aggregate
+    )
+    metrics = {**metrics_of(outputs, ids), **server_metrics}
+    if failed:
+      metrics['failed_clients'] = np.asarray(failed, np.int32)
+    new_state = state.replace(round=state.round + 1, server=server_state)
+    return new_state, metrics
+
+  return step
+
+
+def _replies(
+  transport: Transport,
+  requests: Sequence[Request],
+  template: Any,
+  timeout: float | None,
+  log: Callable[[str], None],
+  round_index: int,
+) -> Iterator[tuple[int, Any | None]]:
+  """`(position, checked output or None)` as replies arrive."""
+  for position, reply in transport.exchange(requests, timeout):
+    client = requests[position].client
+    if reply is None:
+      log(f'round {round_index + 1}: client {client} failed (no reply)')
+      yield position, None
+      continue
+    try:
+      yield position, node_lib.read_reply(reply, template)
+    except codec.ReplyError as e:
+      log(f'round {round_index + 1}: client {client} refused: {e}')
+      yield position, None
+
+
+def _collect_sums(
+  transport, requests, template, timeout, log, round_index, algorithm, chunk
+) -> tuple[types.Sums, list[int]]:
+  k = len(requests)
+  summer = _Summer(algorithm.contribution, template, k, chunk)
+  scalars = {
+    'num_examples': np.zeros(k, np.int32),
+    'loss': np.zeros(k, np.float32),
+    'num_steps': np.zeros(k, np.int32),
+  }
+  failed = []
+  for position, output in _replies(
+    transport, requests, template, timeout, log, round_index
+  ):
+    summer.put(position, output)
+    if output is None:
+      failed.append(position)
+      continue
+    for name in scalars:
+      scalars[name][position] = np.asarray(getattr(output, name))
+  if len(failed) == k:
+    raise NoClientError(f'no client replied in round {round_index + 1}')
+  sums = types.Sums(summer.total, **scalars)
+  return sums, [requests[p].client for p in sorted(failed)]
+
+
+def _collect(
+  transport, requests, template, timeout, log, round_index
+) -> tuple[list[Any], list[int]]:
+  outputs: list[Any] = [None] * len(requests)
+  for position, output in _replies(
+    transport, requests, template, timeout, log, round_index
+  ):
+    outputs[position] = output
+  failed = [r.client for r, o in zip(requests, outputs) if o is None]
+  if len(failed) == len(requests):
+    raise NoClientError(f'no client replied in round {round_index + 1}')
+  return outputs, failed
+
+
+def _stacked_outputs(algorithm, sent, outputs, template) -> Any:
+  """The K outputs stacked; a failed client's slot holds the model it was
+  sent, zero examples, steps and loss, and zero extra uploads."""
+  filled = []
+  for p, output in enumerate(outputs):
+    if output is None:
+      row = jax.tree.map(lambda x: x[p], sent.per_client)
+      model = (
+        row
+        if algorithm.client_model is None
+        else algorithm.client_model(sent.shared, row)
+      )
+      zeros = _zeros_like(template)
+      output = zeros._replace(
+        variables=jax.tree.map(
+          lambda m, z: np.asarray(m, z.dtype), model, zeros.variables
+        )
+      )
+    filled.append(output)
+  return _stack(filled)

@@ -1,0 +1,107 @@
+"""Stops a federation's processes when the program that started them ends.
+
+`python -m fedjax_mr.deploy.watchdog PARENT_PID MARK` is started first,
+as the leader of a new process group; every process of the federation
+joins that group, and carries `MARK` in its environment (`MARK_VARIABLE`),
+which its children inherit: Flower's SuperLink starts its SuperExec (and
+so the ServerApp) in a session of its own, outside the group, so the
+mark is what finds them. The watchdog polls its parent: when the parent
+is gone (it ended, or was killed with SIGKILL, which no handler sees), it
+sends the group and every marked process SIGTERM, then SIGKILL after a
+grace period. A program that ends normally stops them itself
+(`federation.Federation.stop`). Host-only: never imports jax or flwr, so
+it starts at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+POLL_S = 0.5
+GRACE_S = 10.0
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  # A parent that ended but was not reaped still answers; its children
+  # were then re-parented, ours included.
+  return os.getppid() == pid
+
+
+MARK_VARIABLE = 'FEDJAX_MR_FEDERATION'
+
+
+def _signal(pgid: int, mark: str | None, signum: int) -> None:
+  # The members one by one first: the group's signal may end the caller
+  # (the watchdog, when it is SIGKILL).
+  for pid in _members(pgid, mark):
+    try:
+      os.kill(pid, signum)
+    except ProcessLookupError:
+      pass
+  try:
+    os.killpg(pgid, signum)
+  except ProcessLookupError:
+    pass
+
+
+def stop_group(
+  pgid: int, mark: str | None = None, grace_s: float = GRACE_S
+) -> None:
+  """SIGTERM to process group `pgid` and the processes marked `mark`,
+  SIGKILL to what is left after `grace_s` seconds (the caller, if one of
+  them, and the group's leader, the watchdog, ignore the SIGTERM)."""
+  _signal(pgid, mark, signal.SIGTERM)
+  deadline = time.monotonic() + grace_s
+  while time.monotonic() < deadline and _members(pgid, mark):
+    time.sleep(0.1)
+  _signal(pgid, mark, signal.SIGKILL)
+
+
+def _members(pgid: int, mark: str | None) -> list[int]:
+  """The live processes of group `pgid` or marked `mark`, but this one
+  and the group's leader (the watchdog: it goes with the last SIGKILL)."""
+  me = os.getpid()
+  marked = None if mark is None else f'{MARK_VARIABLE}={mark}'.encode()
+  found = []
+  for entry in os.listdir('/proc'):
+    if not entry.isdigit() or int(entry) in (me, pgid):
+      continue
+    try:
+      with open(f'/proc/{entry}/stat', 'rb') as f:
+        fields = f.read().rsplit(b')', 1)[1].split()
+      # Fields after the name: state, ppid, pgrp; zombies are gone.
+      if fields[0] == b'Z':
+        continue
+      if int(fields[2]) == pgid:
+        found.append(int(entry))
+        continue
+      if marked is not None:
+        with open(f'/proc/{entry}/environ', 'rb') as f:
+          if marked in f.read().split(b'\0'):
+            found.append(int(entry))
+    except (OSError, IndexError, ValueError):
+      continue
+  return found
+
+
+def main(argv: list[str]) -> int:
+  parent, mark = int(argv[1]), argv[2]
+  signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  while _alive(parent):
+    time.sleep(POLL_S)
+  stop_group(os.getpgid(0), mark)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main(sys.argv))

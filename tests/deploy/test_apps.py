@@ -1,0 +1,114 @@
+"""The ServerApp's transport over a grid: replies as they come, failures,
+a node that comes back under a new id (a fake grid: no processes)."""
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+from flwr.app import ConfigRecord
+from flwr.app import RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedjax_mr.deploy import apps
+from fedjax_mr.deploy import server
+
+
+@pytest.fixture(autouse=True)
+def a_run():
+  # Flower 1.42 builds a message only inside a run (a ServerApp process
+  # has its run's and its own node's ids); as one here.
+  TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+  yield
+  TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+
+
+class FakeGrid:
+  """Nodes `{id: index}` of a federation of `num_nodes`; `train` replies
+  echo the request, in the order `pull_order` gives; `dead` ids answer
+  with an error."""
+
+  def __init__(self, nodes, num_nodes, dead=()):
+    self.nodes = dict(nodes)
+    self.num_nodes = num_nodes
+    self.dead = set(dead)
+    self.sent = {}
+    self.ids = (f'm{i}' for i in itertools.count())
+    self.pulls = 0
+
+  def get_node_ids(self):
+    return list(self.nodes)
+
+  def push_messages(self, messages):
+    out = []
+    for m in messages:
+      mid = next(self.ids)
+      self.sent[mid] = m
+      out.append(mid)
+    return out
+
+  def pull_messages(self, ids):
+    self.pulls += 1
+    ids = list(ids)
+    # One reply per pull, the last asked first: out of order.
+    if not ids:
+      return []
+    mid = ids[-1]
+    m = self.sent[mid]
+    dst = m.metadata.dst_node_id
+    error = dst in self.dead or dst not in self.nodes
+    if m.metadata.message_type == apps.QUERY:
+      content = RecordDict(
+        {
+          'node': ConfigRecord(
+            {'index': self.nodes.get(dst, -1), 'num-nodes': self.num_nodes}
+          )
+        }
+      )
+    else:
+      content = m.content
+    return [
+      SimpleNamespace(
+        metadata=SimpleNamespace(reply_to_message_id=mid, src_node_id=dst),
+        has_error=lambda error=error: error,
+        content=content,
+      )
+    ]
+
+
+def _requests(n):
+  return [
+    server.Request(p, p, p % 2, RecordDict({'c': ConfigRecord({'p': p})}))
+    for p in range(n)
+  ]
+
+
+def test_replies_come_as_they_arrive_with_their_positions():
+  grid = FakeGrid({11: 0, 22: 1}, 2)
+  transport = apps.GridTransport(grid, apps.discover(grid, 2, 10))
+  assert transport.node_ids == {0: 11, 1: 22}
+  got = list(transport.exchange(_requests(4), None))
+  assert [p for p, _ in got] == [3, 2, 1, 0]
+  assert all(reply['c']['p'] == p for p, reply in got)
+
+
+def test_a_dead_node_fails_its_requests():
+  grid = FakeGrid({11: 0, 22: 1}, 2, dead={22})
+  transport = apps.GridTransport(grid, {0: 11, 1: 22})
+  got = dict(transport.exchange(_requests(4), None))
+  assert [p for p in sorted(got) if got[p] is None] == [1, 3]
+
+
+def test_a_node_back_under_a_new_id_is_asked_its_index():
+  grid = FakeGrid({11: 0, 33: 1}, 2)  # node 1 was 22, now 33
+  transport = apps.GridTransport(grid, {0: 11, 1: 22})
+  got = dict(transport.exchange(_requests(2), None))
+  assert transport.node_ids == {0: 11, 1: 33}
+  assert all(reply is not None for reply in got.values())
+
+
+def test_a_deadline_fails_the_requests_without_a_reply():
+  grid = FakeGrid({11: 0, 22: 1}, 2)
+  grid.pull_messages = lambda ids: []
+  transport = apps.GridTransport(grid, {0: 11, 1: 22})
+  got = list(transport.exchange(_requests(2), 0.2))
+  assert sorted(got, key=lambda x: x[0]) == [(0, None), (1, None)]

@@ -1,0 +1,238 @@
+"""The deployed round against the engine's, in one process: the nodes'
+work through `node.train`, replies in any order, failures and malformed
+replies (no Flower here; tests/deploy/test_deploy_program.py runs it)."""
+
+import jax
+import numpy as np
+import pytest
+from flwr.app import Array
+from flwr.app import ArrayRecord
+from flwr.app import RecordDict
+
+from fedjax_mr.core import types
+from fedjax_mr.deploy import adapter
+from fedjax_mr.deploy import codec
+from fedjax_mr.deploy import node
+from fedjax_mr.deploy import server
+from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import records
+from fedjax_mr.training import engine
+
+NODES = 2
+
+# Whole rounds through the engine and the deployed round (over 1.5 s).
+pytestmark = pytest.mark.slow
+
+
+def _experiment(algorithm):
+  return adapter.setup(
+    config_lib.ExperimentConfig.from_flat(
+      algorithm=algorithm,
+      dataset='synthetic',
+      model='logistic',
+      num_clients=6,
+      clients_per_round=3,
+      local_epochs=1,
+      client_chunk=1,
+      num_devices=1,
+      seed=5,
+    )
+  )
+
+
+class Local:
+  """The nodes in this process; replies in reverse order, some changed
+  by `tamper(position, reply) -> reply or None` (None: no reply)."""
+
+  def __init__(self, experiment, tamper=None):
+    self.experiment = experiment
+    self.tamper = tamper or (lambda p, reply: reply)
+
+  def exchange(self, requests, timeout):
+    for r in reversed(requests):
+      reply = node.train(self.experiment, r.content, r.node, NODES)
+      yield r.position, self.tamper(r.position, reply)
+
+
+def _simulated(experiment):
+  step = jax.jit(
+    engine.make_round_fn(
+      experiment.algorithm, clients_per_round=3, client_chunk=1
+    )
+  )
+  return step(experiment.state, experiment.data, experiment.key)
+
+
+def _deployed(experiment, tamper=None, log=None):
+  step = server.make_round(
+    experiment, 1, Local(experiment, tamper), NODES, log=log or print
+  )
+  return step(experiment.state, experiment.data, experiment.key)
+
+
+def _assert_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope='module', params=['fedavg', 'fedmr'])
+def experiment(request):
+  return _experiment(request.param)
+
+
+@pytest.fixture(scope='module')
+def simulated(experiment):
+  return _simulated(experiment)
+
+
+def test_a_round_equals_the_engines_bit_for_bit(experiment, simulated):
+  state, metrics = _deployed(experiment)
+  want_state, want_metrics = simulated
+  assert int(state.round) == 1
+  _assert_equal(state.server, want_state.server)
+  assert sorted(metrics) == sorted(want_metrics)
+  _assert_equal(
+    [metrics[k] for k in sorted(metrics)],
+    [want_metrics[k] for k in sorted(metrics)],
+  )
+
+
+def _nan(reply):
+  record = reply['output']
+  out = ArrayRecord()
+  for k in record:
+    value = record[k].numpy()
+    if 'kernel' in k:
+      value = value.copy()
+      value.flat[0] = np.nan
+    out[k] = Array(value)
+  return RecordDict({'output': out})
+
+
+def _wrong_tree(reply):
+  return RecordDict({'output': codec.encode({'w': np.zeros(3, np.float32)})})
+
+
+@pytest.mark.parametrize(
+  'change, says',
+  [
+    (lambda reply: None, 'failed (no reply)'),
+    (_nan, 'non-finite'),
+    (_wrong_tree, 'refused: record does not hold the expected tree'),
+  ],
+)
+def test_a_failed_or_malformed_reply_is_left_out_and_named(
+  experiment, simulated, change, says
+):
+  lines = []
+  state, metrics = _deployed(
+    experiment,
+    lambda p, reply: change(reply) if p == 1 else reply,
+    lines.append,
+  )
+  ids = [int(i) for i in metrics['client_ids']]
+  assert [int(i) for i in metrics['failed_clients']] == [ids[1]]
+  assert int(metrics['client_examples'][1]) == 0
+  assert int(metrics['client_steps'][1]) == 0
+  assert len(lines) == 1 and f'client {ids[1]}' in lines[0]
+  # The records: the metrics row names it, the clients row marks it.
+  row, clients_row = records.round_rows(1, jax.device_get(metrics))
+  assert row['failed_clients'] == [ids[1]]
+  assert [c.get('failed', False) for c in clients_row['clients']] == [
+    False,
+    True,
+    False,
+  ]
+  assert says in lines[0]
+  # What the round aggregated: the two replies that arrived, and for
+  # algorithms that need every model, the model client 1 was sent.
+  _, full = simulated
+  assert int(metrics['num_examples']) == int(full['num_examples']) - int(
+    full['client_examples'][1]
+  )
+  assert np.all(np.isfinite(np.asarray(jax.tree.leaves(state.server)[0])))
+
+
+def test_no_reply_at_all_is_an_error(experiment):
+  with pytest.raises(server.NoClientError, match='no client replied'):
+    _deployed(experiment, lambda p, reply: None, lambda line: None)
+
+
+def test_node_refuses_a_client_it_does_not_serve(experiment):
+  sent = engine.next_dispatch(
+    experiment.algorithm,
+    experiment.state,
+    experiment.data,
+    experiment.key,
+    3,
+  )
+  content = node.request_content(sent, 0, 1, jax.random.key(0), 0)
+  with pytest.raises(node.RequestError, match='not served by node 0'):
+    node.train(experiment, content, 0, NODES)
+
+
+def test_node_refuses_a_request_of_another_shape(experiment):
+  sent = engine.next_dispatch(
+    experiment.algorithm,
+    experiment.state,
+    experiment.data,
+    experiment.key,
+    3,
+  )
+  bad = types.Dispatch(
+    jax.tree.map(lambda x: np.zeros((2,), np.float32), sent.shared),
+    sent.per_client,
+  )
+  if not jax.tree.leaves(sent.shared):
+    bad = types.Dispatch(
+      sent.shared, jax.tree.map(lambda x: x[:, :1], sent.per_client)
+    )
+  content = node.request_content(bad, 0, 0, jax.random.key(0), 0)
+  with pytest.raises(node.RequestError, match='request of round 1'):
+    node.train(experiment, content, 0, NODES)
+
+
+class LocalWithState(Local):
+  """`Local`, the nodes keeping their clients' state in `folder`."""
+
+  def __init__(self, experiment, folder):
+    super().__init__(experiment)
+    self.folder = folder
+
+  def exchange(self, requests, timeout):
+    for r in reversed(requests):
+      folder = f'{self.folder}/node{r.node}'
+      reply = node.train(self.experiment, r.content, r.node, NODES, folder)
+      yield r.position, reply
+
+
+def test_scaffold_control_variates_live_on_the_nodes(tmp_path):
+  experiment = _experiment('scaffold')
+  simulate = jax.jit(
+    engine.make_round_fn(
+      experiment.algorithm, clients_per_round=3, client_chunk=1
+    )
+  )
+  step = server.make_round(
+    experiment, 1, LocalWithState(experiment, str(tmp_path)), NODES
+  )
+  want, state = experiment.state, experiment.state
+  deployed = []
+  for _ in range(2):
+    want, want_metrics = simulate(want, experiment.data, experiment.key)
+    before = state
+    state, metrics = step(state, experiment.data, experiment.key)
+    deployed.append((before, state, metrics))
+    _assert_equal(state.server, want.server)
+    _assert_equal(
+      [metrics[k] for k in sorted(want_metrics)],
+      [want_metrics[k] for k in sorted(want_metrics)],
+    )
+  # The server restarted from round 1's checkpoint asks for round 2
+  # again: the nodes use their state of round 1, not of round 2.
+  before, after, metrics = deployed[1]
+  again, again_metrics = step(before, experiment.data, experiment.key)
+  _assert_equal(again.server, after.server)
+  _assert_equal(again_metrics, metrics)
+  saved = sorted(p.name for p in tmp_path.rglob('*.npz'))
+  assert saved and all('.round' in name for name in saved)
