@@ -69,6 +69,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -601,67 +602,81 @@ def heterofl(
   if k < 1:
     raise ValueError(f'clients_per_round must be >= 1, got {k}')
   rates, client_rates = _checked_rates(rates, client_rates)
-  model = local.model
-  num_classes = model.num_classes
-  # The evaluated model: the largest sub-model any client trains.
   top = int(max(set(client_rates.tolist()), key=lambda i: rates[i]))
-  cache: dict[str, Any] = {}
-
-  def lay_of(params):
-    if 'lay' not in cache:
-      cache['lay'] = layout(params)
-    return cache['lay']
-
-  def largest(variables):
-    # The sub-model of the largest assigned rate, without the scaler (the
-    # identity at evaluation); the whole model when a client has rate 1.
-    mask = masks(lay_of(variables['params']), rates, jnp.int32(top))
-    return {**variables, 'params': apply_masks(variables['params'], mask)}
+  w = _Widths(local, rates, top, masked_loss, scaler, {})
 
   def dispatch(state, client_ids, round_index, key):
     del client_ids, round_index, key
     return types.Dispatch(shared=(state.params, jnp.asarray(client_rates)))
 
-  def client_update(shared, per_client, client_state, data, client_id, key):
-    del per_client
-    variables, rate_table = shared
-    lay = lay_of(variables['params'])
-    index = rate_table[client_id]
-    if masked_loss:
-      labels = present_labels(data, client_id, num_classes)
-    else:
-      labels = jnp.ones((num_classes,), jnp.bool_)
-    update = client.make_local_update(
-      local._replace(model=WidthModel(model, lay, rates, scaler))
-    )
-    info = {'rate_index': index, 'labels': labels}
-    out = update({**variables, _INFO: info}, data, client_id, key)
-    params = apply_masks(out.variables['params'], masks(lay, rates, index))
-    extra = ()
-    if 'batch_stats' in variables:
-      extra = query_statistics(
-        model, largest(variables), data, client_id, local.batch_size
-      )
-    uploaded = {**variables, 'params': params}
-    return out._replace(variables=uploaded, extra=extra), client_state
-
   def aggregate(state, outputs, client_ids, round_index, key):
     del round_index, key
-    lay = lay_of(state.params['params'])
+    lay = w.layout_of(state.params['params'])
     index = jnp.asarray(client_rates)[client_ids]
     return server_update(state, outputs, index, lay, rates, weighted)
 
   def evaluated(state):
-    return largest(state.queried if state.queried else state.params)
+    return w.largest(state.queried if state.queried else state.params)
 
   return types.Algorithm(
     init_state,
     dispatch,
-    client_update,
+    functools.partial(_client_update, w),
     aggregate,
     evaluated=evaluated,
     clients_per_round=k,
   )
+
+
+class _Widths(NamedTuple):
+  """What a HeteroFL client's update reads besides its arguments."""
+
+  local: client.LocalTraining
+  rates: tuple[float, ...]
+  top: int  # the index of the largest rate any client has
+  masked_loss: bool
+  scaler: bool
+  layouts: dict[str, Any]  # `layout` of the params, once computed
+
+  def layout_of(self, params: types.PyTree) -> types.PyTree:
+    if 'lay' not in self.layouts:
+      self.layouts['lay'] = layout(params)
+    return self.layouts['lay']
+
+  def largest(self, variables: types.Variables) -> types.Variables:
+    """The sub-model of the largest assigned rate, without the scaler (the
+    identity at evaluation); the whole model when a client has rate 1."""
+    lay = self.layout_of(variables['params'])
+    mask = masks(lay, self.rates, jnp.int32(self.top))
+    return {**variables, 'params': apply_masks(variables['params'], mask)}
+
+
+def _client_update(w, shared, per_client, client_state, data, client_id, key):
+  """Client `client_id` trains its width's sub-model and uploads it
+  masked, with the queried BatchNorm statistics (if any)."""
+  del per_client
+  model = w.local.model
+  num_classes = model.num_classes
+  variables, rate_table = shared
+  lay = w.layout_of(variables['params'])
+  index = rate_table[client_id]
+  if w.masked_loss:
+    labels = present_labels(data, client_id, num_classes)
+  else:
+    labels = jnp.ones((num_classes,), jnp.bool_)
+  update = client.make_local_update(
+    w.local._replace(model=WidthModel(model, lay, w.rates, w.scaler))
+  )
+  info = {'rate_index': index, 'labels': labels}
+  out = update({**variables, _INFO: info}, data, client_id, key)
+  params = apply_masks(out.variables['params'], masks(lay, w.rates, index))
+  extra = ()
+  if 'batch_stats' in variables:
+    extra = query_statistics(
+      model, w.largest(variables), data, client_id, w.local.batch_size
+    )
+  uploaded = {**variables, 'params': params}
+  return out._replace(variables=uploaded, extra=extra), client_state
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
