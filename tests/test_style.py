@@ -16,7 +16,11 @@ PACKAGE = REPO / 'fedjax_mr'
 # ours, so they are not the programs' vocabulary leaking in.
 _FLAG = re.compile(r'(?<![\w-])--(?!xla_)[a-z][a-z0-9_]*')
 
-MAX_FUNCTION_LINES = 100
+# A function is the whole `def`, decorators, docstring and nested functions
+# included: a factory that closes over a dozen steps is as long as they are.
+MAX_FUNCTION_LINES = 80
+
+_CAPS: dict[pathlib.Path, int] = {}  # folders with a cap of their own
 
 
 def _flag_lines(path: pathlib.Path):
@@ -53,15 +57,30 @@ def test_the_check_finds_a_flag_where_there_is_one(tmp_path):
   assert [line for line, _ in _flag_lines(path)] == [1, 2, 3]
 
 
+def function_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+  """Lines of a whole `def`: from its first decorator to its last line,
+  nested functions and classes included."""
+  first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+  return node.end_lineno - first + 1
+
+
+def _cap(path: pathlib.Path) -> int:
+  for folder, cap in _CAPS.items():
+    if folder in path.parents:
+      return cap
+  return MAX_FUNCTION_LINES
+
+
 def _long_functions(path: pathlib.Path):
+  cap = _cap(path)
   for node in ast.walk(ast.parse(path.read_text())):
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-      lines = node.end_lineno - node.lineno + 1
-      if lines > MAX_FUNCTION_LINES:
+      lines = function_lines(node)
+      if lines > cap:
         yield node.name, node.lineno, lines
 
 
-def test_no_function_is_longer_than_100_lines():
+def test_no_function_is_longer_than_80_lines():
   found = [
     f'{path.relative_to(REPO)}:{line}: {name} ({lines} lines)'
     for folder in (PACKAGE, REPO / 'experiments', REPO / 'scripts')
@@ -69,3 +88,58 @@ def test_no_function_is_longer_than_100_lines():
     for name, line, lines in _long_functions(path)
   ]
   assert not found, '\n'.join(found)
+
+
+def test_a_function_counts_its_decorators_and_nested_functions(tmp_path):
+  body = '\n'.join(f'    x{i} = {i}' for i in range(MAX_FUNCTION_LINES - 4))
+  path = tmp_path / 'm.py'
+  path.write_text(
+    f'@decorator\ndef outer():\n  def inner():\n{body}\n  return inner\n'
+  )
+  node = ast.parse(path.read_text()).body[0]
+  assert function_lines(node) == MAX_FUNCTION_LINES
+  assert not list(_long_functions(path))
+  path.write_text('@a\n' + path.read_text())
+  assert [name for name, _, _ in _long_functions(path)] == ['outer']
+
+
+# A module holds one concern: at most 700 lines. A package holds at most 14
+# modules (`__init__` counted), but `algorithms/` (one module per algorithm,
+# by design). A program (flags -> one library call -> print) is at most 200
+# lines; `cli.py` and the PyTorch reference are shared helpers, not
+# programs.
+MAX_MODULE_LINES = 700
+MAX_PACKAGE_MODULES = 14
+MAX_PROGRAM_LINES = 200
+_HELPERS = {'cli.py', 'torch_reference.py', '__init__.py'}
+# Still over, each named with what splits it (issue 56): FedStitch's run
+# pipeline, which merges into the training runs' pieces, and its figures
+# program, which becomes a library call. The test fails when one of them
+# is no longer over, so the list only shrinks.
+_STILL_OVER = {
+  'fedjax_mr/pipeline/stitch_experiment.py',
+  'experiments/stitch_figures.py',
+}
+
+
+def _lines(path: pathlib.Path) -> int:
+  return len(path.read_text().splitlines())
+
+
+def test_modules_packages_and_programs_stay_small():
+  over = []
+  for path in sorted(PACKAGE.rglob('*.py')):
+    if _lines(path) > MAX_MODULE_LINES:
+      over.append(str(path.relative_to(REPO)))
+  for path in sorted((REPO / 'experiments').glob('*.py')):
+    if path.name not in _HELPERS and _lines(path) > MAX_PROGRAM_LINES:
+      over.append(str(path.relative_to(REPO)))
+  assert sorted(over) == sorted(_STILL_OVER)
+  crowded = [
+    p.name
+    for p in PACKAGE.iterdir()
+    if (p / '__init__.py').exists()
+    and p.name != 'algorithms'
+    and len(list(p.glob('*.py'))) > MAX_PACKAGE_MODULES
+  ]
+  assert not crowded

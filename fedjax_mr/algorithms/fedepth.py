@@ -97,6 +97,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any
 from typing import Callable
@@ -564,78 +565,93 @@ def fedepth(
     raise ValueError(f'clients_per_round must be >= 1, got {k}')
   model = local.model
   layout = layout_of(model)
-  u = layout.num_layers
-  table = block_table(blocks, u)
+  table = block_table(blocks, layout.num_layers)
   update = client.make_local_update(
     local._replace(model=BlockModel(model, layout))
   )
-
-  def init(variables):
-    return FeDepthState(params=variables)
-
-  def dispatch(state, client_ids, round_index, key):
-    del client_ids, round_index, key
-    return types.Dispatch(shared=state.params)
-
-  def client_update(shared, per_client, client_state, data, client_id, key):
-    del per_client
-    leaves = leaf_layers(shared, layout)
-    firsts = jnp.asarray(table.first)[client_id]
-    lasts = jnp.asarray(table.last)[client_id]
-
-    def block(j, carry):
-      variables, loss_sum, steps = carry
-      info = {'first': firsts[j], 'last': lasts[j]}
-      out = update(
-        {**variables, _INFO: info}, data, client_id, _block_key(key, j)
-      )
-      new = {c: v for c, v in out.variables.items() if c != _INFO}
-      keep = trainable(leaves, info['first'], info['last'], u)
-      variables = jax.tree.map(jnp.where, keep, new, variables)
-      return variables, loss_sum + out.loss, steps + out.num_steps
-
-    count = jnp.asarray(table.count)[client_id]
-    carry = (shared, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    variables, loss_sum, steps = lax.fori_loop(0, count, block, carry)
-    out = types.ClientOutput(
-      variables=variables,
-      num_examples=data.sizes[client_id].astype(jnp.int32),
-      loss=loss_sum / count.astype(jnp.float32),
-      num_steps=steps,
-    )
-    return out, client_state
-
-  def layer_bytes(variables):
-    # [U + 1] bytes of each layer's (and the head's) variables.
-    sizes = [0] * (u + 1)
-    for leaf, layer in zip(
-      jax.tree.leaves(variables),
-      jax.tree.leaves(leaf_layers(variables, layout)),
-    ):
-      sizes[layer] += tree.nbytes(leaf)
-    return jnp.asarray(sizes, jnp.float32)
-
-  def aggregate(state, outputs, client_ids, round_index, key):
-    del round_index, key
-    trained = jnp.asarray(table.trained)[client_ids]
-    weights = outputs.num_examples if weighted else None
-    leaves = leaf_layers(state.params, layout)
-    params = masked_mean(
-      outputs.variables, state.params, leaves, trained, weights
-    )
-    up = jnp.sum(trained.astype(jnp.float32) @ layer_bytes(state.params))
-    down = jnp.float32(k * tree.nbytes(state.params))
-    metrics = {
-      'bytes_communicated': (down + up).astype(jnp.float32),
-      'mean_blocks': jnp.mean(
-        jnp.asarray(table.count)[client_ids].astype(jnp.float32)
-      ),
-    }
-    return FeDepthState(params=params), metrics
-
   return types.Algorithm(
-    init, dispatch, client_update, aggregate, clients_per_round=k
+    _init,
+    _dispatch,
+    functools.partial(_client_update, update, layout, table),
+    functools.partial(_aggregate, k, layout, table, weighted),
+    clients_per_round=k,
   )
+
+
+def _init(variables: types.Variables) -> FeDepthState:
+  return FeDepthState(params=variables)
+
+
+def _dispatch(state, client_ids, round_index, key):
+  del client_ids, round_index, key
+  return types.Dispatch(shared=state.params)
+
+
+def _client_update(
+  update, layout, table, shared, per_client, client_state, data, client_id, key
+):
+  """Client `client_id` trains its blocks in turn (`update` on the block
+  model), each block's layers only (`trainable`)."""
+  del per_client
+  leaves = leaf_layers(shared, layout)
+  firsts = jnp.asarray(table.first)[client_id]
+  lasts = jnp.asarray(table.last)[client_id]
+
+  def block(j, carry):
+    variables, loss_sum, steps = carry
+    info = {'first': firsts[j], 'last': lasts[j]}
+    out = update(
+      {**variables, _INFO: info}, data, client_id, _block_key(key, j)
+    )
+    new = {c: v for c, v in out.variables.items() if c != _INFO}
+    keep = trainable(leaves, info['first'], info['last'], layout.num_layers)
+    variables = jax.tree.map(jnp.where, keep, new, variables)
+    return variables, loss_sum + out.loss, steps + out.num_steps
+
+  count = jnp.asarray(table.count)[client_id]
+  carry = (shared, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+  variables, loss_sum, steps = lax.fori_loop(0, count, block, carry)
+  out = types.ClientOutput(
+    variables=variables,
+    num_examples=data.sizes[client_id].astype(jnp.int32),
+    loss=loss_sum / count.astype(jnp.float32),
+    num_steps=steps,
+  )
+  return out, client_state
+
+
+def _layer_bytes(layout: Layout, variables: types.Variables) -> jax.Array:
+  """`[U + 1]` bytes of each layer's (and the head's) variables."""
+  sizes = [0] * (layout.num_layers + 1)
+  for leaf, layer in zip(
+    jax.tree.leaves(variables),
+    jax.tree.leaves(leaf_layers(variables, layout)),
+  ):
+    sizes[layer] += tree.nbytes(leaf)
+  return jnp.asarray(sizes, jnp.float32)
+
+
+def _aggregate(
+  k, layout, table, weighted, state, outputs, client_ids, round_index, key
+):
+  """Each layer's mean over the clients that trained it, and the bytes
+  communicated."""
+  del round_index, key
+  trained = jnp.asarray(table.trained)[client_ids]
+  weights = outputs.num_examples if weighted else None
+  leaves = leaf_layers(state.params, layout)
+  params = masked_mean(
+    outputs.variables, state.params, leaves, trained, weights
+  )
+  up = jnp.sum(trained.astype(jnp.float32) @ _layer_bytes(layout, state.params))
+  down = jnp.float32(k * tree.nbytes(state.params))
+  metrics = {
+    'bytes_communicated': (down + up).astype(jnp.float32),
+    'mean_blocks': jnp.mean(
+      jnp.asarray(table.count)[client_ids].astype(jnp.float32)
+    ),
+  }
+  return FeDepthState(params=params), metrics
 
 
 def blocks_for(

@@ -38,8 +38,10 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
+from typing import Callable
 from typing import NamedTuple
 
 import jax
@@ -172,62 +174,80 @@ def fedexp(
     del client_ids, round_index, key
     return types.Dispatch(shared=state.params)
 
-  def client_update(shared, per_client, client_state, data, client_id, key):
-    out, client_state = base.client_update(
-      shared, per_client, client_state, data, client_id, key
-    )
-    delta = jax.tree.map(
-      lambda wi, g: g.astype(jnp.float32) - wi.astype(jnp.float32),
-      out.variables['params'],
-      shared['params'],
-    )
-    return out._replace(extra=_sq_norm(delta)), client_state
-
-  def contribution(output):
-    part = fedavg.mean_contribution(output, weighted)
-    return {**part, 'sq_norms': part['weight'] * output.extra}
-
-  def aggregate(state, sums, client_ids, round_index, key):
-    del client_ids, round_index, key
-    mean = fedavg.mean_of(sums.total, state.params)
-    w = state.params['params']
-    mean_delta = jax.tree.map(
-      lambda m, g: g.astype(jnp.float32) - m.astype(jnp.float32),
-      mean['params'],
-      w,
-    )
-    # sum_i p_i ||Delta_i||^2, p_i the weights of the mean.
-    spread = sums.total['sq_norms'] / sums.total['weight']
-    eta = extrapolation(spread, mean_delta, epsilon)
-    target = jax.tree.map(
-      lambda m, g: (m + (eta - 1) * (m - g)).astype(m.dtype), mean['params'], w
-    )
-    params, server_state = optimizers.server_step(
-      server, state.server_state, w, target
-    )
-    new = FedExPState({**mean, 'params': params}, state.params, server_state)
-    return new, {
-      'bytes_communicated': fedavg.round_bytes(state.params, k),
-      'global_lr': eta,
-    }
-
-  def evaluated(state):
-    if not average_last_two:
-      return state.params
-    return jax.tree.map(
-      lambda a, b: ((a.astype(jnp.float32) + b) / 2).astype(a.dtype),
-      state.params,
-      state.previous,
-    )
-
   return types.Algorithm(
     init,
     dispatch,
-    client_update,
-    aggregate,
-    evaluated=evaluated,
+    functools.partial(_client_update, base.client_update),
+    functools.partial(_aggregate, server, epsilon, k),
+    evaluated=functools.partial(_evaluated, average_last_two),
     clients_per_round=k,
-    contribution=contribution,
+    contribution=functools.partial(_contribution, weighted),
+  )
+
+
+def _client_update(
+  update: Callable, shared, per_client, client_state, data, client_id, key
+) -> tuple[types.ClientOutput, Any]:
+  """FedAvg's client update (`update`); uploads ||Delta_i||^2 too."""
+  out, client_state = update(
+    shared, per_client, client_state, data, client_id, key
+  )
+  delta = jax.tree.map(
+    lambda wi, g: g.astype(jnp.float32) - wi.astype(jnp.float32),
+    out.variables['params'],
+    shared['params'],
+  )
+  return out._replace(extra=_sq_norm(delta)), client_state
+
+
+def _contribution(weighted: bool, output: types.ClientOutput) -> Any:
+  part = fedavg.mean_contribution(output, weighted)
+  return {**part, 'sq_norms': part['weight'] * output.extra}
+
+
+def _aggregate(
+  server: optax.GradientTransformation,
+  epsilon: float,
+  k: int,
+  state: FedExPState,
+  sums: types.Sums,
+  client_ids: jax.Array,
+  round_index: jax.Array,
+  key: jax.Array,
+) -> tuple[FedExPState, dict[str, jax.Array]]:
+  """The extrapolated step: eta_g from the clients' spread, then the
+  server optimizer's step toward the extrapolated point."""
+  del client_ids, round_index, key
+  mean = fedavg.mean_of(sums.total, state.params)
+  w = state.params['params']
+  mean_delta = jax.tree.map(
+    lambda m, g: g.astype(jnp.float32) - m.astype(jnp.float32),
+    mean['params'],
+    w,
+  )
+  # sum_i p_i ||Delta_i||^2, p_i the weights of the mean.
+  spread = sums.total['sq_norms'] / sums.total['weight']
+  eta = extrapolation(spread, mean_delta, epsilon)
+  target = jax.tree.map(
+    lambda m, g: (m + (eta - 1) * (m - g)).astype(m.dtype), mean['params'], w
+  )
+  params, server_state = optimizers.server_step(
+    server, state.server_state, w, target
+  )
+  new = FedExPState({**mean, 'params': params}, state.params, server_state)
+  return new, {
+    'bytes_communicated': fedavg.round_bytes(state.params, k),
+    'global_lr': eta,
+  }
+
+
+def _evaluated(average_last_two: bool, state: FedExPState) -> types.Variables:
+  if not average_last_two:
+    return state.params
+  return jax.tree.map(
+    lambda a, b: ((a.astype(jnp.float32) + b) / 2).astype(a.dtype),
+    state.params,
+    state.previous,
   )
 
 

@@ -57,6 +57,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
@@ -542,64 +543,109 @@ def fedgen(
     representation_loss=_representation_loss(model, generator, hp, ratio),
   )
 
-  def init(variables):
-    # `init` has no key: this fixes the state's layout, and round 0's
-    # aggregate draws the generator's actual initial weights from the
-    # run's key before it first trains it (clients do not use it in round
-    # 0).
-    gen_vars = init_generator(generator, noise_dim, jax.random.key(0))
-    return FedGenState(
-      params=variables,
-      generator=gen_vars,
-      opt_state=optimizer.init(gen_vars['params']),
-      labels=jnp.ones((num_classes,), jnp.float32),
-      trained=jnp.zeros((), jnp.bool_),
-    )
-
-  def dispatch(state, client_ids, round_index, key):
-    del client_ids, key
-    alpha = decayed(hp.generative_alpha, hp.decay, round_index)
-    beta = decayed(hp.generative_beta, hp.decay, round_index)
-    context = (state.generator, state.labels, alpha, beta, state.trained)
-    return types.Dispatch(shared=(state.params, context))
-
-  def client_update(shared, per_client, client_state, data, client_id, key):
-    del per_client
-    variables, context = shared
-    out = update(variables, data, client_id, key, context)
-    counts = label_counts(data, client_id, num_classes)
-    return out._replace(extra=counts), client_state
-
-  def aggregate(state, outputs, client_ids, round_index, key):
-    del client_ids
-    gen_vars, opt_state, teacher, diversity = update_generator(
-      model, generator, optimizer, hp, state, outputs, key
-    )
-    mean = fedavg.server_aggregate(outputs, weighted)
-    bytes_ = (
-      2 * k * tree.nbytes(state.params)
-      + k * tree.nbytes(state.generator)
-      + k * num_classes * 4
-    )
-    metrics = {
-      'bytes_communicated': jnp.float32(bytes_),
-      'teacher_loss': teacher,
-      'diversity_loss': diversity,
-      'generative_alpha': decayed(hp.generative_alpha, hp.decay, round_index),
-    }
-    held = (jnp.sum(outputs.extra, axis=0) > 0).astype(jnp.float32)
-    new_state = FedGenState(
-      params=mean,
-      generator=gen_vars,
-      opt_state=opt_state,
-      labels=held,
-      trained=jnp.asarray(hp.generator_steps > 0),
-    )
-    return new_state, metrics
-
   return types.Algorithm(
-    init, dispatch, client_update, aggregate, clients_per_round=k
+    functools.partial(_init, generator, optimizer, noise_dim, num_classes),
+    functools.partial(_dispatch, hp),
+    functools.partial(_client_update, update, num_classes),
+    functools.partial(_aggregate, model, generator, optimizer, hp, k, weighted),
+    clients_per_round=k,
   )
+
+
+def _init(
+  generator: Generator,
+  optimizer: optax.GradientTransformation,
+  noise_dim: int,
+  num_classes: int,
+  variables: types.Variables,
+) -> FedGenState:
+  # `init` has no key: this fixes the state's layout, and round 0's
+  # aggregate draws the generator's actual initial weights from the
+  # run's key before it first trains it (clients do not use it in round
+  # 0).
+  gen_vars = init_generator(generator, noise_dim, jax.random.key(0))
+  return FedGenState(
+    params=variables,
+    generator=gen_vars,
+    opt_state=optimizer.init(gen_vars['params']),
+    labels=jnp.ones((num_classes,), jnp.float32),
+    trained=jnp.zeros((), jnp.bool_),
+  )
+
+
+def _dispatch(
+  hp: Hparams,
+  state: FedGenState,
+  client_ids: jax.Array,
+  round_index: jax.Array,
+  key: jax.Array,
+) -> types.Dispatch:
+  """The global model, and the generator with the round's loss weights."""
+  del client_ids, key
+  alpha = decayed(hp.generative_alpha, hp.decay, round_index)
+  beta = decayed(hp.generative_beta, hp.decay, round_index)
+  context = (state.generator, state.labels, alpha, beta, state.trained)
+  return types.Dispatch(shared=(state.params, context))
+
+
+def _client_update(
+  update: Callable,
+  num_classes: int,
+  shared: Any,
+  per_client: Any,
+  client_state: Any,
+  data: Any,
+  client_id: jax.Array,
+  key: jax.Array,
+) -> tuple[types.ClientOutput, Any]:
+  """Local training with the generator's loss; uploads the label counts."""
+  del per_client
+  variables, context = shared
+  out = update(variables, data, client_id, key, context)
+  counts = label_counts(data, client_id, num_classes)
+  return out._replace(extra=counts), client_state
+
+
+def _aggregate(
+  model: Any,
+  generator: Generator,
+  optimizer: optax.GradientTransformation,
+  hp: Hparams,
+  k: int,
+  weighted: bool,
+  state: FedGenState,
+  outputs: types.ClientOutput,
+  client_ids: jax.Array,
+  round_index: jax.Array,
+  key: jax.Array,
+) -> tuple[FedGenState, dict[str, jax.Array]]:
+  """The generator's steps (`update_generator`), then the models' mean."""
+  del client_ids
+  gen_vars, opt_state, teacher, diversity = update_generator(
+    model, generator, optimizer, hp, state, outputs, key
+  )
+  mean = fedavg.server_aggregate(outputs, weighted)
+  num_classes = model.num_classes
+  bytes_ = (
+    2 * k * tree.nbytes(state.params)
+    + k * tree.nbytes(state.generator)
+    + k * num_classes * 4
+  )
+  metrics = {
+    'bytes_communicated': jnp.float32(bytes_),
+    'teacher_loss': teacher,
+    'diversity_loss': diversity,
+    'generative_alpha': decayed(hp.generative_alpha, hp.decay, round_index),
+  }
+  held = (jnp.sum(outputs.extra, axis=0) > 0).astype(jnp.float32)
+  new_state = FedGenState(
+    params=mean,
+    generator=gen_vars,
+    opt_state=opt_state,
+    labels=held,
+    trained=jnp.asarray(hp.generator_steps > 0),
+  )
+  return new_state, metrics
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:

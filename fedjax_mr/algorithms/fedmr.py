@@ -33,6 +33,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -239,7 +240,19 @@ def _make_aggregate(
 ) -> Callable[..., tuple[FedMRState, dict[str, jax.Array]]]:
   """FedMR's server side, `aggregate(state, outputs, client_ids,
   round_index, key)`: secure recombination (when `secure_repeats`), the
-  global mean, then `next_models`. The arguments are `fedmr`'s, checked."""
+  global mean, then `next_models`. The arguments are `fedmr`'s, checked
+  here (`_check_options`)."""
+  secure_repeats = int(secure_repeats)
+  first_stage_bound = int(first_stage_bound)
+  _check_options(
+    k,
+    first_stage_bound,
+    grouping,
+    num_segments,
+    layer_order,
+    secure_repeats,
+    weighted_global,
+  )
 
   def aggregate(state, outputs, client_ids, round_index, key):
     del state, client_ids
@@ -341,40 +354,39 @@ def fedmr(
     Algorithms 1 and 2; KDD 2024 version for two-stage training and FedMR-p.
   """
   k = int(clients_per_round)
-  bound = int(first_stage_bound)
-  repeats = int(secure_repeats)
-  _check_options(
-    k, bound, grouping, num_segments, layer_order, repeats, weighted_global
-  )
-
-  def init(variables):
-    return FedMRState(
-      params=variables, client_models=tree.broadcast(variables, k)
-    )
-
-  def dispatch(state, client_ids, round_index, key):
-    del client_ids, round_index, key
-    return types.Dispatch(per_client=state.client_models)
-
   aggregate = _make_aggregate(
     k,
     weighted_global=weighted_global,
-    secure_repeats=repeats,
+    secure_repeats=secure_repeats,
     secure_min_sent=secure_min_sent,
     secure_max_sent=secure_max_sent,
-    first_stage_bound=bound,
+    first_stage_bound=first_stage_bound,
     grouping=grouping,
     num_segments=num_segments,
     layer_order=layer_order,
   )
-
+  init = functools.partial(_init, k)
+  update = client.trains_per_client(client.make_local_update(local))
   return types.Algorithm(
-    init,
-    dispatch,
-    client.trains_per_client(client.make_local_update(local)),
-    aggregate,
-    clients_per_round=k,
+    init, _dispatch, update, aggregate, clients_per_round=k
   )
+
+
+def _init(k: int, variables: types.Variables) -> FedMRState:
+  return FedMRState(
+    params=variables, client_models=tree.broadcast(variables, k)
+  )
+
+
+def _dispatch(
+  state: FedMRState,
+  client_ids: jax.Array,
+  round_index: jax.Array,
+  key: jax.Array,
+) -> types.Dispatch:
+  """Model i of `client_models` to the i-th sampled client."""
+  del client_ids, round_index, key
+  return types.Dispatch(per_client=state.client_models)
 
 
 # ---------------------------------------------------------------------------

@@ -407,45 +407,7 @@ def secure_recombine(
   holding = [[c] * num_layers for c in range(k)]  # holding[c][j] = origin
   log = []
   for r in range(repeats):
-    priority = {
-      (j, holding[c][j]): int(draws.pick[r, c, j])
-      for c in range(k)
-      for j in range(num_layers)
-    }
-    # Line 3: one buffer per layer, holding the client's own tensor.
-    buffers = [[[holding[c][j]] for j in range(num_layers)] for c in range(k)]
-    # Stage 1: send n random layers to random other clients.
-    inbox = [[] for _ in range(k)]
-    for c in range(k):
-      chosen = np.argsort(draws.select[r, c])[: int(draws.num_sent[r, c])]
-      for j in chosen.tolist():
-        to = (c + int(draws.offset[r, c, j])) % k
-        tensor = holding[c][j]
-        buffers[c][j].remove(tensor)
-        inbox[to].append((c, j, tensor))
-        log.append((r, 1, c, to, j, tensor))
-    # Stage 2: receive into the layer buffers, remember the senders.
-    senders = [[] for _ in range(k)]
-    for m in range(k):
-      for c, j, tensor in inbox[m]:
-        buffers[m][j].append(tensor)
-        senders[m].append((c, j))
-    # Stage 3: return a random tensor of the same layer to every sender.
-    returns = [[] for _ in range(k)]
-    for m in range(k):
-      for c, j in senders[m]:
-        tensor = min(buffers[m][j], key=lambda t, j=j: priority[(j, t)])
-        buffers[m][j].remove(tensor)
-        returns[c].append((j, tensor))
-        log.append((r, 3, m, c, j, tensor))
-    # Stage 4: receive the returns; every buffer now holds one tensor.
-    for c in range(k):
-      for j, tensor in returns[c]:
-        buffers[c][j].append(tensor)
-      for j in range(num_layers):
-        if len(buffers[c][j]) != 1:
-          raise RuntimeError('secure recombination lost a layer (a bug)')
-        holding[c][j] = buffers[c][j][0]
+    _simulate_repeat(draws, r, holding, log)
   perm = np.array(holding, np.int32).T.reshape(num_layers, k)
   record = np.array(log, np.int64).reshape(-1, 6)
   transfers = SecureTransfers(
@@ -453,6 +415,84 @@ def secure_recombine(
     layer_names=tuple(layer.name for layer in layers),
   )
   return permute_layers(client_params, jnp.asarray(perm), layers), transfers
+
+
+# One repeat of Algorithm 2, message by message (`secure_recombine`):
+# `holding[c][j]` is the origin of client c's layer j, updated in place;
+# `buffers[c][j]` the tensors client c holds for layer j; every message is
+# appended to `log` as (repeat, stage, from, to, layer, tensor).
+
+
+def _simulate_repeat(
+  draws: _Draws, r: int, holding: list[list[int]], log: list[tuple]
+) -> None:
+  """Repeat `r`: stages 1 to 4, from the buffers of line 3 (one per layer,
+  holding the client's own tensor)."""
+  k, num_layers = len(holding), len(holding[0])
+  priority = {
+    (j, holding[c][j]): int(draws.pick[r, c, j])
+    for c in range(k)
+    for j in range(num_layers)
+  }
+  buffers = [[[holding[c][j]] for j in range(num_layers)] for c in range(k)]
+  inbox = _send_layers(draws, r, holding, buffers, log)
+  senders = _receive_layers(inbox, buffers)
+  returns = _return_layers(senders, buffers, priority, r, log)
+  _receive_returns(returns, buffers, holding)
+
+
+def _send_layers(draws, r, holding, buffers, log) -> list[list[tuple]]:
+  """Stage 1: every client sends n random layers to random other clients;
+  returns each client's inbox of (sender, layer, tensor)."""
+  k = len(holding)
+  inbox = [[] for _ in range(k)]
+  for c in range(k):
+    chosen = np.argsort(draws.select[r, c])[: int(draws.num_sent[r, c])]
+    for j in chosen.tolist():
+      to = (c + int(draws.offset[r, c, j])) % k
+      tensor = holding[c][j]
+      buffers[c][j].remove(tensor)
+      inbox[to].append((c, j, tensor))
+      log.append((r, 1, c, to, j, tensor))
+  return inbox
+
+
+def _receive_layers(inbox, buffers) -> list[list[tuple[int, int]]]:
+  """Stage 2: received layers go into the layer buffers; returns each
+  receiver's senders, (sender, layer) in order of arrival."""
+  senders = [[] for _ in inbox]
+  for m, messages in enumerate(inbox):
+    for c, j, tensor in messages:
+      buffers[m][j].append(tensor)
+      senders[m].append((c, j))
+  return senders
+
+
+def _return_layers(
+  senders, buffers, priority, r, log
+) -> list[list[tuple[int, int]]]:
+  """Stage 3: every receiver returns a random tensor of the same layer to
+  every sender; returns each sender's (layer, tensor) returns."""
+  returns = [[] for _ in senders]
+  for m, received in enumerate(senders):
+    for c, j in received:
+      tensor = min(buffers[m][j], key=lambda t, j=j: priority[(j, t)])
+      buffers[m][j].remove(tensor)
+      returns[c].append((j, tensor))
+      log.append((r, 3, m, c, j, tensor))
+  return returns
+
+
+def _receive_returns(returns, buffers, holding) -> None:
+  """Stage 4: the returns fill the senders' buffers again; every buffer
+  then holds one tensor, which forms the client's new model."""
+  for c, returned in enumerate(returns):
+    for j, tensor in returned:
+      buffers[c][j].append(tensor)
+    for j in range(len(holding[c])):
+      if len(buffers[c][j]) != 1:
+        raise RuntimeError('secure recombination lost a layer (a bug)')
+      holding[c][j] = buffers[c][j][0]
 
 
 def expected_secure_bytes(

@@ -24,6 +24,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -310,51 +311,75 @@ def fedmut(
     raise ValueError(f'grouping must be one of {grouping_lib.GROUPINGS}')
 
   server = server_optimizer or optimizers.sgd(1.0)
-
-  def init(variables):
-    # A copy: the engine donates the state, and one buffer cannot be donated
-    # twice.
-    return FedMutState(
-      params=variables,
-      prev_params=jax.tree.map(jnp.array, variables),
-      server_state=server.init(variables),
-    )
-
-  def dispatch(state, client_ids, round_index, key):
-    del client_ids
-    beta = beta_schedule(jnp.maximum(round_index - 1, 0), beta0, bound)
-    # The global models once, and each client's coefficients: client j
-    # builds mutated model j itself (`client_model`), so the round never
-    # holds the K mutated models at once.
-    rows = mutation_rows(
-      key, state.params, num_models=k, beta=beta, grouping=grouping
-    )
-    return types.Dispatch(
-      shared=(state.params, state.prev_params), per_client=rows
-    )
-
   client_model, client_update = _client_side(local, alpha, grouping)
-
-  def aggregate(state, sums, client_ids, round_index, key):
-    del client_ids, key
-    mean = fedavg.mean_of(sums.total, state.params)
-    global_vars, server_state = optimizers.server_step(
-      server, state.server_state, state.params, mean
-    )
-    new, metrics = advance(
-      state, global_vars, round_index, num_models=k, beta0=beta0, bound=bound
-    )
-    return new._replace(server_state=server_state), metrics
-
   return types.Algorithm(
-    init,
-    dispatch,
+    functools.partial(_init, server),
+    functools.partial(_dispatch, k, beta0, bound, grouping),
     client_update,
-    aggregate,
+    functools.partial(_aggregate, server, k, beta0, bound),
     clients_per_round=k,
     contribution=lambda output: fedavg.mean_contribution(output, weighted),
     client_model=client_model,
   )
+
+
+def _init(
+  server: optax.GradientTransformation, variables: types.Variables
+) -> FedMutState:
+  # A copy: the engine donates the state, and one buffer cannot be donated
+  # twice.
+  return FedMutState(
+    params=variables,
+    prev_params=jax.tree.map(jnp.array, variables),
+    server_state=server.init(variables),
+  )
+
+
+def _dispatch(
+  k: int,
+  beta0: float,
+  bound: int,
+  grouping: grouping_lib.Grouping,
+  state: FedMutState,
+  client_ids: jax.Array,
+  round_index: jax.Array,
+  key: jax.Array,
+) -> types.Dispatch:
+  """The global models once, and each client's coefficients: client j
+  builds mutated model j itself (`client_model`), so the round never
+  holds the K mutated models at once."""
+  del client_ids
+  beta = beta_schedule(jnp.maximum(round_index - 1, 0), beta0, bound)
+  rows = mutation_rows(
+    key, state.params, num_models=k, beta=beta, grouping=grouping
+  )
+  return types.Dispatch(
+    shared=(state.params, state.prev_params), per_client=rows
+  )
+
+
+def _aggregate(
+  server: optax.GradientTransformation,
+  k: int,
+  beta0: float,
+  bound: int,
+  state: FedMutState,
+  sums: types.Sums,
+  client_ids: jax.Array,
+  round_index: jax.Array,
+  key: jax.Array,
+) -> tuple[FedMutState, dict[str, jax.Array]]:
+  """The server step toward the clients' mean, then the mutation state
+  of the next round (`advance`)."""
+  del client_ids, key
+  mean = fedavg.mean_of(sums.total, state.params)
+  global_vars, server_state = optimizers.server_step(
+    server, state.server_state, state.params, mean
+  )
+  new, metrics = advance(
+    state, global_vars, round_index, num_models=k, beta0=beta0, bound=bound
+  )
+  return new._replace(server_state=server_state), metrics
 
 
 @dataclasses.dataclass(frozen=True)

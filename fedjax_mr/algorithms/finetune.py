@@ -75,6 +75,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 from typing import Collection
 from typing import NamedTuple
@@ -380,19 +381,7 @@ def ft_part(
   k = int(clients_per_round)
   if k < 1:
     raise ValueError(f'clients_per_round must be >= 1, got {k}')
-  trainable = frozenset(trainable)
-  order = module_order(local.model)
-  unknown = trainable.difference(order)
-  if unknown or not trainable:
-    raise ValueError(
-      f'trainable must name modules of the model ({", ".join(order)}), '
-      f'got {sorted(trainable)}'
-    )
-  # Frozen: every other top-level entry of any collection (statistics-only
-  # modules included); parameter-free modules such as a Dropout between
-  # two layers belong to none and run as in training.
-  shapes = jax.eval_shape(local.model.init, jax.random.key(0))
-  frozen = frozenset(n for c in shapes.values() for n in c) - trainable
+  frozen = _frozen_modules(local.model, trainable)
   update = client.make_local_update(
     local._replace(
       model=PartModel(local.model, frozen),
@@ -413,29 +402,61 @@ def ft_part(
     variables = keep_frozen(out.variables, shared, frozen)
     return out._replace(variables=variables), client_state
 
-  def aggregate(state, outputs, client_ids, round_index, key):
-    del client_ids, round_index, key
-    uploads = outputs._replace(
-      variables=trainable_part(outputs.variables, frozen)
-    )
-    tail = fedavg.server_aggregate(uploads, weighted)
-    params = keep_frozen(tail, state.params, frozen)
-    sent = tree.nbytes(state.params) + tree.nbytes(
-      trainable_part(state.params, frozen)
-    )
-    return fedavg.FedAvgState(params=params), {
-      'bytes_communicated': jnp.float32(k * sent),
-      'eligible_clients': jnp.int32(len(eligible)),
-    }
-
   return types.Algorithm(
     init,
     dispatch,
     client_update,
-    aggregate,
+    functools.partial(_part_aggregate, frozen, weighted, k, len(eligible)),
     sampler=eligible_sampler(eligible, k),
     clients_per_round=k,
   )
+
+
+def _frozen_modules(
+  model: model_lib.Model, trainable: Collection[str]
+) -> frozenset[str]:
+  """The top-level entries of the model's variables that stay frozen: all
+  but `trainable` (checked to name modules of the model)."""
+  trainable = frozenset(trainable)
+  order = module_order(model)
+  unknown = trainable.difference(order)
+  if unknown or not trainable:
+    raise ValueError(
+      f'trainable must name modules of the model ({", ".join(order)}), '
+      f'got {sorted(trainable)}'
+    )
+  # Frozen: every other top-level entry of any collection (statistics-only
+  # modules included); parameter-free modules such as a Dropout between
+  # two layers belong to none and run as in training.
+  shapes = jax.eval_shape(model.init, jax.random.key(0))
+  return frozenset(n for c in shapes.values() for n in c) - trainable
+
+
+def _part_aggregate(
+  frozen: frozenset[str],
+  weighted: bool,
+  k: int,
+  num_eligible: int,
+  state: fedavg.FedAvgState,
+  outputs: types.ClientOutput,
+  client_ids: jax.Array,
+  round_index: jax.Array,
+  key: jax.Array,
+) -> tuple[fedavg.FedAvgState, dict[str, jax.Array]]:
+  """FedAvg of the uploaded trainable parts; the frozen modules stay."""
+  del client_ids, round_index, key
+  uploads = outputs._replace(
+    variables=trainable_part(outputs.variables, frozen)
+  )
+  tail = fedavg.server_aggregate(uploads, weighted)
+  params = keep_frozen(tail, state.params, frozen)
+  sent = tree.nbytes(state.params) + tree.nbytes(
+    trainable_part(state.params, frozen)
+  )
+  return fedavg.FedAvgState(params=params), {
+    'bytes_communicated': jnp.float32(k * sent),
+    'eligible_clients': jnp.int32(num_eligible),
+  }
 
 
 def _eligible_for(

@@ -7,24 +7,20 @@ entry over the clients of the round that hold it; an entry nobody held
 keeps its value.
 
 Sub-models as masks. The engine maps one client update over clients of
-equal array shapes, so a client trains the full-shape parameters through
+equal shapes, so a client trains the full-shape parameters through
 per-channel masks: the forward pass uses `params * mask * s`, zero outside
-the client's width, so those channels output zero, BatchNorm normalises
-them to zero (zero scale and bias) and the next layer reads zero; their
-gradients are zero. This computes the narrow network exactly (tested
-against an actually narrow one). Channel axes are found from the layout
-of the parameters, in model order (`layout`): in every module with a
-`kernel` (Dense `[in, out]`, Conv `[h, w, in, out]`) the last axis is the
-output channels and the one before the input; 1-D leaves (biases,
-BatchNorm scales and biases) are output channels. The first kernel keeps
-its input whole and the last kernel (the head) its outputs; a kernel whose
-input is a flattened feature map (its input size a multiple of the
-previous kernel's outputs) keeps the features of the kept channels.
+the client's width, so those channels output zero, BatchNorm (zero scale
+and bias) keeps them zero and their gradients are zero: the narrow network
+exactly (tested against an actually narrow one). Channel axes come from
+the parameters' layout, in model order (`layout`): a `kernel`'s last axis
+(Dense `[in, out]`, Conv `[h, w, in, out]`) is its output channels, the
+one before its input; 1-D leaves are output channels. The first kernel
+keeps its input whole, the head its outputs; a kernel reading a flattened
+feature map keeps the features of the kept channels.
 
-Scaler. HeteroFL divides each hidden layer's output by r in training (the
-identity at evaluation). Dividing a layer's output by r is dividing its
-kernel and bias by r, so s = 1 / r on every hidden kernel module and 1
-elsewhere (BatchNorm, the head).
+Scaler. HeteroFL divides each hidden layer's output by r in training
+(the identity at evaluation): s = 1 / r on every hidden kernel module
+(its kernel and bias), 1 elsewhere (BatchNorm, the head).
 
 Static BatchNorm (sBN). Clients train with batch statistics and keep no
 running statistics (the uploaded statistics are ignored). The global
@@ -42,11 +38,9 @@ per-round query). Models without BatchNorm query nothing and evaluate
 `state.params`.
 
 The evaluated model is the sub-model of the largest rate some client
-trains (the whole model when one has rate 1, as in the paper's
-experiments; with FedStitch's budgets no client fits ResNet-18 at rate 1,
-and the channels beyond the largest rate would stay at their initial
-values), without the scaler (the identity at evaluation); the sBN query
-runs that sub-model.
+trains (the whole model when one has rate 1, as in the paper; with
+FedStitch's budgets no client fits ResNet-18 at rate 1, and the channels
+beyond it keep their init), without the scaler; sBN queries it.
 
 Masked loss. With `masked_loss` (the authors' default for their non-IID
 splits) the logits of the classes absent from the client's training data
@@ -69,6 +63,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -601,67 +596,81 @@ def heterofl(
   if k < 1:
     raise ValueError(f'clients_per_round must be >= 1, got {k}')
   rates, client_rates = _checked_rates(rates, client_rates)
-  model = local.model
-  num_classes = model.num_classes
-  # The evaluated model: the largest sub-model any client trains.
   top = int(max(set(client_rates.tolist()), key=lambda i: rates[i]))
-  cache: dict[str, Any] = {}
-
-  def lay_of(params):
-    if 'lay' not in cache:
-      cache['lay'] = layout(params)
-    return cache['lay']
-
-  def largest(variables):
-    # The sub-model of the largest assigned rate, without the scaler (the
-    # identity at evaluation); the whole model when a client has rate 1.
-    mask = masks(lay_of(variables['params']), rates, jnp.int32(top))
-    return {**variables, 'params': apply_masks(variables['params'], mask)}
+  w = _Widths(local, rates, top, masked_loss, scaler, {})
 
   def dispatch(state, client_ids, round_index, key):
     del client_ids, round_index, key
     return types.Dispatch(shared=(state.params, jnp.asarray(client_rates)))
 
-  def client_update(shared, per_client, client_state, data, client_id, key):
-    del per_client
-    variables, rate_table = shared
-    lay = lay_of(variables['params'])
-    index = rate_table[client_id]
-    if masked_loss:
-      labels = present_labels(data, client_id, num_classes)
-    else:
-      labels = jnp.ones((num_classes,), jnp.bool_)
-    update = client.make_local_update(
-      local._replace(model=WidthModel(model, lay, rates, scaler))
-    )
-    info = {'rate_index': index, 'labels': labels}
-    out = update({**variables, _INFO: info}, data, client_id, key)
-    params = apply_masks(out.variables['params'], masks(lay, rates, index))
-    extra = ()
-    if 'batch_stats' in variables:
-      extra = query_statistics(
-        model, largest(variables), data, client_id, local.batch_size
-      )
-    uploaded = {**variables, 'params': params}
-    return out._replace(variables=uploaded, extra=extra), client_state
-
   def aggregate(state, outputs, client_ids, round_index, key):
     del round_index, key
-    lay = lay_of(state.params['params'])
+    lay = w.layout_of(state.params['params'])
     index = jnp.asarray(client_rates)[client_ids]
     return server_update(state, outputs, index, lay, rates, weighted)
 
   def evaluated(state):
-    return largest(state.queried if state.queried else state.params)
+    return w.largest(state.queried if state.queried else state.params)
 
   return types.Algorithm(
     init_state,
     dispatch,
-    client_update,
+    functools.partial(_client_update, w),
     aggregate,
     evaluated=evaluated,
     clients_per_round=k,
   )
+
+
+class _Widths(NamedTuple):
+  """What a HeteroFL client's update reads besides its arguments."""
+
+  local: client.LocalTraining
+  rates: tuple[float, ...]
+  top: int  # the index of the largest rate any client has
+  masked_loss: bool
+  scaler: bool
+  layouts: dict[str, Any]  # `layout` of the params, once computed
+
+  def layout_of(self, params: types.PyTree) -> types.PyTree:
+    if 'lay' not in self.layouts:
+      self.layouts['lay'] = layout(params)
+    return self.layouts['lay']
+
+  def largest(self, variables: types.Variables) -> types.Variables:
+    """The sub-model of the largest assigned rate, without the scaler (the
+    identity at evaluation); the whole model when a client has rate 1."""
+    lay = self.layout_of(variables['params'])
+    mask = masks(lay, self.rates, jnp.int32(self.top))
+    return {**variables, 'params': apply_masks(variables['params'], mask)}
+
+
+def _client_update(w, shared, per_client, client_state, data, client_id, key):
+  """Client `client_id` trains its width's sub-model and uploads it
+  masked, with the queried BatchNorm statistics (if any)."""
+  del per_client
+  model = w.local.model
+  num_classes = model.num_classes
+  variables, rate_table = shared
+  lay = w.layout_of(variables['params'])
+  index = rate_table[client_id]
+  if w.masked_loss:
+    labels = present_labels(data, client_id, num_classes)
+  else:
+    labels = jnp.ones((num_classes,), jnp.bool_)
+  update = client.make_local_update(
+    w.local._replace(model=WidthModel(model, lay, w.rates, w.scaler))
+  )
+  info = {'rate_index': index, 'labels': labels}
+  out = update({**variables, _INFO: info}, data, client_id, key)
+  params = apply_masks(out.variables['params'], masks(lay, w.rates, index))
+  extra = ()
+  if 'batch_stats' in variables:
+    extra = query_statistics(
+      model, w.largest(variables), data, client_id, w.local.batch_size
+    )
+  uploaded = {**variables, 'params': params}
+  return out._replace(variables=uploaded, extra=extra), client_state
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:

@@ -50,7 +50,9 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
+from typing import Callable
 from typing import NamedTuple
 
 import jax
@@ -322,22 +324,6 @@ def scaffold(
     del client_ids, round_index, key
     return types.Dispatch(shared=(state.params, state.control))
 
-  def client_update(shared, per_client, c_i, data, client_id, key):
-    del per_client
-    variables, c = shared
-    c_i = jax.tree.map(lambda v: v.astype(jnp.float32), c_i)
-    out = update(variables, data, client_id, key, (c_i, c))
-    stored, delta = client_control(
-      c_i,
-      c,
-      variables['params'],
-      out.variables['params'],
-      effective_steps(out.num_steps, beta),
-      lr,
-      storage,
-    )
-    return out._replace(extra=delta), stored
-
   def aggregate(state, sums, client_ids, round_index, key):
     del client_ids, round_index, key
     return server_update(server, state, sums, k, n)
@@ -345,12 +331,42 @@ def scaffold(
   return types.Algorithm(
     init,
     dispatch,
-    client_update,
+    functools.partial(_client_update, update, lr, beta, storage),
     aggregate,
     init_client_state=init_client_state,
     clients_per_round=k,
     contribution=lambda output: contribution(output, weighted),
   )
+
+
+def _client_update(
+  update: Callable,
+  lr: float,
+  beta: float,
+  storage: jnp.dtype,
+  shared: Any,
+  per_client: Any,
+  c_i: Any,
+  data: Any,
+  client_id: jax.Array,
+  key: jax.Array,
+) -> tuple[types.ClientOutput, Any]:
+  """Corrected local training (`update`) from x with c and c_i; uploads
+  dc_i, keeps the new c_i (stored as `storage`)."""
+  del per_client
+  variables, c = shared
+  c_i = jax.tree.map(lambda v: v.astype(jnp.float32), c_i)
+  out = update(variables, data, client_id, key, (c_i, c))
+  stored, delta = client_control(
+    c_i,
+    c,
+    variables['params'],
+    out.variables['params'],
+    effective_steps(out.num_steps, beta),
+    lr,
+    storage,
+  )
+  return out._replace(extra=delta), stored
 
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
