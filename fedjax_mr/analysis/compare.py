@@ -182,17 +182,11 @@ def configs(
       reset['partition_sha256'] = ''
     for seed in seeds:
       values = {**base, **reset, **overrides}
-      if algorithm != default:  # its flags from the base, the others reset
-        values = {
-          k: v
-          for k, v in values.items()
-          if k not in algorithm_flags or algorithm in algorithm_flags[k][1]
-        }
       values.update(seed=int(seed), workdir=run_dir(out, name, seed))
-      config = config_lib.with_file_digest(
-        config_lib.ExperimentConfig.from_flat(**values)
-      )
       try:
+        config = config_lib.with_file_digest(
+          config_lib.ExperimentConfig.from_flat(**values)
+        )
         checks.validate(config)
       except errors.ConfigError as e:
         raise errors.ConfigError(f'variant {name}: {e}') from None

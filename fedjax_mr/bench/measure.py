@@ -152,8 +152,8 @@ def _measure(setting, torch_loop, log) -> report_lib.Report:
     say(
       report_lib.clients_line(
         clients.data['lognormal'],
-        config.synthetic_alpha,
-        config.synthetic_beta,
+        config.data.synthetic_alpha,
+        config.data.synthetic_beta,
       )
     )
   results = []

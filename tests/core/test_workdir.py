@@ -134,10 +134,10 @@ def test_compare_refuses_before_running_anything(small_fmnist_dir, tmp_path):
 
   base = helpers.small_config(small_fmnist_dir)
   runs = compare.configs(
-    base, [('fedavg', {'algorithm': 'fedavg'})], [0, 1], str(tmp_path)
+    base.flat(), [('fedavg', {'algorithm': 'fedavg'})], [0, 1], str(tmp_path)
   )
   trained = []
-  with workdir.acquire(runs[1][2].workdir):
+  with workdir.acquire(runs[1][2].run.workdir):
     with pytest.raises(errors.ConfigError) as e:
       compare.run_matrix(runs, trained.append, log=lambda s: None)
   assert trained == []  # not even seed 0 ran

@@ -228,14 +228,14 @@ def test_weighting_auto_follows_the_papers(small_config):
   ],
 )
 def test_bad_algorithm_flags(small_config, tmp_path, changes, message):
-  cfg = small_config.replace(**changes)
-  with pytest.raises(errors.ConfigError) as e:
+  with pytest.raises(errors.ConfigError) as e:  # building, or starting
+    cfg = small_config.replace(**changes)
     experiment.train_and_evaluate(cfg, str(tmp_path), log=_quiet)
   assert message in str(e.value)
 
 
 def test_resume_accepts_a_workdir_from_before_new_flags(small_config, tmp_path):
-  cfg = small_config.replace(rounds=1)
+  cfg = small_config.replace(rounds=1, algorithm='fedmut')
   experiment.train_and_evaluate(cfg, str(tmp_path), log=_quiet)
   path = tmp_path / 'config.json'
   saved = json.loads(path.read_text())
@@ -243,9 +243,7 @@ def test_resume_accepts_a_workdir_from_before_new_flags(small_config, tmp_path):
   path.write_text(json.dumps(saved))
   checks.check_resumable(cfg, str(path))
   with pytest.raises(errors.ConfigError, match='`fedmut_alpha=4.0` there'):
-    checks.check_resumable(
-      cfg.replace(algorithm='fedmut', fedmut_alpha=1.0), str(path)
-    )
+    checks.check_resumable(cfg.replace(fedmut_alpha=1.0), str(path))
 
 
 # --- compare ----------------------------------------------------------------
@@ -279,13 +277,15 @@ def test_configs_validate_each_variant(small_config, tmp_path):
   with pytest.raises(
     errors.ConfigError, match='variant bad: `fedmut_alpha=1.0` applies'
   ):
-    compare.configs(small_config, variants, [0], str(tmp_path))
-  runs = compare.configs(small_config, variants[:1], [0, 5], str(tmp_path))
+    compare.configs(small_config.flat(), variants, [0], str(tmp_path))
+  runs = compare.configs(
+    small_config.flat(), variants[:1], [0, 5], str(tmp_path)
+  )
   assert [(n, s, c.run.seed, c.algorithm.name) for n, s, c in runs] == [
     ('fedmr', 0, 0, 'fedmr'),
     ('fedmr', 5, 5, 'fedmr'),
   ]
-  assert runs[1][2].workdir == os.path.join(str(tmp_path), 'fedmr', 's5')
+  assert runs[1][2].run.workdir == os.path.join(str(tmp_path), 'fedmr', 's5')
 
 
 def test_summarize_exact_values(tmp_path):
@@ -338,7 +338,7 @@ def test_summarize_exact_values(tmp_path):
 
 def test_run_matrix_goes_on_past_a_diverged_run(small_config, tmp_path):
   runs = compare.configs(
-    small_config,
+    small_config.flat(),
     [compare.parse_variant(v) for v in ('fedavg', 'fedmut')],
     [0],
     str(tmp_path),

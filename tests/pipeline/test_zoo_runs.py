@@ -233,7 +233,7 @@ def test_paper_flagfiles_are_valid_and_named_by_their_setting():
       parsed = value.split(',') if flag == '--variants' else [value]
       variants += [compare.parse_variant(v) for v in parsed]
     assert variants[0][0] == 'fedavg' and len(variants) >= 2
-    compare.configs(cfg, variants, [0], '/nonexistent')
+    compare.configs(cfg.flat(), variants, [0], '/nonexistent')
   docs = os.path.join(os.path.dirname(CONFIGS), '..', 'docs', 'configs.md')
   listed = open(docs).read()
   assert all(f'`{name}`' in listed for name in files)
