@@ -483,7 +483,11 @@ def read_config(workdir: str) -> config_lib.ExperimentConfig:
   except jsonfile.JsonFileError as e:
     raise errors.ConfigError(str(e)) from None
   known = {f.name for f in config_lib.base_fields()}
-  known |= set(registry.all_flags())
+  # Its algorithm's own flags: a config.json of an earlier version holds
+  # every algorithm's (at the defaults of its time).
+  name = saved.get('algorithm') if isinstance(saved, dict) else None
+  if name in registry.REGISTRY:
+    known |= set(registry.flags_of(name))
   try:
     return config_lib.ExperimentConfig.from_flat(
       **{k: v for k, v in saved.items() if k in known}

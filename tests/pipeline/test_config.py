@@ -364,3 +364,16 @@ def test_another_algorithms_flag_is_refused_where_the_config_is_built():
     config_lib.ExperimentConfig.from_flat(algorithm='nope')
   with pytest.raises(TypeError, match='hparams'):
     config_lib.AlgorithmChoice('fedprox', config_lib.AlgorithmChoice().hparams)
+
+
+def test_a_config_json_of_an_earlier_version_reads_back(tmp_path):
+  from fedjax_mr.pipeline import experiment
+
+  # Earlier versions wrote every algorithm's flags, at their defaults of
+  # the time; those of other algorithms are left out, the run's own kept.
+  saved = _config(algorithm='fedprox', fedprox_mu=0.3).flat()
+  saved.update(fedmut_alpha=9.0, scaffold_control_steps='taken')
+  (tmp_path / 'config.json').write_text(json.dumps(saved))
+  cfg = experiment.read_config(str(tmp_path))
+  assert cfg.algorithm.options() == {'fedprox_mu': 0.3}
+  assert cfg == _config(algorithm='fedprox', fedprox_mu=0.3)
