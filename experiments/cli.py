@@ -381,7 +381,10 @@ def adopt_program_help(program: str) -> None:
   # Its usage lines name the script, not `python -m <program>` (which
   # works only in a checkout).
   script = os.path.basename(sys.argv[0])
-  main.__doc__ = (module.__doc__ or '').replace(f'python -m {program}', script)
+  short = program.rsplit('.', 1)[-1]  # fedjax_mr.experiments.run: run
+  main.__doc__ = (module.__doc__ or '').replace(
+    f'python -m experiments.{short}', script
+  )
   for flag in flags.FLAGS.get_key_flags_for_module(program):
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 

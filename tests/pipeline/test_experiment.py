@@ -602,7 +602,7 @@ def test_load_run_gives_back_config_state_model_and_history(
   work = str(tmp_path / 'run')
   res = experiment.train_and_evaluate(cfg, work, log=_quiet)
   back = experiment.load_run(work)
-  assert back.config == cfg.__class__(**{**cfg.to_dict(), 'workdir': ''})
+  assert back.config == cfg.replace(workdir='')
   assert back.round == 3 and back.history == res.history
   helpers.tree_equal(jax.device_get(back.state), jax.device_get(res.state))
   # The model is the run's: its logits on a batch are the state's.

@@ -28,7 +28,7 @@ from fedjax_mr.core import types
 from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import codec
 from fedjax_mr.deploy import node
-from fedjax_mr.harness import config as config_lib
+from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.training import engine
 
 DEFAULT = dict(
@@ -48,9 +48,9 @@ DEFAULT = dict(
 
 
 def measure(algorithm: str) -> dict:
-  config = config_lib.ExperimentConfig(algorithm=algorithm, **DEFAULT)
+  config = config_lib.ExperimentConfig.from_flat(algorithm=algorithm, **DEFAULT)
   e = adapter.setup(config)
-  k = config.clients_per_round
+  k = config.server.clients_per_round
   sent = engine.next_dispatch(e.algorithm, e.state, e.data, e.key, k)
   ids = engine.make_sample_fn(e.algorithm, k)(e.state, e.data, e.key)
   request = sum(
