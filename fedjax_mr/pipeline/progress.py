@@ -1,12 +1,16 @@
 """What a run says while it runs: the setting at the start, one line per
-round (loss, accuracies, elapsed time, rounds/s, ETA) and a summary."""
+round (loss, accuracies, elapsed time, rounds/s, ETA) and a summary; for
+a FedStitch run (`stitch_experiment`) its rounds' lines, the Local
+baseline's and the closing lines."""
 
 from __future__ import annotations
 
+import collections
 import os
 from typing import Any
 from typing import Callable
 from typing import Mapping
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -203,3 +207,135 @@ def written_files(workdir: str) -> list[str]:
     for name in RUN_FILES
     if os.path.exists(os.path.join(workdir, name.rstrip('/')))
   ]
+
+
+# --- FedStitch runs (experiments.stitch) -------------------------------------
+
+
+class Pace(NamedTuple):
+  """Where this process stands in a run, for a progress line's timing.
+
+  Attributes:
+    elapsed_s: seconds since this process began (or resumed) the run.
+    ran: the rounds this process ran (none from before a resume).
+    limit: the most rounds the run can take (`federated.round_limit`).
+  """
+
+  elapsed_s: float
+  ran: int
+  limit: int
+
+
+def pace_text(pace: Pace, done: int) -> str:
+  """`'12/≤35 rounds | elapsed 48.0s | 0.25 rounds/s | ETA ≤ 92s'` after
+  `done` rounds of the run: the elapsed time and rate are this process's
+  (a resumed run counts only its own rounds), and the ETA is the rounds
+  still possible (`pace.limit` − `done`) at the mean round time so far. It
+  bounds the rounds, not their time: a run can end sooner (every network
+  finished), and its rounds get cheaper as the pools shrink, but a round
+  is not promised to be as fast as the mean."""
+  mean = pace.elapsed_s / max(pace.ran, 1)
+  left = max(pace.limit - done, 0)
+  return (
+    f'{done}/≤{pace.limit} rounds | elapsed {pace.elapsed_s:.1f}s | '
+    f'{1 / max(mean, 1e-9):.2f} rounds/s | ETA ≤ {left * mean:.0f}s'
+  )
+
+
+def configs_text(clients: list[dict[str, Any]]) -> str:
+  """The clients' energy configurations, each once with its count, most
+  frequent first (ties: first seen), e.g. `'table2_3_MAXN ×7, table2_2
+  ×3'`."""
+  counts = collections.Counter(c['config'] for c in clients)
+  return ', '.join(f'{name} ×{n}' for name, n in counts.most_common())
+
+
+def stitch_round_lines(
+  entry: dict[str, Any], pace: Pace | None = None
+) -> list[str]:
+  """A round's progress lines: depth, pool sizes, selection time, client
+  weights, and with `pace` how far the run is (`pace_text`); its energy,
+  with the configurations chosen and how many clients chose each (every
+  client's is in energy.jsonl); the blocks selected."""
+  w = entry['weights']
+  lines = [
+    f'round {entry["round"]:3d}  depth {entry["depth"]}  pool '
+    f'{",".join(map(str, entry["pool_sizes"]))}  selection '
+    f'{sum(entry["client_time_s"]):.2f} s  weights: effective '
+    f'{w["effective_clients"]:.1f} clients, max {w["max"]:.2f}×, min '
+    f'{w["min"]:.2f}×'
+  ]
+  if pace is not None:  # log entries count rounds from 0
+    lines[0] += ' | ' + pace_text(pace, entry['round'] + 1)
+  en = entry.get('energy')
+  if en is not None:
+    met = [c['met'] for c in en['clients']]
+    lines.append(
+      f'    energy {en["energy_j"]:.1f} J (highest frequency '
+      f'{en["default_energy_j"]:.1f} J); '
+      + (
+        'no deadline yet'
+        if en['deadline_s'] is None
+        else f'deadline {en["deadline_s"]:.2f} s, met by {sum(met)}/{len(met)}'
+      )
+      + '; configs '
+      + configs_text(en['clients'])
+    )
+  for s in entry.get('selected', []):
+    if 'block' in s:
+      lines.append(
+        f'    {s["network"]}  +  {s["block"]}  (votes {s["votes"]:.1f}, '
+        f'CKA {s["mean_cka"]:.3f})'
+      )
+  return lines
+
+
+def stitch_local_line(
+  i: int, who: list[int], best: float, networks: int, elapsed_s: float
+) -> str:
+  """The line after the `i`-th (from 1) of the Local searches of clients
+  `who`: the best accuracy of its `networks`, the seconds since the first
+  began and the ETA of the others at the mean search time so far."""
+  left = (len(who) - i) * elapsed_s / i
+  return (
+    f'Local {i}/{len(who)} (client {who[i - 1]} alone): best '
+    f'{100 * best:.2f} % of {networks} networks | elapsed {elapsed_s:.1f}s '
+    f'| ETA {left:.0f}s'
+  )
+
+
+def stitch_summary_lines(
+  results: dict[str, Any], key: str, sysfs_writes: int
+) -> list[str]:
+  """The closing lines: networks, the best (by accuracy `key`), each pool
+  model, the Local baseline, the energy totals (and the coordinators'
+  `sysfs_writes`), the peak memory."""
+  nets, local, en = results['networks'], results['local'], results['energy']
+  lines = [
+    f'{len(nets)} stitched networks in {results["rounds"]} rounds '
+    f'({results["run_seconds"]:.0f} s; client selection time '
+    f'{results["selection_seconds_total"]:.1f} s); best: '
+    + (f'{nets[0]["path"]} {100 * nets[0][key]:.2f} %' if nets else 'none')
+  ]
+  for m, acc in results['pool_models'].items():
+    lines.append(f'pool model {m} alone: {100 * acc[key]:.2f} %')
+  if local:
+    lines.append(
+      f"Local (mean of {len(local['clients'])} clients' best): "
+      f'{100 * local["mean_best"]:.2f} %'
+    )
+  lines.append(
+    f'energy ({en["backend"]}, {en["devices"]}): local coordinators '
+    f'{en["coordinated_energy_j"]:.1f} J vs {en["default_energy_j"]:.1f} J '
+    f'at the highest frequency, saving {100 * en["energy_saving"]:.1f} % '
+    f'(time {100 * en["time_change"]:+.1f} %, {en["missed"]} missed deadlines'
+    + (
+      ''
+      if en['backend'] == 'simulated'
+      else f'; {sysfs_writes} sysfs writes'
+      + (', planned only' if en['backend'] == 'dry_run' else '')
+    )
+    + '); per client and round in energy.jsonl'
+  )
+  lines.append(f'peak host memory {results["peak_host_mib"]:.0f} MiB')
+  return lines

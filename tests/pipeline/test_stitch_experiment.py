@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from fedjax_mr.core import errors
+from fedjax_mr.pipeline import progress
 from fedjax_mr.pipeline import stitch_config
 from fedjax_mr.pipeline import stitch_experiment
 from fedjax_mr.stitch import federated
 
-Pace = stitch_experiment.Pace
+Pace = progress.Pace
 
 
 def _entry(r, configs=('table2_3_MAXN',) * 3, deadline_s=None):
@@ -50,18 +51,18 @@ def test_a_round_prints_the_configurations_once_each_with_their_count():
     {'network': 'a[0] → b[1]', 'block': 'c[2]', 'votes': 1.5, 'mean_cka': 0.75},
     {'network': 'x[0]', 'dropped': 'no candidates'},
   ]
-  assert stitch_experiment.round_lines(entry) == [
+  assert progress.stitch_round_lines(entry) == [
     _HEAD,
     '    energy 12.3 J (highest frequency 15.0 J); deadline 1.50 s, met by '
     '3/4; configs table2_2 ×2, table2_3_MAXN ×1, table2_1 ×1',
     '    a[0] → b[1]  +  c[2]  (votes 1.5, CKA 0.750)',
   ]
-  assert stitch_experiment.round_lines(_entry(4))[1] == (
+  assert progress.stitch_round_lines(_entry(4))[1] == (
     '    energy 12.3 J (highest frequency 15.0 J); no deadline yet; configs '
     'table2_3_MAXN ×3'
   )
   del entry['energy']
-  assert stitch_experiment.round_lines(entry)[:2] == [
+  assert progress.stitch_round_lines(entry)[:2] == [
     _HEAD,
     '    a[0] → b[1]  +  c[2]  (votes 1.5, CKA 0.750)',
   ]
@@ -69,18 +70,18 @@ def test_a_round_prints_the_configurations_once_each_with_their_count():
 
 def test_equal_counts_keep_the_order_the_clients_are_in():
   clients = [{'config': c} for c in ('b', 'a', 'a', 'c', 'b')]
-  assert stitch_experiment.configs_text(clients) == 'b ×2, a ×2, c ×1'
+  assert progress.configs_text(clients) == 'b ×2, a ×2, c ×1'
 
 
 def test_the_eta_bounds_the_rounds_left_at_this_process_pace():
   # Resumed after round 1: this process ran rounds 2, 3 and 4 in 30 s, so
   # 10 s a round; 5 of at most 35 are done, 30 may be left.
-  lines = stitch_experiment.round_lines(_entry(4), Pace(30.0, 3, 35))
+  lines = progress.stitch_round_lines(_entry(4), Pace(30.0, 3, 35))
   assert lines[0] == (
     f'{_HEAD} | 5/≤35 rounds | elapsed 30.0s | 0.10 rounds/s | ETA ≤ 300s'
   )
   # The last possible round leaves none.
-  assert stitch_experiment.pace_text(Pace(70.0, 35, 35), 35) == (
+  assert progress.pace_text(Pace(70.0, 35, 35), 35) == (
     '35/≤35 rounds | elapsed 70.0s | 0.50 rounds/s | ETA ≤ 0s'
   )
 
@@ -157,7 +158,7 @@ def test_local_lines_count_the_searches_and_time_them(tmp_path, monkeypatch):
     f'Local 2/2 (client {b} alone): best 86.60 % of 3 networks | elapsed '
     '250.0s | ETA 0s',
   ]
-  assert stitch_experiment.local_line(2, [3, 25, 40], 0.866, 20, 208.0) == (
+  assert progress.stitch_local_line(2, [3, 25, 40], 0.866, 20, 208.0) == (
     'Local 2/3 (client 25 alone): best 86.60 % of 20 networks | elapsed '
     '208.0s | ETA 104s'
   )
