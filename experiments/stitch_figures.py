@@ -121,276 +121,45 @@ from __future__ import annotations
 # First: Ctrl-C while the modules below import ends in one line (cli).
 from . import cli  # isort: split
 
+import dataclasses
+import re
+
 from absl import flags
 from absl import logging
 
-FIGURES = [
-  'table3',
-  'acc_vs_time',
-  'acc_vs_round',
-  'memory',
-  'search_space',
-  'voting',
-  'rank_vs_classes',
-]
-_FIGURE = flags.DEFINE_enum(
-  'figure', None, FIGURES, 'Which table or figure of the paper to make.'
-)
-_OUTPUT = flags.DEFINE_string(
-  'output', None, 'Output folder (<figure>.json, .md and/or .png).'
-)
-_RUNS = flags.DEFINE_string(
-  'runs',
-  '',
-  "Methods and workdirs: 'label:column=path,column=path;label:path;...' "
-  '(columns are settings, e.g. iid and noniid; a bare path is column '
-  "'run'), or a JSON file {label: {column: path}}. All figures but memory.",
-)
-_LAST = flags.DEFINE_integer(
-  'last',
-  10,
-  'table3 and acc_vs_round: training runs average their last this many '
-  'evaluations.',
-)
-_TIME_UNIT = flags.DEFINE_enum(
-  'time_unit',
-  'minutes',
-  ['hours', 'minutes', 'seconds'],
-  'acc_vs_time: x axis.',
-)
-_INCLUDE_EVAL = flags.DEFINE_bool(
-  'include_eval',
-  False,
-  "acc_vs_time: add training runs' evaluation time to their wall time.",
-)
-_PARTITION_SUMMARY = flags.DEFINE_string(
-  'partition_summary',
-  None,
-  'rank_vs_classes: the partition summary (JSON with per-client '
-  "'label_histograms') of the run. Default: <workdir>/partition.json.",
-)
-_POOL = flags.DEFINE_string('pool', None, 'memory: the pool folder.')
-_POOL_MODELS = flags.DEFINE_list(
-  'pool_models', [], 'memory: pool model ids (default: all in --pool).'
-)
-_CUTS = flags.DEFINE_enum(
-  'cuts',
-  'default',
-  ['default', 'per_linear', 'every_unit'],
-  'memory: how pool models are cut into blocks (as experiments.stitch).',
-)
-_BATCH_SIZE = flags.DEFINE_integer(
-  'batch_size', 64, "memory: FedStitch's scoring batch."
-)
-_TRAIN_BATCH_SIZE = flags.DEFINE_integer(
-  'train_batch_size', 128, "memory: the baselines' local batch."
-)
-_FT_LAYERS = flags.DEFINE_integer(
-  'ft_layers',
-  2,
-  'memory: FT-Part trains the last this many parameterised modules (as '
-  'experiments.run --algorithm=ft_part --ft_layers).',
-)
-_MODELS = flags.DEFINE_list(
-  'models', [], 'memory: zoo models trained from scratch (baselines).'
-)
-_INPUT_SHAPE = flags.DEFINE_list(
-  'input_shape',
-  [],
-  "memory: the --models' input shape, e.g. 32,32,3 (default: the pool's).",
-)
-_NUM_CLASSES = flags.DEFINE_integer(
-  'num_classes', 10, "memory: the --models' classes."
-)
+from fedjax_mr.analysis import stitch_paper
+from fedjax_mr.core import errors
+
+FIELDS = dataclasses.fields(stitch_paper.Setting)
+_DEFINE = {'bool': flags.DEFINE_bool, 'int': flags.DEFINE_integer}
 
 
-def _runs(figures):
-  from fedjax_mr.analysis import stitch_tables
-
-  if not _RUNS.value:
-    cli.fail(f'--runs is needed for --figure={_FIGURE.value}')
-  return stitch_tables.parse_runs(_RUNS.value)
+def _help(f: dataclasses.Field) -> str:
+  """The help of the setting's field `f`, naming its fields as flags."""
+  return re.sub(r'`([a-z][a-z0-9_]*(=[^`]*)?)`', r'--\1', f.metadata['help'])
 
 
-def _print_written(paths) -> None:
-  for p in paths:
-    print(f'wrote {p}')
+for _f in FIELDS:
+  if _f.metadata['choices']:
+    flags.DEFINE_enum(_f.name, _f.default, _f.metadata['choices'], _help(_f))
+  elif isinstance(_f.default, tuple):
+    flags.DEFINE_list(_f.name, list(_f.default), _help(_f))
+  else:
+    _DEFINE.get(_f.type, flags.DEFINE_string)(_f.name, _f.default, _help(_f))
+FLAGS = flags.FLAGS
 
 
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore
-  if _FIGURE.value is None:
-    cli.fail(f'--figure is needed: one of {", ".join(FIGURES)}')
-  if not _OUTPUT.value:
-    cli.fail('--output is needed: the folder to write the figure into')
-  from fedjax_mr.analysis import stitch_figures as figures
-  from fedjax_mr.core import errors
-
+  values = {f.name: FLAGS[f.name].value for f in FIELDS}
+  setting = stitch_paper.Setting(
+    **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+  )
   try:
-    _main(figures, errors)
+    stitch_paper.make(setting, log=print)
   except errors.UserError as e:
     cli.fail(str(e))
-
-
-def _main(figures, errors) -> None:
-  from fedjax_mr.analysis import stitch_tables
-
-  name, out = _FIGURE.value, _OUTPUT.value
-  if name == 'memory':
-    _memory(figures, errors, out)
-    return
-  if name in ('table3', 'acc_vs_round') and _LAST.value < 1:
-    cli.fail(f'--last must be ≥ 1, got {_LAST.value}')
-  runs = _runs(figures)
-  if name == 'table3':
-    data, text = stitch_tables.accuracy_table(runs, _LAST.value)
-    print(text, end='')
-    _print_written(figures.write(out, name, data, text))
-  elif name == 'voting':
-    data, text = stitch_tables.voting_table(runs)
-    print(text, end='')
-    _print_written(figures.write(out, name, data, text))
-  elif name == 'acc_vs_time':
-    curves = figures.time_curves(runs, _INCLUDE_EVAL.value)
-    if not curves:
-      cli.fail(
-        '--runs: no workdir has points yet (training runs need evaluated '
-        'rounds in metrics.jsonl, FedStitch runs their results.json)'
-      )
-    for label, cols in runs.items():
-      for col, path in cols.items():
-        if label not in curves.get(col, {}):
-          print(f'no points yet, left out: {label} ({col}): {path}')
-    fig = figures.time_figure(curves, _TIME_UNIT.value, _INCLUDE_EVAL.value)
-    data = {
-      'time_unit': 'seconds',
-      'evaluation_included': _INCLUDE_EVAL.value,
-      'curves': curves,
-    }
-    _print_written(figures.write(out, name, data, None, fig))
-  elif name == 'acc_vs_round':
-    curves = figures.round_curves(runs, _LAST.value)
-    if not curves:
-      cli.fail(
-        '--runs: no workdir has points yet (training runs need evaluated '
-        'rounds in metrics.jsonl, FedStitch runs their results.json)'
-      )
-    fig = figures.round_figure(curves, _LAST.value)
-    data = {'last': _LAST.value, 'curves': curves}
-    _print_written(figures.write(out, name, data, None, fig))
-  elif name == 'search_space':
-    data = figures.search_space(runs)
-    if not data:
-      cli.fail('--runs: no FedStitch workdir with a log.jsonl among them')
-    text = figures.search_space_table(data)
-    print(text, end='')
-    fig = figures.search_space_figure(data)
-    _print_written(figures.write(out, name, data, text, fig))
-  elif name == 'rank_vs_classes':
-    _rank(figures, runs, out)
-
-
-def _rank(figures, runs, out) -> None:
-  import os
-
-  from fedjax_mr.analysis import stitch_tables
-  from fedjax_mr.core import jsonfile
-
-  paths = [p for cols in runs.values() for p in cols.values()]
-  if len(paths) != 1:
-    cli.fail(f'--runs: rank_vs_classes takes one workdir, got {len(paths)}')
-  (path,) = paths
-  if stitch_tables.kind_of(path) != 'stitch':
-    cli.fail(f'--runs: {path} is not a FedStitch workdir (no log.jsonl)')
-  log = stitch_tables.read_log(path)
-  if not log:
-    cli.fail(f'--runs: {path}/log.jsonl holds no round')
-  summary_path = _PARTITION_SUMMARY.value or os.path.join(
-    path, 'partition.json'
-  )
-  if _PARTITION_SUMMARY.value:
-    where = f'--partition_summary={summary_path}'
-  else:
-    where = (
-      f'--runs: {path} has no readable partition.json (and no '
-      '--partition_summary was given)'
-    )
-  try:
-    classes = figures.read_classes_per_client(summary_path)
-  except jsonfile.JsonFileError as e:
-    cli.fail(
-      f"{where}: cannot read the clients' classes ({e.reason}); want a "
-      "JSON partition summary with per-client 'label_histograms'"
-    )
-  state = stitch_tables.stitch_state(path)
-  weights = None
-  if state is not None and state[0].get('weights') is not None:
-    weights = [float(w) for w in state[0]['weights']]
-    if len(weights) != len(classes):
-      cli.fail(
-        f'--partition_summary: {summary_path} has {len(classes)} clients, '
-        f'the run {path} has {len(weights)}'
-      )
-  res = stitch_tables.stitch_results(path)
-  data = figures.rank_data(
-    log, classes, weights, (res or {}).get('local') or None
-  )
-  data['path'] = path
-  text = figures.rank_table(data)
-  print(text, end='')
-  fig = figures.rank_figure(data, f'{next(iter(runs))}: {path}')
-  _print_written(figures.write(out, 'rank_vs_classes', data, text, fig))
-
-
-def _memory(figures, errors, out) -> None:
-  from fedjax_mr.analysis import stitch_memory
-  from fedjax_mr.models import model as model_lib
-
-  for flag in (_BATCH_SIZE, _TRAIN_BATCH_SIZE, _NUM_CLASSES, _FT_LAYERS):
-    if flag.value < 1:
-      cli.fail(f'--{flag.name} must be ≥ 1, got {flag.value}')
-  if not _POOL.value and not _MODELS.value:
-    cli.fail('--figure=memory needs --pool and/or --models')
-  models, chains = [], []
-  if _POOL.value:
-    from fedjax_mr.stitch import pool as pool_lib
-
-    models = pool_lib.load(_POOL.value, _POOL_MODELS.value or None)
-    chains = pool_lib.chains(models, _CUTS.value)
-  shape = None
-  if _INPUT_SHAPE.value:
-    try:
-      shape = tuple(int(s) for s in _INPUT_SHAPE.value)
-    except ValueError:
-      cli.fail(f'--input_shape: not integers: {",".join(_INPUT_SHAPE.value)}')
-  elif models:
-    shape = tuple(models[0].model.input_shape)
-  if _MODELS.value and shape is None:
-    cli.fail('--models needs --input_shape (or a --pool to take it from)')
-  baselines = []
-  for m in _MODELS.value:
-    try:
-      baselines.append(
-        (f'{m} (scratch)', model_lib.get(m, _NUM_CLASSES.value, shape))
-      )
-    except (KeyError, ValueError) as e:
-      cli.fail(f'--models: {m}: {e}')
-  try:
-    data = stitch_memory.memory_data(
-      chains,
-      models,
-      baselines,
-      _BATCH_SIZE.value,
-      _TRAIN_BATCH_SIZE.value,
-      _FT_LAYERS.value,
-    )
-  except errors.ArgumentError as e:  # FT-Part's layers, the one argument
-    cli.fail(f'--ft_layers: {e.message}')
-  text = stitch_memory.memory_table(data)
-  print(text, end='')
-  fig = stitch_memory.memory_figure(data)
-  _print_written(figures.write(out, 'memory', data, text, fig))
 
 
 def entry() -> None:
