@@ -26,14 +26,7 @@ from fedjax_mr.pipeline import registry
 
 
 def _define_flags() -> None:
-  for f in config_lib.base_fields():
-    help_text = f.metadata['help']
-    allowed = config_lib.choices(f)
-    if allowed:
-      # Validated by checks.validate, for one clear error message.
-      help_text += f' One of: {", ".join(allowed)}.'
-    cli.define_flag(f.name, f, help_text)
-    flags.declare_key_flag(f.name)  # listed by --helpshort
+  cli.define_config_flags(config_lib.base_fields(), config_lib.choices)
   # The algorithms' hyper-parameters, from the registry (--helpfull).
   cli.define_algorithm_flags()
 
@@ -42,32 +35,22 @@ _define_flags()
 FLAGS = flags.FLAGS
 
 # `--help`: the flags by the config's parts.
-_HEADINGS = {
-  'data': 'Data',
-  'partition': 'Partition',
-  'model': 'Model',
-  'local': 'Local training',
-  'server': 'Server',
-  'algorithm': 'Algorithm (its own flags: --helpfull)',
-  'run': 'Run and records',
-  'evaluation': 'Evaluation',
-  'energy': 'Energy (simulated devices)',
-  'devices': 'Devices',
-  'devices.processes': 'Processes (multi-host)',
-}
-cli.set_help_groups(
+cli.config_help_groups(
   __name__,
-  [
-    (
-      heading,
-      [
-        f.name
-        for f in config_lib.base_fields()
-        if '.'.join(f.path[:-1]) == part
-      ],
-    )
-    for part, heading in _HEADINGS.items()
-  ],
+  config_lib.base_fields(),
+  {
+    'data': 'Data',
+    'partition': 'Partition',
+    'model': 'Model',
+    'local': 'Local training',
+    'server': 'Server',
+    'algorithm': 'Algorithm (its own flags: --helpfull)',
+    'run': 'Run and records',
+    'evaluation': 'Evaluation',
+    'energy': 'Energy (simulated devices)',
+    'devices': 'Devices',
+    'devices.processes': 'Processes (multi-host)',
+  },
 )
 
 

@@ -173,7 +173,7 @@ _AT_MOST = {
 def _check_values(config: config_lib.ExperimentConfig) -> None:
   """Choices, and sizes and rates in their ranges."""
   for f in config_lib.base_fields():
-    _check_choice(f.name, _value(config, f.name), config_lib.choices(f))
+    check_choice(f.name, _value(config, f.name), config_lib.choices(f))
   for name in _POSITIVE:
     if _value(config, name) < 1:
       raise errors.ConfigError(
@@ -201,7 +201,7 @@ def _check_values(config: config_lib.ExperimentConfig) -> None:
     )
 
 
-def _check_choice(name: str, value: Any, allowed: Any) -> None:
+def check_choice(name: str, value: Any, allowed: Any) -> None:
   """Refuses `value` of field `name` unless it is one of `allowed` (any
   value when `allowed` is empty)."""
   if allowed and value not in allowed:
@@ -514,7 +514,7 @@ def _check_algorithm_fields(config: config_lib.ExperimentConfig) -> Any:
   hyper-parameters."""
   options = config.algorithm.options()
   for name, f in registry.flags_of(config.algorithm.name).items():
-    _check_choice(name, options[name], f.metadata.get('choices'))
+    check_choice(name, options[name], f.metadata.get('choices'))
   return hparams(config)
 
 
