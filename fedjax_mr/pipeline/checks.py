@@ -379,11 +379,22 @@ def _check_owned(
   the field `owner` is none of the values that read it."""
   if defaults is None:
     defaults = {f.name: f.default for f in config_lib.base_fields()}
-  value = _value(config, owner)
+  check_owned(config.flat(), defaults, owner, owned)
+
+
+def check_owned(
+  values: Mapping[str, Any],
+  defaults: Mapping[str, Any],
+  owner: str,
+  owned: Mapping[str, tuple[str, ...]],
+) -> None:
+  """`_check_owned` of any config's flat `values` and their `defaults`
+  ({flag: value}; the FedStitch runs' too)."""
+  value = values[owner]
   for name, owners in owned.items():
-    if value not in owners and _value(config, name) != defaults[name]:
+    if value not in owners and values[name] != defaults[name]:
       raise errors.ConfigError(
-        f'`{name}={_value(config, name)}` applies to `{owner}='
+        f'`{name}={values[name]}` applies to `{owner}='
         f'{" or ".join(owners)}` only, not `{owner}={value}`'
       )
 

@@ -352,6 +352,7 @@ def validate(config: StitchConfig) -> None:
   _check_run(config)
   _check_partition(config.partition)
   _check_energy(config.energy)
+  _check_owned(config)
 
 
 def _check_run(config: StitchConfig) -> None:
@@ -385,53 +386,48 @@ def _check_run(config: StitchConfig) -> None:
       raise errors.ConfigError(message)
 
 
+# The fields that some energy backends alone read, and those backends.
+ENERGY_BACKEND_FIELDS = {
+  'energy_mix': ('simulated',),
+  'energy_profile': ('sysfs', 'dry_run'),
+}
+
+
+def _check_owned(config: StitchConfig) -> None:
+  """The fields that some partitions or energy backends alone read, left
+  at their defaults where they are not read (the training runs' rule)."""
+  values = config.flat()
+  defaults = StitchConfig().flat()
+  partition_fields = {
+    k: v for k, v in checks.PARTITION_FIELDS.items() if k in values
+  }
+  checks.check_owned(values, defaults, 'partition', partition_fields)
+  checks.check_owned(values, defaults, 'energy_backend', ENERGY_BACKEND_FIELDS)
+
+
 def _check_partition(part: Partition) -> None:
-  """`alpha` and `shards_per_client`, each where its partition reads it."""
-  default = Partition()
+  """`alpha` and `shards_per_client` where their partition reads them."""
   if part.kind in ('dirichlet', 'dirichlet_equal'):
     if not (part.alpha > 0 and math.isfinite(part.alpha)):
       raise errors.ConfigError(
         f'`alpha` must be finite and > 0, got {part.alpha}'
       )
-  elif part.alpha != default.alpha:
+  if part.kind == 'shards' and part.shards_per_client < 1:
     raise errors.ConfigError(
-      '`alpha` applies to `partition=dirichlet|dirichlet_equal` only, not '
-      f'`partition={part.kind}`'
-    )
-  if part.kind == 'shards':
-    if part.shards_per_client < 1:
-      raise errors.ConfigError(
-        f'`shards_per_client` must be >= 1, got {part.shards_per_client}'
-      )
-  elif part.shards_per_client != default.shards_per_client:
-    raise errors.ConfigError(
-      '`shards_per_client` applies to `partition=shards` only, not '
-      f'`partition={part.kind}`'
+      f'`shards_per_client` must be >= 1, got {part.shards_per_client}'
     )
 
 
 def _check_energy(energy: Energy) -> None:
-  """The coordinators' time model, and each backend's own fields."""
+  """The coordinators' time model; a device profile where the clocks are
+  this device's."""
   ms = energy.ms_per_score
   if not (ms > 0 and math.isfinite(ms)):
     raise errors.ConfigError(
       f'`energy_ms_per_score` must be finite and > 0, got {ms}'
     )
-  backend = energy.backend
-  if backend == 'simulated':
-    if energy.profile is not None:
-      raise errors.ConfigError(
-        '`energy_profile` applies to `energy_backend=sysfs` or dry_run, '
-        'not simulated (which takes `energy_mix`)'
-      )
-    return
-  if energy.mix != Energy().mix:
+  if energy.backend != 'simulated' and energy.profile is None:
     raise errors.ConfigError(
-      f'`energy_mix` applies to `energy_backend=simulated`, not {backend} '
-      '(which takes `energy_profile`)'
-    )
-  if energy.profile is None:
-    raise errors.ConfigError(
-      f'`energy_backend={backend}` needs `energy_profile`: tx2_literal, '
-      'tx2_chained or a JSON file of experiments.profile_device'
+      f'`energy_backend={energy.backend}` needs `energy_profile`: '
+      'tx2_literal, tx2_chained or a JSON file of experiments.profile_device'
     )

@@ -90,11 +90,18 @@ _BAD = [
   ({'knn_reference': 0}, '`knn_reference` must be ≥ 1'),
   ({'local_clients': 200}, '`local_clients` must be in [0, `num_clients=100`]'),
   ({'alpha': 0.0}, '`alpha` must be finite and > 0'),
-  ({'partition': 'iid', 'alpha': 0.5}, '`alpha` applies to'),
+  (
+    {'partition': 'iid', 'alpha': 0.5},
+    '`alpha=0.5` applies to `partition=dirichlet or dirichlet_equal` only',
+  ),
   ({'partition': 'shards', 'shards_per_client': 0}, '`shards_per_client`'),
-  ({'shards_per_client': 3}, '`shards_per_client` applies to'),
+  ({'shards_per_client': 3}, '`shards_per_client=3` applies to'),
   ({'energy_ms_per_score': 0.0}, '`energy_ms_per_score` must be finite'),
-  ({'energy_profile': 'tx2_chained'}, '`energy_profile` applies to'),
+  (
+    {'energy_profile': 'tx2_chained'},
+    '`energy_profile=tx2_chained` applies to `energy_backend=sysfs or '
+    'dry_run` only, not `energy_backend=simulated`',
+  ),
   ({'energy_backend': 'sysfs'}, 'needs `energy_profile`'),
   (
     {
@@ -102,7 +109,7 @@ _BAD = [
       'energy_profile': 'tx2_chained',
       'energy_mix': 'tx2_literal:1',
     },
-    '`energy_mix` applies to',
+    '`energy_mix=tx2_literal:1` applies to',
   ),
 ]
 
