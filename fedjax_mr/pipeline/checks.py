@@ -216,6 +216,16 @@ def check_seed(name: str, seed: int) -> None:
     raise errors.ConfigError(f'`{name}` must be in [0, 2**32), got {seed}')
 
 
+def check_clients_per_round(k: int, n: int) -> None:
+  """Raises `ConfigError` if `clients_per_round` `k` exceeds `num_clients`
+  `n`."""
+  if k > n:
+    raise errors.ConfigError(
+      f'`clients_per_round={k}` exceeds `num_clients={n}`; it must be '
+      'between 1 and num_clients'
+    )
+
+
 def _check_run(config: config_lib.ExperimentConfig) -> None:
   """The energy mixes, K against N, the processes."""
   for mix in config_lib.energy_mixes(config.energy):
@@ -227,12 +237,9 @@ def _check_run(config: config_lib.ExperimentConfig) -> None:
       )
     except (ValueError, OSError) as e:
       raise errors.ConfigError(f'`energy_mix`: {mix!r}: {e}') from None
-  if config.server.clients_per_round > config.partition.num_clients:
-    raise errors.ConfigError(
-      f'`clients_per_round={config.server.clients_per_round}` exceeds '
-      f'`num_clients={config.partition.num_clients}`; it must be between 1 and '
-      'num_clients'
-    )
+  check_clients_per_round(
+    config.server.clients_per_round, config.partition.num_clients
+  )
   if (
     not 0
     <= config.devices.processes.process_id

@@ -360,11 +360,7 @@ def _check_run(config: StitchConfig) -> None:
   n = config.partition.num_clients
   k = config.selection.clients_per_round
   e = config.evaluation
-  if k > n:
-    raise errors.ConfigError(
-      f'`clients_per_round={k}` exceeds `num_clients={n}`; it must be '
-      'between 1 and num_clients'
-    )
+  checks.check_clients_per_round(k, n)
   checks.check_seed('seed', config.run.seed)
   rules = [
     (
