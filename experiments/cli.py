@@ -524,23 +524,6 @@ def define_config_flags(
     flags.declare_key_flag(f.name)
 
 
-def config_help_groups(
-  program: str, fields: Sequence[Any], headings: dict[str, str]
-) -> None:
-  """`set_help_groups` of `program` by the parts of a config tree:
-  `headings` maps a part's path ('devices.processes') to its heading."""
-  set_help_groups(
-    program,
-    [
-      (
-        heading,
-        [f.name for f in fields if '.'.join(f.path[:-1]) == part],
-      )
-      for part, heading in headings.items()
-    ],
-  )
-
-
 def define_algorithm_flags() -> list[str]:
   """The algorithms' hyper-parameter flags, from the registry (each help
   text names the algorithms that read it). Returns their names."""

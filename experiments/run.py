@@ -35,22 +35,32 @@ _define_flags()
 FLAGS = flags.FLAGS
 
 # `--help`: the flags by the config's parts.
-cli.config_help_groups(
+_HEADINGS = {
+  'data': 'Data',
+  'partition': 'Partition',
+  'model': 'Model',
+  'local': 'Local training',
+  'server': 'Server',
+  'algorithm': 'Algorithm (its own flags: --helpfull)',
+  'run': 'Run and records',
+  'evaluation': 'Evaluation',
+  'energy': 'Energy (simulated devices)',
+  'devices': 'Devices',
+  'devices.processes': 'Processes (multi-host)',
+}
+cli.set_help_groups(
   __name__,
-  config_lib.base_fields(),
-  {
-    'data': 'Data',
-    'partition': 'Partition',
-    'model': 'Model',
-    'local': 'Local training',
-    'server': 'Server',
-    'algorithm': 'Algorithm (its own flags: --helpfull)',
-    'run': 'Run and records',
-    'evaluation': 'Evaluation',
-    'energy': 'Energy (simulated devices)',
-    'devices': 'Devices',
-    'devices.processes': 'Processes (multi-host)',
-  },
+  [
+    (
+      heading,
+      [
+        f.name
+        for f in config_lib.base_fields()
+        if '.'.join(f.path[:-1]) == part
+      ],
+    )
+    for part, heading in _HEADINGS.items()
+  ],
 )
 
 

@@ -81,24 +81,6 @@ def _define_flags() -> None:
 _define_flags()
 FLAGS = flags.FLAGS
 
-# `--help`: the flags by the config's parts.
-cli.config_help_groups(
-  __name__,
-  config_lib.fields(),
-  {
-    'pool': 'Pool',
-    'data': 'Data',
-    'partition': 'Partition',
-    'selection': "Selection (a round's uploads and votes)",
-    'search': 'Search',
-    'cka': 'CKA',
-    'stitching': 'Stitching',
-    'run': 'Run',
-    'evaluation': 'Evaluation',
-    'energy': "Energy (the clients' coordinators)",
-  },
-)
-
 
 def config_from_flags() -> config_lib.StitchConfig:
   return config_lib.StitchConfig.from_flat(
