@@ -510,18 +510,19 @@ def define_flag(name: str, f: dataclasses.Field, help_text: str) -> None:
 
 def define_config_flags(
   fields: Sequence[Any], choices: Callable[[Any], Any]
-) -> None:
+) -> list[str]:
   """A flag per field of a config tree (`fedjax_mr.core.config_tree`'s
   `FlagField`s), named, typed and explained by the field, with the values
   `choices(field)` allows (checked where the config is validated, for one
-  clear message); each listed by --helpshort."""
+  clear message). Returns their names (a program declares them its key
+  flags, which --helpshort lists)."""
   for f in fields:
     help_text = f.metadata['help']
     allowed = choices(f)
     if allowed:
       help_text += f' One of: {", ".join(allowed)}.'
     define_flag(f.name, f, help_text)
-    flags.declare_key_flag(f.name)
+  return [f.name for f in fields]
 
 
 def define_algorithm_flags() -> list[str]:

@@ -26,7 +26,10 @@ from fedjax_mr.pipeline import registry
 
 
 def _define_flags() -> None:
-  cli.define_config_flags(config_lib.base_fields(), config_lib.choices)
+  for name in cli.define_config_flags(
+    config_lib.base_fields(), config_lib.choices
+  ):
+    flags.declare_key_flag(name)  # listed by --helpshort
   # The algorithms' hyper-parameters, from the registry (--helpfull).
   cli.define_algorithm_flags()
 

@@ -73,7 +73,8 @@ from fedjax_mr.pipeline import stitch_experiment
 
 
 def _define_flags() -> None:
-  cli.define_config_flags(config_lib.fields(), config_lib.choices)
+  for name in cli.define_config_flags(config_lib.fields(), config_lib.choices):
+    flags.declare_key_flag(name)  # listed by --helpshort
   # The flag's name before it was unified with experiments.run's.
   flags.DEFINE_alias('dirichlet_alpha', 'alpha')
 
