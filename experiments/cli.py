@@ -30,6 +30,7 @@ import warnings
 from typing import Any
 from typing import Callable
 from typing import NoReturn
+from typing import Sequence
 
 from absl import app
 from absl import flags
@@ -493,8 +494,11 @@ def run(main: Callable[[list[str]], object]) -> None:
 
 
 def define_flag(name: str, f: dataclasses.Field, help_text: str) -> None:
-  """An absl flag `--name` of the dataclass field `f`'s type and default."""
-  if f.type in ('bool', bool):
+  """An absl flag `--name` of the dataclass field `f`'s type and default
+  (a tuple: a comma-separated list)."""
+  if str(f.type).startswith('tuple'):
+    flags.DEFINE_list(name, list(f.default), help_text)
+  elif f.type in ('bool', bool):
     flags.DEFINE_bool(name, f.default, help_text)
   elif f.type in ('int', int):
     flags.DEFINE_integer(name, f.default, help_text)
@@ -502,6 +506,23 @@ def define_flag(name: str, f: dataclasses.Field, help_text: str) -> None:
     flags.DEFINE_float(name, f.default, help_text)
   else:
     flags.DEFINE_string(name, f.default, help_text)
+
+
+def define_config_flags(
+  fields: Sequence[Any], choices: Callable[[Any], Any]
+) -> list[str]:
+  """A flag per field of a config tree (`fedjax_mr.core.config_tree`'s
+  `FlagField`s), named, typed and explained by the field, with the values
+  `choices(field)` allows (checked where the config is validated, for one
+  clear message). Returns their names (a program declares them its key
+  flags, which --helpshort lists)."""
+  for f in fields:
+    help_text = f.metadata['help']
+    allowed = choices(f)
+    if allowed:
+      help_text += f' One of: {", ".join(allowed)}.'
+    define_flag(f.name, f, help_text)
+  return [f.name for f in fields]
 
 
 def define_algorithm_flags() -> list[str]:

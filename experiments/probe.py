@@ -45,7 +45,7 @@ _POOL = flags.DEFINE_string(
 )
 _KNN_REFERENCE = flags.DEFINE_integer(
   'knn_reference',
-  stitch_config.StitchConfig().knn_reference,
+  stitch_config.Evaluation().knn_reference,
   'Public examples the probe is fitted on, the first ones (as '
   'experiments.stitch --knn_reference).',
 )

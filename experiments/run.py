@@ -26,14 +26,10 @@ from fedjax_mr.pipeline import registry
 
 
 def _define_flags() -> None:
-  for f in config_lib.base_fields():
-    help_text = f.metadata['help']
-    allowed = config_lib.choices(f)
-    if allowed:
-      # Validated by checks.validate, for one clear error message.
-      help_text += f' One of: {", ".join(allowed)}.'
-    cli.define_flag(f.name, f, help_text)
-    flags.declare_key_flag(f.name)  # listed by --helpshort
+  for name in cli.define_config_flags(
+    config_lib.base_fields(), config_lib.choices
+  ):
+    flags.declare_key_flag(name)  # listed by --helpshort
   # The algorithms' hyper-parameters, from the registry (--helpfull).
   cli.define_algorithm_flags()
 

@@ -73,17 +73,8 @@ from fedjax_mr.pipeline import stitch_experiment
 
 
 def _define_flags() -> None:
-  for f in config_lib.fields():
-    help_text = f.metadata['help']
-    allowed = config_lib.choices(f)
-    if allowed:
-      # Validated by config_lib.validate, for one clear error message.
-      help_text += f' One of: {", ".join(allowed)}.'
-    if f.name == 'pool_models':
-      flags.DEFINE_list(f.name, list(f.default), help_text)
-    else:
-      cli.define_flag(f.name, f, help_text)
-    flags.declare_key_flag(f.name)  # listed by --helpshort
+  for name in cli.define_config_flags(config_lib.fields(), config_lib.choices):
+    flags.declare_key_flag(name)  # listed by --helpshort
   # The flag's name before it was unified with experiments.run's.
   flags.DEFINE_alias('dirichlet_alpha', 'alpha')
 
@@ -93,8 +84,8 @@ FLAGS = flags.FLAGS
 
 
 def config_from_flags() -> config_lib.StitchConfig:
-  return config_lib.StitchConfig(
-    **{f.name: getattr(FLAGS, f.name) for f in config_lib.fields()}
+  return config_lib.StitchConfig.from_flat(
+    **{f.name: FLAGS[f.name].value for f in config_lib.fields()}
   )
 
 
@@ -103,7 +94,7 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)  # orbax logs every restore
   config = config_from_flags()
   with cli.training_errors(
-    're-run with the same flags to resume', workdir=config.workdir
+    're-run with the same flags to resume', workdir=config.run.workdir
   ):
     stitch_experiment.stitch_and_evaluate(config, log=cli.log)
 

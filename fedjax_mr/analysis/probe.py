@@ -62,7 +62,7 @@ PROBE_FILE = stitch_tables.PROBE_FILE
 # The stitch probe's neighbours (`network.accuracies`' default) and
 # reference size (experiments.stitch's `knn_reference` default).
 K = 5
-KNN_REFERENCE = stitch_config.StitchConfig().knn_reference
+KNN_REFERENCE = stitch_config.Evaluation().knn_reference
 # How the README's transfer runs cut the pool. Only the end block matters
 # here, and it is the whole classifier under 'default' cuts as well.
 CUTS = 'every_unit'
@@ -138,15 +138,13 @@ def probe_data(
   Raises:
     ConfigError: `pool` has no public examples of the run's dataset.
   """
-  stitch = stitch_config.StitchConfig(
-    pool=pool,
+  data = stitch_config.Data(
     dataset=config.data.dataset,
     data_dir=config.data.data_dir or None,
     classes=config.data.classes,
-    knn_reference=knn_reference,
   )
-  ds, _ = stitch_experiment.load_dataset(stitch)
-  public, _ = stitch_experiment.public_examples(stitch, ds)
+  ds, _ = stitch_experiment.load_dataset(data)
+  public, _ = stitch_experiment.public_examples(stitch_config.Pool(pool), ds)
   if not len(public):
     raise errors.ConfigError(
       f'`pool={pool}`: its public split (public.json) holds no examples of '
@@ -154,8 +152,9 @@ def probe_data(
       + (f', `classes={config.data.classes}`' if config.data.classes else '')
       + '): the probe is fitted on them'
     )
-  x_ref, y_ref = stitch_experiment.knn_examples(stitch, ds, public, [])
-  x_test, y_test = stitch_experiment.test_examples(stitch, ds)
+  evaluation = stitch_config.Evaluation(knn_reference=knn_reference)
+  x_ref, y_ref = stitch_experiment.knn_examples(evaluation, ds, public, [])
+  x_test, y_test = stitch_experiment.test_examples(evaluation, ds)
   return ProbeData(x_ref, y_ref, x_test, y_test, ds.scale, ds.shift)
 
 

@@ -1,9 +1,9 @@
 """Interfaces and tree helpers shared by every algorithm.
 
-Loaded lazily: `fedjax_mr.core.errors`, `files`, `jsonfile` and `workdir`
-are plain Python, and the host-only parts of the library (the energy
-module) use them without importing JAX; `tree`, `types` and the interface
-names below import it on first use.
+Loaded lazily: `fedjax_mr.core.errors`, `files`, `jsonfile`, `workdir`
+and `config_tree` are plain Python, and the host-only parts of the library
+(the energy module) use them without importing JAX; `tree`, `types` and
+the interface names below import it on first use.
 """
 
 import importlib

@@ -173,7 +173,7 @@ _AT_MOST = {
 def _check_values(config: config_lib.ExperimentConfig) -> None:
   """Choices, and sizes and rates in their ranges."""
   for f in config_lib.base_fields():
-    _check_choice(f.name, _value(config, f.name), config_lib.choices(f))
+    check_choice(f.name, _value(config, f.name), config_lib.choices(f))
   for name in _POSITIVE:
     if _value(config, name) < 1:
       raise errors.ConfigError(
@@ -201,7 +201,7 @@ def _check_values(config: config_lib.ExperimentConfig) -> None:
     )
 
 
-def _check_choice(name: str, value: Any, allowed: Any) -> None:
+def check_choice(name: str, value: Any, allowed: Any) -> None:
   """Refuses `value` of field `name` unless it is one of `allowed` (any
   value when `allowed` is empty)."""
   if allowed and value not in allowed:
@@ -216,6 +216,16 @@ def check_seed(name: str, seed: int) -> None:
     raise errors.ConfigError(f'`{name}` must be in [0, 2**32), got {seed}')
 
 
+def check_clients_per_round(k: int, n: int) -> None:
+  """Raises `ConfigError` if `clients_per_round` `k` exceeds `num_clients`
+  `n`."""
+  if k > n:
+    raise errors.ConfigError(
+      f'`clients_per_round={k}` exceeds `num_clients={n}`; it must be '
+      'between 1 and num_clients'
+    )
+
+
 def _check_run(config: config_lib.ExperimentConfig) -> None:
   """The energy mixes, K against N, the processes."""
   for mix in config_lib.energy_mixes(config.energy):
@@ -227,12 +237,9 @@ def _check_run(config: config_lib.ExperimentConfig) -> None:
       )
     except (ValueError, OSError) as e:
       raise errors.ConfigError(f'`energy_mix`: {mix!r}: {e}') from None
-  if config.server.clients_per_round > config.partition.num_clients:
-    raise errors.ConfigError(
-      f'`clients_per_round={config.server.clients_per_round}` exceeds '
-      f'`num_clients={config.partition.num_clients}`; it must be between 1 and '
-      'num_clients'
-    )
+  check_clients_per_round(
+    config.server.clients_per_round, config.partition.num_clients
+  )
   if (
     not 0
     <= config.devices.processes.process_id
@@ -379,11 +386,22 @@ def _check_owned(
   the field `owner` is none of the values that read it."""
   if defaults is None:
     defaults = {f.name: f.default for f in config_lib.base_fields()}
-  value = _value(config, owner)
+  check_owned(config.flat(), defaults, owner, owned)
+
+
+def check_owned(
+  values: Mapping[str, Any],
+  defaults: Mapping[str, Any],
+  owner: str,
+  owned: Mapping[str, tuple[str, ...]],
+) -> None:
+  """`_check_owned` of any config's flat `values` and their `defaults`
+  ({flag: value}; the FedStitch runs' too)."""
+  value = values[owner]
   for name, owners in owned.items():
-    if value not in owners and _value(config, name) != defaults[name]:
+    if value not in owners and values[name] != defaults[name]:
       raise errors.ConfigError(
-        f'`{name}={_value(config, name)}` applies to `{owner}='
+        f'`{name}={values[name]}` applies to `{owner}='
         f'{" or ".join(owners)}` only, not `{owner}={value}`'
       )
 
@@ -514,7 +532,7 @@ def _check_algorithm_fields(config: config_lib.ExperimentConfig) -> Any:
   hyper-parameters."""
   options = config.algorithm.options()
   for name, f in registry.flags_of(config.algorithm.name).items():
-    _check_choice(name, options[name], f.metadata.get('choices'))
+    check_choice(name, options[name], f.metadata.get('choices'))
   return hparams(config)
 
 

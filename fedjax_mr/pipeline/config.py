@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 from typing import Mapping
-from typing import NamedTuple
 
+from fedjax_mr.core import config_tree
 from fedjax_mr.core import errors
 from fedjax_mr.pipeline import registry
 from fedjax_mr.training import optimizers
@@ -44,15 +44,7 @@ PARTITIONS = (
 CIFAR100_LABELS = ('fine', 'coarse')
 
 
-def _field(
-  default: Any, help_text: str, *, choices=None, run_only=False, flag=None
-):
-  """A config field: its default, help text, allowed values, whether it
-  may change on resume, and its flag where that is not its name."""
-  metadata = {'help': help_text, 'choices': choices, 'run_only': run_only}
-  if flag:
-    metadata['flag'] = flag
-  return dataclasses.field(default=default, metadata=metadata)
+_field = config_tree.field
 
 
 def _dataset_names():
@@ -478,8 +470,7 @@ class AlgorithmChoice:
     }
 
 
-def _part(kind: type) -> Any:
-  return dataclasses.field(default_factory=kind, metadata={'part': True})
+_part = config_tree.part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -553,44 +544,8 @@ class ExperimentConfig:
     )
 
 
-class FlagField(NamedTuple):
-  """A field of the config tree under its flag.
-
-  Attributes:
-    name: the flag ('partition_file').
-    path: the attributes that reach it (('partition', 'file')).
-    field: the dataclass field.
-  """
-
-  name: str
-  path: tuple[str, ...]
-  field: dataclasses.Field
-
-  @property
-  def default(self) -> Any:
-    return self.field.default
-
-  @property
-  def type(self) -> Any:
-    return self.field.type
-
-  @property
-  def metadata(self) -> Mapping[str, Any]:
-    return self.field.metadata
-
-
-def _walk(kind: type, path: tuple[str, ...]) -> list[FlagField]:
-  out = []
-  for f in dataclasses.fields(kind):
-    if f.metadata.get('part'):
-      if f.default_factory is not dataclasses.MISSING:
-        out += _walk(f.default_factory, (*path, f.name))
-      continue
-    out.append(FlagField(f.metadata.get('flag', f.name), (*path, f.name), f))
-  return out
-
-
-_FIELDS = tuple(_walk(ExperimentConfig, ()))
+FlagField = config_tree.FlagField
+_FIELDS = config_tree.fields(ExperimentConfig)
 _FLAGS = {f.name: f for f in _FIELDS}
 
 
@@ -606,27 +561,12 @@ def path_of(flag: str) -> tuple[str, ...]:
   return _FLAGS[flag].path
 
 
-def _get(config: Any, path: tuple[str, ...]) -> Any:
-  for name in path:
-    config = getattr(config, name)
-  return config
-
-
-def _set(node: Any, path: tuple[str, ...], value: Any) -> Any:
-  """`node` with the field at `path` replaced (a new tree)."""
-  if not path:
-    return value
-  child = _set(getattr(node, path[0]), path[1:], value)
-  return dataclasses.replace(node, **{path[0]: child})
+_get = config_tree.get
 
 
 def _build(base: ExperimentConfig, values: Mapping[str, Any]):
   algorithm_flags = registry.all_flags()
-  unknown = sorted(set(values) - set(_FLAGS) - set(algorithm_flags))
-  if unknown:
-    raise TypeError(
-      f'ExperimentConfig got an unexpected keyword argument {unknown[0]!r}'
-    )
+  config_tree.check_names(ExperimentConfig, values, [*_FLAGS, *algorithm_flags])
   name = values.get('algorithm', base.algorithm.name)
   choice = AlgorithmChoice(name=name)  # checks the name
   for flag, (f, users) in algorithm_flags.items():
@@ -637,16 +577,8 @@ def _build(base: ExperimentConfig, values: Mapping[str, Any]):
         f'only, not `algorithm={name}`'
       )
   choice = AlgorithmChoice(name, registry.hparams(name, values))
-  config = base
-  by_part: dict[tuple[str, ...], dict[str, Any]] = {}
-  for flag, value in values.items():
-    if flag in _FLAGS and flag != 'algorithm':
-      path = _FLAGS[flag].path
-      by_part.setdefault(path[:-1], {})[path[-1]] = value
-  # Deepest parts first, so a part is replaced after its own parts.
-  for parent in sorted(by_part, key=len, reverse=True):
-    node = dataclasses.replace(_get(config, parent), **by_part[parent])
-    config = _set(config, parent, node)
+  ours = {k: v for k, v in values.items() if k in _FLAGS and k != 'algorithm'}
+  config = config_tree.replaced(base, _FLAGS, ours)
   return dataclasses.replace(config, algorithm=choice)
 
 

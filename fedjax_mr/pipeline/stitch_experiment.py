@@ -5,7 +5,7 @@ and the pool, partitions the clients' examples, runs FedStitch
 (`fedjax_mr.stitch.federated.run`, resuming `state.npz` in the workdir)
 with the clients' energy coordinators in the loop, evaluates every
 stitched network, every pool model and the "Local" baseline, and writes
-under `config.workdir`: log.jsonl, energy.jsonl, results.json,
+under `config.run.workdir`: log.jsonl, energy.jsonl, results.json,
 partition.json, client_indices.json, networks.npz and state.npz (see
 experiments/stitch.py for what each holds). Every message names the
 config field (in backticks) that the program turns into its flag.
@@ -55,38 +55,35 @@ def _log_default(line: str) -> None:
 # --- Checks that read files, before anything is written ---------------------
 
 
-def make_fleet(config: config_lib.StitchConfig) -> fleet.Fleet:
-  """The clients' energy coordinators of `energy_backend`; a bad setting is
-  refused (`ConfigError`) before the data loads, and nothing is written."""
-  seconds = config.energy_ms_per_score / 1000
-  if config.energy_backend == 'simulated':
+def make_fleet(
+  part: config_lib.Energy, num_clients: int, seed: int
+) -> fleet.Fleet:
+  """The clients' energy coordinators of `energy_backend` (`num_clients`
+  simulated devices drawn by `seed`); a bad setting is refused
+  (`ConfigError`) before the data loads, and nothing is written."""
+  seconds = part.ms_per_score / 1000
+  if part.backend == 'simulated':
     try:
-      devices = simulation.assign_profiles(
-        config.energy_mix, config.num_clients, config.seed
-      )
+      devices = simulation.assign_profiles(part.mix, num_clients, seed)
     except (ValueError, OSError) as e:
-      raise errors.ConfigError(
-        f'`energy_mix={config.energy_mix!r}`: {e}'
-      ) from None
+      raise errors.ConfigError(f'`energy_mix={part.mix!r}`: {e}') from None
     return fleet.Fleet(
       fleet.SimulatedBackend(devices), seconds_per_unit=seconds
     )
-  return fleet.Fleet(_sysfs_backend(config), seconds_per_unit=seconds)
+  return fleet.Fleet(_sysfs_backend(part), seconds_per_unit=seconds)
 
 
-def _sysfs_backend(config: config_lib.StitchConfig) -> fleet.SysfsBackend:
+def _sysfs_backend(part: config_lib.Energy) -> fleet.SysfsBackend:
   """This device's clocks through sysfs (or a dry run): its profile must
   fit the device, and a real run must be allowed to write the clocks."""
-  where = f'`energy_sysfs_root={config.energy_sysfs_root}`'
-  root = energy.SysfsRoot(config.energy_sysfs_root)
+  where = f'`energy_sysfs_root={part.sysfs_root}`'
+  root = energy.SysfsRoot(part.sysfs_root)
   if not root.is_dir('.'):
     raise errors.ConfigError(f'{where}: no such directory')
   try:
-    profile = energy.get_profile(config.energy_profile)
+    profile = energy.get_profile(part.profile)
   except (ValueError, OSError, TypeError, KeyError) as e:
-    raise errors.ConfigError(
-      f'`energy_profile={config.energy_profile}`: {e}'
-    ) from None
+    raise errors.ConfigError(f'`energy_profile={part.profile}`: {e}') from None
   try:
     info = energy.discover(root)
     meter = energy.SysfsPowerMeter(root, info.power_channels)
@@ -95,9 +92,9 @@ def _sysfs_backend(config: config_lib.StitchConfig) -> fleet.SysfsBackend:
       plan.apply(setting)
   except energy.EnergyError as e:
     raise errors.ConfigError(
-      f'{where} with `energy_profile={config.energy_profile}`: {e}'
+      f'{where} with `energy_profile={part.profile}`: {e}'
     ) from None
-  if config.energy_backend == 'sysfs':
+  if part.backend == 'sysfs':
     for rel, _ in plan.writes:
       if not os.access(root.path(rel), os.W_OK):
         raise errors.ConfigError(
@@ -105,9 +102,7 @@ def _sysfs_backend(config: config_lib.StitchConfig) -> fleet.SysfsBackend:
           'changing clocks needs root (run with sudo), or use '
           '`energy_backend=dry_run`'
         )
-  dvfs = energy.SysfsDvfs(
-    root, info, dry_run=config.energy_backend == 'dry_run'
-  )
+  dvfs = energy.SysfsDvfs(root, info, dry_run=part.backend == 'dry_run')
   return fleet.SysfsBackend(dvfs, profile, meter.total_w)
 
 
@@ -121,18 +116,18 @@ def read_label_map(
   dataset's bundled map under an `imagenet_pool` without one, else None. A
   bundled map covers all the dataset's classes: with `classes`, the
   entries of those classes."""
-  named = None
-  if config.label_map:
-    named = label_maps.bundled(config.label_map)
-  elif config.imagenet_pool:
-    named = label_maps.bundled(config.dataset)
+  named, path = None, config.evaluation.label_map
+  if path:
+    named = label_maps.bundled(path)
+  elif config.pool.imagenet_pool:
+    named = label_maps.bundled(config.data.dataset)
   if named is not None:
     return named if classes is None else [named[c] for c in classes]
-  if not config.label_map:
+  if not path:
     return None
-  where = f'`label_map={errors.clip(config.label_map)}`'
+  where = f'`label_map={errors.clip(path)}`'
   try:
-    return jsonfile.load(config.label_map, MAX_LABEL_MAP_BYTES, top=list)
+    return jsonfile.load(path, MAX_LABEL_MAP_BYTES, top=list)
   except jsonfile.JsonFileError as e:
     raise errors.ConfigError(
       f'{where}: {e.reason} (a label map is a JSON list in a regular file '
@@ -141,16 +136,16 @@ def read_label_map(
     ) from None
 
 
-def check_workdir(config: config_lib.StitchConfig) -> None:
+def check_workdir(workdir: str) -> None:
   """Refuses a workdir that cannot be written, is in use, holds a symbolic
   link (or a folder) where the run writes a file, or holds a pickled
   state of an older version (never unpickled)."""
-  workdir_lib.check_free(config.workdir)
+  workdir_lib.check_free(workdir)
   workdir_lib.check_entries(
-    config.workdir,
+    workdir,
     files=(STATE_FILE, CLIENTS_FILE, 'partition.json', 'results.json'),
   )
-  old_state = os.path.join(config.workdir, 'state.pkl')
+  old_state = os.path.join(workdir, 'state.pkl')
   if os.path.exists(old_state):
     raise errors.ConfigError(
       f'`workdir`: {old_state} is a state saved as a pickle by an older '
@@ -190,9 +185,9 @@ class Setup(NamedTuple):
   coordinators: fleet.Fleet
 
 
-def load_dataset(config: config_lib.StitchConfig) -> tuple[Any, Any]:
+def load_dataset(data: config_lib.Data) -> tuple[Any, Any]:
   """`(dataset, classes)`: the dataset, with `classes` only if set."""
-  return datasets.load_task(config.dataset, config.data_dir, config.classes)
+  return datasets.load_task(data.dataset, data.data_dir, data.classes)
 
 
 def load_models(
@@ -200,30 +195,32 @@ def load_models(
 ) -> list[pool_lib.PoolModel]:
   """The pool's models; each must take the dataset's examples and, unless
   evaluated by a kNN probe alone, answer the clients' classes."""
-  if config.imagenet_pool:
+  p = config.pool
+  if p.imagenet_pool:
     models = torchvision_import.load_pool(
-      config.imagenet_pool,
+      p.imagenet_pool,
       input_shape=ds.input_shape,
       scale=ds.scale,
       shift=ds.shift,
-      resolution=config.imagenet_resolution,
-      ids=list(config.pool_models) or None,
+      resolution=p.imagenet_resolution,
+      ids=list(p.pool_models) or None,
     )
   else:
-    models = pool_lib.load(config.pool, list(config.pool_models) or None)
+    models = pool_lib.load(p.pool, list(p.pool_models) or None)
   for m in models:
     if tuple(m.model.input_shape) != ds.input_shape:
       raise errors.ConfigError(
         f'`pool`: model {m.id} takes {m.model.input_shape}, `dataset='
         f'{ds.name}` has examples of shape {ds.input_shape}'
       )
-  if config.eval != 'knn':
+  mode = config.evaluation.mode
+  if mode != 'knn':
     task = list(classes or range(ds.num_classes))
     for m in models:
       pool_classes = m.meta.get('classes')
       if pool_classes is not None and list(pool_classes) != task:
         raise errors.ConfigError(
-          f'`eval={config.eval}`: pool model {m.id} was trained on classes '
+          f'`eval={mode}`: pool model {m.id} was trained on classes '
           f"{pool_classes}, the clients' task (`classes`) is {task}: its "
           'head cannot answer it; use `eval=knn`'
         )
@@ -239,7 +236,7 @@ def check_label_map(
   """The label map (`read_label_map`), checked against the dataset and the
   pool's heads; refused where the heads need one and there is none."""
   label_map = read_label_map(config, classes)
-  if label_map is not None and config.imagenet_pool:
+  if label_map is not None and config.pool.imagenet_pool:
     label_map = torchvision_import.check_label_map(
       label_map, ds.num_classes, min(m.model.num_classes for m in models)
     )
@@ -249,7 +246,7 @@ def check_label_map(
         f'`label_map`: {len(label_map)} entries, `dataset` has '
         f'{ds.num_classes} classes'
       )
-  elif config.eval != 'knn' and any(
+  elif config.evaluation.mode != 'knn' and any(
     m.model.num_classes != ds.num_classes for m in models
   ):
     raise errors.ConfigError(
@@ -261,21 +258,21 @@ def check_label_map(
 
 
 def public_examples(
-  config: config_lib.StitchConfig, ds: Any
+  pool: config_lib.Pool, ds: Any
 ) -> tuple[np.ndarray, np.ndarray]:
   """`(public, private)`: the indices of the training examples in the
   pool's public split of `ds` (none without one) and of the others, both
   of the clients' classes only."""
   split = None
-  if not config.imagenet_pool:
-    split = pool_lib.public_indices(config.pool)
+  if not pool.imagenet_pool:
+    split = pool_lib.public_indices(pool.pool)
   if split is not None and split.get('dataset') == ds.name:
     public = np.asarray(split['indices'], np.int64)
     bad = public[(public < 0) | (public >= len(ds.y_train))]
     if len(bad) or len(np.unique(public)) != len(public):
       what = f'index {bad[0]}' if len(bad) else 'an index twice'
       raise errors.DataError(
-        f'`pool`: {errors.clip(config.pool)}/public.json holds {what}; '
+        f'`pool`: {errors.clip(pool.pool)}/public.json holds {what}; '
         f'`dataset={ds.name}` has {len(ds.y_train)} training examples'
       )
   else:
@@ -287,23 +284,23 @@ def public_examples(
 
 
 def knn_examples(
-  config: config_lib.StitchConfig,
+  evaluation: config_lib.Evaluation,
   ds: Any,
   public: np.ndarray,
   parts: list[np.ndarray],
 ) -> tuple[np.ndarray, np.ndarray]:
   """`(x, y)`: the labelled examples a kNN probe is fitted on, the first
   `knn_reference` public examples (client 0's without a public split)."""
-  ref = public[: config.knn_reference] if len(public) else parts[0]
+  ref = public[: evaluation.knn_reference] if len(public) else parts[0]
   return ds.x_train[ref], ds.y_train[ref]
 
 
 def test_examples(
-  config: config_lib.StitchConfig, ds: Any
+  evaluation: config_lib.Evaluation, ds: Any
 ) -> tuple[np.ndarray, np.ndarray]:
   """`(x, y)`: the test examples networks are evaluated on, the first
   `eval_examples` (0: all) of the clients' classes."""
-  n_eval = config.eval_examples or len(ds.y_test)
+  n_eval = evaluation.eval_examples or len(ds.y_test)
   return ds.x_test[:n_eval], ds.y_test[:n_eval]
 
 
@@ -313,20 +310,17 @@ def client_examples(
   """`(parts, public)`: per client its training-example indices (the
   examples not in the pool's public split, partitioned by `partition`),
   and the public examples, both of the clients' classes only."""
-  public, private = public_examples(config, ds)
-  n, seed = config.num_clients, config.seed
-  if config.partition == 'iid':
+  public, private = public_examples(config.pool, ds)
+  p, seed = config.partition, config.run.seed
+  n, y = p.num_clients, ds.y_train[private]
+  if p.kind == 'iid':
     parts = partition.iid(len(private), n, seed)
-  elif config.partition == 'shards':
-    parts = partition.shards(
-      ds.y_train[private], n, config.shards_per_client, seed
-    )
-  elif config.partition == 'dirichlet_equal':
-    parts = partition.dirichlet_equal(
-      ds.y_train[private], n, config.alpha, seed
-    )
+  elif p.kind == 'shards':
+    parts = partition.shards(y, n, p.shards_per_client, seed)
+  elif p.kind == 'dirichlet_equal':
+    parts = partition.dirichlet_equal(y, n, p.alpha, seed)
   else:
-    parts = partition.dirichlet(ds.y_train[private], n, config.alpha, seed)
+    parts = partition.dirichlet(y, n, p.alpha, seed)
   return [private[p] for p in parts], public
 
 
@@ -340,19 +334,20 @@ def setup(config: config_lib.StitchConfig, log: Log = _log_default) -> Setup:
   """
   config_lib.validate(config)
   read_label_map(config)  # a bad file is refused before the data loads
-  coordinators = make_fleet(config)
-  check_workdir(config)
-  ds, classes = load_dataset(config)
+  p = config.partition
+  coordinators = make_fleet(config.energy, p.num_clients, config.run.seed)
+  check_workdir(config.run.workdir)
+  ds, classes = load_dataset(config.data)
   models = load_models(config, ds, classes)
   label_map = check_label_map(config, ds, models, classes)
   parts, public = client_examples(config, ds)
-  chains = pool_lib.chains(models, config.cuts)
+  chains = pool_lib.chains(models, config.pool.cuts)
   pool = pool_lib.make_pool(chains)
   log(
     f'pool: {len(pool.blocks)} blocks from {len(models)} models '
     f'({", ".join(f"{m.id}: {len(c)}" for m, c in zip(models, chains))}); '
-    f'{config.num_clients} clients, {config.partition}'
-    + (f' α={config.alpha}' if 'dirichlet' in config.partition else '')
+    f'{p.num_clients} clients, {p.kind}'
+    + (f' α={p.alpha}' if 'dirichlet' in p.kind else '')
   )
   return Setup(
     config,
@@ -372,7 +367,8 @@ def make_batch_fn(s: Setup) -> federated.BatchFn:
   """`(client, round) → [B, ...]`: `batch_size` of the client's examples
   (with replacement if it has fewer), drawn by `(seed, client, round)`,
   model-ready."""
-  ds, parts, b, seed = s.ds, s.parts, s.config.batch_size, s.config.seed
+  ds, parts, seed = s.ds, s.parts, s.config.run.seed
+  b = s.config.selection.batch_size
 
   def batch_fn(c, r):
     rng = np.random.default_rng([seed, c, r, 7])
@@ -387,20 +383,20 @@ def make_batch_fn(s: Setup) -> federated.BatchFn:
 def make_evaluate(s: Setup) -> Callable[[network.Network], dict]:
   """`net → {'head' and/or 'knn': accuracy}` on the test set (its first
   `eval_examples`), as `eval` and `knn_at` say."""
-  config, ds = s.config, s.ds
-  x_test, y_test = test_examples(config, ds)
-  x_ref, y_ref = knn_examples(config, ds, s.public, s.parts)
+  e, ds = s.config.evaluation, s.ds
+  x_test, y_test = test_examples(e, ds)
+  x_ref, y_ref = knn_examples(e, ds, s.public, s.parts)
 
   def evaluate(net):
-    knn = config.eval != 'head'
-    trunk = knn and config.knn_at == 'trunk' and net.finished
+    knn = e.mode != 'head'
+    trunk = knn and e.knn_at == 'trunk' and net.finished
     acc = network.accuracies(
       net,
       x_test,
       y_test,
       scale=ds.scale,
       shift=ds.shift,
-      head=config.eval in ('head', 'both'),
+      head=e.mode in ('head', 'both'),
       knn_reference=(x_ref, y_ref) if knn and not trunk else None,
       label_map=s.label_map,
     )
@@ -434,6 +430,7 @@ def run_stitching(
   coordinators in the loop, each round's lines timed by `clock` (seconds);
   then log.jsonl and energy.jsonl."""
   config = s.config
+  workdir = config.run.workdir
   saved = []  # the rounds this process finished (each saved when done)
   limit = federated.round_limit(config_lib.library_config(config))
   t0 = clock()
@@ -448,16 +445,16 @@ def run_stitching(
     state = federated.run(
       s.pool,
       batch_fn,
-      config.num_clients,
+      config.partition.num_clients,
       config_lib.library_config(config),
-      state_path=os.path.join(config.workdir, STATE_FILE),
+      state_path=os.path.join(workdir, STATE_FILE),
       identity=config_lib.identity(config, [m.id for m in s.models]),
       on_round=on_round,
       energy=s.coordinators,
     )
   except energy.EnergyError as e:  # e.g. the kernel refused a clock
     raise errors.UserError(
-      f'`energy_backend={config.energy_backend}`: {e}'
+      f'`energy_backend={config.energy.backend}`: {e}'
     ) from None
   except KeyboardInterrupt:
     # The state file is replaced whole after each round, so the one there
@@ -466,14 +463,14 @@ def run_stitching(
       log(f'interrupted: {STATE_FILE} holds the state after round {saved[-1]}')
     raise
   files.write_atomic(
-    os.path.join(config.workdir, 'log.jsonl'),
+    os.path.join(workdir, 'log.jsonl'),
     lambda f: f.writelines(
       json.dumps({k: v for k, v in e.items() if k != 'energy'}) + '\n'
       for e in state.log
     ),
   )
   files.write_atomic(
-    os.path.join(config.workdir, 'energy.jsonl'),
+    os.path.join(workdir, 'energy.jsonl'),
     lambda f: f.writelines(
       json.dumps({'round': e['round'], **e['energy']}) + '\n' for e in state.log
     ),
@@ -481,9 +478,9 @@ def run_stitching(
   return state
 
 
-def eval_key(config: config_lib.StitchConfig) -> str:
+def eval_key(evaluation: config_lib.Evaluation) -> str:
   """The accuracy networks are ranked by: the head's, else the kNN's."""
-  return 'head' if config.eval in ('head', 'both') else 'knn'
+  return 'head' if evaluation.mode in ('head', 'both') else 'knn'
 
 
 def evaluate_networks(
@@ -507,10 +504,10 @@ def evaluate_networks(
       f'{fin.net.describe()}: '
       + ', '.join(f'{k} {100 * v:.2f} %' for k, v in acc.items())
     )
-  key = eval_key(s.config)
+  key = eval_key(s.config.evaluation)
   nets.sort(key=lambda n: -n[key])
   state_lib.write_document(
-    os.path.join(s.config.workdir, 'networks.npz'),
+    os.path.join(s.config.run.workdir, 'networks.npz'),
     state_lib.to_host(state)['finished'],
     config_lib.identity(s.config, [m.id for m in s.models]),
   )
@@ -528,21 +525,17 @@ def local_baseline(
   each stitching alone; the best accuracy each finds, logged with the time
   by `clock` (seconds)."""
   config = s.config
-  if config.local_clients <= 0:
+  n, count = config.partition.num_clients, config.evaluation.local_clients
+  if count <= 0:
     return None
-  rng = np.random.default_rng([config.seed, 99])
-  who = sorted(
-    int(c)
-    for c in rng.choice(config.num_clients, config.local_clients, replace=False)
-  )
+  rng = np.random.default_rng([config.run.seed, 99])
+  who = sorted(int(c) for c in rng.choice(n, count, replace=False))
   local_cfg = config_lib.library_config(config)._replace(clients_per_round=1)
   local = {'clients': who, 'best': []}
   t0 = clock()
   for i, c in enumerate(who, 1):
-    st = federated.run(
-      s.pool, batch_fn, config.num_clients, local_cfg, population=[c]
-    )
-    accs = [evaluate(f.net)[eval_key(config)] for f in st.finished]
+    st = federated.run(s.pool, batch_fn, n, local_cfg, population=[c])
+    accs = [evaluate(f.net)[eval_key(config.evaluation)] for f in st.finished]
     best = max(accs) if accs else float('nan')
     local['best'].append(best)
     log(progress.stitch_local_line(i, who, best, len(accs), clock() - t0))
@@ -574,21 +567,18 @@ def make_results(
 ) -> dict[str, Any]:
   """What results.json holds."""
   config, rounds = s.config, state.log
+  e = config.energy
   energy_summary = {
-    'backend': config.energy_backend,
-    'devices': (
-      config.energy_mix
-      if config.energy_backend == 'simulated'
-      else config.energy_profile
-    ),
+    'backend': e.backend,
+    'devices': e.mix if e.backend == 'simulated' else e.profile,
     **fleet.summarize([e['energy'] for e in rounds]),
   }
   return {
     'config': config_lib.library_config(config)._asdict(),
-    'partition': config.partition,
-    'dirichlet_alpha': config.alpha,
-    'eval': config.eval,
-    'knn_at': config.knn_at,
+    'partition': config.partition.kind,
+    'dirichlet_alpha': config.partition.alpha,
+    'eval': config.evaluation.mode,
+    'knn_at': config.evaluation.knn_at,
     'pool_blocks': len(s.pool.blocks),
     'pool_models': pool_acc,
     'networks': nets,
@@ -636,13 +626,14 @@ def _stitch_and_evaluate(
   s = setup(config, log)
   batch_fn = make_batch_fn(s)
   evaluate = make_evaluate(s)
-  with workdir_lib.acquire(config.workdir):  # one writer per workdir
+  workdir = config.run.workdir
+  with workdir_lib.acquire(workdir):  # one writer per workdir
     # The clients' training examples, for experiments.run's
     # `partition=file`: the training baselines learn from the same clients.
-    partition.save_file(os.path.join(config.workdir, CLIENTS_FILE), s.parts)
+    partition.save_file(os.path.join(workdir, CLIENTS_FILE), s.parts)
     # Per client: size and examples per class (experiments.run's summary).
     partition.save_summary(
-      os.path.join(config.workdir, 'partition.json'),
+      os.path.join(workdir, 'partition.json'),
       partition.summary(s.parts, s.ds.y_train, s.ds.num_classes),
     )
     state = run_stitching(s, batch_fn, log)
@@ -655,12 +646,13 @@ def _stitch_and_evaluate(
     local = local_baseline(s, batch_fn, evaluate, log)
     results = make_results(s, state, nets, pool_acc, local)
     files.write_atomic(
-      os.path.join(config.workdir, 'results.json'),
+      os.path.join(workdir, 'results.json'),
       lambda f: json.dump(results, f, indent=1, default=_plain),
     )
   writes = sum(
     len(c.get('writes', ())) for r in state.log for c in r['energy']['clients']
   )
-  for line in progress.stitch_summary_lines(results, eval_key(config), writes):
+  key = eval_key(config.evaluation)
+  for line in progress.stitch_summary_lines(results, key, writes):
     log(line)
   return results

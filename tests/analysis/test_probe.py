@@ -139,7 +139,7 @@ def test_a_pool_models_trunk_is_the_one_the_stitch_probe_reads(tiny):
   assert (
     probe.K == inspect.signature(network.accuracies).parameters['k'].default
   )
-  assert probe.KNN_REFERENCE == stitch_config.StitchConfig().knn_reference
+  assert probe.KNN_REFERENCE == stitch_config.Evaluation().knn_reference
 
 
 def _random_like(shapes):

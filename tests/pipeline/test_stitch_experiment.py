@@ -88,14 +88,14 @@ def test_the_eta_bounds_the_rounds_left_at_this_process_pace():
 
 def test_the_round_limit_is_the_selections_to_max_depth_times_their_rounds():
   config = stitch_config.library_config(
-    stitch_config.StitchConfig(max_depth=8, rounds_per_selection=5)
+    stitch_config.StitchConfig.from_flat(max_depth=8, rounds_per_selection=5)
   )
   assert federated.round_limit(config) == 35
   assert federated.round_limit(config, max_rounds=20) == 20
 
 
 def _setup(tmp_path, **fields):
-  config = stitch_config.StitchConfig(workdir=str(tmp_path), **fields)
+  config = stitch_config.StitchConfig.from_flat(workdir=str(tmp_path), **fields)
   return stitch_experiment.Setup(
     config, None, None, [], None, None, None, None, None, None
   )
@@ -165,16 +165,16 @@ def test_local_lines_count_the_searches_and_time_them(tmp_path, monkeypatch):
 
 
 def test_public_indices_outside_the_dataset_are_one_line(tmp_path):
-  config = stitch_config.StitchConfig(pool=str(tmp_path))
+  pool = stitch_config.Pool(pool=str(tmp_path))
   ds = types.SimpleNamespace(name='fashion_mnist', y_train=np.zeros(5, int))
   path = tmp_path / 'public.json'
   path.write_text('{"dataset": "fashion_mnist", "indices": [1, 3]}')
-  public, private = stitch_experiment.public_examples(config, ds)
+  public, private = stitch_experiment.public_examples(pool, ds)
   assert public.tolist() == [1, 3] and private.tolist() == [0, 2, 4]
   for indices, what in [('[1, 5]', 'index 5'), ('[1, 1]', 'an index twice')]:
     path.write_text(f'{{"dataset": "fashion_mnist", "indices": {indices}}}')
     with pytest.raises(errors.DataError) as e:
-      stitch_experiment.public_examples(config, ds)
+      stitch_experiment.public_examples(pool, ds)
     assert str(e.value) == (
       f'`pool`: {tmp_path}/public.json holds {what}; `dataset=fashion_mnist` '
       'has 5 training examples'
