@@ -9,8 +9,8 @@ from flwr.app import ConfigRecord
 from flwr.app import RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedjax_mr.deploy import apps
 from fedjax_mr.deploy import server
+from fedjax_mr.deploy import serverapp as apps
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +87,13 @@ def test_replies_come_as_they_arrive_with_their_positions():
   transport = apps.GridTransport(grid, apps.discover(grid, 2, 10))
   assert transport.node_ids == {0: 11, 1: 22}
   got = list(transport.exchange(_requests(4), None))
-  assert [p for p, _ in got] == [3, 2, 1, 0]
+  # One message per node (node 0: positions 0 and 2; node 1: 1 and 3);
+  # node 1's reply comes first.
+  trains = [
+    m for m in grid.sent.values() if m.metadata.message_type == apps.TRAIN
+  ]
+  assert len(trains) == 2
+  assert [p for p, _ in got] == [1, 3, 0, 2]
   assert all(reply['c']['p'] == p for p, reply in got)
 
 
