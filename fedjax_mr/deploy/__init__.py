@@ -4,8 +4,9 @@ machines (the `deploy` extra: flwr).
 `codec` (pytrees as Flower array records, checked on arrival against what
 was dispatched), `server` (the deployed round: the engine's keys, the
 algorithm's dispatch and aggregate, sums in the simulation's order),
-`node` (one client's update on a node, its state kept there), `apps`
-(the Flower ServerApp and ClientApp), `federation`, `credentials` and
+`node` (a node's clients' updates, their state kept there),
+`serverapp` and `clientapp` (the Flower ServerApp and ClientApp),
+`federation`, `credentials` and
 `watchdog` (a SuperLink and SuperNodes on this machine, TLS and node
 keys, nothing outliving the program), `launch` (one run) and `adapter`
 (every use of the run pipeline). The layer sits above the

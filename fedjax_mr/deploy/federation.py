@@ -9,8 +9,9 @@ on free ports; `run(app_dir, run_config)` submits a Flower App to it
 Secure by default: TLS with a CA and certificates made in
 `<folder>/credentials` (`credentials.make`), and Flower's node
 authentication: each SuperNode holds its own key, whose public half is
-registered with the SuperLink before the node starts; a node with another
-key is refused. `insecure=True` runs without either (the caller warns).
+registered with the SuperLink before the node starts (its registration
+gives the node's id, `node_ids`); a node with another key is refused.
+`insecure=True` runs without either (the caller warns).
 
 Everything Flower writes stays in `folder`: its home (`FLWR_HOME`), the
 processes' logs, temporary files. Telemetry is off, runtime dependency
@@ -131,6 +132,8 @@ class Federation:
     self.port = None
     self.credentials = None
     self.nodes: list[subprocess.Popen | None] = []
+    # Node i's Flower id (its registered key's; empty when insecure).
+    self.node_ids: list[int] = []
     self._group = None
     self._processes: list[subprocess.Popen] = []
     # Marks the environment of every process of this federation (and of
@@ -216,13 +219,26 @@ class Federation:
       self._start_superlink()
       self._wait_for_superlink()
       if not self.insecure:
-        for key in self.credentials.node_public_keys:
-          self._flwr('supernode', 'register', key, FEDERATION)
+        self.node_ids = [
+          self._register(key) for key in self.credentials.node_public_keys
+        ]
       self.nodes = [self.start_node(i) for i in range(self.num_nodes)]
     except BaseException:
       self.stop()
       raise
     return self
+
+  def _register(self, public_key: str) -> int:
+    """Registers a node's public key; the node id it gives."""
+    out = self._flwr(
+      'supernode', 'register', public_key, FEDERATION, *options(format='json')
+    )
+    try:
+      return int(json.loads(out)['node-id'])
+    except (ValueError, KeyError, TypeError):
+      raise FederationError(
+        f'flwr supernode register gave no node id: {out.strip()[-300:]}'
+      ) from None
 
   def _start_watchdog(self) -> None:
     process = subprocess.Popen(

@@ -3,11 +3,15 @@
 Checks the config and the workdir (nothing is written before a run can
 start), then starts a SuperLink and `nodes` SuperNodes on this machine
 (`federation.Federation`, files in `<workdir>/flower`), submits the Flower
-App (`apps.py`) and waits for it: the ServerApp runs `experiments.run`'s
-host loop over the federation and writes the same workdir (metrics, clients
-rows, checkpoints, provenance; a workdir with a checkpoint resumes). Every
-process is stopped when the run ends, fails or is interrupted, and when
-the calling process is killed (the federation's watchdog).
+App (`serverapp.py`, `clientapp.py`) and waits for it: the ServerApp runs
+`experiments.run`'s host loop over the federation and writes the same
+workdir (metrics, clients rows, checkpoints, provenance; a workdir with a
+checkpoint resumes). Every process is stopped when the run ends, fails or
+is interrupted, and when the calling process is killed (the federation's
+watchdog). Given a running federation (`federation=`), the run is
+submitted to it instead, and the federation is left running: one
+federation serves many runs (each node keeps each run's client state
+apart, `node.run_folder`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Callable
 from fedjax_mr.core import errors
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.deploy import adapter
-from fedjax_mr.deploy import federation
+from fedjax_mr.deploy import federation as federation_lib
 
 FOLDER = 'flower'  # the federation's files, inside the workdir
 RESULT = 'result.json'
@@ -41,14 +45,15 @@ dependencies = []
 publisher = "fedjax-mr"
 
 [tool.flwr.app.components]
-serverapp = "fedjax_mr.deploy.apps:server_app"
-clientapp = "fedjax_mr.deploy.apps:client_app"
+serverapp = "fedjax_mr.deploy.serverapp:server_app"
+clientapp = "fedjax_mr.deploy.clientapp:client_app"
 
 [tool.flwr.app.config]
 spec = ""
 workdir = ""
 result = ""
 num-nodes = 1
+node-ids = ""
 round-timeout = 0.0
 """
 
@@ -66,6 +71,16 @@ def write_app(folder: str) -> str:
   return folder
 
 
+def node_config(folder: str, nodes: int) -> Callable[[int], dict]:
+  """The node config of node i of a local federation in `folder`: its
+  index, the number of nodes and its state folder."""
+  return lambda i: {
+    'node-index': i,
+    'num-nodes': nodes,
+    'state': os.path.join(folder, 'nodes', f'node{i}'),
+  }
+
+
 def run(
   config: adapter.Config,
   nodes: int,
@@ -74,6 +89,7 @@ def run(
   insecure: bool = False,
   host: str = '127.0.0.1',
   log: Callable[[str], None] = print,
+  federation: federation_lib.Federation | None = None,
 ) -> str:
   """Runs (or resumes) `config` on a local federation of `nodes` nodes;
   returns the workdir.
@@ -86,6 +102,8 @@ def run(
     insecure: no TLS and no node authentication (a warning is logged).
     host: the address the SuperLink listens on.
     log: where progress lines go.
+    federation: a running federation (started with `node_config`) to
+      submit the run to; `nodes`, `insecure` and `host` are its own.
 
   Raises:
     UserError: a bad argument or config field (named), the workdir, or
@@ -97,6 +115,10 @@ def run(
     raise errors.ConfigError(
       f'`round_timeout={round_timeout}` must be finite and >= 0 (0: none)'
     )
+  if federation is not None and federation.num_nodes != nodes:
+    raise errors.ConfigError(
+      f"`nodes={nodes}` is not the federation's {federation.num_nodes}"
+    )
   workdir = adapter.check(config)
   folder = os.path.join(os.path.abspath(workdir), FOLDER)
   with workdir_lib.acquire(folder, 'workdir'):
@@ -107,21 +129,15 @@ def run(
     result = os.path.join(folder, RESULT)
     if os.path.exists(result):
       os.remove(result)
-    fed = federation.Federation(
-      folder,
-      nodes,
-      lambda i: {
-        'node-index': i,
-        'num-nodes': nodes,
-        'spec': spec,
-        'state': os.path.join(folder, 'nodes', f'node{i}'),
-      },
-      host=host,
-      insecure=insecure,
-    )
-    if insecure:
-      log(INSECURE_WARNING.format(address=host))
-    with fed:
+    fed = federation
+    if fed is None:
+      fed = federation_lib.Federation(
+        folder, nodes, node_config(folder, nodes), host=host, insecure=insecure
+      )
+      if insecure:
+        log(INSECURE_WARNING.format(address=host))
+      fed.start()
+    try:
       log(f'federation: a SuperLink on {fed.address}, {nodes} SuperNodes')
       fed.run(
         app,
@@ -130,15 +146,19 @@ def run(
           'workdir': os.path.abspath(workdir),
           'result': result,
           'num-nodes': nodes,
+          'node-ids': ','.join(map(str, fed.node_ids)),
           'round-timeout': float(round_timeout),
         },
         echo=log,
       )
+    finally:
+      if federation is None:
+        fed.stop()
     _check_result(result, fed)
   return workdir
 
 
-def _check_result(path: str, fed: federation.Federation) -> None:
+def _check_result(path: str, fed: federation_lib.Federation) -> None:
   try:
     with open(path) as f:
       result = json.load(f)

@@ -3,7 +3,11 @@ out.
 
 A request (`request_content`) holds the dispatch's shared part, the
 client's row of its per-client part, the client's key and, as config, its
-id and the round. The node rebuilds the run's experiment from its config
+id and the round. A node gets one message a round holding the requests of
+all its clients of the round (`pack`: each request's records under its
+position in the sampled order, plus the run's spec), and replies one
+message holding each client's reply under the same position (`serve`).
+The node rebuilds the run's experiment from its config
 (the same `setup` as `experiments.run`: its data, partition, model and
 algorithm), decodes the request against the algorithm's dispatch shapes,
 runs `algorithm.client_update` jit-compiled on its own copy of the data
@@ -23,9 +27,11 @@ overwritten as the rounds are trained again.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from typing import Any
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -220,3 +226,75 @@ def train(
   if engine.has_clients(experiment.state):
     save_client_state(state_folder, client, r, new_state)
   return RecordDict({'output': codec.encode(output)})
+
+
+RUN = 'run'  # the record of a packed message that names the run
+
+
+def pack(parts: Mapping[int, RecordDict], spec: str = '') -> RecordDict:
+  """One message's content holding `parts` (position -> a request's or a
+  reply's records), each record keyed `<position>/<name>`, and `spec`
+  (the folder of the run's config.json) when given."""
+  content = RecordDict()
+  if spec:
+    content[RUN] = ConfigRecord({'spec': spec})
+  for position, part in parts.items():
+    for name, record in part.items():
+      content[f'{int(position)}/{name}'] = record
+  return content
+
+
+def unpack(content: RecordDict) -> dict[int, RecordDict]:
+  """`pack`'s parts: position -> its records (a malformed key raises
+  `RequestError`)."""
+  parts: dict[int, RecordDict] = {}
+  for key, record in content.items():
+    if key == RUN:
+      continue
+    position, _, name = key.partition('/')
+    if not position.isdigit() or not name:
+      raise RequestError(f'a message record named {key!r}')
+    parts.setdefault(int(position), RecordDict())[name] = record
+  return parts
+
+
+def run_folder(state_root: str | None, spec: str) -> str | None:
+  """The folder where a node keeps the client state of the run of `spec`
+  (one per run, so that runs on one federation never mix their states;
+  the same for a run and its resumption)."""
+  if not state_root:
+    return None
+  digest = hashlib.sha256(os.path.abspath(spec).encode()).hexdigest()[:16]
+  return os.path.join(state_root, f'run-{digest}')
+
+
+def serve(
+  experiment: Any,
+  content: RecordDict,
+  node: int,
+  num_nodes: int,
+  state_folder: str | None = None,
+) -> RecordDict:
+  """Serves a packed message (`pack`): each client's request with
+  `train`, replied under its position.
+
+  Raises:
+    RequestError: a request this node cannot serve.
+  """
+  return pack(
+    {
+      p: train(experiment, part, node, num_nodes, state_folder)
+      for p, part in sorted(unpack(content).items())
+    }
+  )
+
+
+def spec_of(content: RecordDict) -> str:
+  """The spec a packed message names.
+
+  Raises:
+    RequestError: none.
+  """
+  if RUN not in content or 'spec' not in content[RUN]:
+    raise RequestError('the message names no run spec')
+  return str(content[RUN]['spec'])

@@ -9,8 +9,9 @@ from flwr.app import ConfigRecord
 from flwr.app import RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from fedjax_mr.deploy import apps
+from fedjax_mr.deploy import node
 from fedjax_mr.deploy import server
+from fedjax_mr.deploy import serverapp as apps
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +88,13 @@ def test_replies_come_as_they_arrive_with_their_positions():
   transport = apps.GridTransport(grid, apps.discover(grid, 2, 10))
   assert transport.node_ids == {0: 11, 1: 22}
   got = list(transport.exchange(_requests(4), None))
-  assert [p for p, _ in got] == [3, 2, 1, 0]
+  # One message per node (node 0: positions 0 and 2; node 1: 1 and 3);
+  # node 1's reply comes first.
+  trains = [
+    m for m in grid.sent.values() if m.metadata.message_type == apps.TRAIN
+  ]
+  assert len(trains) == 2
+  assert [p for p, _ in got] == [1, 3, 0, 2]
   assert all(reply['c']['p'] == p for p, reply in got)
 
 
@@ -112,3 +119,19 @@ def test_a_deadline_fails_the_requests_without_a_reply():
   transport = apps.GridTransport(grid, {0: 11, 1: 22})
   got = list(transport.exchange(_requests(2), 0.2))
   assert sorted(got, key=lambda x: x[0]) == [(0, None), (1, None)]
+
+
+def test_a_packed_message_holds_each_position_and_the_spec():
+  parts = {2: RecordDict({'meta': ConfigRecord({'p': 2})}), 0: RecordDict()}
+  parts[0]['meta'] = ConfigRecord({'p': 0})
+  content = node.pack(parts, '/abs/spec')
+  assert node.spec_of(content) == '/abs/spec'
+  back = node.unpack(content)
+  assert sorted(back) == [0, 2]
+  assert all(back[p]['meta']['p'] == p for p in back)
+  with pytest.raises(node.RequestError, match='spec'):
+    node.spec_of(node.pack(parts))
+  with pytest.raises(node.RequestError, match='x/meta'):
+    node.unpack(RecordDict({'x/meta': ConfigRecord({'p': 0})}))
+  assert node.run_folder(None, '/a') is None
+  assert node.run_folder('/s', '/a') != node.run_folder('/s', '/b')

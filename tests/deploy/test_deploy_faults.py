@@ -1,13 +1,18 @@
-"""Faults on a real local federation: a SuperNode killed, and the program
-itself killed with SIGKILL and run again."""
+"""Faults on a real local federation: a SuperNode killed and started
+again, the program itself killed with SIGKILL and run again, and the
+program stopped with Ctrl-C."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+from fedjax_mr.deploy import federation
+from fedjax_mr.deploy import launch
+from fedjax_mr.pipeline import experiment
 from tests import helpers
 from tests.deploy import test_deploy_program as program
 
@@ -28,7 +33,8 @@ def _start(workdir, *extra):
   )  # fmt: skip
 
 
-def _wait_rows(workdir, n, proc, timeout=900):
+def _wait_rows(workdir, n, alive, timeout=900):
+  """Waits for `n` metrics rows in `workdir` while `alive()` holds."""
   path = os.path.join(workdir, 'metrics.jsonl')
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
@@ -36,7 +42,7 @@ def _wait_rows(workdir, n, proc, timeout=900):
       with open(path) as f:
         if len(f.readlines()) >= n:
           return
-    assert proc.poll() is None, proc.communicate()
+    assert alive(), 'the run ended early'
     time.sleep(0.5)
   raise AssertionError(f'{n} rows never came')
 
@@ -54,33 +60,57 @@ def _processes_with(text):
   return found
 
 
-def test_a_killed_node_fails_its_clients_and_the_run_completes(tmp_path):
-  workdir = str(tmp_path / 'dep')
-  proc = _start(workdir, '--round_timeout=120')
-  _wait_rows(workdir, 1, proc)
-  # Round 2 trains clients 4, 6 and 0 (seed 3): node 1 serves client 4.
-  node = [
-    p
-    for p in _processes_with('node-index=1 ')
-    if workdir.encode() in open(f'/proc/{p}/cmdline', 'rb').read()
-  ]
-  assert node, 'SuperNode 1 not found'
-  for pid in node:
-    os.kill(pid, signal.SIGKILL)
-  out, err = proc.communicate(timeout=900)
-  assert proc.returncode == 0, out[-2000:] + err[-2000:]
+def test_a_killed_node_fails_its_clients_and_rejoins(tmp_path):
+  folder, workdir = str(tmp_path / 'fed'), tmp_path / 'dep'
+  nodes = program.NODES
+  lines, failures = [], []
+
+  def deploy(rounds):
+    try:
+      launch.run(
+        program.config(workdir, algorithm='fedavg', rounds=rounds),
+        nodes,
+        round_timeout=120,
+        federation=fed,
+        log=lines.append,
+      )
+    except BaseException as e:  # noqa: BLE001 - reported below
+      failures.append(e)
+
+  with federation.Federation(
+    folder, nodes, launch.node_config(folder, nodes)
+  ) as fed:
+    run = threading.Thread(target=deploy, args=(2,))
+    run.start()
+    _wait_rows(str(workdir), 1, run.is_alive)
+    # Round 2 trains clients 4, 6 and 0 (seed 3): node 1 serves client 4.
+    fed.nodes[1].kill()
+    fed.nodes[1].wait()
+    run.join(900)
+    assert not failures, failures
+    rows = program._rows(workdir, 'metrics.jsonl')
+    assert rows[1]['client_ids'] == [4, 6, 0]
+    assert rows[1]['failed_clients'] == [4]
+    clients = program._rows(workdir, 'clients.jsonl')[1]['clients']
+    assert [c.get('failed', False) for c in clients] == [True, False, False]
+    assert any('client 4 failed' in line for line in lines)
+    # Node 1 comes back (its registered key: the same node id) and
+    # serves round 3 of the run, resumed with one more round.
+    fed.nodes[1] = fed.start_node(1)
+    deadline = time.monotonic() + 300
+    while fed.online_nodes() < nodes and time.monotonic() < deadline:
+      time.sleep(1)
+    deploy(3)
+    assert not failures, failures
   rows = program._rows(workdir, 'metrics.jsonl')
-  assert rows[1]['client_ids'] == [4, 6, 0]
-  assert rows[1]['failed_clients'] == [4]
-  clients = program._rows(workdir, 'clients.jsonl')[1]['clients']
-  assert [c.get('failed', False) for c in clients] == [True, False, False]
-  assert 'client 4 failed' in out
+  assert len(rows) == 3 and 'failed_clients' not in rows[2]
+  assert any(c % nodes == 1 for c in rows[2]['client_ids'])
 
 
 def test_a_killed_server_resumes_to_the_uninterrupted_run(tmp_path):
   simulated, workdir = str(tmp_path / 'sim'), str(tmp_path / 'dep')
   proc = _start(workdir)
-  _wait_rows(workdir, 1, proc)
+  _wait_rows(workdir, 1, lambda: proc.poll() is None)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   # The watchdog stops the federation: nothing of it outlives the program.
@@ -98,3 +128,23 @@ def test_a_killed_server_resumes_to_the_uninterrupted_run(tmp_path):
     assert program._rows(workdir, name) == program._rows(simulated, name)
   with open(os.path.join(workdir, 'flower', 'result.json')) as f:
     assert json.load(f) == {'ok': True}
+
+
+def test_ctrl_c_stops_every_process_and_keeps_what_was_written(tmp_path):
+  workdir = str(tmp_path / 'dep')
+  proc = _start(workdir, '--insecure_federation')
+  _wait_rows(workdir, 1, lambda: proc.poll() is None)
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 130, out[-2000:] + err[-2000:]
+  assert 'warning: an insecure federation' in out + err
+  interrupted = 'interrupted; re-run with the same --workdir to resume'
+  assert [line for line in err.splitlines() if 'interrupted' in line] == [
+    interrupted
+  ]
+  deadline = time.monotonic() + 60
+  while _processes_with(workdir) and time.monotonic() < deadline:
+    time.sleep(0.5)
+  assert _processes_with(workdir) == []
+  assert len(program._rows(workdir, 'metrics.jsonl')) >= 1
+  assert experiment.load_run(workdir).round >= 1

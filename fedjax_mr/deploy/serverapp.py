@@ -1,12 +1,15 @@
-"""The Flower App: a `ServerApp` that runs `experiments.run`'s host loop
-with the deployed round, and a `ClientApp` that serves its clients.
+"""The Flower App's `ServerApp`: `experiments.run`'s host loop with the
+deployed round over Flower's grid.
 
-The federation's config travels by file: the run config names `spec`, a
-folder holding the run's config.json (`adapter.write_config`), and each
-SuperNode's node config names its own copy, its index and the number of
-nodes. The server first asks every node which index it is (a `query`
-message), then sends each round's requests (`train` messages) to the
-node serving each client (`server.node_of`).
+The run config names `spec`, a folder holding the run's config.json
+(`adapter.write_config`), and, in a federation with node authentication,
+`node-ids`: the Flower node id of node 0, 1, … (their registered keys'
+ids), so the server only waits for them to be online. In an insecure
+federation (ids unknown in advance) it first asks every node which index
+it is (a `query` message). Each round sends one `train` message to each
+node that serves a sampled client, holding the requests of all its
+clients (`node.pack`), and splits its reply into the clients' replies.
+The `ClientApp` is in `clientapp.py`.
 """
 
 from __future__ import annotations
@@ -18,11 +21,9 @@ from typing import Any
 from typing import Iterator
 from typing import Sequence
 
-from flwr.app import ConfigRecord
 from flwr.app import Context
 from flwr.app import Message
 from flwr.app import RecordDict
-from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 from flwr.serverapp import ServerApp
 
@@ -38,50 +39,15 @@ DISCOVERY_TIMEOUT_S = 300.0
 REJOIN_TIMEOUT_S = 120.0
 
 server_app = ServerApp()
-client_app = ClientApp()
-
-
-# The node.
-
-
-def _node_of(context: Context) -> tuple[int, int, str]:
-  config = context.node_config
-  return int(config['node-index']), int(config['num-nodes']), config['spec']
-
-
-def _state_folder(context: Context) -> str | None:
-  """Where the node keeps its clients' state (its `state` config)."""
-  folder = context.node_config.get('state')
-  return str(folder) if folder else None
-
-
-@client_app.query()
-def answer_index(message: Message, context: Context) -> Message:
-  """Replies this node's index."""
-  index, num_nodes, _ = _node_of(context)
-  content = RecordDict(
-    {'node': ConfigRecord({'index': index, 'num-nodes': num_nodes})}
-  )
-  return Message(content, reply_to=message)
-
-
-@client_app.train()
-def train(message: Message, context: Context) -> Message:
-  """Serves one client's request (`node.train`)."""
-  index, num_nodes, spec = _node_of(context)
-  experiment = adapter.setup(adapter.read_config(spec))
-  reply = node_lib.train(
-    experiment, message.content, index, num_nodes, _state_folder(context)
-  )
-  return Message(reply, reply_to=message)
 
 
 # The server.
 
 
 class GridTransport:
-  """`server.Transport` over Flower's grid: requests as `train` messages
-  to the nodes' ids, replies pulled as they arrive.
+  """`server.Transport` over Flower's grid: a round's requests as one
+  `train` message per node (`node.pack`, with the run's `spec`), replies
+  pulled as they arrive and split into the clients' replies.
 
   A node that went offline fails its requests (Flower answers them with
   an error). A node that comes back with its registered key has its old
@@ -90,9 +56,10 @@ class GridTransport:
   whose nodes are not all online (`identify`).
   """
 
-  def __init__(self, grid: Grid, node_ids: dict[int, int]):
+  def __init__(self, grid: Grid, node_ids: dict[int, int], spec: str = ''):
     self.grid = grid
     self.node_ids = node_ids
+    self.spec = spec
 
   def refresh(self) -> None:
     """Maps the indices of offline nodes to new online ids, if any."""
@@ -108,23 +75,47 @@ class GridTransport:
     self, requests: Sequence[server_lib.Request], timeout: float | None
   ) -> Iterator[tuple[int, Any]]:
     self.refresh()
+    by_node: dict[int, dict[int, Any]] = {}
+    for r in requests:
+      by_node.setdefault(r.node, {})[r.position] = r.content
     messages = [
-      Message(r.content, dst_node_id=self.node_ids[r.node], message_type=TRAIN)
-      for r in requests
+      Message(
+        node_lib.pack(parts, self.spec),
+        dst_node_id=self.node_ids[n],
+        message_type=TRAIN,
+      )
+      for n, parts in sorted(by_node.items())
     ]
     ids = list(self.grid.push_messages(messages))
-    position = {m: r.position for m, r in zip(ids, requests)}
+    waiting = {
+      m: list(parts) for m, (_, parts) in zip(ids, sorted(by_node.items()))
+    }
     deadline = None if timeout is None else time.monotonic() + timeout
-    while position and (deadline is None or time.monotonic() < deadline):
-      for reply in self.grid.pull_messages(list(position)):
-        p = position.pop(reply.metadata.reply_to_message_id, None)
-        if p is None:
+    while waiting and (deadline is None or time.monotonic() < deadline):
+      for reply in self.grid.pull_messages(list(waiting)):
+        positions = waiting.pop(reply.metadata.reply_to_message_id, None)
+        if positions is None:
           continue
-        yield p, None if reply.has_error() else reply.content
-      if position:
+        yield from _split(reply, positions)
+      if waiting:
         time.sleep(POLL_S)
-    for p in position.values():
-      yield p, None
+    for positions in waiting.values():
+      for p in positions:
+        yield p, None
+
+
+def _split(reply: Message, positions: list[int]) -> Iterator[tuple[int, Any]]:
+  """`(position, the client's reply or None)` for each of `positions` in
+  a node's reply (all None when the node failed or the reply does not
+  unpack)."""
+  parts = {}
+  if not reply.has_error():
+    try:
+      parts = node_lib.unpack(reply.content)
+    except node_lib.RequestError:
+      parts = {}
+  for p in positions:
+    yield p, parts.get(p)
 
 
 def identify(
@@ -178,6 +169,37 @@ def discover(grid: Grid, num_nodes: int, timeout: float) -> dict[int, int]:
   return found
 
 
+def wait_online(grid: Grid, node_ids: dict[int, int], timeout: float) -> None:
+  """Returns once every node of `node_ids` is online.
+
+  Raises:
+    TimeoutError: not every one was within `timeout` seconds.
+  """
+  deadline = time.monotonic() + timeout
+  while True:
+    missing = set(node_ids.values()) - set(grid.get_node_ids())
+    if not missing:
+      return
+    if time.monotonic() > deadline:
+      raise TimeoutError(
+        f'{len(missing)} of {len(node_ids)} nodes were not online in '
+        f'{timeout:.0f} s'
+      )
+    time.sleep(0.25)
+
+
+def _nodes(grid: Grid, ids: str, num_nodes: int) -> dict[int, int]:
+  """`{index: id}`: from `ids` (node 0's id, node 1's, …, comma
+  separated) once they are online, or else asked (`discover`)."""
+  if not ids:
+    return discover(grid, num_nodes, DISCOVERY_TIMEOUT_S)
+  found = {i: int(n) for i, n in enumerate(ids.split(','))}
+  if len(found) != num_nodes:
+    raise ValueError(f'node-ids names {len(found)} nodes, not {num_nodes}')
+  wait_online(grid, found, DISCOVERY_TIMEOUT_S)
+  return found
+
+
 def _write_result(path: str, result: dict[str, Any]) -> None:
   files.write_atomic(path, lambda f: f.write(json.dumps(result)))
 
@@ -192,8 +214,8 @@ def main(grid: Grid, context: Context) -> None:
     config = adapter.read_config(str(run_config['spec']))
     num_nodes = int(run_config['num-nodes'])
     timeout = float(run_config['round-timeout']) or None
-    nodes = discover(grid, num_nodes, DISCOVERY_TIMEOUT_S)
-    transport = GridTransport(grid, nodes)
+    nodes = _nodes(grid, str(run_config.get('node-ids', '')), num_nodes)
+    transport = GridTransport(grid, nodes, str(run_config['spec']))
 
     def make_round(experiment, chunk):
       return server_lib.make_round(

@@ -1,0 +1,53 @@
+"""The Flower App's `ClientApp`: a node serving its clients.
+
+Flower 1.42's SuperNode runs every message in a fresh `flwr-clientapp`
+process, which imports this module: it imports what a node needs (Flower's
+message types, `node` and the config's `setup`), never the server's side
+(`serverapp.py`).
+
+A node's node config names its index (`node-index`), the number of nodes
+(`num-nodes`) and where it keeps its clients' state (`state`); each
+`train` message names the run's spec (the folder of its config.json), so
+one federation serves any number of runs, and holds the requests of all
+the node's clients of a round (`node.pack`).
+"""
+
+from __future__ import annotations
+
+from flwr.app import ConfigRecord
+from flwr.app import Context
+from flwr.app import Message
+from flwr.app import RecordDict
+from flwr.clientapp import ClientApp
+
+from fedjax_mr.deploy import adapter
+from fedjax_mr.deploy import node as node_lib
+
+client_app = ClientApp()
+
+
+def _node_of(context: Context) -> tuple[int, int]:
+  config = context.node_config
+  return int(config['node-index']), int(config['num-nodes'])
+
+
+@client_app.query()
+def answer_index(message: Message, context: Context) -> Message:
+  """Replies this node's index (asked in an insecure federation, whose
+  node ids are not known in advance)."""
+  index, num_nodes = _node_of(context)
+  content = RecordDict(
+    {'node': ConfigRecord({'index': index, 'num-nodes': num_nodes})}
+  )
+  return Message(content, reply_to=message)
+
+
+@client_app.train()
+def train(message: Message, context: Context) -> Message:
+  """Serves this node's clients of a round (`node.serve`)."""
+  index, num_nodes = _node_of(context)
+  spec = node_lib.spec_of(message.content)
+  experiment = adapter.setup(adapter.read_config(spec))
+  state = node_lib.run_folder(context.node_config.get('state'), spec)
+  reply = node_lib.serve(experiment, message.content, index, num_nodes, state)
+  return Message(reply, reply_to=message)
