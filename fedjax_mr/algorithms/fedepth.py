@@ -131,13 +131,7 @@ REFERENCE_CHANNELS = budgets_lib.REFERENCE_INPUT_SHAPE[-1]
 class Hparams(budgets_lib.BudgetHparams):
   """FeDepth's decomposition: memory budgets or fixed blocks."""
 
-  layers_per_block: int = dataclasses.field(
-    default=0,
-    metadata={
-      'help': 'Layers (residual blocks) per block for every client; 0: each '
-      "client's blocks from its memory budget (FedStitch budgets)."
-    },
-  )
+  layers_per_block: int = 0
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""

@@ -387,31 +387,10 @@ class Hparams:
   """FedMut's hyper-parameters (config fields `fedmut_<field>`; the
   grouping is FedMR's field `fedmr_grouping`)."""
 
-  alpha: float = dataclasses.field(
-    default=4.0,
-    metadata={'help': 'Mutation range alpha (paper: 4; 5 diverges).'},
-  )
-  beta0: float = dataclasses.field(
-    default=0.3,
-    metadata={
-      'help': 'Initial dynamic preference beta_0 (paper: 0.3 for CNN and '
-      'VGG-16, 0.5 for ResNet-18).'
-    },
-  )
-  bound: int = dataclasses.field(
-    default=50,
-    metadata={'help': 'Rounds T_b over which beta decays linearly to 0.'},
-  )
-  grouping: str = dataclasses.field(
-    default='leaf',
-    metadata={
-      'help': 'What one layer is: leaf (every tensor, params and BatchNorm '
-      "statistics, as the authors' code) or module (kernel and bias of one "
-      'module together).',
-      'choices': grouping_lib.GROUPINGS,
-      'flag': 'fedmr_grouping',
-    },
-  )
+  alpha: float = 4.0
+  beta0: float = 0.3
+  bound: int = 50
+  grouping: str = 'leaf'
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
@@ -449,9 +428,3 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
     grouping=hp.grouping,
     server_optimizer=setting.server_optimizer,
   )
-
-
-# Named variants of `experiments.compare`: the alpha ablation.
-VARIANTS = {
-  f'fedmut_a{a:g}': {'fedmut_alpha': float(a)} for a in (0, 1, 2, 4, 5)
-}

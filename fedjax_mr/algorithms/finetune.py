@@ -119,14 +119,7 @@ class Hparams(budgets_lib.BudgetHparams):
 class PartHparams(Hparams):
   """FT-Part's: FT-Full's and how many final modules train."""
 
-  layers: int = dataclasses.field(
-    default=2,
-    metadata={
-      'help': 'FT-Part: how many final parameterised modules (top-level '
-      'entries of the params, e.g. the head and the last residual block) '
-      'train; the others stay frozen.',
-    },
-  )
+  layers: int = 2
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field."""

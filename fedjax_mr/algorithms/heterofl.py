@@ -99,28 +99,9 @@ def _floats(text: str) -> tuple[float, ...]:
 class Hparams(budgets_lib.BudgetHparams):
   """HeteroFL's rates, the clients' memory budgets and the loss mask."""
 
-  rates: str = dataclasses.field(
-    default='1,0.5,0.25,0.125,0.0625',
-    metadata={
-      'help': 'Comma-separated width rates in (0, 1] (paper: 1, '
-      '1/2, 1/4, 1/8, 1/16).'
-    },
-  )
-  masked_loss: bool = dataclasses.field(
-    default=True,
-    metadata={
-      'help': "Zero the logits of classes absent from a client's "
-      "data in its loss (the authors' default)."
-    },
-  )
-  scaler: bool = dataclasses.field(
-    default=True,
-    metadata={
-      'help': 'Divide hidden outputs by the rate in training (the paper). '
-      'Meant for networks with BatchNorm after each layer: without it the '
-      'scale compounds over layers.'
-    },
-  )
+  rates: str = '1,0.5,0.25,0.125,0.0625'
+  masked_loss: bool = True
+  scaler: bool = True
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""

@@ -471,7 +471,7 @@ _SETTING_FIELDS = {
 def field_of(algorithm: str, argument: str) -> str:
   """The field behind an `ArgumentError` of algorithm `algorithm`."""
   for name, f in registry.flags_of(algorithm).items():
-    if f.name == argument:
+    if f.field.name == argument:
       return name
   return _SETTING_FIELDS.get(argument, argument)
 
@@ -514,7 +514,7 @@ def _check_algorithm_fields(config: config_lib.ExperimentConfig) -> Any:
   hyper-parameters."""
   options = config.algorithm.options()
   for name, f in registry.flags_of(config.algorithm.name).items():
-    _check_choice(name, options[name], f.metadata.get('choices'))
+    _check_choice(name, options[name], f.choices)
   return hparams(config)
 
 
