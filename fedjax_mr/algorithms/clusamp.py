@@ -308,9 +308,9 @@ def clustered_sampling(
     (how many of the K draws are different clients).
   """
   Hparams(method, distance).validate()
-  k, n = int(clients_per_round), int(num_clients)
-  if not 1 <= k <= n:
-    raise ValueError(f'need 1 <= clients_per_round <= num_clients, got {k}')
+  k, n = errors.check_count('clients_per_round', clients_per_round), num_clients
+  if k > n:
+    raise ValueError(f'clients_per_round must be <= num_clients, got {k}')
   base = fedavg.fedavg(local, k, False, server_optimizer)
   similar = method == 'similarity'
 
@@ -367,7 +367,6 @@ def clustered_sampling(
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
-  hp.validate(weighted=setting.weighted)
   return clustered_sampling(
     setting.local,
     setting.clients_per_round,

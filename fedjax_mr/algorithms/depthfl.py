@@ -358,9 +358,7 @@ def depthfl(
     'mean_depth' (of the sampled clients).
   """
   Hparams(kd_weight, kd_rampup, temperature, extended).validate()
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   num = multi_exit.num_exits(local.model.module)
   table = np.asarray(depths, np.int32)
   if table.ndim != 1 or table.min() < 1 or table.max() > num:
@@ -411,7 +409,6 @@ def depthfl(
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (`setting.local.model` is already
   `wrap_model`'s)."""
-  hp.validate()
   depths = client_depths(
     setting.local.model, setting.num_clients, hp.depth, hp.budget_seed
   )

@@ -123,9 +123,7 @@ def fedavg(
     sums (`contribution`: `mean_contribution`). Metrics:
     'bytes_communicated'.
   """
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   update = client.make_local_update(local)
   server = server_optimizer or optimizers.sgd(1.0)
 

@@ -488,9 +488,7 @@ def fedgen(
     generator step's), 'generative_alpha' (alpha_t of the round).
   """
   hp.validate()
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   model = local.model
   num_classes = model.num_classes
   generator = Generator(num_classes, int(hp.hidden_dim), model.feature_dim())

@@ -190,8 +190,7 @@ def _check_options(
   k, bound, grouping, num_segments, layer_order, repeats, weighted_global
 ):
   """Raises `ValueError` for inconsistent arguments of `fedmr`."""
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  errors.check_count('clients_per_round', k)
   if not 0 <= bound <= _MAX_ROUND:
     raise ValueError(
       f'first_stage_bound must be in [0, {_MAX_ROUND}] (rounds are int32), '
@@ -468,7 +467,6 @@ class PHparams(Hparams):
 
 def _build(setting: Any, hp: Hparams, num_segments: int | None):
   k = setting.clients_per_round
-  hp.validate(clients_per_round=k, weighted=setting.weighted)
   repeats = hp.secure_repeats
   max_sent = hp.secure_max_sent or None
   if repeats:

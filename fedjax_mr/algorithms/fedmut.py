@@ -304,9 +304,7 @@ def fedmut(
     Hu et al., "FedMut: Generalized Federated Learning via Stochastic
     Mutation", AAAI 2024, Algorithms 1-2.
   """
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   if grouping not in grouping_lib.GROUPINGS:
     raise ValueError(f'grouping must be one of {grouping_lib.GROUPINGS}')
 
@@ -417,7 +415,6 @@ class Hparams:
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
-  hp.validate()
   return fedmut(
     setting.local,
     setting.clients_per_round,

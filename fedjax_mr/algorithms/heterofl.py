@@ -573,9 +573,7 @@ def heterofl(
     (`ClientOutput.extra`). Metrics: 'bytes_communicated' (each client's
     sub-model down and up), 'mean_rate'.
   """
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   rates, client_rates = _checked_rates(rates, client_rates)
   top = int(max(set(client_rates.tolist()), key=lambda i: rates[i]))
   w = _Widths(local, rates, top, masked_loss, scaler, {})
@@ -658,7 +656,6 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory: measures each rate's narrow network at the
   reference setting and gives each client the largest that fits its
   budget (see the module docstring)."""
-  hp.validate()
   rates = _floats(hp.rates)
   model = setting.local.model
   shape = None  # the model's own input shape

@@ -281,9 +281,8 @@ def scaffold(
     and dc up, for each of the K clients), 'control_norm' (||c||).
   """
   Hparams(control_dtype, control_steps).validate()
-  k, n = int(clients_per_round), int(num_clients)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
+  n = int(num_clients)
   if n < k:
     raise ValueError(f'num_clients must be >= clients_per_round, got {n}')
   lr, momentum = _sgd_of(local)
