@@ -532,9 +532,9 @@ def define_algorithm_flags() -> list[str]:
 
   names = []
   for name, (f, users) in registry.all_flags().items():
-    help_text = f'{", ".join(users)}: {f.metadata.get("help", "")}'
-    if f.metadata.get('choices'):
-      help_text += f' One of: {", ".join(f.metadata["choices"])}.'
+    help_text = f'{", ".join(users)}: {f.help}'
+    if f.choices:
+      help_text += f' One of: {", ".join(f.choices)}.'
     define_flag(name, f, help_text)
     names.append(name)
   return names

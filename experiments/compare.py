@@ -110,7 +110,8 @@ def main(argv) -> None:
     runs = compare.configs(base, variants, seeds, out)
     title = titles.setting_title(compare.base_config(base))
     if not _SUMMARIZE_ONLY.value:
-      distributed.initialize_for(runs[0][2])
+      first = runs[0][2]
+      distributed.initialize_for(first.devices, first.server.clients_per_round)
       train = functools.partial(experiment.train_and_evaluate, log=cli.log)
       compare.run_matrix(runs, train, log=cli.log)
     names = [name for name, _ in variants]

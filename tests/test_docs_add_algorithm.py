@@ -48,7 +48,7 @@ def fedclip(tmp_path, monkeypatch):
   module_text, entry_text = _blocks()
   (tmp_path / 'fedclip.py').write_text(module_text)
   (tmp_path / 'fedclip_entry.py').write_text(
-    'from fedjax_mr.pipeline.registry import Entry\n'
+    'from fedjax_mr.pipeline.registry import Entry, Flag\n'
     'import fedclip\n'
     f'ENTRIES = {{\n{entry_text}}}\n'
   )

@@ -66,8 +66,6 @@ from fedjax_mr.training import client
 
 METHODS = ('similarity', 'size')
 DISTANCES = ('cosine', 'l1', 'l2')
-# experiments.compare's named variant of Algorithm 1.
-VARIANTS = {'clusamp_size': {'clusamp_method': 'size'}}
 # Mass comparisons (in units of one distribution) tolerate float32 rounding.
 _TOL = 1e-5
 
@@ -89,23 +87,8 @@ class ClusampState(NamedTuple):
 class Hparams:
   """Clustered sampling's algorithm and distance."""
 
-  method: str = dataclasses.field(
-    default='similarity',
-    metadata={
-      'help': 'How the K distributions are built: "similarity" (Algorithm '
-      "2, clients clustered by their last update; the FedMR papers' "
-      'choice) or "size" (Algorithm 1, by sample size).',
-      'choices': METHODS,
-    },
-  )
-  distance: str = dataclasses.field(
-    default='cosine',
-    metadata={
-      'help': 'Distance between client updates for clusamp_method '
-      'similarity: cosine (the angle), l1 or l2.',
-      'choices': DISTANCES,
-    },
-  )
+  method: str = 'similarity'
+  distance: str = 'cosine'
 
   def validate(self, *, weighted=None, **setting) -> None:
     """Raises `ArgumentError` naming a bad field or setting."""
@@ -325,9 +308,9 @@ def clustered_sampling(
     (how many of the K draws are different clients).
   """
   Hparams(method, distance).validate()
-  k, n = int(clients_per_round), int(num_clients)
-  if not 1 <= k <= n:
-    raise ValueError(f'need 1 <= clients_per_round <= num_clients, got {k}')
+  k, n = errors.check_count('clients_per_round', clients_per_round), num_clients
+  if k > n:
+    raise ValueError(f'clients_per_round must be <= num_clients, got {k}')
   base = fedavg.fedavg(local, k, False, server_optimizer)
   similar = method == 'similarity'
 
@@ -384,7 +367,6 @@ def clustered_sampling(
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
-  hp.validate(weighted=setting.weighted)
   return clustered_sampling(
     setting.local,
     setting.clients_per_round,

@@ -81,12 +81,6 @@ from fedjax_mr.models import multi_exit
 from fedjax_mr.training import budgets
 from fedjax_mr.training import client
 
-# experiments.compare's named variants.
-VARIANTS = {
-  'depthfl_last': {'depthfl_inference': 'last'},
-  'depthfl_no_kd': {'depthfl_kd_weight': 0.0},
-}
-
 
 class DepthFLState(NamedTuple):
   """Attributes: params: the global multi-exit model (all variables)."""
@@ -98,51 +92,13 @@ class DepthFLState(NamedTuple):
 class Hparams:
   """DepthFL's distillation, inference and client depths."""
 
-  kd_weight: float = dataclasses.field(
-    default=1.0,
-    metadata={
-      'help': 'Weight of the mutual self-distillation term once ramped up '
-      "(authors' code: 1); 0: cross-entropy of the exits only."
-    },
-  )
-  kd_rampup: int = dataclasses.field(
-    default=300,
-    metadata={
-      'help': 'Rounds over which the distillation weight ramps up as '
-      "exp(-5 (1 - r/R)^2) (authors' code: 300); 0: constant."
-    },
-  )
-  temperature: float = dataclasses.field(
-    default=1.0,
-    metadata={'help': "Distillation temperature T (authors' code: 1)."},
-  )
-  extended: bool = dataclasses.field(
-    default=True,
-    metadata={
-      'help': 'Train every exit of the local sub-network (DepthFL); False '
-      "trains only its deepest exit (the authors' InclusiveFL-style "
-      'baseline).'
-    },
-  )
-  inference: str = dataclasses.field(
-    default='ensemble',
-    metadata={
-      'help': "Global prediction: the mean of all exits' logits "
-      '("ensemble", the paper) or the deepest exit alone ("last").',
-      'choices': multi_exit.INFERENCE,
-    },
-  )
-  depth: int = dataclasses.field(
-    default=0,
-    metadata={
-      'help': 'Depth of every client; 0: from its memory budget (FedStitch '
-      'budgets, the deepest sub-network that fits).'
-    },
-  )
-  budget_seed: int = dataclasses.field(
-    default=0,
-    metadata={'help': 'Seed of the assignment of budgets to clients.'},
-  )
+  kd_weight: float = 1.0
+  kd_rampup: int = 300
+  temperature: float = 1.0
+  extended: bool = True
+  inference: str = 'ensemble'
+  depth: int = 0
+  budget_seed: int = 0
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
@@ -402,9 +358,7 @@ def depthfl(
     'mean_depth' (of the sampled clients).
   """
   Hparams(kd_weight, kd_rampup, temperature, extended).validate()
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   num = multi_exit.num_exits(local.model.module)
   table = np.asarray(depths, np.int32)
   if table.ndim != 1 or table.min() < 1 or table.max() > num:
@@ -455,7 +409,6 @@ def depthfl(
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (`setting.local.model` is already
   `wrap_model`'s)."""
-  hp.validate()
   depths = client_depths(
     setting.local.model, setting.num_clients, hp.depth, hp.budget_seed
   )

@@ -49,20 +49,8 @@ from fedjax_mr.training import client
 class Hparams:
   """FedASAM's local ASAM: radius rho and normalisation offset eta."""
 
-  rho: float = dataclasses.field(
-    default=0.7,
-    metadata={
-      'help': 'ASAM neighbourhood radius rho (FedASAM authors, CIFAR: 0.7); '
-      '0 is FedAvg.'
-    },
-  )
-  eta: float = dataclasses.field(
-    default=0.2,
-    metadata={
-      'help': 'ASAM offset eta of the normalisation T = |w| + eta (FedASAM '
-      'authors: 0.2).'
-    },
-  )
+  rho: float = 0.7
+  eta: float = 0.2
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
@@ -75,13 +63,7 @@ class Hparams:
 class SamHparams:
   """FedSAM's local SAM: radius rho."""
 
-  rho: float = dataclasses.field(
-    default=0.1,
-    metadata={
-      'help': 'SAM neighbourhood radius rho (FedASAM authors, CIFAR-10: '
-      '0.1); 0 is FedAvg.'
-    },
-  )
+  rho: float = 0.1
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""

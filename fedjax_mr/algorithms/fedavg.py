@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_mr.core import errors
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
 from fedjax_mr.training import client
@@ -122,9 +123,7 @@ def fedavg(
     sums (`contribution`: `mean_contribution`). Metrics:
     'bytes_communicated'.
   """
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   update = client.make_local_update(local)
   server = server_optimizer or optimizers.sgd(1.0)
 
@@ -161,39 +160,3 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
     setting.weighted,
     setting.server_optimizer,
   )
-
-
-# Named variants of `experiments.compare`: the FedOpt family of Reddi et
-# al. with the server rates and epsilons (tau) their authors found best on
-# EMNIST CR, their task nearest ours (a small CNN on 28x28 grey images, 10
-# clients a round): log10 server rate -0.5 (FedAvgM, momentum 0.9), -2.5
-# (FedAdam, FedYogi; tau 1e-4) and -1 (FedAdagrad; tau 1e-2), from
-# `optimization/docs/hyperparameters.md` of google-research/federated.
-VARIANTS = {
-  'fedavgm': {
-    'server_optimizer': 'momentum',
-    'server_lr': 10**-0.5,
-    'server_momentum': 0.9,
-  },
-  'fedadam': {
-    'server_optimizer': 'adam',
-    'server_lr': 10**-2.5,
-    'server_epsilon': 1e-4,
-  },
-  'fedyogi': {
-    'server_optimizer': 'yogi',
-    'server_lr': 10**-2.5,
-    'server_epsilon': 1e-4,
-  },
-  'fedadagrad': {
-    'server_optimizer': 'adagrad',
-    'server_lr': 10**-1,
-    'server_epsilon': 1e-2,
-  },
-}
-VARIANT_LABELS = {
-  'fedavgm': 'FedAvgM',
-  'fedadam': 'FedAdam',
-  'fedyogi': 'FedYogi',
-  'fedadagrad': 'FedAdagrad',
-}

@@ -131,13 +131,7 @@ REFERENCE_CHANNELS = budgets_lib.REFERENCE_INPUT_SHAPE[-1]
 class Hparams(budgets_lib.BudgetHparams):
   """FeDepth's decomposition: memory budgets or fixed blocks."""
 
-  layers_per_block: int = dataclasses.field(
-    default=0,
-    metadata={
-      'help': 'Layers (residual blocks) per block for every client; 0: each '
-      "client's blocks from its memory budget (FedStitch budgets)."
-    },
-  )
+  layers_per_block: int = 0
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
@@ -560,9 +554,7 @@ def fedepth(
     the global model. Metrics: 'bytes_communicated' (the whole model down,
     the trained variables up), 'mean_blocks' (of the sampled clients).
   """
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   model = local.model
   layout = layout_of(model)
   table = block_table(blocks, layout.num_layers)
@@ -677,7 +669,6 @@ def blocks_for(
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see the module docstring)."""
-  hp.validate()
   blocks = blocks_for(setting.local.model, setting.num_clients, hp)
   return fedepth(
     setting.local, setting.clients_per_round, blocks, setting.weighted

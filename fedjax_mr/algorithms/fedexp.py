@@ -71,20 +71,8 @@ class FedExPState(NamedTuple):
 class Hparams:
   """FedExP's eps and which model is evaluated."""
 
-  epsilon: float = dataclasses.field(
-    default=1e-3,
-    metadata={
-      'help': 'eps in the step size max(1, sum p_i |D_i|^2 / (2 (|D|^2 + '
-      'eps))) (paper: 1e-3); a huge value gives FedAvg.'
-    },
-  )
-  average_last_two: bool = dataclasses.field(
-    default=True,
-    metadata={
-      'help': 'Evaluate the average of the last two global models, as the '
-      'paper does (else the last one).'
-    },
-  )
+  epsilon: float = 1e-3
+  average_last_two: bool = True
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""

@@ -132,58 +132,18 @@ MAX_BATCH = 2**20
 class Hparams:
   """FedGen's generator and its two loss weights on each side."""
 
-  noise_dim: int = dataclasses.field(
-    default=32, metadata={'help': 'Generator noise size (authors: 32).'}
-  )
-  hidden_dim: int = dataclasses.field(
-    default=256,
-    metadata={'help': 'Generator hidden layer size (authors, MNIST: 256).'},
-  )
-  generator_lr: float = dataclasses.field(
-    default=1e-4, metadata={'help': 'Generator Adam learning rate.'}
-  )
-  generator_weight_decay: float = dataclasses.field(
-    default=1e-2,
-    metadata={'help': 'Generator Adam L2 weight decay (authors: 1e-2).'},
-  )
-  generator_steps: int = dataclasses.field(
-    default=50,
-    metadata={'help': 'Generator Adam steps per round (authors: 50).'},
-  )
-  generator_batch_size: int = dataclasses.field(
-    default=32,
-    metadata={'help': 'Labels drawn per generator step (authors: 32).'},
-  )
-  ensemble_alpha: float = dataclasses.field(
-    default=1.0,
-    metadata={'help': "Weight of the heads' (teacher) loss on the server."},
-  )
-  ensemble_eta: float = dataclasses.field(
-    default=1.0,
-    metadata={'help': 'Weight of the generator diversity loss.'},
-  )
-  generative_alpha: float = dataclasses.field(
-    default=10.0,
-    metadata={
-      'help': 'Client weight of the cross-entropy on generated '
-      'representations (decayed per round; 0 with beta 0: FedAvg).'
-    },
-  )
-  generative_beta: float = dataclasses.field(
-    default=10.0,
-    metadata={
-      'help': 'Client weight of the KL term between the predictions on '
-      'real inputs and on generated representations of their labels.'
-    },
-  )
-  decay: float = dataclasses.field(
-    default=0.98,
-    metadata={'help': 'Per-round decay of the two client weights.'},
-  )
-  synthetic_batch_size: int = dataclasses.field(
-    default=32,
-    metadata={'help': 'Generated representations per local step.'},
-  )
+  noise_dim: int = 32
+  hidden_dim: int = 256
+  generator_lr: float = 1e-4
+  generator_weight_decay: float = 1e-2
+  generator_steps: int = 50
+  generator_batch_size: int = 32
+  ensemble_alpha: float = 1.0
+  ensemble_eta: float = 1.0
+  generative_alpha: float = 10.0
+  generative_beta: float = 10.0
+  decay: float = 0.98
+  synthetic_batch_size: int = 32
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
@@ -528,9 +488,7 @@ def fedgen(
     generator step's), 'generative_alpha' (alpha_t of the round).
   """
   hp.validate()
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   model = local.model
   num_classes = model.num_classes
   generator = Generator(num_classes, int(hp.hidden_dim), model.feature_dim())
@@ -651,10 +609,3 @@ def _aggregate(
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
   return fedgen(setting.local, setting.clients_per_round, hp, setting.weighted)
-
-
-# Named variants of `experiments.compare` (config overrides): the README's
-# table runs the authors' client weights α = β = 10 and a tenth of them.
-VARIANTS = {
-  'fedgen_a1': {'fedgen_generative_alpha': 1.0, 'fedgen_generative_beta': 1.0}
-}

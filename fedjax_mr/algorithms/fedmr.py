@@ -190,8 +190,7 @@ def _check_options(
   k, bound, grouping, num_segments, layer_order, repeats, weighted_global
 ):
   """Raises `ValueError` for inconsistent arguments of `fedmr`."""
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  errors.check_count('clients_per_round', k)
   if not 0 <= bound <= _MAX_ROUND:
     raise ValueError(
       f'first_stage_bound must be in [0, {_MAX_ROUND}] (rounds are int32), '
@@ -394,44 +393,15 @@ def _dispatch(
 # factories.
 
 
-def _flag(default, help_text, **more):
-  return dataclasses.field(
-    default=default, metadata={'help': help_text, **more}
-  )
-
-
 @dataclasses.dataclass(frozen=True)
 class Hparams:
   """FedMR's and Indep's hyper-parameters (config fields `fedmr_<field>`)."""
 
-  first_stage: int = _flag(
-    0,
-    'Rounds of the first (FedAvg) stage of two-stage training; '
-    'recombination starts after them (papers: 0 for the CNN, 100 for '
-    'ResNet-20 and VGG-16).',
-  )
-  grouping: str = _flag(
-    'leaf',
-    'What one layer is: leaf (every tensor, params and BatchNorm '
-    "statistics, as the authors' code) or module (kernel and bias of one "
-    'module together).',
-    choices=grouping_lib.GROUPINGS,
-  )
-  secure_repeats: int = _flag(
-    0,
-    'Repeats r_s of the client-to-client secure recombination before '
-    'upload (0: none).',
-  )
-  secure_min_sent: int = _flag(
-    1,
-    'Secure recombination: least number of layers a client sends per '
-    'repeat (n_l).',
-  )
-  secure_max_sent: int = _flag(
-    0,
-    'Secure recombination: most layers a client sends per repeat (n_u); '
-    '0: all layers.',
-  )
+  first_stage: int = 0
+  grouping: str = 'leaf'
+  secure_repeats: int = 0
+  secure_min_sent: int = 1
+  secure_max_sent: int = 0
 
   def validate(
     self, *, clients_per_round=None, weighted=None, **setting
@@ -483,11 +453,7 @@ class Hparams:
 class PHparams(Hparams):
   """FedMR-p: FedMR's hyper-parameters and the number of segments."""
 
-  segments: int = _flag(
-    2,
-    'FedMR-p: number of contiguous segments of layers (in model order) '
-    'recombined as units; >= 2 (1 is the algorithm indep).',
-  )
+  segments: int = 2
 
   def validate(self, **setting) -> None:
     super().validate(**setting)
@@ -501,7 +467,6 @@ class PHparams(Hparams):
 
 def _build(setting: Any, hp: Hparams, num_segments: int | None):
   k = setting.clients_per_round
-  hp.validate(clients_per_round=k, weighted=setting.weighted)
   repeats = hp.secure_repeats
   max_sent = hp.secure_max_sent or None
   if repeats:
@@ -542,11 +507,3 @@ def build_p(setting: Any, hp: PHparams) -> types.Algorithm:
 def build_indep(setting: Any, hp: Hparams) -> types.Algorithm:
   """Indep for the registry: whole models re-dispatched, never mixed."""
   return _build(setting, hp, 1)
-
-
-# Named variants of `experiments.compare` (config overrides).
-VARIANTS = {
-  'fedmr_2stage20': {'fedmr_first_stage': 20},
-  'fedmr_secure': {'fedmr_secure_repeats': 2},
-}
-P_VARIANTS = {'fedmr_p2': {'fedmr_segments': 2}}

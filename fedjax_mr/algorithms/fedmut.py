@@ -304,9 +304,7 @@ def fedmut(
     Hu et al., "FedMut: Generalized Federated Learning via Stochastic
     Mutation", AAAI 2024, Algorithms 1-2.
   """
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   if grouping not in grouping_lib.GROUPINGS:
     raise ValueError(f'grouping must be one of {grouping_lib.GROUPINGS}')
 
@@ -387,31 +385,10 @@ class Hparams:
   """FedMut's hyper-parameters (config fields `fedmut_<field>`; the
   grouping is FedMR's field `fedmr_grouping`)."""
 
-  alpha: float = dataclasses.field(
-    default=4.0,
-    metadata={'help': 'Mutation range alpha (paper: 4; 5 diverges).'},
-  )
-  beta0: float = dataclasses.field(
-    default=0.3,
-    metadata={
-      'help': 'Initial dynamic preference beta_0 (paper: 0.3 for CNN and '
-      'VGG-16, 0.5 for ResNet-18).'
-    },
-  )
-  bound: int = dataclasses.field(
-    default=50,
-    metadata={'help': 'Rounds T_b over which beta decays linearly to 0.'},
-  )
-  grouping: str = dataclasses.field(
-    default='leaf',
-    metadata={
-      'help': 'What one layer is: leaf (every tensor, params and BatchNorm '
-      "statistics, as the authors' code) or module (kernel and bias of one "
-      'module together).',
-      'choices': grouping_lib.GROUPINGS,
-      'flag': 'fedmr_grouping',
-    },
-  )
+  alpha: float = 4.0
+  beta0: float = 0.3
+  bound: int = 50
+  grouping: str = 'leaf'
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
@@ -438,7 +415,6 @@ class Hparams:
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
-  hp.validate()
   return fedmut(
     setting.local,
     setting.clients_per_round,
@@ -449,9 +425,3 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
     grouping=hp.grouping,
     server_optimizer=setting.server_optimizer,
   )
-
-
-# Named variants of `experiments.compare`: the alpha ablation.
-VARIANTS = {
-  f'fedmut_a{a:g}': {'fedmut_alpha': float(a)} for a in (0, 1, 2, 4, 5)
-}

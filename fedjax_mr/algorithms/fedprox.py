@@ -29,10 +29,7 @@ from fedjax_mr.training import client
 class Hparams:
   """Attributes: mu: weight of the proximal term (papers: 0.01)."""
 
-  mu: float = dataclasses.field(
-    default=0.01,
-    metadata={'help': 'Weight mu of the proximal term (papers: 0.01).'},
-  )
+  mu: float = 0.01
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""

@@ -119,14 +119,7 @@ class Hparams(budgets_lib.BudgetHparams):
 class PartHparams(Hparams):
   """FT-Part's: FT-Full's and how many final modules train."""
 
-  layers: int = dataclasses.field(
-    default=2,
-    metadata={
-      'help': 'FT-Part: how many final parameterised modules (top-level '
-      'entries of the params, e.g. the head and the last residual block) '
-      'train; the others stay frozen.',
-    },
-  )
+  layers: int = 2
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field."""
@@ -378,9 +371,7 @@ def ft_part(
     model is the dispatch's shared part. Metrics: 'bytes_communicated'
     (K models down, K trainable parts up) and 'eligible_clients'.
   """
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   frozen = _frozen_modules(local.model, trainable)
   update = client.make_local_update(
     local._replace(
@@ -464,7 +455,6 @@ def _eligible_for(
 ) -> np.ndarray:
   """The clients whose budget holds the measured step; raises the
   one-line error when fewer than K do."""
-  hp.validate()
   model = setting.local.model
   shape = reference_shape(model, hp.reference_size)
   memory = training_memory(model, trainable, hp.reference_batch, shape)
@@ -499,7 +489,6 @@ def build_part(setting: Any, hp: PartHparams) -> types.Algorithm:
   """The registry's factory of FT-Part: the final `hp.layers` modules
   train; measures that step and admits the clients whose budget holds
   it."""
-  hp.validate()
   trainable = final_modules(setting.local.model, hp.layers)
   eligible = _eligible_for(setting, hp, trainable, 'FT-Part')
   return ft_part(

@@ -99,28 +99,9 @@ def _floats(text: str) -> tuple[float, ...]:
 class Hparams(budgets_lib.BudgetHparams):
   """HeteroFL's rates, the clients' memory budgets and the loss mask."""
 
-  rates: str = dataclasses.field(
-    default='1,0.5,0.25,0.125,0.0625',
-    metadata={
-      'help': 'Comma-separated width rates in (0, 1] (paper: 1, '
-      '1/2, 1/4, 1/8, 1/16).'
-    },
-  )
-  masked_loss: bool = dataclasses.field(
-    default=True,
-    metadata={
-      'help': "Zero the logits of classes absent from a client's "
-      "data in its loss (the authors' default)."
-    },
-  )
-  scaler: bool = dataclasses.field(
-    default=True,
-    metadata={
-      'help': 'Divide hidden outputs by the rate in training (the paper). '
-      'Meant for networks with BatchNorm after each layer: without it the '
-      'scale compounds over layers.'
-    },
-  )
+  rates: str = '1,0.5,0.25,0.125,0.0625'
+  masked_loss: bool = True
+  scaler: bool = True
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
@@ -592,9 +573,7 @@ def heterofl(
     (`ClientOutput.extra`). Metrics: 'bytes_communicated' (each client's
     sub-model down and up), 'mean_rate'.
   """
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   rates, client_rates = _checked_rates(rates, client_rates)
   top = int(max(set(client_rates.tolist()), key=lambda i: rates[i]))
   w = _Widths(local, rates, top, masked_loss, scaler, {})
@@ -677,7 +656,6 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory: measures each rate's narrow network at the
   reference setting and gives each client the largest that fits its
   budget (see the module docstring)."""
-  hp.validate()
   rates = _floats(hp.rates)
   model = setting.local.model
   shape = None  # the model's own input shape

@@ -76,25 +76,9 @@ class PreviousModel(NamedTuple):
 class Hparams:
   """MOON's contrastive weight and temperature and its projection head."""
 
-  mu: float = dataclasses.field(
-    default=1.0,
-    metadata={
-      'help': "Weight mu of the model-contrastive loss (authors' code: 1; "
-      "the paper's best for CIFAR-10: 5); 0 is FedAvg."
-    },
-  )
-  temperature: float = dataclasses.field(
-    default=0.5,
-    metadata={'help': 'Temperature tau of the contrastive loss (paper: 0.5).'},
-  )
-  projection_dim: int = dataclasses.field(
-    default=256,
-    metadata={
-      'help': 'Output size of the projection head put before the output '
-      'layer (paper: 256); 0: no head, the representation is the input of '
-      "the model's last layer."
-    },
-  )
+  mu: float = 1.0
+  temperature: float = 0.5
+  projection_dim: int = 256
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""

@@ -68,8 +68,6 @@ from fedjax_mr.training import optimizers
 
 CONTROL_DTYPES = ('float32', 'bfloat16')
 CONTROL_STEPS = ('effective', 'taken')
-# experiments.compare's named variant of the literal formula.
-VARIANTS = {'scaffold_taken': {'scaffold_control_steps': 'taken'}}
 
 
 class ScaffoldState(NamedTuple):
@@ -89,24 +87,8 @@ class Hparams:
   """The storage and the step count of the client controls (the global
   step size eta_g is the server optimizer's learning rate)."""
 
-  control_dtype: str = dataclasses.field(
-    default='float32',
-    metadata={
-      'help': 'Storage dtype of the N client controls (bfloat16 halves '
-      'their memory).',
-      'choices': CONTROL_DTYPES,
-    },
-  )
-  control_steps: str = dataclasses.field(
-    default='effective',
-    metadata={
-      'help': 'Step count of the option-II control update: "effective" '
-      '(momentum-aware, the number of steps that plain SGD would need for '
-      'the same move; equals the steps taken at momentum 0) or "taken" '
-      '(the steps taken, the literal formula).',
-      'choices': CONTROL_STEPS,
-    },
-  )
+  control_dtype: str = 'float32'
+  control_steps: str = 'effective'
 
   def validate(self, **setting) -> None:
     """Raises `ArgumentError` naming a bad field (`setting`: unused)."""
@@ -299,9 +281,8 @@ def scaffold(
     and dc up, for each of the K clients), 'control_norm' (||c||).
   """
   Hparams(control_dtype, control_steps).validate()
-  k, n = int(clients_per_round), int(num_clients)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
+  n = int(num_clients)
   if n < k:
     raise ValueError(f'num_clients must be >= clients_per_round, got {n}')
   lr, momentum = _sgd_of(local)

@@ -307,7 +307,7 @@ def probe(
   check_args(workdir, knn_reference)
   config = experiment.read_config(workdir)
   # The run's devices, before anything below starts JAX's.
-  distributed.initialize_for(config)
+  distributed.initialize_for(config.devices, config.server.clients_per_round)
   workdir_lib.check_free(workdir)
   rounds = kept_rounds(workdir, config)
   pool = pool_of(config, pool)

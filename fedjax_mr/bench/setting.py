@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 from typing import Mapping
 
 from fedjax_mr.core import errors
 from fedjax_mr.data import datasets
+from fedjax_mr.data import partition
 
 SIZES = ('equal', 'dirichlet', 'range')
 
@@ -185,8 +185,10 @@ def check(setting: Setting, cores: int) -> None:
       f'`clients_per_round={s.clients_per_round}` exceeds '
       f'`num_clients={s.num_clients}`'
     )
-  if not (s.alpha > 0 and math.isfinite(s.alpha)):
-    raise errors.ConfigError(f'`alpha` must be finite and > 0, got {s.alpha}')
+  try:
+    partition.check_alpha(s.alpha)
+  except errors.ArgumentError as e:
+    raise errors.ConfigError(f'`alpha` {e.message}') from None
   _at_least('num_devices', s.num_devices, 0)
 
 

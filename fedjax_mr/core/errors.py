@@ -59,6 +59,15 @@ def check_finite(name: str, value: float, positive: bool = False) -> None:
     )
 
 
+def check_count(name: str, value: int) -> int:
+  """`value` as an int; raises `ArgumentError` naming `name` unless it is
+  at least 1 (a number of clients, rounds, epochs, examples)."""
+  count = int(value)
+  if count < 1:
+    raise ArgumentError(name, f'must be a positive integer, got {count}')
+  return count
+
+
 # What an error line may quote of the user's input (a path, a flag's value,
 # a file's line): enough to recognise it, never a whole file.
 CLIP_CHARS = 200

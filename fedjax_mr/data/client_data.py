@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fedjax_mr.core import errors
 from fedjax_mr.data import host
 
 
@@ -149,9 +150,7 @@ def is_memory_mapped(data: ClientData) -> bool:
 def round_capacity(sizes: np.ndarray, clients_per_round: int) -> int:
   """The most examples `clients_per_round` distinct clients hold: the sum
   of the largest sizes (the rows of a `gather_round` view)."""
-  k = int(clients_per_round)
-  if k < 1:
-    raise ValueError(f'clients_per_round must be >= 1, got {k}')
+  k = errors.check_count('clients_per_round', clients_per_round)
   return int(np.sort(np.asarray(sizes, np.int64))[::-1][:k].sum())
 
 

@@ -66,6 +66,12 @@ def sizes_between(
   return [np.sort(p) for p in np.split(perm, np.cumsum(sizes)[:-1])]
 
 
+def check_alpha(alpha: float) -> None:
+  """Raises `ArgumentError` naming `alpha` unless it is a Dirichlet
+  concentration: finite and > 0."""
+  errors.check_finite('alpha', alpha, positive=True)
+
+
 def dirichlet(
   labels: np.ndarray,
   num_clients: int,
@@ -95,8 +101,7 @@ def dirichlet(
     `num_clients` index arrays, disjoint and covering `range(M)`.
   """
   labels = np.asarray(labels)
-  if not alpha > 0:
-    raise errors.ConfigError(f'`alpha` must be > 0, got {alpha}')
+  check_alpha(alpha)
   _check_counts(len(labels), num_clients, min_size)
   rng = np.random.default_rng(seed)
   m = len(labels)
@@ -168,8 +173,7 @@ def dirichlet_equal(
     `num_clients` sorted int64 index arrays, disjoint, covering `range(M)`.
   """
   labels = np.asarray(labels)
-  if not alpha > 0:
-    raise errors.ConfigError(f'`alpha` must be > 0, got {alpha}')
+  check_alpha(alpha)
   _check_counts(len(labels), num_clients, 1)
   rng = np.random.default_rng(seed)
   classes = np.unique(labels)
@@ -233,10 +237,7 @@ def shards(
     Decentralized Data", AISTATS 2017, Section 3 (N=100, s=2 on MNIST).
   """
   labels = np.asarray(labels)
-  if shards_per_client < 1:
-    raise errors.ConfigError(
-      f'`shards_per_client` must be a positive integer, got {shards_per_client}'
-    )
+  errors.check_count('shards_per_client', shards_per_client)
   _check_counts(len(labels), num_clients, 1)
   total = num_clients * shards_per_client
   if total > len(labels):
@@ -448,8 +449,7 @@ def _json_type(value: object) -> str:
 
 
 def _check_counts(num_examples: int, num_clients: int, min_size: int) -> None:
-  if num_clients < 1:
-    raise errors.ConfigError(f'`num_clients` must be ≥ 1, got {num_clients}')
+  errors.check_count('num_clients', num_clients)
   if num_clients * min_size > num_examples:
     raise errors.ConfigError(
       f'`num_clients={num_clients}` with at least {min_size} examples each '

@@ -175,10 +175,10 @@ def _check_values(config: config_lib.ExperimentConfig) -> None:
   for f in config_lib.base_fields():
     check_choice(f.name, _value(config, f.name), config_lib.choices(f))
   for name in _POSITIVE:
-    if _value(config, name) < 1:
-      raise errors.ConfigError(
-        f'`{name}` must be a positive integer, got {_value(config, name)}'
-      )
+    try:
+      errors.check_count(name, _value(config, name))
+    except errors.ArgumentError as e:
+      raise _field_error(name, e) from None
   for name in _NON_NEGATIVE:
     if _value(config, name) < 0:
       raise errors.ConfigError(
@@ -272,13 +272,16 @@ def _check_data(config: config_lib.ExperimentConfig) -> None:
   _check_owned(config, 'dataset', DATASET_FIELDS)
   if config.data.dataset == _synthetic().NAME:
     _check_synthetic(config)
-  if config.partition.kind in PARTITION_FIELDS['alpha'] and not (
-    config.partition.alpha > 0 and math.isfinite(config.partition.alpha)
-  ):
-    raise errors.ConfigError(
-      f'`alpha` must be finite and > 0 for `partition={config.partition.kind}` '
-      f'(IID is `partition=iid`), got {config.partition.alpha}'
-    )
+  if config.partition.kind in PARTITION_FIELDS['alpha']:
+    from fedjax_mr.data import partition  # host-only, no jax
+
+    try:
+      partition.check_alpha(config.partition.alpha)
+    except errors.ArgumentError as e:
+      raise errors.ConfigError(
+        f'`alpha` {e.message} (`partition={config.partition.kind}`; IID is '
+        '`partition=iid`)'
+      ) from None
   _check_owned(config, 'partition', PARTITION_FIELDS)
   if config.model.init_from and not os.path.isfile(
     os.path.join(config.model.init_from, 'meta.json')
@@ -489,7 +492,7 @@ _SETTING_FIELDS = {
 def field_of(algorithm: str, argument: str) -> str:
   """The field behind an `ArgumentError` of algorithm `algorithm`."""
   for name, f in registry.flags_of(algorithm).items():
-    if f.name == argument:
+    if f.field.name == argument:
       return name
   return _SETTING_FIELDS.get(argument, argument)
 
@@ -532,7 +535,7 @@ def _check_algorithm_fields(config: config_lib.ExperimentConfig) -> Any:
   hyper-parameters."""
   options = config.algorithm.options()
   for name, f in registry.flags_of(config.algorithm.name).items():
-    check_choice(name, options[name], f.metadata.get('choices'))
+    check_choice(name, options[name], f.choices)
   return hparams(config)
 
 

@@ -465,7 +465,7 @@ class AlgorithmChoice:
   def options(self) -> dict[str, Any]:
     """{flag: value} of the hyper-parameters."""
     return {
-      flag: getattr(self.hparams, f.name)
+      flag: getattr(self.hparams, f.field.name)
       for flag, f in registry.flags_of(self.name).items()
     }
 

@@ -89,7 +89,7 @@ def _setup(
 ) -> build.Experiment:
   """`setup` of a validated `config` whose algorithm's hyper-parameters
   are `hparams`."""
-  mesh = distributed.mesh_for(config)
+  mesh = distributed.mesh_for(config.devices, config.server.clients_per_round)
   clients = build.load_clients(config)
   model = model_lib.get(
     config.model.name,
@@ -175,7 +175,7 @@ def train_and_evaluate(
   hparams = checks.validate(config)
   # The devices the command line would give, before anything asks JAX
   # which process this is (that would fix its devices).
-  distributed.initialize_for(config)
+  distributed.initialize_for(config.devices, config.server.clients_per_round)
   workdir = workdir or config.run.workdir or config.default_workdir()
   # Refuse another run's workdir before loading anything.
   resume.check_workdir(config, workdir)

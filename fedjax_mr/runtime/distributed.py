@@ -7,9 +7,10 @@ every process's devices, and the same jit-compiled round runs everywhere
 with the data and the state replicated; each process trains its slice of
 the client axis.
 
-`mesh_for(config)` gives a run its mesh, `client_mapping` says how its
-clients are laid onto the devices (which decides the order of the sums
-over clients), and `reproducibility_note` what the backend cannot promise.
+`mesh_for(config.devices, K)` gives a run its mesh, `client_mapping` says
+how its clients are laid onto the devices (which decides the order of the
+sums over clients), and `reproducibility_note` what the backend cannot
+promise.
 """
 
 from __future__ import annotations
@@ -221,21 +222,22 @@ def backend_started() -> bool:
     return True
 
 
-def initialize_for(config) -> None:
-  """`initialize` with the device and process fields of an ExperimentConfig.
+def initialize_for(devices, clients_per_round: int) -> None:
+  """`initialize` with an ExperimentConfig's devices part (`config.devices`,
+  with its processes) for K = `clients_per_round`.
 
   Idempotent; `mesh_for` (so `experiment.setup`) calls it, so a run
   started from Python gets the devices the command line gives it, if JAX
   has not set up its devices before (then `note_devices` says so).
   """
   initialize(
-    host_devices=config.devices.host_devices,
-    num_devices=config.devices.num_devices,
-    clients_per_round=config.server.clients_per_round,
-    coordinator_address=config.devices.processes.coordinator_address,
-    num_processes=config.devices.processes.num_processes,
-    process_id=config.devices.processes.process_id,
-    coordinator_timeout=config.devices.processes.coordinator_timeout,
+    host_devices=devices.host_devices,
+    num_devices=devices.num_devices,
+    clients_per_round=clients_per_round,
+    coordinator_address=devices.processes.coordinator_address,
+    num_processes=devices.processes.num_processes,
+    process_id=devices.processes.process_id,
+    coordinator_timeout=devices.processes.coordinator_timeout,
   )
 
 
@@ -255,9 +257,9 @@ def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
   return jax.sharding.Mesh(np.array(chosen), (AXIS,))
 
 
-def mesh_for(config) -> jax.sharding.Mesh:
-  """The mesh a run of `config` (an ExperimentConfig) shards its clients
-  over.
+def mesh_for(devices, clients_per_round: int) -> jax.sharding.Mesh:
+  """The mesh a run shards its K = `clients_per_round` clients over, from
+  its config's devices part (`config.devices`).
 
   From Python as from the command line: if JAX has not set up its devices
   yet, the host devices (one per core, at most K) and processes of the
@@ -269,38 +271,39 @@ def mesh_for(config) -> jax.sharding.Mesh:
       that does not exist.
   """
   if not backend_started():
-    initialize_for(config)
+    initialize_for(devices, clients_per_round)
   else:
-    note_devices(config)
-  mesh = make_mesh(config.devices.num_devices)
+    note_devices(devices, clients_per_round)
+  mesh = make_mesh(devices.num_devices)
   num_devices = mesh.devices.size
-  if num_devices > config.server.clients_per_round:
+  if num_devices > clients_per_round:
     raise errors.ConfigError(
-      f'`clients_per_round={config.server.clients_per_round}` is fewer than '
-      'the '
+      f'`clients_per_round={clients_per_round}` is fewer than the '
       f'{num_devices} devices the clients are sharded over; set '
       '`num_devices` (or `host_devices` on CPU) to at most '
-      f'{config.server.clients_per_round}'
+      f'{clients_per_round}'
     )
   return mesh
 
 
-def note_devices(config) -> None:
+def note_devices(devices, clients_per_round: int) -> None:
   """Warns when JAX set up fewer CPU devices than the command line would
-  give `config` (it started before `mesh_for` could choose)."""
+  give a run of `devices` (a config's devices part) and K =
+  `clients_per_round` (JAX started before `mesh_for` could choose)."""
   if jax.process_count() > 1 or jax.devices()[0].platform != 'cpu':
     return
   want = (
-    config.devices.host_devices
-    or config.devices.num_devices
-    or auto_host_devices(config.server.clients_per_round)
+    devices.host_devices
+    or devices.num_devices
+    or auto_host_devices(clients_per_round)
   )
   have = len(jax.devices())
-  if have < want and not config.devices.num_devices:
+  if have < want and not devices.num_devices:
     warnings.warn(
       f'JAX started with {have} CPU device(s) before this run was set up; '
       f'the command line would use {want}. Call '
-      'fedjax_mr.runtime.distributed.initialize_for(config) before any '
+      'fedjax_mr.runtime.distributed.initialize_for(config.devices, K) before '
+      'any '
       'JAX computation to get them.',
       stacklevel=4,  # the caller of `experiment.setup`
     )

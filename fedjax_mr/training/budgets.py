@@ -60,35 +60,11 @@ class BudgetHparams:
   (HeteroFL, FeDepth, FT-Full, FT-Part) inherits, as the flags
   `--<algorithm>_budgets_gb` and so on."""
 
-  budgets_gb: str = dataclasses.field(
-    default=','.join(f'{b:g}' for b in PAPER_BUDGETS_GB),
-    metadata={
-      'help': 'Comma-separated client memory budgets in GB '
-      "(FedStitch's comparison: 1, 2, 4, 8)."
-    },
-  )
-  budget_fractions: str = dataclasses.field(
-    default=','.join(f'{f:g}' for f in PAPER_FRACTIONS),
-    metadata={
-      'help': 'Share of the clients with each budget (FedStitch: '
-      '0.3, 0.3, 0.3, 0.1).'
-    },
-  )
-  budget_seed: int = dataclasses.field(
-    default=0,
-    metadata={'help': 'Seed of which clients get which budget.'},
-  )
-  reference_size: int = dataclasses.field(
-    default=REFERENCE_INPUT_SHAPE[0],
-    metadata={
-      'help': 'Image side at which training memory is measured '
-      "(224; 0: the model's own input shape)."
-    },
-  )
-  reference_batch: int = dataclasses.field(
-    default=REFERENCE_BATCH_SIZE,
-    metadata={'help': 'Batch size at which training memory is measured.'},
-  )
+  budgets_gb: str = ','.join(f'{b:g}' for b in PAPER_BUDGETS_GB)
+  budget_fractions: str = ','.join(f'{f:g}' for f in PAPER_FRACTIONS)
+  budget_seed: int = 0
+  reference_size: int = REFERENCE_INPUT_SHAPE[0]
+  reference_batch: int = REFERENCE_BATCH_SIZE
 
   def budgets(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """(budgets in GB, their shares of the clients)."""

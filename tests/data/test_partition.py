@@ -73,7 +73,7 @@ def test_dirichlet_cap_limits_largest_client(labels):
 
 
 def test_dirichlet_bad_inputs(labels):
-  with pytest.raises(errors.ConfigError, match='^`alpha` must'):
+  with pytest.raises(errors.ArgumentError, match='^alpha must'):
     partition.dirichlet(labels, 10, 0.0, seed=0)
   with pytest.raises(errors.ConfigError, match='^`num_clients=700`'):
     partition.dirichlet(labels, 700, 0.5, seed=0, min_size=10)
@@ -236,7 +236,7 @@ def test_shards_seeded(labels):
 
 
 def test_shards_bad_inputs(labels):
-  with pytest.raises(errors.ConfigError, match='^`shards_per_client` must'):
+  with pytest.raises(errors.ArgumentError, match='^shards_per_client must'):
     partition.shards(labels, 10, 0, seed=0)
   with pytest.raises(
     errors.ConfigError,
@@ -395,7 +395,7 @@ def test_dirichlet_equal_alpha_controls_the_classes_per_client():
 
 
 def test_dirichlet_equal_bad_inputs():
-  with pytest.raises(errors.ConfigError, match='^`alpha` must'):
+  with pytest.raises(errors.ArgumentError, match='^alpha must'):
     partition.dirichlet_equal(np.zeros(10, int), 2, 0.0, 0)
 
 

@@ -59,7 +59,7 @@ def test_dirichlet_equal_flags_and_workdir():
   assert cfg.identity()['alpha'] == 0.5
   with pytest.raises(
     errors.ConfigError,
-    match=r'^`alpha` must be finite and > 0 for `partition=dirichlet_equal`',
+    match=r'^`alpha` must be finite and > 0, got 0.0 \(`partition=dirichlet_eq',
   ):
     checks.validate(_config(partition='dirichlet_equal', alpha=0.0))
   with pytest.raises(

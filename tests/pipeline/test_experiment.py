@@ -747,7 +747,7 @@ def test_a_round_that_stacks_more_models_than_memory_is_refused(
   algorithm = build.build_algorithm(
     config, model, variables, checks.hparams(config)
   )
-  mesh = distributed.mesh_for(config)
+  mesh = distributed.mesh_for(config.devices, config.server.clients_per_round)
   need = 100 * build.STACKED_MODELS_PER_CLIENT * 66_130 * 4  # float32
   monkeypatch.setattr(build, '_memory_bytes', lambda device: need)
   build.check_round_memory(config, algorithm, variables, mesh)

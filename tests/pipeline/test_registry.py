@@ -32,9 +32,7 @@ class ToyState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ToyHparams:
-  step: float = dataclasses.field(
-    default=1.0, metadata={'help': 'Server step size.'}
-  )
+  step: float = 1.0
 
   def validate(self, **setting):
     del setting
@@ -89,7 +87,12 @@ def with_toy(monkeypatch):
   monkeypatch.setitem(
     registry.REGISTRY,
     'toy',
-    registry.Entry(hparams=ToyHparams, factory=build_toy, label='Toy'),
+    registry.Entry(
+      hparams=ToyHparams,
+      factory=build_toy,
+      flags={'step': registry.Flag('Server step size.')},
+      label='Toy',
+    ),
   )
 
 
@@ -191,6 +194,19 @@ def test_flags_and_variants_come_from_the_registry():
     'fedgen_generative_beta': 1.0,
   }
   assert compare.VARIANTS == variants
+
+
+def test_every_hyper_parameter_has_its_flag_text_in_the_registry():
+  # The module holds the field; the entry, its flag's help (and choices).
+  for name, entry in registry.REGISTRY.items():
+    fields = {f.name for f in dataclasses.fields(entry.hparams)}
+    assert set(entry.flags) == fields, name
+    for flag, f in registry.flags_of(name).items():
+      assert f.help and not f.field.metadata, (name, flag)
+  assert registry.flags_of('fedmut')['fedmr_grouping'].choices == (
+    'leaf',
+    'module',
+  )
 
 
 def test_display_names():
