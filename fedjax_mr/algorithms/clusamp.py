@@ -308,6 +308,21 @@ def clustered_sampling(
     (how many of the K draws are different clients).
   """
   Hparams(method, distance).validate()
+  return _clustered_sampling(
+    local, clients_per_round, num_clients, method, distance, server_optimizer
+  )
+
+
+def _clustered_sampling(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  num_clients: int,
+  method: str = 'similarity',
+  distance: str = 'cosine',
+  server_optimizer: optax.GradientTransformation | None = None,
+) -> types.Algorithm:
+  """`clustered_sampling` from validated hyper-parameters (the registry's
+  `build`: the config layer validated them)."""
   k, n = errors.check_count('clients_per_round', clients_per_round), num_clients
   if k > n:
     raise ValueError(f'clients_per_round must be <= num_clients, got {k}')
@@ -367,7 +382,7 @@ def clustered_sampling(
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
-  return clustered_sampling(
+  return _clustered_sampling(
     setting.local,
     setting.clients_per_round,
     setting.num_clients,

@@ -358,6 +358,30 @@ def depthfl(
     'mean_depth' (of the sampled clients).
   """
   Hparams(kd_weight, kd_rampup, temperature, extended).validate()
+  return _depthfl(
+    local,
+    clients_per_round,
+    depths,
+    kd_weight,
+    kd_rampup,
+    temperature,
+    extended,
+    weighted,
+  )
+
+
+def _depthfl(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  depths: Sequence[int],
+  kd_weight: float = 1.0,
+  kd_rampup: int = 300,
+  temperature: float = 1.0,
+  extended: bool = True,
+  weighted: bool = True,
+) -> types.Algorithm:
+  """`depthfl` from validated hyper-parameters (the registry's
+  `build`: the config layer validated them)."""
   k = errors.check_count('clients_per_round', clients_per_round)
   num = multi_exit.num_exits(local.model.module)
   table = np.asarray(depths, np.int32)
@@ -412,7 +436,7 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
   depths = client_depths(
     setting.local.model, setting.num_clients, hp.depth, hp.budget_seed
   )
-  return depthfl(
+  return _depthfl(
     setting.local,
     setting.clients_per_round,
     depths,

@@ -97,9 +97,27 @@ def fedasam(
   """
   if adaptive:
     Hparams(rho, eta).validate()
-    perturbation = client.asam(rho, eta)
   else:
     SamHparams(rho).validate()
+  return _fedasam(
+    local, clients_per_round, rho, eta, weighted, adaptive, server_optimizer
+  )
+
+
+def _fedasam(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  rho: float = 0.7,
+  eta: float = 0.2,
+  weighted: bool = True,
+  adaptive: bool = True,
+  server_optimizer: optax.GradientTransformation | None = None,
+) -> types.Algorithm:
+  """`fedasam` from validated hyper-parameters (the registry's `build` and
+  `build_sam`: the config layer validated them)."""
+  if adaptive:
+    perturbation = client.asam(rho, eta)
+  else:
     perturbation = client.sam(rho)
   update = client.make_local_update(local, perturbation=perturbation)
   algorithm = fedavg.fedavg(
@@ -110,7 +128,7 @@ def fedasam(
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory for FedASAM."""
-  return fedasam(
+  return _fedasam(
     setting.local,
     setting.clients_per_round,
     hp.rho,
@@ -122,7 +140,7 @@ def build(setting: Any, hp: Hparams) -> types.Algorithm:
 
 def build_sam(setting: Any, hp: SamHparams) -> types.Algorithm:
   """The registry's factory for FedSAM."""
-  return fedasam(
+  return _fedasam(
     setting.local,
     setting.clients_per_round,
     hp.rho,

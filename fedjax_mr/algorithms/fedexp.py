@@ -151,6 +151,26 @@ def fedexp(
     and 'global_lr' (eta_g).
   """
   Hparams(epsilon, average_last_two).validate()
+  return _fedexp(
+    local,
+    clients_per_round,
+    epsilon,
+    weighted,
+    average_last_two,
+    server_optimizer,
+  )
+
+
+def _fedexp(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  epsilon: float = 1e-3,
+  weighted: bool = False,
+  average_last_two: bool = True,
+  server_optimizer: optax.GradientTransformation | None = None,
+) -> types.Algorithm:
+  """`fedexp` from validated hyper-parameters (the registry's
+  `build`: the config layer validated them)."""
   base = fedavg.fedavg(local, clients_per_round, weighted)
   k = int(clients_per_round)
   server = server_optimizer or optimizers.sgd(1.0)
@@ -241,7 +261,7 @@ def _evaluated(average_last_two: bool, state: FedExPState) -> types.Variables:
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
-  return fedexp(
+  return _fedexp(
     setting.local,
     setting.clients_per_round,
     hp.epsilon,

@@ -488,6 +488,17 @@ def fedgen(
     generator step's), 'generative_alpha' (alpha_t of the round).
   """
   hp.validate()
+  return _fedgen(local, clients_per_round, hp, weighted)
+
+
+def _fedgen(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  hp: Hparams = Hparams(),
+  weighted: bool = True,
+) -> types.Algorithm:
+  """`fedgen` from validated hyper-parameters (the registry's `build`:
+  the config layer validated them)."""
   k = errors.check_count('clients_per_round', clients_per_round)
   model = local.model
   num_classes = model.num_classes
@@ -608,4 +619,4 @@ def _aggregate(
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
-  return fedgen(setting.local, setting.clients_per_round, hp, setting.weighted)
+  return _fedgen(setting.local, setting.clients_per_round, hp, setting.weighted)

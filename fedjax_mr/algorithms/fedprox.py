@@ -79,6 +79,18 @@ def fedprox(
     metrics) with the proximal local update.
   """
   Hparams(mu=mu).validate()
+  return _fedprox(local, clients_per_round, mu, weighted, server_optimizer)
+
+
+def _fedprox(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  mu: float = 0.01,
+  weighted: bool = True,
+  server_optimizer: optax.GradientTransformation | None = None,
+) -> types.Algorithm:
+  """`fedprox` from validated hyper-parameters (the registry's
+  `build`: the config layer validated them)."""
   update = client.make_local_update(local, loss_term=proximal_term(mu))
   # The global model is both the start and the proximal centre.
   algorithm = fedavg.fedavg(
@@ -91,7 +103,7 @@ def fedprox(
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
-  return fedprox(
+  return _fedprox(
     setting.local,
     setting.clients_per_round,
     hp.mu,

@@ -165,6 +165,21 @@ def moon(
     loss and per-client state `PreviousModel`.
   """
   Hparams(mu, temperature).validate()
+  return _moon(
+    local, clients_per_round, mu, temperature, weighted, server_optimizer
+  )
+
+
+def _moon(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  mu: float = 1.0,
+  temperature: float = 0.5,
+  weighted: bool = True,
+  server_optimizer: optax.GradientTransformation | None = None,
+) -> types.Algorithm:
+  """`moon` from validated hyper-parameters (the registry's
+  `build`: the config layer validated them)."""
   model = local.model
 
   def representation_loss(z, params, context, batch, key):
@@ -208,7 +223,7 @@ def moon(
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (`setting.local.model` is already
   `wrap_model`'s)."""
-  return moon(
+  return _moon(
     setting.local,
     setting.clients_per_round,
     hp.mu,

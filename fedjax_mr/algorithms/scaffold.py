@@ -281,6 +281,28 @@ def scaffold(
     and dc up, for each of the K clients), 'control_norm' (||c||).
   """
   Hparams(control_dtype, control_steps).validate()
+  return _scaffold(
+    local,
+    clients_per_round,
+    num_clients,
+    control_dtype,
+    weighted,
+    control_steps,
+    server_optimizer,
+  )
+
+
+def _scaffold(
+  local: client.LocalTraining,
+  clients_per_round: int,
+  num_clients: int,
+  control_dtype: str = 'float32',
+  weighted: bool = False,
+  control_steps: str = 'effective',
+  server_optimizer: optax.GradientTransformation | None = None,
+) -> types.Algorithm:
+  """`scaffold` from validated hyper-parameters (the registry's
+  `build`: the config layer validated them)."""
   k = errors.check_count('clients_per_round', clients_per_round)
   n = int(num_clients)
   if n < k:
@@ -352,7 +374,7 @@ def _client_update(
 
 def build(setting: Any, hp: Hparams) -> types.Algorithm:
   """The registry's factory (see `fedjax_mr.pipeline.registry`)."""
-  return scaffold(
+  return _scaffold(
     setting.local,
     setting.clients_per_round,
     setting.num_clients,

@@ -282,3 +282,31 @@ def test_algorithm_errors_name_their_field():
     cfg = config_lib.ExperimentConfig.from_flat(**changes)
     with pytest.raises(errors.ConfigError, match='^' + message):
       checks.validate(cfg)
+
+
+@pytest.mark.parametrize('name', sorted(registry.REGISTRY))
+def test_each_hyper_parameter_rule_runs_once_per_run(name, monkeypatch):
+  # The config's checks validate the hyper-parameters; the registry's
+  # factory builds from them without validating again.
+  from fedjax_mr.models import model as model_lib
+  from fedjax_mr.pipeline import build
+
+  entry = registry.get(name)
+  calls = []
+  validate = entry.hparams.validate
+
+  def counted(self, **setting):
+    calls.append(name)
+    return validate(self, **setting)
+
+  monkeypatch.setattr(entry.hparams, 'validate', counted)
+  config = config_lib.ExperimentConfig.from_flat(
+    algorithm=name, partition='iid', num_clients=20, clients_per_round=4
+  )
+  hp = checks.validate(config)
+  assert calls == [name]
+  model = registry.model_for(
+    name, model_lib.get(config.model.name, 10, (28, 28, 1)), hp
+  )
+  build.build_algorithm(config, model, model.init(jax.random.key(0)), hp)
+  assert calls == [name]
