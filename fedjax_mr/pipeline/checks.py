@@ -178,7 +178,7 @@ def _check_values(config: config_lib.ExperimentConfig) -> None:
     try:
       errors.check_count(name, _value(config, name))
     except errors.ArgumentError as e:
-      raise _field_error(name, e) from None
+      raise field_error(name, e) from None
   for name in _NON_NEGATIVE:
     if _value(config, name) < 0:
       raise errors.ConfigError(
@@ -428,7 +428,7 @@ def _check_optimizer_fields(config: config_lib.ExperimentConfig) -> None:
       )
 
 
-def _field_error(field: str, error: errors.ArgumentError) -> errors.ConfigError:
+def field_error(field: str, error: errors.ArgumentError) -> errors.ConfigError:
   """`error` naming `field`, the field that holds its argument."""
   return errors.ConfigError(f'`{field}` {error.message}')
 
@@ -451,7 +451,7 @@ def client_optimizer(
       )
     return optimizers.sgd(config.local.lr, config.local.momentum)
   except errors.ArgumentError as e:
-    raise _field_error(
+    raise field_error(
       _CLIENT_ARGUMENTS.get(e.argument, e.argument), e
     ) from None
 
@@ -474,7 +474,7 @@ def server_optimizer(
       tau=config.server.epsilon,
     )
   except errors.ArgumentError as e:
-    raise _field_error(
+    raise field_error(
       _SERVER_ARGUMENTS.get(e.argument, e.argument), e
     ) from None
 
@@ -502,7 +502,7 @@ def as_config_error(
 ) -> errors.ConfigError:
   """An algorithm's `ArgumentError` as a one-line error naming the field
   (in backticks)."""
-  return _field_error(field_of(algorithm, error.argument), error)
+  return field_error(field_of(algorithm, error.argument), error)
 
 
 def setting_of(config: config_lib.ExperimentConfig) -> dict[str, Any]:
