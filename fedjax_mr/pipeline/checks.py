@@ -433,6 +433,25 @@ def field_error(field: str, error: errors.ArgumentError) -> errors.ConfigError:
   return errors.ConfigError(f'`{field}` {error.message}')
 
 
+# The field behind each argument of the data functions (`datasets.load`'s
+# `name`, `parse_classes`'s `text`) where the two names differ.
+DATA_FIELDS = {'name': 'dataset', 'text': 'classes'}
+
+
+def data_error(error: errors.ArgumentError) -> errors.ConfigError:
+  """A data function's `error` naming the field of its argument."""
+  return field_error(DATA_FIELDS.get(error.argument, error.argument), error)
+
+
+def value_error(
+  config: config_lib.ExperimentConfig, error: errors.ArgumentError
+) -> errors.ConfigError:
+  """`error` of a library function whose argument is the field of the same
+  name, naming the field and its value in `config`."""
+  value = _value(config, error.argument)
+  return errors.ConfigError(f'`{error.argument}={value}` {error.message}')
+
+
 def client_optimizer(
   config: config_lib.ExperimentConfig,
 ) -> optimizers.Optimizer:
