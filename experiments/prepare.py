@@ -31,7 +31,6 @@ from __future__ import annotations
 # First: Ctrl-C while the modules below import ends in one line (cli).
 from . import cli  # isort: split
 
-import math
 import sys
 
 from absl import flags
@@ -72,6 +71,10 @@ _KEEP_DOWNLOADS = flags.DEFINE_bool(
 )
 
 
+# The flag of each option of `prepare.check_options`.
+_FLAGS = {'train_fraction': 'leaf_train_fraction', 'seed': 'leaf_seed'}
+
+
 def _names() -> list[str]:
   names = _DATASETS.value
   if not names:
@@ -109,10 +112,10 @@ def main(argv) -> None:
   logging.set_verbosity(logging.ERROR)
   names = _names()
   fraction = _TRAIN_FRACTION.value
-  if not (math.isfinite(fraction) and 0 < fraction < 1):
-    cli.fail(f'--leaf_train_fraction must lie in (0, 1), got {fraction}')
-  if _SEED.value < 0:
-    cli.fail(f'--leaf_seed must be ≥ 0, got {_SEED.value}')
+  try:
+    prepare.check_options(fraction, _SEED.value)
+  except errors.ArgumentError as e:
+    cli.fail(f'--{_FLAGS[e.argument]} {e.message}')
   data_dir = _DATA_DIR.value
   prepare.check_data_dir(data_dir)
   # Before anything is downloaded: a missing TensorFlow stops the run now,

@@ -58,6 +58,8 @@ _CLASSES = flags.DEFINE_string(
   'empty: all.',
 )
 flags.DEFINE_alias('out', 'workdir')
+# The flag of each argument of `datasets.load_task` whose name differs.
+_FLAGS = {'name': 'dataset'}
 flags.DEFINE_alias('learning_rate', 'lr')
 
 
@@ -146,6 +148,8 @@ def main(argv) -> None:
       _pretrain_all(
         out, _MODELS.value, zoo, ds, public, split['classes'], size, train
       )
+  except errors.ArgumentError as e:  # of `load_task`
+    cli.fail(f'`{_FLAGS.get(e.argument, e.argument)}` {e.message}')
   except (errors.ConfigError, errors.DataError) as e:
     cli.fail(str(e))
 

@@ -250,6 +250,13 @@ def _setup(setting, sizes) -> _Clients:
 def _stored_clients(setting, sizes):
   """`(dataset, {kind: partition}, {kind: ClientData})` of a stored
   dataset split over N clients, for each size kind of `sizes`."""
+  try:
+    return _split_stored(setting, sizes)
+  except errors.ArgumentError as e:
+    raise setting_lib.data_error(e) from None
+
+
+def _split_stored(setting, sizes):
   s, n = setting, setting.num_clients
   if s.random_data:
     m = s.random_train_size or (

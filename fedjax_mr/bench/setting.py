@@ -192,6 +192,24 @@ def check(setting: Setting, cores: int) -> None:
   _at_least('num_devices', s.num_devices, 0)
 
 
+# The field behind each argument of the data functions the benchmark calls
+# (`datasets.random_images`, `datasets.load`, the partitions) whose name
+# differs.
+_DATA_FIELDS = {
+  'name': 'dataset',
+  'num_train': 'random_train_size',
+  'low': 'min_client_size',
+  'high': 'max_client_size',
+}
+
+
+def data_error(error: errors.ArgumentError) -> errors.ConfigError:
+  """A data function's `error` as a one-line error naming the field of its
+  argument."""
+  field = _DATA_FIELDS.get(error.argument, error.argument)
+  return errors.ConfigError(f'`{field}` {error.message}')
+
+
 def _at_least(name: str, value: int, least: int) -> None:
   if value < least:
     raise errors.ConfigError(f'`{name}` must be ≥ {least}, got {value}')

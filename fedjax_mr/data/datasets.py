@@ -197,18 +197,16 @@ def random_images(
     seed: of the pixels and labels.
 
   Raises:
-    ConfigError: an unknown name or a count below 1.
+    ArgumentError: naming `name` (unknown) or a count below 1.
   """
   if name not in IMAGE_SHAPES:
-    raise errors.ConfigError(
-      f'`dataset`: no random stand-in for {name!r}; choose one of '
-      f'{", ".join(sorted(IMAGE_SHAPES))}'
+    raise errors.ArgumentError(
+      'name',
+      f'{name!r} has no random stand-in; choose one of '
+      f'{", ".join(sorted(IMAGE_SHAPES))}',
     )
-  if num_train < 1 or num_test < 1:
-    raise errors.ConfigError(
-      f'a random dataset needs ≥ 1 example per split, got {num_train} '
-      f'training and {num_test} test examples'
-    )
+  errors.check_count('num_train', num_train)
+  errors.check_count('num_test', num_test)
   spec = _SPECS[name]
   rng = np.random.default_rng(seed)
 
@@ -257,27 +255,29 @@ def load(
       many samples (training plus test); 0 keeps all.
 
   Raises:
-    ConfigError: unknown name or option.
+    ArgumentError: naming the unknown `name` or bad option.
     DataError: the data is missing or unreadable; the message says how to
       get it.
   """
   if name == SYNTHETIC:
-    raise errors.ConfigError(
-      f'`dataset={name}` is generated on demand, not loaded '
-      '(fedjax_mr.data.synthetic); it has no stored training set'
+    raise errors.ArgumentError(
+      'name',
+      f'{name!r} is generated on demand, not loaded '
+      '(fedjax_mr.data.synthetic); it has no stored training set',
     )
   if name not in _SPECS:
-    raise errors.ConfigError(
-      f'`dataset`: unknown dataset {name!r}; choose one of {", ".join(NAMES)}'
+    raise errors.ArgumentError(
+      'name', f'{name!r} is unknown; choose one of {", ".join(NAMES)}'
     )
   if cifar100_labels not in CIFAR100_LABELS:
-    raise errors.ConfigError(
-      f'`cifar100_labels`: unknown value {cifar100_labels!r}; choose one of '
-      f'{", ".join(CIFAR100_LABELS)}'
+    raise errors.ArgumentError(
+      'cifar100_labels',
+      f'{cifar100_labels!r} is unknown; choose one of '
+      f'{", ".join(CIFAR100_LABELS)}',
     )
   if leaf_min_samples < 0:
-    raise errors.ConfigError(
-      f'`leaf_min_samples` must be ≥ 0, got {leaf_min_samples}'
+    raise errors.ArgumentError(
+      'leaf_min_samples', f'must be ≥ 0, got {leaf_min_samples}'
     )
   spec = _SPECS[name]
   if data_dir and not os.path.isdir(data_dir):
@@ -315,20 +315,20 @@ def natural_clients(dataset: Dataset, num_clients: int, seed: int) -> Dataset:
     The dataset whose `clients` are the N kept users.
 
   Raises:
-    ConfigError: the dataset has no natural clients, or fewer than N.
+    ArgumentError: naming `dataset` (no natural clients) or `num_clients`
+      (more than its users).
   """
   if dataset.clients is None:
-    raise errors.ConfigError(
-      f'`partition=natural`: `dataset={dataset.name}` has no natural '
-      f'clients (those that do: {", ".join(NATURAL)}); use '
-      '`partition=iid` or dirichlet'
+    raise errors.ArgumentError(
+      'dataset',
+      f'{dataset.name} has no natural clients (those that do: '
+      f'{", ".join(NATURAL)})',
     )
   users = len(dataset.clients)
   if num_clients > users:
-    raise errors.ConfigError(
-      f'`num_clients={num_clients}` exceeds the {users} users of '
-      f'`dataset={dataset.name}` (after `leaf_min_samples`); use at most '
-      f'{users} with `partition=natural`'
+    raise errors.ArgumentError(
+      'num_clients',
+      f'exceeds the {users} users of {dataset.name}; use at most {users}',
     )
   if num_clients == users:
     return dataset
@@ -365,14 +365,14 @@ def natural_clients(dataset: Dataset, num_clients: int, seed: int) -> Dataset:
 
 
 def parse_classes(
-  text: str | Sequence[str], num_classes: int, field: str = 'classes'
+  text: str | Sequence[str], num_classes: int
 ) -> tuple[int, ...]:
-  """Class ids from a config value: `'0,1,2'`, `'5-9'` or a mix
-  (`'0-2,7'`), in the order given; messages name `field`.
+  """Class ids from `text`: `'0,1,2'`, `'5-9'` or a mix (`'0-2,7'`), in
+  the order given.
 
   Raises:
-    ConfigError: an unparsable item, an id outside `[0, num_classes)`, a
-      repeated id, or fewer than 2 classes.
+    ArgumentError: naming `text`: an unparsable item, an id outside
+      `[0, num_classes)`, a repeated id, or fewer than 2 classes.
   """
   items = text.split(',') if isinstance(text, str) else list(text)
   out: list[int] = []
@@ -384,18 +384,20 @@ def parse_classes(
       else:
         out.append(int(item))
     except ValueError:
-      raise errors.ConfigError(
-        f'`{field}`: {item!r} is not a class id or a range a-b'
+      raise errors.ArgumentError(
+        'text', f'holds {item!r}, not a class id or a range a-b'
       ) from None
   bad = [c for c in out if not 0 <= c < num_classes]
   if bad:
-    raise errors.ConfigError(
-      f'`{field}`: class {bad[0]} is not in [0, {num_classes})'
+    raise errors.ArgumentError(
+      'text', f'holds class {bad[0]}, not in [0, {num_classes})'
     )
   if len(set(out)) != len(out):
-    raise errors.ConfigError(f'`{field}`: a class is named twice in {out}')
+    raise errors.ArgumentError('text', f'names a class twice: {out}')
   if len(out) < 2:
-    raise errors.ConfigError(f'`{field}`: a task needs ≥ 2 classes, got {out}')
+    raise errors.ArgumentError(
+      'text', f'must name ≥ 2 classes (a task), got {out}'
+    )
   return tuple(out)
 
 
@@ -406,12 +408,17 @@ def load_task(
   the `classes` (a `parse_classes` value) when given, else whole (None).
 
   Raises:
-    ConfigError, DataError: as `load` and `parse_classes`.
+    ArgumentError: naming `name` (as `load`) or `classes` (as
+      `parse_classes`).
+    DataError: as `load`.
   """
   dataset = load(name, data_dir)
   if not classes:
     return dataset, None
-  ids = parse_classes(classes, dataset.num_classes)
+  try:
+    ids = parse_classes(classes, dataset.num_classes)
+  except errors.ArgumentError as e:
+    raise errors.ArgumentError('classes', e.message) from None
   return select_classes(dataset, ids), ids
 
 

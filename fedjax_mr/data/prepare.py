@@ -132,7 +132,20 @@ def destination(name: str, data_dir: str = '') -> str:
     return os.path.join(root_dir(data_dir), 'leaf', name, 'data')
   if name == 'cinic10':
     return os.path.join(root_dir(data_dir), 'cinic10')
-  raise errors.ConfigError(f'{name!r} is a tfds dataset: see `tfds_builder`')
+  raise errors.ArgumentError(
+    'name', f'{name!r} is a tfds dataset: see `tfds_builder`'
+  )
+
+
+def check_options(train_fraction: float, seed: int) -> None:
+  """Raises `ArgumentError` naming `train_fraction` unless it lies in
+  (0, 1), or `seed` unless it is ≥ 0 (`prepare`'s LEAF options)."""
+  if not 0 < train_fraction < 1:  # nan too
+    raise errors.ArgumentError(
+      'train_fraction', f'must lie in (0, 1), got {train_fraction}'
+    )
+  if seed < 0:
+    raise errors.ArgumentError('seed', f'must be ≥ 0, got {seed}')
 
 
 def tfds_builder(name: str, data_dir: str = ''):
@@ -200,21 +213,16 @@ def prepare(
     Where the dataset is, and whether it was already there.
 
   Raises:
-    ConfigError: an unknown name or a bad option.
+    ArgumentError: naming an unknown `name` or a bad option.
     DataError: a download or a conversion failed (nothing half-written is
       left where the loader reads), or TensorFlow is missing for a tfds
       dataset.
   """
   if name not in NAMES:
-    raise errors.ConfigError(
-      f'`name`: unknown dataset {name!r}; choose from {", ".join(NAMES)}'
+    raise errors.ArgumentError(
+      'name', f'{name!r} is unknown; choose from {", ".join(NAMES)}'
     )
-  if not 0 < train_fraction < 1:
-    raise errors.ConfigError(
-      f'`train_fraction` must lie in (0, 1), got {train_fraction}'
-    )
-  if seed < 0:
-    raise errors.ConfigError(f'`seed` must be ≥ 0, got {seed}')
+  check_options(train_fraction, seed)
   if name in TFDS:
     return _prepare_tfds(name, data_dir, keep_downloads, log)
   dest = destination(name, data_dir)

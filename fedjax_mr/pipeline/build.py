@@ -173,6 +173,20 @@ def load_clients(config: config_lib.ExperimentConfig) -> Clients:
 def load_dataset(config: config_lib.ExperimentConfig) -> datasets.Dataset:
   """The dataset of a run, as `setup` loads it (its folder, CIFAR-100
   labels, LEAF filter, and the natural clients kept)."""
+  try:
+    return _load_dataset(config)
+  except errors.ArgumentError as e:
+    error = checks.data_error(e)
+    if e.argument == 'num_clients':
+      error = checks.value_error(config, e)
+    if config.partition.kind == 'natural':
+      error = errors.ConfigError(
+        f'{error} (`partition=natural`, after `leaf_min_samples`)'
+      )
+    raise error from None
+
+
+def _load_dataset(config: config_lib.ExperimentConfig) -> datasets.Dataset:
   dataset = datasets.load(
     config.data.dataset,
     config.data.data_dir or None,

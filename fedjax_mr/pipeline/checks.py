@@ -178,7 +178,7 @@ def _check_values(config: config_lib.ExperimentConfig) -> None:
     try:
       errors.check_count(name, _value(config, name))
     except errors.ArgumentError as e:
-      raise _field_error(name, e) from None
+      raise field_error(name, e) from None
   for name in _NON_NEGATIVE:
     if _value(config, name) < 0:
       raise errors.ConfigError(
@@ -428,9 +428,28 @@ def _check_optimizer_fields(config: config_lib.ExperimentConfig) -> None:
       )
 
 
-def _field_error(field: str, error: errors.ArgumentError) -> errors.ConfigError:
+def field_error(field: str, error: errors.ArgumentError) -> errors.ConfigError:
   """`error` naming `field`, the field that holds its argument."""
   return errors.ConfigError(f'`{field}` {error.message}')
+
+
+# The field behind each argument of the data functions (`datasets.load`'s
+# `name`, `parse_classes`'s `text`) where the two names differ.
+DATA_FIELDS = {'name': 'dataset', 'text': 'classes'}
+
+
+def data_error(error: errors.ArgumentError) -> errors.ConfigError:
+  """A data function's `error` naming the field of its argument."""
+  return field_error(DATA_FIELDS.get(error.argument, error.argument), error)
+
+
+def value_error(
+  config: config_lib.ExperimentConfig, error: errors.ArgumentError
+) -> errors.ConfigError:
+  """`error` of a library function whose argument is the field of the same
+  name, naming the field and its value in `config`."""
+  value = _value(config, error.argument)
+  return errors.ConfigError(f'`{error.argument}={value}` {error.message}')
 
 
 def client_optimizer(
@@ -451,7 +470,7 @@ def client_optimizer(
       )
     return optimizers.sgd(config.local.lr, config.local.momentum)
   except errors.ArgumentError as e:
-    raise _field_error(
+    raise field_error(
       _CLIENT_ARGUMENTS.get(e.argument, e.argument), e
     ) from None
 
@@ -474,7 +493,7 @@ def server_optimizer(
       tau=config.server.epsilon,
     )
   except errors.ArgumentError as e:
-    raise _field_error(
+    raise field_error(
       _SERVER_ARGUMENTS.get(e.argument, e.argument), e
     ) from None
 
@@ -502,7 +521,7 @@ def as_config_error(
 ) -> errors.ConfigError:
   """An algorithm's `ArgumentError` as a one-line error naming the field
   (in backticks)."""
-  return _field_error(field_of(algorithm, error.argument), error)
+  return field_error(field_of(algorithm, error.argument), error)
 
 
 def setting_of(config: config_lib.ExperimentConfig) -> dict[str, Any]:

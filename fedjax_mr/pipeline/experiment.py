@@ -89,7 +89,10 @@ def _setup(
 ) -> build.Experiment:
   """`setup` of a validated `config` whose algorithm's hyper-parameters
   are `hparams`."""
-  mesh = distributed.mesh_for(config.devices, config.server.clients_per_round)
+  try:
+    mesh = distributed.mesh_for(config.devices, config.server.clients_per_round)
+  except errors.ArgumentError as e:
+    raise checks.value_error(config, e) from None
   clients = build.load_clients(config)
   model = model_lib.get(
     config.model.name,
@@ -175,7 +178,10 @@ def train_and_evaluate(
   hparams = checks.validate(config)
   # The devices the command line would give, before anything asks JAX
   # which process this is (that would fix its devices).
-  distributed.initialize_for(config.devices, config.server.clients_per_round)
+  try:
+    distributed.initialize_for(config.devices, config.server.clients_per_round)
+  except errors.ArgumentError as e:
+    raise checks.value_error(config, e) from None
   workdir = workdir or config.run.workdir or config.default_workdir()
   # Refuse another run's workdir before loading anything.
   resume.check_workdir(config, workdir)

@@ -27,6 +27,7 @@ from typing import Sequence
 
 from fedjax_mr.core import config_tree
 from fedjax_mr.core import errors
+from fedjax_mr.data import partition
 from fedjax_mr.energy import fleet
 from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
@@ -403,15 +404,13 @@ def _check_owned(config: StitchConfig) -> None:
 
 def _check_partition(part: Partition) -> None:
   """`alpha` and `shards_per_client` where their partition reads them."""
-  if part.kind in ('dirichlet', 'dirichlet_equal'):
-    if not (part.alpha > 0 and math.isfinite(part.alpha)):
-      raise errors.ConfigError(
-        f'`alpha` must be finite and > 0, got {part.alpha}'
-      )
-  if part.kind == 'shards' and part.shards_per_client < 1:
-    raise errors.ConfigError(
-      f'`shards_per_client` must be >= 1, got {part.shards_per_client}'
-    )
+  try:
+    if part.kind in ('dirichlet', 'dirichlet_equal'):
+      partition.check_alpha(part.alpha)
+    if part.kind == 'shards':
+      errors.check_count('shards_per_client', part.shards_per_client)
+  except errors.ArgumentError as e:
+    raise checks.field_error(e.argument, e) from None
 
 
 def _check_energy(energy: Energy) -> None:

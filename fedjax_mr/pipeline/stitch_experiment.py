@@ -32,6 +32,7 @@ from fedjax_mr.data import datasets
 from fedjax_mr.data import partition
 from fedjax_mr.energy import fleet
 from fedjax_mr.energy import simulation
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import progress
 from fedjax_mr.pipeline import resume
 from fedjax_mr.pipeline import stitch_config as config_lib
@@ -187,7 +188,10 @@ class Setup(NamedTuple):
 
 def load_dataset(data: config_lib.Data) -> tuple[Any, Any]:
   """`(dataset, classes)`: the dataset, with `classes` only if set."""
-  return datasets.load_task(data.dataset, data.data_dir, data.classes)
+  try:
+    return datasets.load_task(data.dataset, data.data_dir, data.classes)
+  except errors.ArgumentError as e:
+    raise checks.data_error(e) from None
 
 
 def load_models(

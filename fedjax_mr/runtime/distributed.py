@@ -111,8 +111,9 @@ def initialize(
   (`limit_malloc_arenas`).
 
   Raises:
-    ConfigError: a bad process setting, or not every process joined within
-      `coordinator_timeout` seconds (see `join`).
+    ArgumentError: a bad process setting, naming its argument.
+    ConfigError: not every process joined within `coordinator_timeout`
+      seconds (see `join`).
   """
   n = host_devices or num_devices or auto_host_devices(clients_per_round)
   # More host devices than this only time-slice one CPU host; a mesh of
@@ -127,13 +128,13 @@ def initialize(
     limit_malloc_arenas()
   if num_processes > 1 and not jax.distributed.is_initialized():
     if not coordinator_address:
-      raise errors.ConfigError(
-        '`coordinator_address` (host:port of process 0) is required when '
-        f'`num_processes={num_processes}`'
+      raise errors.ArgumentError(
+        'coordinator_address',
+        f'(host:port of process 0) is required with {num_processes} processes',
       )
     if not 0 <= process_id < num_processes:
-      raise errors.ConfigError(
-        f'`process_id` must be in [0, {num_processes}), got {process_id}'
+      raise errors.ArgumentError(
+        'process_id', f'must be in [0, {num_processes}), got {process_id}'
       )
     join(
       coordinator_address, num_processes, process_id, coordinator_timeout, log
@@ -242,16 +243,21 @@ def initialize_for(devices, clients_per_round: int) -> None:
 
 
 def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
-  """A 1-D mesh over the first `num_devices` devices (0: all, globally)."""
+  """A 1-D mesh over the first `num_devices` devices (0: all, globally).
+
+  Raises:
+    ArgumentError: naming `num_devices`, more than exist, or not 0 with
+      several processes.
+  """
   devices = jax.devices()
   if num_devices > len(devices):
-    raise errors.ConfigError(
-      f'`num_devices={num_devices}` but only {len(devices)} devices exist '
-      f'({devices[0].platform})'
+    raise errors.ArgumentError(
+      'num_devices',
+      f'exceeds the {len(devices)} devices that exist ({devices[0].platform})',
     )
   if num_devices and jax.process_count() > 1 and num_devices != len(devices):
-    raise errors.ConfigError(
-      '`num_devices` must be 0 (all) when running several processes'
+    raise errors.ArgumentError(
+      'num_devices', 'must be 0 (all) when running several processes'
     )
   chosen = devices[: num_devices or len(devices)]
   return jax.sharding.Mesh(np.array(chosen), (AXIS,))
@@ -267,8 +273,9 @@ def mesh_for(devices, clients_per_round: int) -> jax.sharding.Mesh:
   there are fewer than the command line would give.
 
   Raises:
-    ConfigError: more devices than clients per round, or a `num_devices`
-      that does not exist.
+    ArgumentError: naming `clients_per_round` when it is fewer than the
+      devices, or a field of `devices` as `make_mesh` and `initialize` do.
+    ConfigError: as `join`.
   """
   if not backend_started():
     initialize_for(devices, clients_per_round)
@@ -277,11 +284,11 @@ def mesh_for(devices, clients_per_round: int) -> jax.sharding.Mesh:
   mesh = make_mesh(devices.num_devices)
   num_devices = mesh.devices.size
   if num_devices > clients_per_round:
-    raise errors.ConfigError(
-      f'`clients_per_round={clients_per_round}` is fewer than the '
-      f'{num_devices} devices the clients are sharded over; set '
-      '`num_devices` (or `host_devices` on CPU) to at most '
-      f'{clients_per_round}'
+    raise errors.ArgumentError(
+      'clients_per_round',
+      f'is fewer than the {num_devices} devices the clients are sharded '
+      'over; set `num_devices` (or `host_devices` on CPU) to at most '
+      f'{clients_per_round}',
     )
   return mesh
 

@@ -127,7 +127,6 @@ def _rules(config: Config, num_clients: int) -> list[tuple[str, bool, str]]:
     value = getattr(config, name)
     rules.append((name, math.isfinite(value), f'must be finite, got {value}'))
   return rules + [
-    ('clients_per_round', config.clients_per_round >= 1, 'must be ≥ 1'),
     ('batch_size', config.batch_size >= 2, 'must be ≥ 2'),
     (
       'batch_size',
@@ -175,6 +174,12 @@ def check_config(
       (e.g. a program's `stitch_solver` for `solver`).
   """
   names = names or {}
+  try:
+    errors.check_count('clients_per_round', config.clients_per_round)
+  except errors.ArgumentError as e:
+    raise errors.ConfigError(
+      f'`{names.get(e.argument, e.argument)}` {e.message}'
+    ) from None
   for name, ok, rule in _rules(config, num_clients):
     if not ok:
       raise errors.ConfigError(f'`{names.get(name, name)}` {rule}')

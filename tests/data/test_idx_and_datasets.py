@@ -155,7 +155,7 @@ def test_idx_from_data_dir(tmp_path):
 
 def test_unknown_dataset():
   with pytest.raises(
-    errors.ConfigError, match='^`dataset`: unknown.*fashion_mnist'
+    errors.ArgumentError, match="^name 'imagenet' is unknown.*fashion_mnist"
   ):
     datasets.load('imagenet')
 
@@ -201,12 +201,12 @@ def test_parse_classes_lists_ranges_and_errors():
   assert datasets.parse_classes('5-9', 10) == (5, 6, 7, 8, 9)
   assert datasets.parse_classes('3,0-1,9', 10) == (3, 0, 1, 9)
   for text, match in [
-    ('0,x', "'x' is not a class id"),
-    ('8-10', 'class 10 is not in'),
-    ('1,2,1', 'named twice'),
-    ('4', '≥ 2 classes'),
+    ('0,x', "^text holds 'x', not a class id"),
+    ('8-10', '^text holds class 10, not in'),
+    ('1,2,1', '^text names a class twice'),
+    ('4', '^text must name ≥ 2 classes'),
   ]:
-    with pytest.raises(errors.ConfigError, match=match):
+    with pytest.raises(errors.ArgumentError, match=match):
       datasets.parse_classes(text, 10)
 
 
@@ -236,7 +236,7 @@ def test_load_task_is_load_then_select_classes(tmp_path):
   with tfds.testing.mock_data(num_examples=12):
     whole, none = datasets.load_task('mnist', str(tmp_path))
     task, ids = datasets.load_task('mnist', str(tmp_path), '3,0-1')
-    with pytest.raises(errors.ConfigError, match='`classes`: class 10'):
+    with pytest.raises(errors.ArgumentError, match='^classes holds class 10'):
       datasets.load_task('mnist', str(tmp_path), '9-10')
   assert none is None and whole.num_classes == 10
   assert ids == (3, 0, 1) and task.num_classes == 3
@@ -263,7 +263,9 @@ def test_random_images_stand_in_for_a_dataset(name, shape, classes):
 
 
 def test_random_images_refuses_what_it_cannot_make():
-  with pytest.raises(errors.ConfigError, match='no random stand-in'):
+  with pytest.raises(errors.ArgumentError, match='^name .* no random stand-in'):
     datasets.random_images('shakespeare', 10, 10)
-  with pytest.raises(errors.ConfigError, match='≥ 1 example'):
+  with pytest.raises(
+    errors.ArgumentError, match='^num_train must be a positive'
+  ):
     datasets.random_images('cifar10', 0, 10)

@@ -577,11 +577,11 @@ def test_a_foreign_folder_in_the_way_is_not_overwritten(tmp_path):
 
 
 def test_bad_options():
-  with pytest.raises(errors.ConfigError, match="^`name`: unknown dataset 'im"):
+  with pytest.raises(errors.ArgumentError, match="^name 'im.*' is unknown"):
     prepare.prepare('imagenet', log=_quiet)
-  with pytest.raises(errors.ConfigError, match='^`train_fraction` must'):
+  with pytest.raises(errors.ArgumentError, match='^train_fraction must'):
     prepare.prepare('femnist', train_fraction=1.0, log=_quiet)
-  with pytest.raises(errors.ConfigError, match='^`seed` must'):
+  with pytest.raises(errors.ArgumentError, match='^seed must'):
     prepare.prepare('femnist', seed=-1, log=_quiet)
 
 
