@@ -8,9 +8,9 @@ printed digits: peak host memory as the benchmark prints it (`peak host
 memory: N MiB`) or as `/usr/bin/time -v` does (`Maximum resident set size
 (kbytes)`, in MiB or GiB of 1,024), round and limit times, per-client
 overheads and samples/s from the benchmark's lines, and the prefetch
-runs' recorded `round_time_s`. The tables of 2026-11-23 to 25 (the
-`--matrix`, PyTorch and per-algorithm benchmarks) have no record here
-and are not checked.
+runs' recorded `round_time_s`. The CPU benchmark tables (`--matrix`,
+PyTorch, per algorithm, the zoo's costs) are checked by
+tests/test_cpu_figures_records.py.
 """
 
 import functools

@@ -16,8 +16,10 @@ import pytest
 
 from tests import docs_text
 from tests import test_build_md_records as build_md_records
+from tests import test_cpu_figures_records as cpu_figures_records
 from tests import test_docs_tables as docs_tables
 from tests import test_readme_records as readme_records
+from tests.deploy import test_payload_record as payload_record
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 # A figure: digits (thousands with commas, a decimal part), not inside a
@@ -62,6 +64,8 @@ CASES = [
   for header, check in {
     **readme_records.TABLES,
     **build_md_records.TABLES,
+    **cpu_figures_records.TABLES,
+    **payload_record.TABLES,
     **docs_tables.TABLES,
   }.items()
 ]
@@ -85,3 +89,50 @@ def test_every_figure_one_unit_off_fails_its_check(name, header, check):
       figures += 1
   print(f'{name} {header!r}: {figures} figures in {len(cells)} cells')
   assert figures
+
+
+def _tables_with_figures(text):
+  """The header lines of the tables of `text` with a figure in a body row
+  (outside `code`)."""
+  lines = text.splitlines()
+  found = []
+  for i, line in enumerate(lines):
+    if not (line.startswith('|') and i + 1 < len(lines)):
+      continue
+    if not lines[i + 1].startswith('|---') or (
+      i > 0 and lines[i - 1].startswith('|')
+    ):
+      continue
+    end = i + 2
+    while end < len(lines) and lines[end].startswith('|'):
+      end += 1
+    body = ' '.join(CODE.sub('', row) for row in lines[i + 2 : end])
+    if FIGURE.search(body):
+      found.append(line)
+  return found
+
+
+# Tables with figures that are not measurements: names of things, counts
+# of what a file holds, step numbers.
+NOT_MEASUREMENTS = [
+  ('README.md', '| | what | where |'),
+  ('docs/configs.md', '| file | dataset | model | partition | table |'),
+  ('docs/energy.md', '| module | what it does |'),
+  ('docs/howto/experiments.md', '| flagfile | setting |'),
+  ('docs/howto/gpu.md', '| # | item | what it prints |'),
+  ('docs/results/README.md', '| folder | what | made by |'),
+  ('docs/results/scale.md', '| algorithm | the server needs | streamed |'),
+]
+
+
+def test_every_results_table_with_figures_is_checked():
+  # Every page of the documentation: a table of measured figures has a
+  # check above (recomputing it from its records, tight); only the tables
+  # listed, whose figures are not measurements, go without.
+  headers = [h for _, h, _ in CASES]
+  unchecked = []
+  for name in docs_text.pages():
+    for header in _tables_with_figures(_read(name)):
+      if not any(header.startswith(h) for h in headers):
+        unchecked.append((name, header))
+  assert unchecked == NOT_MEASUREMENTS, unchecked
