@@ -51,6 +51,7 @@ def wrap(mod, name, label=None):
 
 from fedjax_mr.harness import checkpoint  # noqa: E402 (after the sampler starts)
 from fedjax_mr.harness import resume  # noqa: E402 (after the sampler starts)
+
 from fedjax_mr.training import engine  # noqa: E402 (after the sampler starts)
 from fedjax_mr.training import host_round  # noqa: E402 (after the sampler starts)
 

@@ -10,7 +10,6 @@ import sys
 
 import jax
 import numpy as np
-
 from fedjax_mr.harness import checkpoint
 from fedjax_mr.harness import experiment
 

@@ -16,7 +16,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import measure  # noqa: E402
-
 from fedjax_mr.harness import distributed  # noqa: E402
 from fedjax_mr.harness import experiment  # noqa: E402
 
