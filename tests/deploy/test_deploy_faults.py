@@ -14,6 +14,7 @@ from fedjax_mr.deploy import federation
 from fedjax_mr.deploy import launch
 from fedjax_mr.pipeline import experiment
 from tests import helpers
+from tests import test_cli
 from tests.deploy import test_deploy_program as program
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -21,11 +22,13 @@ FLAGS = [*program.FLAGS, '--algorithm=fedavg']
 
 
 def _start(workdir, *extra):
+  # SIGINT at its default action (a suite started in the background of a
+  # non-interactive shell hands its children an ignored SIGINT).
   return subprocess.Popen(
-    [
+    test_cli._default_sigint([
       sys.executable, '-m', 'experiments.deploy', '--nodes=3', *FLAGS,
       f'--workdir={workdir}', *extra,
-    ],
+    ]),
     cwd=REPO,
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
