@@ -19,6 +19,7 @@ from tests import test_build_md_records as build_md_records
 from tests import test_cpu_figures_records as cpu_figures_records
 from tests import test_docs_tables as docs_tables
 from tests import test_readme_records as readme_records
+from tests.deploy import test_overhead_record as overhead_record
 from tests.deploy import test_payload_record as payload_record
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -66,6 +67,7 @@ CASES = [
     **build_md_records.TABLES,
     **cpu_figures_records.TABLES,
     **payload_record.TABLES,
+    **overhead_record.TABLES,
     **docs_tables.TABLES,
   }.items()
 ]
