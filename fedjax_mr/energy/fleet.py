@@ -193,7 +193,32 @@ class SysfsBackend:
     return self.dvfs.__exit__(exc_type, exc, tb)
 
 
-Backend = SimulatedBackend | SysfsBackend
+class RemoteBackend:
+  """The clients' devices are elsewhere (a deployed run): each client's
+  coordinator runs on its own device (`RoundEnergy.for_client`) and the
+  server adds its figures (`RoundEnergy.add`); nothing runs here.
+
+  Attributes:
+    name: the backend the clients' devices use ('simulated', 'dry_run' or
+      'sysfs'), as the round records name it.
+  """
+
+  def __init__(self, name: str):
+    self.name = name
+
+  def _elsewhere(self, *args: Any) -> Any:
+    raise RuntimeError('the clients are measured on their own devices')
+
+  device = start = stop = abort = _elsewhere
+
+  def __enter__(self) -> 'RemoteBackend':
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> bool:
+    return False
+
+
+Backend = SimulatedBackend | SysfsBackend | RemoteBackend
 
 
 def round_deadline(
@@ -369,6 +394,43 @@ class RoundEnergy:
     if fleet.backend.name != 'simulated':
       entry['writes'] = [list(w) for w in m.writes]
     self._clients.append((entry, profile.p_idle_w))
+
+  def terms(self, client: int) -> dict[str, Any]:
+    """What `client`'s coordinator needs of this round, JSON-ready: the
+    deadline, its factors, the round's depth and pool size and the
+    client's time scale (sent to a deployed client, `for_client`)."""
+    return {
+      'deadline_s': self.deadline_s,
+      'depth_factor': self.depth_factor,
+      'pool_factor': self.pool_factor,
+      'depth': self._depth,
+      'pool_size': self._pool_size,
+      'time_scale': self._scales.get(client, 1.0),
+    }
+
+  @classmethod
+  def for_client(
+    cls, fleet: Fleet, client: int, terms: dict[str, Any]
+  ) -> 'RoundEnergy':
+    """The round of `terms` (`RoundEnergy.terms`) as `client`'s own
+    coordinator sees it, on the client's device (`fleet`)."""
+    return cls(
+      fleet,
+      (terms['deadline_s'], terms['depth_factor'], terms['pool_factor']),
+      terms['depth'],
+      terms['pool_size'],
+      {client: terms['time_scale']},
+    )
+
+  def entries(self) -> list[tuple[dict[str, Any], float]]:
+    """Each client's figures so far and its device's idle power (W)."""
+    return list(self._clients)
+
+  def add(self, entry: dict[str, Any], p_idle_w: float) -> None:
+    """Adds a client's figures measured elsewhere (`entries` of its own
+    `for_client` round), in the order the clients are recorded."""
+    self._scales[int(entry['client'])] = entry['time_scale']
+    self._clients.append((entry, float(p_idle_w)))
 
   def record(self) -> dict[str, Any]:
     """The round's record: the deadline and every client's figures.

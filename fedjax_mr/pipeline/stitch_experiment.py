@@ -328,25 +328,47 @@ def client_examples(
   return [private[p] for p in parts], public
 
 
-def setup(config: config_lib.StitchConfig, log: Log = _log_default) -> Setup:
-  """Validates `config`, checks the files it names and the workdir, then
-  loads the dataset and the pool and partitions the clients' examples
-  (nothing is written).
+def check(
+  config: config_lib.StitchConfig, *, deployed: bool = False
+) -> fleet.Fleet:
+  """Validates `config` and checks the files it names and the workdir
+  (nothing is read beyond them, nothing is written); the clients'
+  energy coordinators (`make_fleet`; deployed, each runs on its client's
+  own device, `fleet.RemoteBackend`).
 
   Raises:
     UserError: a bad field, file or workdir (the message names the field).
   """
   config_lib.validate(config)
   read_label_map(config)  # a bad file is refused before the data loads
-  p = config.partition
-  coordinators = make_fleet(config.energy, p.num_clients, config.run.seed)
+  e = config.energy
+  if deployed:
+    coordinators = fleet.Fleet(
+      fleet.RemoteBackend(e.backend), seconds_per_unit=e.ms_per_score / 1000
+    )
+  else:
+    coordinators = make_fleet(
+      e, config.partition.num_clients, config.run.seed
+    )
   check_workdir(config.run.workdir)
+  return coordinators
+
+
+def load(
+  config: config_lib.StitchConfig,
+  coordinators: fleet.Fleet,
+  log: Log = _log_default,
+) -> Setup:
+  """Loads the dataset and the pool of a valid `config` and partitions
+  the clients' examples (nothing is written); what a deployed client's
+  node loads too (`fedjax_mr.deploy`)."""
   ds, classes = load_dataset(config.data)
   models = load_models(config, ds, classes)
   label_map = check_label_map(config, ds, models, classes)
   parts, public = client_examples(config, ds)
   chains = pool_lib.chains(models, config.pool.cuts)
   pool = pool_lib.make_pool(chains)
+  p = config.partition
   log(
     f'pool: {len(pool.blocks)} blocks from {len(models)} models '
     f'({", ".join(f"{m.id}: {len(c)}" for m, c in zip(models, chains))}); '
@@ -365,6 +387,15 @@ def setup(config: config_lib.StitchConfig, log: Log = _log_default) -> Setup:
     public,
     coordinators,
   )
+
+
+def setup(config: config_lib.StitchConfig, log: Log = _log_default) -> Setup:
+  """`check`, then `load`.
+
+  Raises:
+    UserError: a bad field, file or workdir (the message names the field).
+  """
+  return load(config, check(config), log)
 
 
 def make_batch_fn(s: Setup) -> federated.BatchFn:
@@ -426,11 +457,12 @@ def make_evaluate(s: Setup) -> Callable[[network.Network], dict]:
 
 def run_stitching(
   s: Setup,
-  batch_fn: federated.BatchFn,
+  clients: federated.Clients,
   log: Log = _log_default,
   clock: Callable[[], float] = time.perf_counter,
 ) -> state_lib.State:
-  """FedStitch over every client (resuming the workdir's state), the
+  """FedStitch over every client (resuming the workdir's state), their
+  work done by `clients` (`federated.LocalClients` on this host), the
   coordinators in the loop, each round's lines timed by `clock` (seconds);
   then log.jsonl and energy.jsonl."""
   config = s.config
@@ -448,13 +480,14 @@ def run_stitching(
   try:
     state = federated.run(
       s.pool,
-      batch_fn,
+      None,
       config.partition.num_clients,
       config_lib.library_config(config),
       state_path=os.path.join(workdir, STATE_FILE),
       identity=config_lib.identity(config, [m.id for m in s.models]),
       on_round=on_round,
       energy=s.coordinators,
+      clients=clients,
     )
   except energy.EnergyError as e:  # e.g. the kernel refused a clock
     raise errors.UserError(
@@ -520,7 +553,7 @@ def evaluate_networks(
 
 def local_baseline(
   s: Setup,
-  batch_fn: federated.BatchFn,
+  clients: federated.Clients,
   evaluate,
   log: Log = _log_default,
   clock: Callable[[], float] = time.perf_counter,
@@ -538,7 +571,9 @@ def local_baseline(
   local = {'clients': who, 'best': []}
   t0 = clock()
   for i, c in enumerate(who, 1):
-    st = federated.run(s.pool, batch_fn, n, local_cfg, population=[c])
+    st = federated.run(
+      s.pool, None, n, local_cfg, population=[c], clients=clients
+    )
     accs = [evaluate(f.net)[eval_key(config.evaluation)] for f in st.finished]
     best = max(accs) if accs else float('nan')
     local['best'].append(best)
@@ -603,13 +638,20 @@ def make_results(
 
 
 def stitch_and_evaluate(
-  config: config_lib.StitchConfig, *, log: Log = _log_default
+  config: config_lib.StitchConfig,
+  *,
+  log: Log = _log_default,
+  deployed: Callable[[Setup], federated.Clients] | None = None,
 ) -> dict[str, Any]:
   """Runs (or resumes) one FedStitch experiment and evaluates it.
 
   Args:
     config: the experiment.
     log: where progress lines go.
+    deployed: for a deployed run, `setup → the clients' work on their
+      own machines` (`fedjax_mr.deploy`); each client's energy
+      coordinator then runs on its own device. None: every client runs
+      here, one after another.
 
   Returns:
     What results.json holds.
@@ -621,14 +663,17 @@ def stitch_and_evaluate(
       round that ended.
   """
   with resume.TerminationAsInterrupt():  # SIGTERM ends as Ctrl-C does
-    return _stitch_and_evaluate(config, log)
+    return _stitch_and_evaluate(config, log, deployed)
 
 
 def _stitch_and_evaluate(
-  config: config_lib.StitchConfig, log: Log
+  config: config_lib.StitchConfig, log: Log, deployed
 ) -> dict[str, Any]:
-  s = setup(config, log)
-  batch_fn = make_batch_fn(s)
+  s = load(config, check(config, deployed=deployed is not None), log)
+  if deployed is None:
+    clients = federated.LocalClients(s.pool, make_batch_fn(s))
+  else:
+    clients = deployed(s)
   evaluate = make_evaluate(s)
   workdir = config.run.workdir
   with workdir_lib.acquire(workdir):  # one writer per workdir
@@ -640,14 +685,14 @@ def _stitch_and_evaluate(
       os.path.join(workdir, 'partition.json'),
       partition.summary(s.parts, s.ds.y_train, s.ds.num_classes),
     )
-    state = run_stitching(s, batch_fn, log)
+    state = run_stitching(s, clients, log)
     nets = evaluate_networks(s, state, evaluate, log)
     pool_acc = {
       # A pool model is its own blocks, with nothing between them.
       m.id: evaluate(network.Network(tuple(chain), (None,) * len(chain)))
       for m, chain in zip(s.models, s.chains)
     }
-    local = local_baseline(s, batch_fn, evaluate, log)
+    local = local_baseline(s, clients, evaluate, log)
     results = make_results(s, state, nets, pool_acc, local)
     files.write_atomic(
       os.path.join(workdir, 'results.json'),

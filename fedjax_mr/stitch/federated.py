@@ -25,14 +25,19 @@ import os
 import time
 from typing import Any
 from typing import Callable
+from typing import NamedTuple
+from typing import Protocol
 from typing import Sequence
 
 import numpy as np
 
+from fedjax_mr.core import errors
 from fedjax_mr.energy import fleet as fleet_lib
 from fedjax_mr.stitch import client
 from fedjax_mr.stitch import config as config_lib
+from fedjax_mr.stitch import network as network_lib
 from fedjax_mr.stitch import pool as pool_lib
+from fedjax_mr.stitch import projection
 from fedjax_mr.stitch import server
 from fedjax_mr.stitch import state as state_lib
 
@@ -54,53 +59,184 @@ def sample_clients(
   )
 
 
-def _client_steps(
+class Scored(NamedTuple):
+  """The participants' uploads of a round (`Clients.score`).
+
+  Attributes:
+    ids: the participants that answered, in sampled order.
+    scores: per network, `[len(ids), len(cands[n])]` float64 CKA.
+    choices: per network, per answering participant the positions it
+      uploaded (None for a network without candidates).
+    client_time: per answering participant, the seconds of its work.
+    failed: the participants without an answer, in sampled order.
+  """
+
+  ids: list[int]
+  scores: list[np.ndarray]
+  choices: list[list[Any]]
+  client_time: list[float]
+  failed: list[int]
+
+
+class NoParticipantError(errors.UserError):
+  """No participant of a round answered: there is nothing to aggregate."""
+
+
+class Clients(Protocol):
+  """Where the participants' work runs: on this host, one after another
+  (`LocalClients`, the simulation), or on the clients' own machines
+  (`fedjax_mr.deploy`)."""
+
+  def score(
+    self,
+    ids: list[int],
+    nets: Sequence[network_lib.Network],
+    cands: list[list[int]],
+    round_: int,
+    epsilon: float,
+    config: config_lib.Config,
+    energy_round: Any = None,
+  ) -> Scored:
+    """Participants `ids` score `cands` for `nets` on their batches of
+    round `round_` (`client_scores`), each under its energy coordinator
+    (`energy_round`, a `fleet.RoundEnergy`, or None)."""
+
+  def statistics(
+    self,
+    net: network_lib.Network,
+    block_ids: Sequence[int],
+    ids: Sequence[int],
+    round_: int,
+    config: config_lib.Config,
+  ) -> dict[int, projection.Stats]:
+    """Per block, the statistics of the stitches from `net` to it summed
+    over the participants `ids` that answer, in their order, on their
+    batches of round `round_` (`client.stitch_statistics`).
+
+    Raises:
+      NoParticipantError: none of them answered.
+    """
+
+
+def client_scores(
   pool: pool_lib.Pool,
-  state: state_lib.State,
+  nets: Sequence[network_lib.Network],
   cands: list[list[int]],
-  ids: list[int],
-  batch_fn: BatchFn,
+  x: Any,
   config: config_lib.Config,
+  *,
+  client_id: int,
+  round_: int,
   epsilon: float,
-  energy_round: Any,
-) -> tuple[list[np.ndarray], list[list[Any]], list[float]]:
-  """Every participant's `client.client_step`, one after another, each
-  under its energy coordinator (if any).
+  energy_round: Any = None,
+) -> tuple[list[Any], list[Any], float]:
+  """One participant's `client.client_step` on its batch `x`, under its
+  energy coordinator (`energy_round`, or None) as `batch size × candidates
+  scored` work units, its ε-greedy draws seeded by `(seed, round, client)`.
 
   Returns:
-    `(scores, choices, client_time)`: per network `[k, len(cands[n])]`
-    scores and per participant choices; per participant its seconds.
+    `(scores, choices, seconds)`: `client_step`'s answer and its time.
   """
-  r, k = state.round, len(ids)
-  nets = [lv.net for lv in state.live]
+  crng = np.random.default_rng([config.seed, round_, client_id, 1])
+  num_scored = sum(len(c) for c in cands)
+  with (
+    energy_round.client(client_id, len(x) * num_scored)
+    if energy_round is not None
+    else contextlib.nullcontext()
+  ):
+    t0 = time.perf_counter()
+    s, chosen = client.client_step(
+      pool, nets, cands, x, config, epsilon=epsilon, rng=crng
+    )
+    seconds = time.perf_counter() - t0
+  return s, chosen, seconds
+
+
+def collect(
+  cands: list[list[int]],
+  answers: Sequence[tuple[int, tuple[list[Any], list[Any], float]]],
+  failed: Sequence[int] = (),
+) -> Scored:
+  """`Scored` from `(client, client_scores' answer)` of each answering
+  participant, in sampled order."""
+  k = len(answers)
   scores = [np.zeros((k, len(c))) for c in cands]
   choices = [[None] * k for _ in cands]
-  client_time = []
-  num_scored = sum(len(c) for c in cands)
-  for p, c in enumerate(ids):
-    crng = np.random.default_rng([config.seed, r, c, 1])
-    x = batch_fn(c, r)
-    with (
-      energy_round.client(c, len(x) * num_scored)
-      if energy_round is not None
-      else contextlib.nullcontext()
-    ):
-      t0 = time.perf_counter()
-      s, chosen = client.client_step(
-        pool, nets, cands, x, config, epsilon=epsilon, rng=crng
-      )
-      client_time.append(time.perf_counter() - t0)
+  for p, (_, (s, chosen, _)) in enumerate(answers):
     for n in range(len(cands)):
       if cands[n]:
         scores[n][p] = s[n]
         choices[n][p] = chosen[n]
-  return scores, choices, client_time
+  return Scored(
+    [int(c) for c, _ in answers],
+    scores,
+    choices,
+    [float(a[2]) for _, a in answers],
+    [int(c) for c in failed],
+  )
+
+
+def sum_statistics(
+  block_ids: Sequence[int],
+  uploads: Sequence[dict[int, projection.Stats]],
+) -> dict[int, projection.Stats]:
+  """Per block, the participants' statistics added in their order."""
+  totals = {}
+  for stats in uploads:
+    for b in block_ids:
+      totals[b] = stats[b] if b not in totals else totals[b] + stats[b]
+  return totals
+
+
+class LocalClients:
+  """Every participant's work on this host, one after another: the
+  simulation's `Clients`.
+
+  Attributes:
+    pool: the block pool.
+    batch_fn: `(client id, round) → [B, ...]` model-ready batch.
+  """
+
+  def __init__(self, pool: pool_lib.Pool, batch_fn: BatchFn):
+    self.pool = pool
+    self.batch_fn = batch_fn
+
+  def score(self, ids, nets, cands, round_, epsilon, config, energy_round=None):
+    answers = [
+      (
+        c,
+        client_scores(
+          self.pool,
+          nets,
+          cands,
+          self.batch_fn(c, round_),
+          config,
+          client_id=c,
+          round_=round_,
+          epsilon=epsilon,
+          energy_round=energy_round,
+        ),
+      )
+      for c in ids
+    ]
+    return collect(cands, answers)
+
+  def statistics(self, net, block_ids, ids, round_, config):
+    return sum_statistics(
+      block_ids,
+      [
+        client.stitch_statistics(
+          self.pool, net, block_ids, self.batch_fn(c, round_), config
+        )
+        for c in ids
+      ],
+    )
 
 
 def run_round(
   pool: pool_lib.Pool,
   state: state_lib.State,
-  batch_fn: BatchFn,
+  clients: Clients,
   config: config_lib.Config,
   *,
   population: Sequence[int],
@@ -112,13 +248,20 @@ def run_round(
   Args:
     pool: the block pool.
     state: the state after `state.round` rounds.
-    batch_fn: `(client id, round) → [B, ...]` model-ready batch.
+    clients: where the participants' work runs (`LocalClients`).
     config: hyper-parameters.
     population: the client ids that can be sampled.
     energy: the clients' energy coordinators (open), or None. Each
       client's scoring runs under its coordinator's configuration as
       `batch size × candidates scored` work units; the round's record
       (`fleet.RoundEnergy.record`) goes to the log entry's 'energy'.
+
+  The participants that do not answer (a deployed client that failed)
+  take no part in the round: the entry's 'clients' are those that
+  answered, 'failed_clients' the others.
+
+  Raises:
+    NoParticipantError: none answered.
   """
   t_start = time.perf_counter()
   r = state.round
@@ -138,16 +281,20 @@ def run_round(
       depth=depth,
       pool_size=sum(len(c) for c in cands),
     )
-  scores, choices, client_time = _client_steps(
-    pool, state, cands, ids, batch_fn, config, epsilon, energy_round
-  )
+  nets = [lv.net for lv in state.live]
+  scored = clients.score(ids, nets, cands, r, epsilon, config, energy_round)
+  if not scored.ids:
+    raise NoParticipantError(
+      f'round {r + 1}: none of the sampled clients {ids} answered'
+    )
+  ids = scored.ids
   ranks, weights, live = server.aggregate(
-    state.weights, state.live, ids, cands, scores, choices, config
+    state.weights, state.live, ids, cands, scored.scores, scored.choices, config
   )
   entry = {
     'round': r,
     'clients': ids,
-    'client_time_s': client_time,
+    'client_time_s': scored.client_time,
     'depth': depth,
     'networks': [lv.net.describe() for lv in state.live],
     'pool_sizes': [len(c) for c in cands],
@@ -155,6 +302,8 @@ def run_round(
     'weights': _weight_summary(weights),
     'epsilon': epsilon,
   }
+  if scored.failed:
+    entry['failed_clients'] = scored.failed
   if energy_round is not None:
     entry['energy'] = energy_round.record()
   state = state._replace(
@@ -162,11 +311,11 @@ def run_round(
   )
   if (r + 1) % config.rounds_per_selection == 0:
     state, chosen = server.finish_selection(
-      pool, state, cands, batch_fn, config
+      pool, state, cands, clients.statistics, config
     )
     entry['selected'] = chosen
-  # The whole round on this simulator: clients one after another, the
-  # server's selection, stitching and pruning.
+  # The whole round: the clients' work (one after another on this
+  # simulator), the server's selection, stitching and pruning.
   entry['round_time_s'] = time.perf_counter() - t_start
   return state._replace(log=state.log + (entry,))
 
@@ -202,7 +351,7 @@ def round_limit(config: config_lib.Config, max_rounds: int = MAX_ROUNDS) -> int:
 
 def run(
   pool: pool_lib.Pool,
-  batch_fn: BatchFn,
+  batch_fn: BatchFn | None,
   num_clients: int,
   config: config_lib.Config = config_lib.Config(),
   *,
@@ -213,13 +362,14 @@ def run(
   on_round: Callable[[state_lib.State], None] | None = None,
   max_rounds: int = MAX_ROUNDS,
   energy: fleet_lib.Fleet | None = None,
+  clients: Clients | None = None,
 ) -> state_lib.State:
   """Runs FedStitch until no candidate network is left.
 
   Args:
     pool: the block pool.
     batch_fn: `(client id, round) → [B, ...]` model-ready batch of that
-      client (the caller seeds it by both).
+      client (the caller seeds it by both); None with `clients`.
     num_clients: N (client weights are kept for all of them).
     config: hyper-parameters.
     population: the client ids that take part (default all; one id gives
@@ -237,11 +387,17 @@ def run(
       `run_round`); opened for the run, so a sysfs backend's clocks are
       restored when `run` returns or raises. Their records are part of the
       log, so a resumed run continues them exactly.
+    clients: where the participants' work runs (default: on this host,
+      `LocalClients(pool, batch_fn)`).
 
   Returns:
     The final state; `state.finished` holds the stitched networks.
   """
   config_lib.check_config(config, num_clients)
+  if clients is None:
+    if batch_fn is None:
+      raise ValueError('batch_fn is needed without clients')
+    clients = LocalClients(pool, batch_fn)
   population = (
     list(range(num_clients)) if population is None else list(population)
   )
@@ -252,7 +408,7 @@ def run(
   with energy if energy is not None else contextlib.nullcontext():
     while state.live and state.round < max_rounds:
       state = run_round(
-        pool, state, batch_fn, config, population=population, energy=energy
+        pool, state, clients, config, population=population, energy=energy
       )
       if state_path:
         state_lib.save_state(state_path, state, identity)

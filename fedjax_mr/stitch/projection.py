@@ -166,6 +166,20 @@ def solve(
   return (v[:, keep] / w[keep]) @ (v[:, keep].T @ s.b)
 
 
+def layout(
+  x_spec: Sequence[int], y_spec: Sequence[int], policy: str = 'match'
+) -> tuple[bool, tuple[int, ...] | None]:
+  """`(pool, size)` of the stitch between the two shapes: a global
+  average pool (conv → dense), or the spatial size X is resized to in
+  the forward pass (None: none)."""
+  pool = len(y_spec) == 1 and len(x_spec) > 1
+  size = None
+  if not pool and len(x_spec) > 1 and policy == 'match':
+    if tuple(x_spec[:-1]) != tuple(y_spec[:-1]):
+      size = tuple(int(d) for d in y_spec[:-1])
+  return pool, size
+
+
 def make_stitch(
   m: np.ndarray,
   x_spec: Sequence[int],
@@ -176,11 +190,7 @@ def make_stitch(
 ) -> Stitch:
   """A `Stitch` from a solved matrix and the two shapes it connects."""
   m = np.asarray(m)
-  pool = len(y_spec) == 1 and len(x_spec) > 1
-  size = None
-  if not pool and len(x_spec) > 1 and policy == 'match':
-    if tuple(x_spec[:-1]) != tuple(y_spec[:-1]):
-      size = tuple(int(d) for d in y_spec[:-1])
+  pool, size = layout(x_spec, y_spec, policy)
   return Stitch(
     matrix=jnp.asarray(m[:-1] if bias else m, jnp.float32),
     bias=jnp.asarray(m[-1], jnp.float32) if bias else None,

@@ -31,7 +31,6 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from fedjax_mr.stitch import client
 from fedjax_mr.stitch import config as config_lib
 from fedjax_mr.stitch import network as network_lib
 from fedjax_mr.stitch import pool as pool_lib
@@ -39,6 +38,9 @@ from fedjax_mr.stitch import projection
 from fedjax_mr.stitch import state as state_lib
 
 BatchFn = Callable[[int, int], jax.Array]
+# `(net, block ids, client ids, round, config)` → per block the clients'
+# summed stitch statistics (`federated.Clients.statistics`).
+Statistics = Callable[..., dict[int, projection.Stats]]
 
 
 def rank_fraction(scores: np.ndarray, j: int) -> float:
@@ -250,21 +252,12 @@ def fit_stitches(
   pool: pool_lib.Pool,
   net: network_lib.Network,
   block_ids: Sequence[int],
-  ids: Sequence[int],
-  round_: int,
-  batch_fn: BatchFn,
+  totals: dict[int, projection.Stats],
   config: config_lib.Config,
 ) -> dict[int, projection.Stitch]:
-  """Stitches from `net` to each of `block_ids`, fitted on the summed
-  statistics (`client.stitch_statistics`) of clients `ids` on their
-  batches of round `round_`; `config.solver` solves."""
-  totals = {}
-  for c in ids:
-    stats = client.stitch_statistics(
-      pool, net, block_ids, batch_fn(c, round_), config
-    )
-    for b in block_ids:
-      totals[b] = stats[b] if b not in totals else totals[b] + stats[b]
+  """Stitches from `net` to each of `block_ids`, fitted on the clients'
+  summed statistics `totals` (`client.stitch_statistics`); `config.solver`
+  solves."""
   return {
     b: projection.make_stitch(
       projection.solve(totals[b], solver=config.solver),
@@ -292,7 +285,7 @@ def finish_selection(
   pool: pool_lib.Pool,
   state: state_lib.State,
   cands: Sequence[Sequence[int]],
-  batch_fn: BatchFn,
+  statistics: Statistics,
   config: config_lib.Config,
 ) -> tuple[state_lib.State, list[dict[str, Any]]]:
   """End of a selection: vote winners → stitched children; prune; beam.
@@ -302,7 +295,10 @@ def finish_selection(
     state: the state after the selection's last round (`state.fit_ids`
       are its participants, who fit the stitches).
     cands: per candidate network, its candidates' pool ids.
-    batch_fn: `(client id, round) → [B, ...]` model-ready batch.
+    statistics: `(net, block ids, client ids, round, config)` → per
+      block, the statistics of the stitches from `net` to it summed over
+      those clients on their batches of that round
+      (`federated.Clients.statistics`).
     config: `num_selections`, `prune` and the stitch fit's fields.
 
   Returns:
@@ -324,15 +320,13 @@ def finish_selection(
     remaining = lv.remaining
     if config.prune:
       remaining = prune(pool, remaining, dict(zip(idx.tolist(), mean)))
-    stitches = fit_stitches(
-      pool,
-      lv.net,
-      [int(idx[j]) for j in winners],
-      state.fit_ids,
-      last_round,
-      batch_fn,
-      config,
+    block_ids = [int(idx[j]) for j in winners]
+    totals = (
+      statistics(lv.net, block_ids, list(state.fit_ids), last_round, config)
+      if block_ids
+      else {}
     )
+    stitches = fit_stitches(pool, lv.net, block_ids, totals, config)
     for j in winners:
       b = int(idx[j])
       block = pool.blocks[b]

@@ -134,8 +134,8 @@ def test_a_resumed_run_times_only_the_rounds_it_ran(tmp_path, monkeypatch):
 
 
 def test_local_lines_count_the_searches_and_time_them(tmp_path, monkeypatch):
-  def alone(pool, batch_fn, num_clients, config, population):
-    del pool, batch_fn, num_clients
+  def alone(pool, batch_fn, num_clients, config, population, clients):
+    del pool, batch_fn, num_clients, clients
     assert config.clients_per_round == 1 and len(population) == 1
     return types.SimpleNamespace(
       finished=[types.SimpleNamespace(net=k) for k in range(3)]
