@@ -347,9 +347,7 @@ def check(
       fleet.RemoteBackend(e.backend), seconds_per_unit=e.ms_per_score / 1000
     )
   else:
-    coordinators = make_fleet(
-      e, config.partition.num_clients, config.run.seed
-    )
+    coordinators = make_fleet(e, config.partition.num_clients, config.run.seed)
   check_workdir(config.run.workdir)
   return coordinators
 
