@@ -166,6 +166,43 @@ def render(text: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:
   return text
 
 
+def define_deploy_flags() -> tuple[str, ...]:
+  """Defines the flags of a federation the deploy programs start
+  (`--nodes`, `--round_timeout`, `--insecure_federation`,
+  `--federation_host`); the names a program lists in its short help."""
+  flags.DEFINE_integer(
+    'nodes', 2, 'SuperNodes to start (node i serves clients i, i + N, ...).'
+  )
+  flags.DEFINE_float(
+    'round_timeout',
+    0.0,
+    'Seconds a round waits for its replies (0: no deadline); clients '
+    'without a reply by then count as failed (the clients row names them).',
+  )
+  flags.DEFINE_bool(
+    'insecure_federation',
+    False,
+    'Run without TLS and node authentication (prints a warning).',
+  )
+  flags.DEFINE_string(
+    'federation_host',
+    '127.0.0.1',
+    'The address the SuperLink listens on (its certificate names it).',
+  )
+  return ('nodes', 'round_timeout', 'insecure_federation')
+
+
+def deploy_arguments() -> dict:
+  """The deploy flags' values as `launch.run`'s keyword arguments."""
+  f = flags.FLAGS
+  return dict(
+    round_timeout=f.round_timeout,
+    insecure=f.insecure_federation,
+    host=f.federation_host,
+    log=log,
+  )
+
+
 def log(line: str) -> None:
   """A progress line of the library, in the program's words (`render`)."""
   print(render(line), flush=True)

@@ -27,26 +27,7 @@ from absl import logging
 
 from . import run as run_program
 
-flags.DEFINE_integer(
-  'nodes', 2, 'SuperNodes to start (node i serves clients i, i + N, ...).'
-)
-flags.DEFINE_float(
-  'round_timeout',
-  0.0,
-  'Seconds a round waits for its replies (0: no deadline); clients '
-  'without a reply by then count as failed (the clients row names them).',
-)
-flags.DEFINE_bool(
-  'insecure_federation',
-  False,
-  'Run without TLS and node authentication (prints a warning).',
-)
-flags.DEFINE_string(
-  'federation_host',
-  '127.0.0.1',
-  'The address the SuperLink listens on (its certificate names it).',
-)
-for _name in ('nodes', 'round_timeout', 'insecure_federation'):
+for _name in cli.define_deploy_flags():
   flags.declare_key_flag(_name)
 FLAGS = flags.FLAGS
 
@@ -62,14 +43,7 @@ def main(argv) -> None:
   ):
     from fedjax_mr.deploy import launch
 
-    launch.run(
-      config,
-      FLAGS.nodes,
-      round_timeout=FLAGS.round_timeout,
-      insecure=FLAGS.insecure_federation,
-      host=FLAGS.federation_host,
-      log=cli.log,
-    )
+    launch.run(config, FLAGS.nodes, **cli.deploy_arguments())
 
 
 def entry() -> None:

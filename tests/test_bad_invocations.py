@@ -532,6 +532,14 @@ CASES = {
       '--fedmr_secure_repeats',
     ),
   ],
+  'experiments.deploy_stitch': [
+    (['--nodes=0'], '--nodes'),
+    (['--round_timeout=-1'], '--round_timeout'),
+    (['--num_clients=0'], '--num_clients'),
+    (['--pool=/nonexistent/pool'], '--pool'),
+    (['--energy_backend=sysfs'], '--energy_profile'),
+    (['positional'], 'unexpected arguments'),
+  ],
   'experiments.probe': [
     ([], '--workdir='),
     (['--workdir='], '--workdir'),
@@ -578,6 +586,7 @@ BASE = {
   'experiments.probe': ['--workdir={S}'],
   # Writes into --workdir: {S}, which no case may create.
   'experiments.deploy': ['--workdir={S}', '--rounds=1'],
+  'experiments.deploy_stitch': ['--workdir={S}'],
   'experiments.profile_device': ['--output={S}/profile.json'],
   'experiments.benchmark': ['--rounds=1', '--local_epochs=1'],
   # cinic10: a case wrongly accepted fails fast (no network, or a download

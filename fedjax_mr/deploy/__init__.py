@@ -5,7 +5,9 @@ machines (the `deploy` extra: flwr).
 was dispatched), `server` (the deployed round: the engine's keys, the
 algorithm's dispatch and aggregate, sums in the simulation's order),
 `node` (a node's clients' updates, their state kept there),
-`serverapp` and `clientapp` (the Flower ServerApp and ClientApp),
+`stitch_server` and `stitch_node` (a FedStitch run's participants on
+their nodes), `serverapp` and `clientapp` (the Flower ServerApp and
+ClientApp),
 `federation`, `credentials` and
 `watchdog` (a SuperLink and SuperNodes on this machine, TLS and node
 keys, nothing outliving the program), `launch` (one run) and `adapter`

@@ -5,7 +5,9 @@ One place, so that the pipeline can change shape without the rest of
 experiment built from it (data, model, algorithm, initial state: the
 same `setup` as `experiments.run`), the host loop with its records,
 checkpoints, resume and provenance (`train_and_evaluate`, given the
-deployed round), and the workdir's checks.
+deployed round), and the workdir's checks; and the same for FedStitch
+runs (`experiments.stitch`'s `StitchConfig`, `stitch_and_evaluate` given
+the deployed clients, and what a node loads: `stitch_node`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 from typing import Any
 from typing import Callable
+from typing import NamedTuple
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
@@ -21,13 +24,18 @@ from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.pipeline import build
 from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import energy_report
 from fedjax_mr.pipeline import experiment
 from fedjax_mr.pipeline import records
 from fedjax_mr.pipeline import resume
+from fedjax_mr.pipeline import stitch_config
+from fedjax_mr.pipeline import stitch_experiment
 
 Config = config_lib.ExperimentConfig
 Experiment = build.Experiment
+StitchConfig = stitch_config.StitchConfig
 UserError = errors.UserError
+STITCH_CONFIG = 'stitch.json'
 
 
 def write_config(config: Config, folder: str) -> str:
@@ -88,4 +96,107 @@ def train_and_evaluate(
   `make_round(experiment, client_chunk)` as its round."""
   return experiment.train_and_evaluate(
     config, workdir, log=log, on_round=on_round, make_round=make_round
+  )
+
+
+# FedStitch runs.
+
+
+def write_stitch_config(config: StitchConfig, folder: str) -> str:
+  """Writes `config` where `read_stitch_config(folder)` reads it; its
+  path."""
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, STITCH_CONFIG)
+  text = json.dumps(config.flat(), indent=1, sort_keys=True)
+  files.write_atomic(path, lambda f: f.write(text))
+  return path
+
+
+def is_stitch(folder: str) -> bool:
+  """Whether `folder` holds a FedStitch run's config."""
+  return os.path.exists(os.path.join(folder, STITCH_CONFIG))
+
+
+def read_stitch_config(folder: str) -> StitchConfig:
+  """The config `write_stitch_config` wrote in `folder`.
+
+  Raises:
+    ConfigError: none there, or one that does not read as a config.
+  """
+  path = os.path.join(folder, STITCH_CONFIG)
+  try:
+    with open(path) as f:
+      values = json.load(f)
+    return StitchConfig.from_flat(
+      **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    )
+  except (OSError, ValueError, TypeError) as e:
+    raise errors.ConfigError(f'{path} is not a FedStitch config: {e}') from None
+
+
+def check_stitch(config: StitchConfig) -> str:
+  """Validates `config` for a FedStitch run on a local federation and
+  returns its workdir; refuses a workdir in use or of another run, an
+  energy backend this machine's nodes cannot use, and a dataset or pool
+  the run cannot use (they are loaded here, as the server and the nodes
+  will load them), before anything is written.
+
+  Raises:
+    UserError: a bad field (named), a file it names, or the workdir.
+  """
+  coordinators = stitch_experiment.check(config)
+  stitch_experiment.load(config, coordinators, log=lambda line: None)
+  return config.run.workdir
+
+
+def stitch_and_evaluate(
+  config: StitchConfig,
+  deployed: Callable[[stitch_experiment.Setup], Any],
+  log: Callable[[str], None],
+) -> dict[str, Any]:
+  """`experiments.stitch`'s whole run (records, resume, evaluation) with
+  `deployed(setup)` as the clients (`stitch_server.DeployedClients`)."""
+  return stitch_experiment.stitch_and_evaluate(
+    config, log=log, deployed=deployed
+  )
+
+
+class StitchNode(NamedTuple):
+  """What a node of a FedStitch run holds (`stitch_node`).
+
+  Attributes:
+    pool: the block pool.
+    library_config: the FedStitch hyper-parameters.
+    coordinators: the clients' energy coordinators (this device's).
+    num_clients: the clients of the run.
+    batch_fn: `(client, round) → [B, ...]` a client's batch of a round.
+  """
+
+  pool: Any
+  library_config: Any
+  coordinators: Any
+  num_clients: int
+  batch_fn: Callable[[int, int], Any]
+
+
+def stitch_node(config: StitchConfig) -> StitchNode:
+  """The pool and the clients' examples of `config`, loaded as
+  `experiments.stitch` loads them (the same partition), and the clients'
+  coordinators on this device (the sysfs backend on a Jetson).
+
+  Raises:
+    UserError: a bad field or a file it names.
+  """
+  stitch_config.validate(config)
+  p = config.partition
+  coordinators = energy_report.make_fleet(
+    config.energy, p.num_clients, config.run.seed
+  )
+  s = stitch_experiment.load(config, coordinators, log=lambda line: None)
+  return StitchNode(
+    s.pool,
+    stitch_config.library_config(config),
+    coordinators,
+    p.num_clients,
+    stitch_experiment.make_batch_fn(s),
   )

@@ -7,9 +7,10 @@ message types, `node` and the config's `setup`), never the server's side
 
 A node's node config names its index (`node-index`), the number of nodes
 (`num-nodes`) and where it keeps its clients' state (`state`); each
-`train` message names the run's spec (the folder of its config.json), so
-one federation serves any number of runs, and holds the requests of all
-the node's clients of a round (`node.pack`).
+`train` message names the run's spec (the folder of its config) and kind
+(a training or a FedStitch run), so one federation serves any number of
+runs, and holds the requests of all the node's clients of a round
+(`node.pack`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flwr.clientapp import ClientApp
 
 from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import node as node_lib
+from fedjax_mr.deploy import stitch_node
 
 client_app = ClientApp()
 
@@ -44,9 +46,15 @@ def answer_index(message: Message, context: Context) -> Message:
 
 @client_app.train()
 def train(message: Message, context: Context) -> Message:
-  """Serves this node's clients of a round (`node.serve`)."""
+  """Serves this node's clients of a round: their updates (`node.serve`)
+  or, in a FedStitch run, their scores and statistics
+  (`stitch_node.serve`)."""
   index, num_nodes = _node_of(context)
-  spec = node_lib.spec_of(message.content)
+  spec, kind = node_lib.spec_of(message.content)
+  if kind == node_lib.STITCH:
+    held = adapter.stitch_node(adapter.read_stitch_config(spec))
+    reply = stitch_node.serve(held, message.content, index, num_nodes)
+    return Message(reply, reply_to=message)
   experiment = adapter.setup(adapter.read_config(spec))
   state = node_lib.run_folder(context.node_config.get('state'), spec)
   reply = node_lib.serve(experiment, message.content, index, num_nodes, state)

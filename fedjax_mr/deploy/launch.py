@@ -1,4 +1,5 @@
-"""One federated run on a local Flower federation: `run(config, nodes)`.
+"""One federated run on a local Flower federation: `run(config, nodes)`
+for a training run, `run_stitch(config, nodes)` for a FedStitch run.
 
 Checks the config and the workdir (nothing is written before a run can
 start), then starts a SuperLink and `nodes` SuperNodes on this machine
@@ -25,6 +26,7 @@ from fedjax_mr.core import errors
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import federation as federation_lib
+from fedjax_mr.deploy import node as node_lib
 
 FOLDER = 'flower'  # the federation's files, inside the workdir
 RESULT = 'result.json'
@@ -50,6 +52,7 @@ clientapp = "fedjax_mr.deploy.clientapp:client_app"
 
 [tool.flwr.app.config]
 spec = ""
+kind = "training"
 workdir = ""
 result = ""
 num-nodes = 1
@@ -109,6 +112,60 @@ def run(
     UserError: a bad argument or config field (named), the workdir, or
       the run's own failure (one line).
   """
+  _check_arguments(nodes, round_timeout, federation)
+  workdir = adapter.check(config)
+  return _submit(
+    workdir,
+    lambda folder: adapter.write_config(config, folder),
+    node_lib.TRAINING,
+    nodes,
+    round_timeout=round_timeout,
+    insecure=insecure,
+    host=host,
+    log=log,
+    federation=federation,
+  )
+
+
+def run_stitch(
+  config: adapter.StitchConfig,
+  nodes: int,
+  *,
+  round_timeout: float = 0.0,
+  insecure: bool = False,
+  host: str = '127.0.0.1',
+  log: Callable[[str], None] = print,
+  federation: federation_lib.Federation | None = None,
+) -> str:
+  """Runs (or resumes) the FedStitch run `config` (`experiments.stitch`'s
+  flags) on a local federation of `nodes` nodes, each scoring its
+  clients' candidates on its own pool and data; returns the workdir. The
+  arguments are `run`'s.
+
+  Raises:
+    UserError: a bad argument or config field (named), the workdir, or
+      the run's own failure (one line).
+  """
+  _check_arguments(nodes, round_timeout, federation)
+  workdir = adapter.check_stitch(config)
+  return _submit(
+    workdir,
+    lambda folder: adapter.write_stitch_config(config, folder),
+    node_lib.STITCH,
+    nodes,
+    round_timeout=round_timeout,
+    insecure=insecure,
+    host=host,
+    log=log,
+    federation=federation,
+  )
+
+
+def _check_arguments(
+  nodes: int,
+  round_timeout: float,
+  federation: federation_lib.Federation | None,
+) -> None:
   if nodes < 1:
     raise errors.ConfigError(f'`nodes={nodes}` must be >= 1')
   if not math.isfinite(round_timeout) or round_timeout < 0:
@@ -119,12 +176,26 @@ def run(
     raise errors.ConfigError(
       f"`nodes={nodes}` is not the federation's {federation.num_nodes}"
     )
-  workdir = adapter.check(config)
+
+
+def _submit(
+  workdir: str,
+  write_spec: Callable[[str], str],
+  kind: str,
+  nodes: int,
+  *,
+  round_timeout: float,
+  insecure: bool,
+  host: str,
+  log: Callable[[str], None],
+  federation: federation_lib.Federation | None,
+) -> str:
+  """Writes the run's spec (`write_spec(folder)`) and the App into
+  `<workdir>/flower`, starts a federation (unless given one), runs the
+  App on it and stops what it started."""
   folder = os.path.join(os.path.abspath(workdir), FOLDER)
   with workdir_lib.acquire(folder, 'workdir'):
-    spec = os.path.dirname(
-      adapter.write_config(config, os.path.join(folder, 'spec'))
-    )
+    spec = os.path.dirname(write_spec(os.path.join(folder, 'spec')))
     app = write_app(os.path.join(folder, 'app'))
     result = os.path.join(folder, RESULT)
     if os.path.exists(result):
@@ -143,6 +214,7 @@ def run(
         app,
         {
           'spec': spec,
+          'kind': kind,
           'workdir': os.path.abspath(workdir),
           'result': result,
           'num-nodes': nodes,

@@ -229,15 +229,19 @@ def train(
 
 
 RUN = 'run'  # the record of a packed message that names the run
+TRAINING, STITCH = 'training', 'stitch'  # the kinds of run
 
 
-def pack(parts: Mapping[int, RecordDict], spec: str = '') -> RecordDict:
+def pack(
+  parts: Mapping[int, RecordDict], spec: str = '', kind: str = TRAINING
+) -> RecordDict:
   """One message's content holding `parts` (position -> a request's or a
   reply's records), each record keyed `<position>/<name>`, and `spec`
-  (the folder of the run's config.json) when given."""
+  (the folder of the run's config) and the `kind` of run when `spec` is
+  given."""
   content = RecordDict()
   if spec:
-    content[RUN] = ConfigRecord({'spec': spec})
+    content[RUN] = ConfigRecord({'spec': spec, 'kind': kind})
   for position, part in parts.items():
     for name, record in part.items():
       content[f'{int(position)}/{name}'] = record
@@ -289,12 +293,15 @@ def serve(
   )
 
 
-def spec_of(content: RecordDict) -> str:
-  """The spec a packed message names.
+def spec_of(content: RecordDict) -> tuple[str, str]:
+  """The spec a packed message names and its kind of run.
 
   Raises:
-    RequestError: none.
+    RequestError: none, or an unknown kind.
   """
   if RUN not in content or 'spec' not in content[RUN]:
     raise RequestError('the message names no run spec')
-  return str(content[RUN]['spec'])
+  kind = str(content[RUN].get('kind', TRAINING))
+  if kind not in (TRAINING, STITCH):
+    raise RequestError(f'a run of unknown kind {kind!r}')
+  return str(content[RUN]['spec']), kind

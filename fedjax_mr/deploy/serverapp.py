@@ -1,5 +1,6 @@
 """The Flower App's `ServerApp`: `experiments.run`'s host loop with the
-deployed round over Flower's grid.
+deployed round over Flower's grid, or `experiments.stitch`'s run with
+its clients' work on the nodes (the run config's `kind`).
 
 The run config names `spec`, a folder holding the run's config.json
 (`adapter.write_config`), and, in a federation with node authentication,
@@ -32,6 +33,7 @@ from fedjax_mr.core import files
 from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import node as node_lib
 from fedjax_mr.deploy import server as server_lib
+from fedjax_mr.deploy import stitch_server
 
 QUERY, TRAIN = 'query', 'train'
 POLL_S = 0.05
@@ -56,10 +58,17 @@ class GridTransport:
   whose nodes are not all online (`identify`).
   """
 
-  def __init__(self, grid: Grid, node_ids: dict[int, int], spec: str = ''):
+  def __init__(
+    self,
+    grid: Grid,
+    node_ids: dict[int, int],
+    spec: str = '',
+    kind: str = node_lib.TRAINING,
+  ):
     self.grid = grid
     self.node_ids = node_ids
     self.spec = spec
+    self.kind = kind
 
   def refresh(self) -> None:
     """Maps the indices of offline nodes to new online ids, if any."""
@@ -80,7 +89,7 @@ class GridTransport:
       by_node.setdefault(r.node, {})[r.position] = r.content
     messages = [
       Message(
-        node_lib.pack(parts, self.spec),
+        node_lib.pack(parts, self.spec, self.kind),
         dst_node_id=self.node_ids[n],
         message_type=TRAIN,
       )
@@ -204,27 +213,55 @@ def _write_result(path: str, result: dict[str, Any]) -> None:
   files.write_atomic(path, lambda f: f.write(json.dumps(result)))
 
 
+def _train(grid: Grid, run_config: Any) -> None:
+  """A training run: `experiments.run`'s host loop, the deployed round."""
+  spec = str(run_config['spec'])
+  config = adapter.read_config(spec)
+  num_nodes = int(run_config['num-nodes'])
+  timeout = float(run_config['round-timeout']) or None
+  nodes = _nodes(grid, str(run_config.get('node-ids', '')), num_nodes)
+  transport = GridTransport(grid, nodes, spec)
+
+  def make_round(experiment, chunk):
+    return server_lib.make_round(
+      experiment, chunk, transport, num_nodes, timeout=timeout
+    )
+
+  adapter.train_and_evaluate(
+    config, str(run_config['workdir']), make_round, log=print
+  )
+
+
+def _stitch(grid: Grid, run_config: Any) -> None:
+  """A FedStitch run: `experiments.stitch`'s, its clients' work on the
+  nodes (`stitch_server.DeployedClients`)."""
+  spec = str(run_config['spec'])
+  config = adapter.read_stitch_config(spec)
+  num_nodes = int(run_config['num-nodes'])
+  timeout = float(run_config['round-timeout']) or None
+  nodes = _nodes(grid, str(run_config.get('node-ids', '')), num_nodes)
+  transport = GridTransport(grid, nodes, spec, node_lib.STITCH)
+
+  def deployed(setup):
+    return stitch_server.DeployedClients(
+      setup.pool, transport, num_nodes, timeout=timeout, log=print
+    )
+
+  adapter.stitch_and_evaluate(config, deployed, log=print)
+
+
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-  """Runs the experiment of `spec` in `workdir` over the federation and
-  writes `result` (`{"error": one line}` when it failed)."""
+  """Runs the experiment of `spec` (a training or a FedStitch run, as
+  `kind` says) in `workdir` over the federation and writes `result`
+  (`{"error": one line}` when it failed)."""
   run_config = context.run_config
   result_path = str(run_config['result'])
   try:
-    config = adapter.read_config(str(run_config['spec']))
-    num_nodes = int(run_config['num-nodes'])
-    timeout = float(run_config['round-timeout']) or None
-    nodes = _nodes(grid, str(run_config.get('node-ids', '')), num_nodes)
-    transport = GridTransport(grid, nodes, str(run_config['spec']))
-
-    def make_round(experiment, chunk):
-      return server_lib.make_round(
-        experiment, chunk, transport, num_nodes, timeout=timeout
-      )
-
-    adapter.train_and_evaluate(
-      config, str(run_config['workdir']), make_round, log=print
-    )
+    if str(run_config.get('kind', node_lib.TRAINING)) == node_lib.STITCH:
+      _stitch(grid, run_config)
+    else:
+      _train(grid, run_config)
   except (errors.UserError, errors.NonFiniteError, TimeoutError) as e:
     _write_result(result_path, {'error': str(e)})
     return

@@ -6,7 +6,8 @@ validation), `experiment` (`setup`, `run` = the host loop,
 `evaluation`, `records` (the workdir's files and each round's rows),
 `progress` (what a run logs), `resume` (restoring, interrupts) and
 `energy_report`; and FedStitch's runs, through the same pieces:
-`stitch_config` (`StitchConfig`) and `stitch_experiment`.
+`stitch_config` (`StitchConfig`) and `stitch_experiment` (its clients'
+energy coordinators from `energy_report`).
 """
 
 from fedjax_mr.pipeline import build as build

@@ -31,8 +31,8 @@ from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition
 from fedjax_mr.energy import fleet
-from fedjax_mr.energy import simulation
 from fedjax_mr.pipeline import checks
+from fedjax_mr.pipeline import energy_report
 from fedjax_mr.pipeline import progress
 from fedjax_mr.pipeline import resume
 from fedjax_mr.pipeline import stitch_config as config_lib
@@ -54,57 +54,6 @@ def _log_default(line: str) -> None:
 
 
 # --- Checks that read files, before anything is written ---------------------
-
-
-def make_fleet(
-  part: config_lib.Energy, num_clients: int, seed: int
-) -> fleet.Fleet:
-  """The clients' energy coordinators of `energy_backend` (`num_clients`
-  simulated devices drawn by `seed`); a bad setting is refused
-  (`ConfigError`) before the data loads, and nothing is written."""
-  seconds = part.ms_per_score / 1000
-  if part.backend == 'simulated':
-    try:
-      devices = simulation.assign_profiles(part.mix, num_clients, seed)
-    except (ValueError, OSError) as e:
-      raise errors.ConfigError(f'`energy_mix={part.mix!r}`: {e}') from None
-    return fleet.Fleet(
-      fleet.SimulatedBackend(devices), seconds_per_unit=seconds
-    )
-  return fleet.Fleet(_sysfs_backend(part), seconds_per_unit=seconds)
-
-
-def _sysfs_backend(part: config_lib.Energy) -> fleet.SysfsBackend:
-  """This device's clocks through sysfs (or a dry run): its profile must
-  fit the device, and a real run must be allowed to write the clocks."""
-  where = f'`energy_sysfs_root={part.sysfs_root}`'
-  root = energy.SysfsRoot(part.sysfs_root)
-  if not root.is_dir('.'):
-    raise errors.ConfigError(f'{where}: no such directory')
-  try:
-    profile = energy.get_profile(part.profile)
-  except (ValueError, OSError, TypeError, KeyError) as e:
-    raise errors.ConfigError(f'`energy_profile={part.profile}`: {e}') from None
-  try:
-    info = energy.discover(root)
-    meter = energy.SysfsPowerMeter(root, info.power_channels)
-    plan = energy.SysfsDvfs(root, info, dry_run=True)
-    for setting in profile.configs:  # Each must fit this device.
-      plan.apply(setting)
-  except energy.EnergyError as e:
-    raise errors.ConfigError(
-      f'{where} with `energy_profile={part.profile}`: {e}'
-    ) from None
-  if part.backend == 'sysfs':
-    for rel, _ in plan.writes:
-      if not os.access(root.path(rel), os.W_OK):
-        raise errors.ConfigError(
-          f'`energy_backend=sysfs` may not write {root.path(rel)}: '
-          'changing clocks needs root (run with sudo), or use '
-          '`energy_backend=dry_run`'
-        )
-  dvfs = energy.SysfsDvfs(root, info, dry_run=part.backend == 'dry_run')
-  return fleet.SysfsBackend(dvfs, profile, meter.total_w)
 
 
 MAX_LABEL_MAP_BYTES = torchvision_import.MAX_LABEL_MAP_BYTES
@@ -171,7 +120,8 @@ class Setup(NamedTuple):
     label_map: per dataset class, the pool classes that count as it.
     parts: per client, its training-example indices.
     public: the pool's public examples of the clients' classes.
-    coordinators: the clients' energy coordinators (`make_fleet`).
+    coordinators: the clients' energy coordinators
+      (`energy_report.make_fleet`).
   """
 
   config: config_lib.StitchConfig
@@ -333,21 +283,19 @@ def check(
 ) -> fleet.Fleet:
   """Validates `config` and checks the files it names and the workdir
   (nothing is read beyond them, nothing is written); the clients'
-  energy coordinators (`make_fleet`; deployed, each runs on its client's
-  own device, `fleet.RemoteBackend`).
+  energy coordinators (`energy_report.make_fleet`).
 
   Raises:
     UserError: a bad field, file or workdir (the message names the field).
   """
   config_lib.validate(config)
   read_label_map(config)  # a bad file is refused before the data loads
-  e = config.energy
-  if deployed:
-    coordinators = fleet.Fleet(
-      fleet.RemoteBackend(e.backend), seconds_per_unit=e.ms_per_score / 1000
-    )
-  else:
-    coordinators = make_fleet(e, config.partition.num_clients, config.run.seed)
+  coordinators = energy_report.make_fleet(
+    config.energy,
+    config.partition.num_clients,
+    config.run.seed,
+    deployed=deployed,
+  )
   check_workdir(config.run.workdir)
   return coordinators
 

@@ -233,6 +233,19 @@ class LocalClients:
     )
 
 
+def round_candidates(
+  pool: pool_lib.Pool, state: state_lib.State, config: config_lib.Config
+) -> list[list[int]]:
+  """Per candidate network of `state`, the pool ids its participants
+  score (`client.candidates`)."""
+  return [
+    client.candidates(
+      pool, lv.net, lv.remaining, config.max_depth, config.spatial
+    )
+    for lv in state.live
+  ]
+
+
 def run_round(
   pool: pool_lib.Pool,
   state: state_lib.State,
@@ -256,9 +269,8 @@ def run_round(
       `batch size × candidates scored` work units; the round's record
       (`fleet.RoundEnergy.record`) goes to the log entry's 'energy'.
 
-  The participants that do not answer (a deployed client that failed)
-  take no part in the round: the entry's 'clients' are those that
-  answered, 'failed_clients' the others.
+  Participants that do not answer (a deployed client that failed) take
+  no part: the entry's 'clients' answered, 'failed_clients' did not.
 
   Raises:
     NoParticipantError: none answered.
@@ -268,12 +280,7 @@ def run_round(
   ids = sample_clients(config, r, population)
   depth = max(lv.net.depth for lv in state.live)
   epsilon = config.epsilon * config.epsilon_decay ** (depth - 1)
-  cands = [
-    client.candidates(
-      pool, lv.net, lv.remaining, config.max_depth, config.spatial
-    )
-    for lv in state.live
-  ]
+  cands = round_candidates(pool, state, config)
   energy_round = None
   if energy is not None:
     energy_round = energy.start_round(

@@ -281,6 +281,57 @@ def _winners(
   return [j for j in order if live.votes[idx[j]] > 0][:k]
 
 
+def _children(
+  pool: pool_lib.Pool,
+  state: state_lib.State,
+  lv: state_lib.Live,
+  cands: Sequence[int],
+  statistics: Statistics,
+  config: config_lib.Config,
+) -> list[tuple[state_lib.Live, dict[str, Any]]]:
+  """Network `lv`'s children of the selection (its winners stitched on,
+  with the pruned pool left to them) and each one's record."""
+  idx = np.asarray(cands)
+  mean = lv.score_sum[idx] / np.maximum(lv.score_weight[idx], 1e-300)
+  winners = _winners(lv, idx, mean, config.num_selections)
+  total = lv.votes[idx].sum()
+  remaining = lv.remaining
+  if config.prune:
+    remaining = prune(pool, remaining, dict(zip(idx.tolist(), mean)))
+  block_ids = [int(idx[j]) for j in winners]
+  totals = {}
+  if block_ids:
+    fit_ids = list(state.fit_ids)
+    totals = statistics(lv.net, block_ids, fit_ids, state.round - 1, config)
+  stitches = fit_stitches(pool, lv.net, block_ids, totals, config)
+  n_pool = len(pool.blocks)
+  out = []
+  for j in winners:
+    b = int(idx[j])
+    block = pool.blocks[b]
+    share = float(lv.votes[b] / total) * lv.share
+    path_score = float(mean[j]) * lv.path_score
+    child = state_lib.Live(
+      network_lib.extend(lv.net, stitches[b], block),
+      frozenset(remaining - {b}),
+      np.zeros(n_pool),
+      np.zeros(n_pool),
+      np.zeros(n_pool),
+      share,
+      path_score,
+    )
+    record = {
+      'network': lv.net.describe(),
+      'block': block.describe(),
+      'votes': float(lv.votes[b]),
+      'mean_cka': float(mean[j]),
+      'share': share,
+      'path_score': path_score,
+    }
+    out.append((child, record))
+  return out
+
+
 def finish_selection(
   pool: pool_lib.Pool,
   state: state_lib.State,
@@ -307,58 +358,21 @@ def finish_selection(
     added, and one record per chosen block (or dropped network).
   """
   children, finished, chosen = [], list(state.finished), []
-  last_round = state.round - 1
-  n_pool = len(pool.blocks)
   for n, lv in enumerate(state.live):
     if not cands[n]:
       chosen.append({'network': lv.net.describe(), 'dropped': 'no candidates'})
       continue
-    idx = np.asarray(cands[n])
-    mean = lv.score_sum[idx] / np.maximum(lv.score_weight[idx], 1e-300)
-    winners = _winners(lv, idx, mean, config.num_selections)
-    total = lv.votes[idx].sum()
-    remaining = lv.remaining
-    if config.prune:
-      remaining = prune(pool, remaining, dict(zip(idx.tolist(), mean)))
-    block_ids = [int(idx[j]) for j in winners]
-    totals = (
-      statistics(lv.net, block_ids, list(state.fit_ids), last_round, config)
-      if block_ids
-      else {}
-    )
-    stitches = fit_stitches(pool, lv.net, block_ids, totals, config)
-    for j in winners:
-      b = int(idx[j])
-      block = pool.blocks[b]
-      child = network_lib.extend(lv.net, stitches[b], block)
-      share = float(lv.votes[b] / total) * lv.share
-      path_score = float(mean[j]) * lv.path_score
-      chosen.append(
-        {
-          'network': lv.net.describe(),
-          'block': block.describe(),
-          'votes': float(lv.votes[b]),
-          'mean_cka': float(mean[j]),
-          'share': share,
-          'path_score': path_score,
-        }
-      )
-      if child.finished:
+    made = _children(pool, state, lv, cands[n], statistics, config)
+    for child, record in made:
+      chosen.append(record)
+      if child.net.finished:
         finished.append(
-          state_lib.Finished(child, state.round, share, path_score)
+          state_lib.Finished(
+            child.net, state.round, child.share, child.path_score
+          )
         )
-        continue
-      children.append(
-        state_lib.Live(
-          child,
-          frozenset(remaining - {b}),
-          np.zeros(n_pool),
-          np.zeros(n_pool),
-          np.zeros(n_pool),
-          share,
-          path_score,
-        )
-      )
+      else:
+        children.append(child)
   children.sort(key=lambda c: (-c.path_score, -c.share))
   live = tuple(children[: config.num_selections])
   return state._replace(live=live, finished=tuple(finished)), chosen

@@ -125,7 +125,11 @@ def test_a_packed_message_holds_each_position_and_the_spec():
   parts = {2: RecordDict({'meta': ConfigRecord({'p': 2})}), 0: RecordDict()}
   parts[0]['meta'] = ConfigRecord({'p': 0})
   content = node.pack(parts, '/abs/spec')
-  assert node.spec_of(content) == '/abs/spec'
+  assert node.spec_of(content) == ('/abs/spec', node.TRAINING)
+  stitch = node.pack(parts, '/abs/spec', node.STITCH)
+  assert node.spec_of(stitch) == ('/abs/spec', node.STITCH)
+  with pytest.raises(node.RequestError, match="kind 'x'"):
+    node.spec_of(node.pack(parts, '/abs/spec', 'x'))
   back = node.unpack(content)
   assert sorted(back) == [0, 2]
   assert all(back[p]['meta']['p'] == p for p in back)

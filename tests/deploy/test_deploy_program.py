@@ -2,8 +2,10 @@
 SuperNodes as processes, TLS, node authentication) ends with
 `experiments.run`'s own rows, bit for bit, for FedAvg, for FedMR (which
 needs every client's model) and for SCAFFOLD (whose client state lives on
-the nodes). One federation serves the three runs, as a real fleet serves
-many (`launch.run(..., federation=)`); the program's own start of a
+the nodes); a deployed FedStitch run (each node holding the block pool and
+its clients' examples) ends with `experiments.stitch`'s own records. One
+federation serves the runs, as a real fleet serves many
+(`launch.run(..., federation=)`); the program's own start of a
 federation is tested in test_deploy_faults.py."""
 
 import json
@@ -17,6 +19,11 @@ from fedjax_mr.deploy import federation
 from fedjax_mr.deploy import launch
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment
+from fedjax_mr.pipeline import stitch_config
+from fedjax_mr.pipeline import stitch_experiment
+from fedjax_mr.stitch import pool as pool_lib
+from fedjax_mr.stitch import state as state_lib
+from tests.stitch import common
 
 # A tiny run: 9 generated clients, 3 a round, 2 rounds, a 610-parameter
 # model; one device and one client at a time, the order of the
@@ -91,3 +98,86 @@ def test_deployed_run_equals_the_simulation(tmp_path, fed, algorithm):
   assert_same_run(str(simulated), str(deployed))
   with open(deployed / 'flower' / 'result.json') as f:
     assert json.load(f) == {'ok': True}
+
+
+# A small FedStitch run: a pool of two zoo models (random weights), 6
+# clients of a Fashion-MNIST subset, 3 a round; one selection of 2 rounds
+# (the second under the deadline the first set), then the stitches of
+# each start block to its end blocks: 3 messages to each node.
+STITCH = dict(
+  num_clients=6,
+  clients_per_round=3,
+  rounds_per_selection=2,
+  max_depth=2,
+  batch_size=16,
+  local_clients=0,
+  eval_examples=200,
+)
+# What results.json times or measures of the process that wrote it.
+RESULT_TIMES = {
+  'run_seconds',
+  'selection_seconds_per_round',
+  'selection_seconds_total',
+  'peak_host_mib',
+}
+
+
+@pytest.fixture(scope='module')
+def stitch_pool(tmp_path_factory):
+  folder = str(tmp_path_factory.mktemp('pool'))
+  for name in ('cnn_mnist', 'cnn_femnist'):
+    pool_lib.save_model(
+      folder,
+      name,
+      common.model(name, 10, common.IMAGE),
+      common.variables(name, 10, common.IMAGE),
+    )
+  return folder
+
+
+def _stitch_rows(workdir, name):
+  with open(os.path.join(workdir, name)) as f:
+    return [
+      {
+        k: v
+        for k, v in json.loads(line).items()
+        if k not in ('client_time_s', 'round_time_s')
+      }
+      for line in f
+    ]
+
+
+def test_deployed_fedstitch_equals_experiments_stitch(
+  tmp_path, fed, stitch_pool, small_fmnist_dir
+):
+  def config(workdir):
+    return stitch_config.StitchConfig.from_flat(
+      **STITCH, pool=stitch_pool, data_dir=small_fmnist_dir, workdir=workdir
+    )
+
+  simulated, deployed = str(tmp_path / 'sim'), str(tmp_path / 'dep')
+  stitch_experiment.stitch_and_evaluate(config(simulated), log=lambda s: None)
+  lines = []
+  launch.run_stitch(config(deployed), NODES, federation=fed, log=lines.append)
+  with open(os.path.join(deployed, 'flower', 'result.json')) as f:
+    assert json.load(f) == {'ok': True}
+  # Every round's clients, weights, choices' votes, selected blocks and
+  # every client's energy record.
+  log = _stitch_rows(deployed, 'log.jsonl')
+  assert log == _stitch_rows(simulated, 'log.jsonl') and len(log) == 2
+  assert _stitch_rows(deployed, 'energy.jsonl') == _stitch_rows(
+    simulated, 'energy.jsonl'
+  )
+  results = []
+  for workdir in (simulated, deployed):
+    with open(os.path.join(workdir, 'results.json')) as f:
+      got = json.load(f)
+    results.append({k: v for k, v in got.items() if k not in RESULT_TIMES})
+  assert results[0] == results[1] and results[0]['networks']
+  # The stitched networks, bit for bit.
+  (a, _), (b, _) = (
+    state_lib.read_document(os.path.join(w, 'networks.npz'))
+    for w in (simulated, deployed)
+  )
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

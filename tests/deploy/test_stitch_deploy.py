@@ -1,0 +1,268 @@
+"""FedStitch deployed, in one process: the server's `DeployedClients` and
+the nodes' `stitch_node.serve` over a transport that packs each node's
+requests into one message, as Flower's grid does, against the
+simulation's `LocalClients`: the same run, bit for bit (scores, choices,
+weights, stitches, energy records); a node that fails leaves its clients
+out of the round; a malformed reply is refused before anything reads it;
+a node refuses what is not its own. The real federation's run is in
+test_deploy_program.py."""
+
+import json
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord
+
+from fedjax_mr.deploy import adapter
+from fedjax_mr.deploy import codec
+from fedjax_mr.deploy import node as node_lib
+from fedjax_mr.deploy import stitch_node
+from fedjax_mr.deploy import stitch_server
+from fedjax_mr.energy import fleet
+from fedjax_mr.energy import simulation
+from fedjax_mr.stitch import config as config_lib
+from fedjax_mr.stitch import federated
+from fedjax_mr.stitch import pool as pool_lib
+from tests.stitch import common
+
+NUM_CLIENTS, NODES = 6, 2
+CONFIG = config_lib.Config(
+  clients_per_round=3,
+  batch_size=8,
+  top_k=2,
+  epsilon=0.3,
+  rounds_per_selection=2,
+  num_selections=2,
+  max_depth=3,
+  seed=0,
+)
+TIMES = ('client_time_s', 'round_time_s')
+
+
+def batch_fn(client, round_):
+  rng = np.random.default_rng([client, round_])
+  return rng.uniform(0, 1, (8, 28, 28, 1)).astype(np.float32)
+
+
+def _pool():
+  return pool_lib.make_pool(
+    [common.chain(n) for n in ('cnn_mnist', 'cnn_femnist', 'cnn_cifar')]
+  )
+
+
+def _fleet():
+  devices = simulation.assign_profiles(
+    'tx2_chained@1:0.5,tx2_chained@0.5:0.5', NUM_CLIENTS
+  )
+  return fleet.Fleet(fleet.SimulatedBackend(devices), seconds_per_unit=0.001)
+
+
+class Nodes:
+  """The transport: each node's requests packed into one message, served
+  by `stitch_node.serve` (its replies passed through `change`, a node in
+  `dead` answering nothing)."""
+
+  def __init__(self, pool, dead=(), change=None):
+    self.held = [
+      adapter.StitchNode(pool, CONFIG, _fleet(), NUM_CLIENTS, batch_fn)
+      for _ in range(NODES)
+    ]
+    self.dead, self.change, self.messages = set(dead), change, 0
+
+  def exchange(self, requests, timeout):
+    del timeout
+    by_node = {}
+    for r in requests:
+      by_node.setdefault(r.node, {})[r.position] = r.content
+    for n, parts in sorted(by_node.items()):
+      self.messages += 1
+      if n in self.dead:
+        yield from ((p, None) for p in parts)
+        continue
+      message = node_lib.pack(parts, '/spec', node_lib.STITCH)
+      reply = stitch_node.serve(self.held[n], message, n, NODES)
+      for p, part in node_lib.unpack(reply).items():
+        yield p, part if self.change is None else self.change(p, part)
+
+
+def _deployed(pool, log=None, **kw):
+  lines = [] if log is None else log
+  return stitch_server.DeployedClients(
+    pool, Nodes(pool, **kw), NODES, log=lines.append
+  )
+
+
+def _run(pool, clients, energy=True):
+  return federated.run(
+    pool,
+    None,
+    NUM_CLIENTS,
+    CONFIG,
+    clients=clients,
+    energy=_fleet() if energy else None,
+  )
+
+
+def _log(state):
+  return [{k: v for k, v in e.items() if k not in TIMES} for e in state.log]
+
+
+def _nets(state):
+  return [
+    (
+      f.net.path,
+      [
+        None if s is None else (np.asarray(s.matrix), s.bias, s.pool, s.size)
+        for s in f.net.stitches
+      ],
+    )
+    for f in state.finished
+  ]
+
+
+@pytest.fixture(scope='module')
+def simulated():
+  pool = _pool()
+  return pool, _run(pool, federated.LocalClients(pool, batch_fn))
+
+
+def test_the_deployed_run_is_the_simulation_bit_for_bit(simulated):
+  pool, sim = simulated
+  clients = _deployed(pool)
+  dep = _run(pool, clients)
+  assert dep.round == sim.round > 1 and dep.finished
+  # Every log entry: clients, weights, ranks, choices and their votes,
+  # the selected blocks' CKA, and every client's energy record.
+  assert _log(dep) == _log(sim)
+  assert all(len(e['energy']['clients']) == 3 for e in dep.log)
+  np.testing.assert_array_equal(dep.weights, sim.weights)
+  for (pa, sa), (pb, sb) in zip(_nets(dep), _nets(sim), strict=True):
+    assert pa == pb
+    for x, y in zip(sa, sb, strict=True):
+      if x is None:
+        assert y is None
+        continue
+      np.testing.assert_array_equal(x[0], y[0])
+      assert x[1:] == y[1:]
+  # One message a node a round (and a selection's statistics).
+  assert clients.transport.messages >= NODES * dep.round
+
+
+def test_a_client_stitching_alone_on_its_node_is_the_simulation(simulated):
+  # The "Local" baseline: one client's run, on the node that serves it.
+  pool, _ = simulated
+  alone = CONFIG._replace(clients_per_round=1)
+  runs = [
+    federated.run(pool, None, NUM_CLIENTS, alone, population=[3], clients=c)
+    for c in (federated.LocalClients(pool, batch_fn), _deployed(pool))
+  ]
+  assert _log(runs[0]) == _log(runs[1])
+  assert all(e['clients'] == [3] for e in runs[1].log)
+  assert [f.net.path for f in runs[0].finished] == [
+    f.net.path for f in runs[1].finished
+  ]
+
+
+def test_a_dead_node_leaves_its_clients_out_of_the_round(simulated):
+  pool, _ = simulated
+  lines = []
+  state = _run(pool, _deployed(pool, lines, dead={1}), energy=False)
+  for e in state.log:
+    assert all(c % NODES == 0 for c in e['clients'])
+    assert e.get('failed_clients', []) == [
+      c
+      for c in federated.sample_clients(CONFIG, e['round'], range(6))
+      if c % NODES == 1
+    ]
+  assert any('failed (no reply)' in line for line in lines)
+  assert state.finished
+  with pytest.raises(federated.NoParticipantError, match='none of'):
+    _run(pool, _deployed(pool, dead={0, 1}), energy=False)
+
+
+def _arrays(record):
+  """A reply record's arrays by their dict keys (`['0']` → '0')."""
+  return {k[2:-2]: v.numpy() for k, v in record.items()}
+
+
+def _nan_scores(part):
+  scores = _arrays(part['scores'])
+  first = sorted(scores)[0]
+  scores[first] = np.full_like(scores[first], np.nan)
+  part['scores'] = codec.encode(scores)
+
+
+def _choices_out_of_range(part):
+  choices = _arrays(part['choices'])
+  part['choices'] = codec.encode(
+    {k: np.full_like(v, 99) for k, v in choices.items()}
+  )
+
+
+def _wider_scores(part):
+  scores = _arrays(part['scores'])
+  part['scores'] = codec.encode(
+    {k: np.concatenate([v, v]) for k, v in scores.items()}
+  )
+
+
+def _energy_of_another_client(part):
+  work = dict(part['work'])
+  work['energy'] = json.dumps({'client': -1})
+  part['work'] = ConfigRecord(work)
+
+
+def _no_scores(part):
+  del part['scores']
+
+
+@pytest.mark.parametrize(
+  'change, said',
+  [
+    (_nan_scores, 'non-finite'),
+    (_choices_out_of_range, 'not positions'),
+    (_wider_scores, 'expected float64'),
+    (_energy_of_another_client, 'not of client'),
+    (_no_scores, 'malformed'),
+  ],
+)
+def test_a_malformed_reply_is_refused_before_it_is_read(
+  simulated, change, said
+):
+  pool, _ = simulated
+
+  def first_only(p, part):
+    if p == 0:
+      change(part)
+    return part
+
+  lines = []
+  state = federated.run_round(
+    pool,
+    federated.state_lib.init_state(pool, NUM_CLIENTS),
+    _deployed(pool, lines, change=first_only),
+    CONFIG,
+    population=range(NUM_CLIENTS),
+    energy=_fleet(),
+  )
+  (entry,) = state.log
+  first = federated.sample_clients(CONFIG, 0, range(NUM_CLIENTS))[0]
+  assert entry['failed_clients'] == [first]
+  assert first not in entry['clients'] and len(entry['clients']) == 2
+  assert len(entry['energy']['clients']) == 2
+  assert any(f'client {first} refused' in x and said in x for x in lines), lines
+
+
+def test_a_node_refuses_what_is_not_its_own(simulated):
+  pool, _ = simulated
+  held = Nodes(pool).held[0]
+  net = federated.state_lib.init_state(pool, NUM_CLIENTS).live[0].net
+  request = stitch_node.statistics_request(1, 0, net, [1])
+  with pytest.raises(node_lib.RequestError, match='not served by node 0'):
+    stitch_node.answer(held, request, 0, NODES)
+  request = stitch_node.statistics_request(2, 0, net, [len(pool.blocks)])
+  with pytest.raises(node_lib.RequestError, match='pool does not hold'):
+    stitch_node.answer(held, request, 0, NODES)
+  request['paths'] = ConfigRecord({'paths': json.dumps([[['zz', 0]]])})
+  with pytest.raises(node_lib.RequestError, match='pool does not hold'):
+    stitch_node.answer(held, request, 0, NODES)
