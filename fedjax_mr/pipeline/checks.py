@@ -18,6 +18,7 @@ from fedjax_mr.core import errors
 from fedjax_mr.core import jsonfile
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import registry
+from fedjax_mr.runtime import distributed
 from fedjax_mr.training import optimizers
 
 # The fields that some partitions alone read, and those partitions.
@@ -240,31 +241,16 @@ def _check_run(config: config_lib.ExperimentConfig) -> None:
   check_clients_per_round(
     config.server.clients_per_round, config.partition.num_clients
   )
-  if (
-    not 0
-    <= config.devices.processes.process_id
-    < config.devices.processes.num_processes
-  ):
-    raise errors.ConfigError(
-      '`process_id` must be in [0, '
-      f'`num_processes={config.devices.processes.num_processes}`),'
-      f' got {config.devices.processes.process_id}'
+  p = config.devices.processes
+  try:
+    distributed.check_processes(
+      p.num_processes,
+      p.process_id,
+      p.coordinator_address,
+      p.coordinator_timeout,
     )
-  timeout = config.devices.processes.coordinator_timeout
-  if not (0 < timeout <= 86_400):  # nan too
-    raise errors.ConfigError(
-      f'`coordinator_timeout` must be in (0, 86400] seconds, got {timeout}'
-    )
-  if config.devices.processes.num_processes > 1:
-    host, sep, port = config.devices.processes.coordinator_address.rpartition(
-      ':'
-    )
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-      raise errors.ConfigError(
-        '`coordinator_address` must be host:port (e.g. 10.0.0.1:1234) with '
-        f'`num_processes={config.devices.processes.num_processes}`, got '
-        f'{config.devices.processes.coordinator_address!r}'
-      )
+  except errors.ArgumentError as e:
+    raise field_error(e.argument, e) from None
 
 
 def _check_data(config: config_lib.ExperimentConfig) -> None:
