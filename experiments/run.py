@@ -21,6 +21,7 @@ from . import cli  # isort: split
 from absl import flags
 from absl import logging
 
+from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import registry
 
@@ -85,11 +86,23 @@ def config_from_flags() -> config_lib.ExperimentConfig:
   return config_lib.with_file_digest(config)
 
 
+def checked_flags() -> checks.Checked:
+  """The config of the flags, checked once (`checks.check`: the partition
+  file read once, `partition_sha256` that of its bytes where it is empty).
+
+  Raises:
+    ConfigError: naming the first bad flag.
+  """
+  config = config_lib.ExperimentConfig.from_flat(**flag_values())
+  return checks.check(config)
+
+
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   with cli.training_errors('nothing was written'):
-    config = config_from_flags()
+    checked = checked_flags()
+  config = checked.config
   with cli.training_errors(
     're-run with the same --workdir to resume',
     workdir=config.run.workdir or config.default_workdir(),
@@ -99,10 +112,10 @@ def main(argv) -> None:
     from fedjax_mr.pipeline import experiment
 
     try:
-      # Checks every flag (before the distributed runtime starts: a bad
-      # --coordinator_address would otherwise wait for a coordinator),
+      # The flags were checked before the distributed runtime starts (a
+      # bad --coordinator_address would otherwise wait for a coordinator);
       # sets up the devices, then runs or resumes.
-      experiment.train_and_evaluate(config, log=cli.log)
+      experiment.train_and_evaluate(checked, log=cli.log)
     except jax.errors.JaxRuntimeError as e:
       if 'RESOURCE_EXHAUSTED' not in str(e):
         raise

@@ -184,10 +184,9 @@ def configs(
       values = {**base, **reset, **overrides}
       values.update(seed=int(seed), workdir=run_dir(out, name, seed))
       try:
-        config = config_lib.with_file_digest(
+        config = checks.check(
           config_lib.ExperimentConfig.from_flat(**values)
-        )
-        checks.validate(config)
+        ).config
       except errors.ConfigError as e:
         raise errors.ConfigError(f'variant {name}: {e}') from None
       result.append((name, int(seed), config))

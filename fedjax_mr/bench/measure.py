@@ -65,6 +65,7 @@ state.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -86,6 +87,7 @@ from fedjax_mr.data import client_data
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition
 from fedjax_mr.models import model as model_lib
+from fedjax_mr.pipeline import checks
 
 
 class TorchLoop(Protocol):
@@ -277,7 +279,10 @@ def _split_stored(setting, sizes):
       len(ds.y_train), n, s.min_client_size, s.max_client_size, 0
     ),
   }
-  parts = {k: make[k]() for k in sizes}
+  try:
+    parts = {k: make[k]() for k in sizes}
+  except errors.ArgumentError as e:
+    raise checks.partition_error(e, dataclasses.asdict(s)) from None
   data = {
     k: client_data.from_partition(ds.x_train, ds.y_train, p, ds.scale, ds.shift)
     for k, p in parts.items()

@@ -193,14 +193,9 @@ def check(setting: Setting, cores: int) -> None:
 
 
 # The field behind each argument of the data functions the benchmark calls
-# (`datasets.random_images`, `datasets.load`, the partitions) whose name
-# differs.
-_DATA_FIELDS = {
-  'name': 'dataset',
-  'num_train': 'random_train_size',
-  'low': 'min_client_size',
-  'high': 'max_client_size',
-}
+# (`datasets.random_images`, `datasets.load`; the partitions':
+# `checks.partition_error`) whose name differs.
+_DATA_FIELDS = {'name': 'dataset', 'num_train': 'random_train_size'}
 
 
 def data_error(error: errors.ArgumentError) -> errors.ConfigError:

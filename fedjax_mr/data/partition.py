@@ -3,8 +3,9 @@
 Every partition is a list of client index arrays into the training set:
 `iid`, `dirichlet`, `dirichlet_equal` and `shards` draw one from a seed,
 `sizes_between` clients of uniform sizes in a range (the benchmark's large
-cohorts); `load_file` reads one (`partition=file`), `save_file` writes one
-in that format.
+cohorts); `load_file` reads one (`read_file` then `parse_file`),
+`save_file` writes one in that format. Errors are `ArgumentError`s naming
+the argument at fault.
 
 References:
   Dirichlet label skew as in NIID-Bench (Li et al., "Federated Learning on
@@ -52,12 +53,12 @@ def sizes_between(
     `num_clients` sorted int64 index arrays, disjoint.
 
   Raises:
-    ConfigError: `low` < 1 or above `high`, or `num_clients × high` more
-      than `num_examples` (checked before drawing).
+    ArgumentError: naming `low` (below 1 or above `high`) or `num_clients`
+      (`num_clients × high` more than `num_examples`), before drawing.
   """
   if not 1 <= low <= high:
-    raise errors.ConfigError(
-      f'client sizes need 1 ≤ low ≤ high, got low={low}, high={high}'
+    raise errors.ArgumentError(
+      'low', f'must be in [1, high], got low={low}, high={high}'
     )
   _check_counts(num_examples, num_clients, high)
   rng = np.random.default_rng(seed)
@@ -99,6 +100,10 @@ def dirichlet(
 
   Returns:
     `num_clients` index arrays, disjoint and covering `range(M)`.
+
+  Raises:
+    ArgumentError: naming `alpha` (not > 0, or no split found in
+      `max_tries`) or `num_clients` (fewer than `min_size` examples each).
   """
   labels = np.asarray(labels)
   check_alpha(alpha)
@@ -140,10 +145,11 @@ def dirichlet(
         rng.shuffle(q)
         out.append(q)
       return out
-  raise errors.ConfigError(
-    f'Dirichlet partition: no split with ≥ {min_size} examples per client '
-    f'after {max_tries} tries (alpha={alpha}, {num_clients} clients); use '
-    'fewer clients or a larger `alpha`'
+  raise errors.ArgumentError(
+    'alpha',
+    f'no split with ≥ {min_size} examples per client after {max_tries} '
+    f'tries (alpha={alpha}, {num_clients} clients); use fewer clients or a '
+    'larger `alpha`',
   )
 
 
@@ -232,6 +238,10 @@ def shards(
   Returns:
     `num_clients` sorted int64 index arrays, disjoint, covering `range(M)`.
 
+  Raises:
+    ArgumentError: naming `shards_per_client` (below 1) or `num_clients`
+      (more shards than examples).
+
   References:
     McMahan et al., "Communication-Efficient Learning of Deep Networks from
     Decentralized Data", AISTATS 2017, Section 3 (N=100, s=2 on MNIST).
@@ -241,10 +251,11 @@ def shards(
   _check_counts(len(labels), num_clients, 1)
   total = num_clients * shards_per_client
   if total > len(labels):
-    raise errors.ConfigError(
-      f'`num_clients={num_clients}` × '
-      f'`shards_per_client={shards_per_client}` = {total} shards of at least '
-      f'one example need {total} examples; the dataset has {len(labels)}'
+    raise errors.ArgumentError(
+      'num_clients',
+      f'× `shards_per_client={shards_per_client}` = {total} shards of at '
+      f'least one example need {total} examples; the dataset has '
+      f'{len(labels)}',
     )
   pieces = np.array_split(np.argsort(labels, kind='stable'), total)
   perm = np.random.default_rng(seed).permutation(total)
@@ -267,18 +278,49 @@ _MAX_INDEX = 2**31 - 1
 MAX_FILE_BYTES = 2**27
 
 
+class FileError(errors.ArgumentError):
+  """A partition file that cannot be used: `str(e)` reads
+  'path <path>: <reason>'; `reason` says what is wrong with it."""
+
+  def __init__(self, path: str, reason: str):
+    super().__init__('path', f'{errors.clip(path)}: {reason}')
+    self.reason = reason
+
+
+def read_file(path: str) -> bytes:
+  """The bytes of a partition file, the one place they are read.
+
+  Raises:
+    FileError: it cannot be read, or it is not a regular file of at most
+      `MAX_FILE_BYTES`.
+  """
+  try:
+    return jsonfile.read_bytes(path, MAX_FILE_BYTES)
+  except jsonfile.JsonFileError as e:
+    raise FileError(
+      path,
+      f'{e.reason} (a partition file is a regular JSON file of at most '
+      f'{MAX_FILE_BYTES >> 20} MiB: it lists each training example at most '
+      'once)',
+    ) from None
+
+
+def digest(data: bytes) -> str:
+  """The sha256 (hex) of a partition file's bytes (what a run keeps)."""
+  return hashlib.sha256(data).hexdigest()
+
+
 def file_sha256(path: str) -> str:
   """The sha256 (hex) of a partition file's bytes.
 
   Raises:
     OSError: the file cannot be read, or it is not a regular file of at
-      most `MAX_FILE_BYTES` (`load_file` says which).
+      most `MAX_FILE_BYTES` (`read_file` says which).
   """
   try:
-    data = jsonfile.read_bytes(path, MAX_FILE_BYTES)
-  except jsonfile.JsonFileError as e:
-    raise OSError(str(e)) from None
-  return hashlib.sha256(data).hexdigest()
+    return digest(read_file(path))
+  except FileError as e:
+    raise OSError(f'{errors.clip(path)}: {e.reason}') from None
 
 
 def save_file(path: str, parts: Sequence[np.ndarray]) -> None:
@@ -293,12 +335,24 @@ def save_file(path: str, parts: Sequence[np.ndarray]) -> None:
 
 
 def load_file(
-  path: str,
-  num_clients: int,
-  num_examples: int | None = None,
-  sha256: str = '',
+  path: str, num_clients: int, num_examples: int | None = None
 ) -> tuple[list[np.ndarray], str]:
-  """Reads a partition file (`partition=file`) and checks it.
+  """Reads a partition file and checks it: `parse_file` of `read_file`.
+
+  Returns:
+    The `num_clients` int64 index arrays and the sha256 (hex) of the file.
+
+  Raises:
+    FileError: as `read_file` and `parse_file`.
+  """
+  data = read_file(path)
+  return parse_file(data, path, num_clients, num_examples), digest(data)
+
+
+def parse_file(
+  data: bytes, path: str, num_clients: int, num_examples: int | None = None
+) -> list[np.ndarray]:
+  """The client index lists of a partition file's bytes `data`, checked.
 
   The file is JSON: a list with one list of training-example indices per
   client, or an object whose "clients" key holds that list (what
@@ -308,117 +362,106 @@ def load_file(
   out of training. Each client keeps its indices in the file's order.
 
   Args:
-    path: the file.
-    num_clients: N, the config's `num_clients`.
+    data: the file's bytes (`read_file`).
+    path: the file, for the errors.
+    num_clients: N.
     num_examples: M, the size of the training set; None checks everything
-      but the upper bound (before the dataset is loaded).
-    sha256: if set, the sha256 (hex) the file's bytes must have.
+      but the upper bound (`check_range` checks it once M is known).
 
   Returns:
-    The `num_clients` int64 index arrays and the sha256 (hex) of the file.
+    The `num_clients` int64 index arrays.
 
   Raises:
-    ConfigError: one line naming `partition_file` and what is wrong.
+    FileError: one line naming the file and what is wrong.
   """
-  where = f'`partition_file={errors.clip(path)}`'
-  content, digest = _read_json_file(path, sha256, where)
-  clients = _client_lists(content, num_clients, where)
-  parts = [
-    _client_indices(k, client, num_examples, where)
-    for k, client in enumerate(clients)
-  ]
-  _check_disjoint(parts, where)
-  return parts, digest
-
-
-def _read_json_file(path: str, sha256: str, where: str) -> tuple[object, str]:
-  """The parsed JSON of `path` and the sha256 (hex) of its bytes, which
-  must be `sha256` when that is set; errors begin with `where`."""
   try:
-    data = jsonfile.read_bytes(path, MAX_FILE_BYTES)
+    content = jsonfile.loads(data, path, top=None)
   except jsonfile.JsonFileError as e:
-    raise errors.ConfigError(
-      f'{where}: {e.reason} (a partition file is a regular JSON file of at '
-      f'most {MAX_FILE_BYTES >> 20} MiB: it lists each training example at '
-      'most once)'
-    ) from None
-  digest = hashlib.sha256(data).hexdigest()
-  if sha256 and digest != sha256:
-    raise errors.ConfigError(
-      f'{where}: its sha256 is {digest}, not `partition_sha256={sha256}` '
-      '(the file changed; an empty `partition_sha256` takes it as it is)'
-    )
-  try:
-    return jsonfile.loads(data, path, top=None), digest
-  except jsonfile.JsonFileError as e:
-    raise errors.ConfigError(f'{where}: {e.reason}') from None
+    raise FileError(path, e.reason) from None
+  clients = _client_lists(content, num_clients, path)
+  parts = [_client_indices(k, client, path) for k, client in enumerate(clients)]
+  _check_disjoint(parts, path)
+  if num_examples is not None:
+    check_range(parts, num_examples, path)
+  return parts
 
 
-def _client_lists(content: object, num_clients: int, where: str) -> list:
+def check_range(
+  parts: Sequence[np.ndarray], num_examples: int, path: str
+) -> None:
+  """Raises `FileError` naming `path` where a client of `parse_file`'s
+  `parts` holds an index not below `num_examples`, the training set's
+  size."""
+  for k, p in enumerate(parts):
+    high = int(p.max())
+    if high >= num_examples:
+      raise FileError(
+        path,
+        f'client {k} holds index {high}, out of range (the training set has '
+        f'{num_examples} examples)',
+      )
+
+
+def _client_lists(content: object, num_clients: int, path: str) -> list:
   """The list of `num_clients` clients a partition file's JSON holds (the
   list itself, or its object's "clients")."""
   clients = content
   if isinstance(content, dict):
     if 'clients' not in content:
-      raise errors.ConfigError(
-        f'{where}: a JSON object without a "clients" key; expected a list '
-        'of client index lists, or {"clients": [[...], ...]}'
+      raise FileError(
+        path,
+        'a JSON object without a "clients" key; expected a list of client '
+        'index lists, or {"clients": [[...], ...]}',
       )
     clients = content['clients']
   if not isinstance(clients, list) or not clients:
     got = 'an empty list' if clients == [] else _json_type(clients)
-    raise errors.ConfigError(
-      f'{where}: expected a list of client index lists, or '
-      f'{{"clients": [[...], ...]}}; got {got}'
+    raise FileError(
+      path,
+      'expected a list of client index lists, or '
+      f'{{"clients": [[...], ...]}}; got {got}',
     )
   if len(clients) != num_clients:
-    raise errors.ConfigError(
-      f'{where}: {len(clients)} clients, but `num_clients={num_clients}`; '
-      f'pass `num_clients={len(clients)}`'
+    raise FileError(
+      path,
+      f'{len(clients)} clients, but `num_clients={num_clients}`; pass '
+      f'`num_clients={len(clients)}`',
     )
   return clients
 
 
-def _client_indices(
-  k: int, client: object, num_examples: int | None, where: str
-) -> np.ndarray:
+def _client_indices(k: int, client: object, path: str) -> np.ndarray:
   """Client `k`'s entry of a partition file as int64 indices: a non-empty
-  list of integers in `[0, num_examples)` (below 2**31 when None)."""
+  list of integers in `[0, 2**31)` (`check_range` checks the dataset's
+  bound)."""
   if not isinstance(client, list):
-    raise errors.ConfigError(
-      f'{where}: client {k} is {_json_type(client)}, not a list of '
-      'example indices'
+    raise FileError(
+      path, f'client {k} is {_json_type(client)}, not a list of example indices'
     )
   if not client:
-    raise errors.ConfigError(
-      f'{where}: client {k} has no examples (each needs at least one)'
+    raise FileError(
+      path, f'client {k} has no examples (each needs at least one)'
     )
   for value in client:
     if type(value) is not int:  # bool is an int subclass
-      raise errors.ConfigError(
-        f'{where}: client {k} holds {json.dumps(value)[:40]}, not an '
-        'integer example index'
+      raise FileError(
+        path,
+        f'client {k} holds {json.dumps(value)[:40]}, not an integer example '
+        'index',
       )
   low, high = min(client), max(client)
   if low < 0:
-    raise errors.ConfigError(
-      f'{where}: client {k} holds index {low}; indices start at 0'
-    )
-  bound = _MAX_INDEX + 1 if num_examples is None else num_examples
-  if high >= bound:
-    size = (
-      f'the training set has {num_examples} examples'
-      if num_examples is not None
-      else 'indices are below 2**31'
-    )
-    raise errors.ConfigError(
-      f'{where}: client {k} holds index {high}, out of range ({size})'
+    raise FileError(path, f'client {k} holds index {low}; indices start at 0')
+  if high > _MAX_INDEX:
+    raise FileError(
+      path,
+      f'client {k} holds index {high}, out of range (indices are below 2**31)',
     )
   return np.array(client, np.int64)
 
 
-def _check_disjoint(parts: list[np.ndarray], where: str) -> None:
-  """Raises ConfigError naming the first index found in two clients, or
+def _check_disjoint(parts: list[np.ndarray], path: str) -> None:
+  """Raises FileError naming the first index found in two clients, or
   twice in one."""
   everything = np.concatenate(parts)
   order = np.argsort(everything, kind='stable')
@@ -429,9 +472,10 @@ def _check_disjoint(parts: list[np.ndarray], where: str) -> None:
     a, b = int(owner[first]), int(owner[second])
     index = int(everything[first])
     found = f'twice in client {a}' if a == b else f'in clients {a} and {b}'
-    raise errors.ConfigError(
-      f'{where}: index {index} is {found}; an example belongs to at most '
-      'one client, once'
+    raise FileError(
+      path,
+      f'index {index} is {found}; an example belongs to at most one client, '
+      'once',
     )
 
 
@@ -451,10 +495,10 @@ def _json_type(value: object) -> str:
 def _check_counts(num_examples: int, num_clients: int, min_size: int) -> None:
   errors.check_count('num_clients', num_clients)
   if num_clients * min_size > num_examples:
-    raise errors.ConfigError(
-      f'`num_clients={num_clients}` with at least {min_size} examples each '
-      f'needs {num_clients * min_size} examples; the dataset has '
-      f'{num_examples}'
+    raise errors.ArgumentError(
+      'num_clients',
+      f'with at least {min_size} examples each needs '
+      f'{num_clients * min_size} examples; the dataset has {num_examples}',
     )
 
 

@@ -124,10 +124,15 @@ def data_fingerprint(dataset: datasets.Dataset) -> dict[str, Any]:
   }
 
 
-def load_clients(config: config_lib.ExperimentConfig) -> Clients:
+def load_clients(
+  config: config_lib.ExperimentConfig,
+  file_parts: Sequence[np.ndarray] | None = None,
+) -> Clients:
   """The dataset and partition of `config` as the clients' data and the
   test set; for `dataset=synthetic`, `num_clients` generated clients and
-  their held-out test set (`fedjax_mr.data.synthetic`)."""
+  their held-out test set (`fedjax_mr.data.synthetic`). `file_parts`: the
+  partition file's client lists as `checks.check` read them (None: read
+  here)."""
   if config.data.dataset == datasets.SYNTHETIC:
     data = synthetic.from_seed(
       config.partition.num_clients,
@@ -150,7 +155,9 @@ def load_clients(config: config_lib.ExperimentConfig) -> Clients:
       ),
     )
   dataset = load_dataset(config)
-  parts = make_partition(config, dataset.y_train, dataset.clients)
+  parts = make_partition(
+    config, dataset.y_train, dataset.clients, file_parts=file_parts
+  )
   data = client_data_lib.from_partition(
     dataset.x_train, dataset.y_train, parts, dataset.scale, dataset.shift
   )
@@ -211,11 +218,30 @@ def make_partition(
   config: config_lib.ExperimentConfig,
   labels: np.ndarray,
   clients: Sequence[np.ndarray] | None = None,
+  file_parts: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
-  """Client index lists; `clients`: the dataset's own (`partition=natural`).
+  """Client index lists; `clients`: the dataset's own (`partition=natural`);
+  `file_parts`: the partition file's as `checks.check` read them
+  (`partition=file`; None: read here).
 
   Examples labelled −1 (not among `classes`) are in no client.
+
+  Raises:
+    ConfigError: naming the field at fault.
   """
+  try:
+    return _kept(config, labels, clients, file_parts)
+  except errors.ArgumentError as e:
+    raise checks.partition_error(e, config.flat()) from None
+
+
+def _kept(
+  config: config_lib.ExperimentConfig,
+  labels: np.ndarray,
+  clients: Sequence[np.ndarray] | None,
+  file_parts: Sequence[np.ndarray] | None,
+) -> list[np.ndarray]:
+  """`make_partition`'s lists, of the examples of the kept classes."""
   if config.data.classes and config.partition.kind in (
     'iid',
     'dirichlet',
@@ -225,7 +251,7 @@ def make_partition(
     # Partition the examples of the kept classes only.
     keep = np.flatnonzero(labels >= 0)
     return [keep[p] for p in _partition(config, labels[keep], clients)]
-  parts = _partition(config, labels, clients)
+  parts = _partition(config, labels, clients, file_parts)
   if not config.data.classes:
     return parts
   kept = [p[labels[p] >= 0] for p in parts]
@@ -250,6 +276,7 @@ def _partition(
   config: config_lib.ExperimentConfig,
   labels: np.ndarray,
   clients: Sequence[np.ndarray] | None,
+  file_parts: Sequence[np.ndarray] | None = None,
 ) -> list[np.ndarray]:
   if config.partition.kind == 'natural':
     if clients is None:
@@ -270,13 +297,10 @@ def _partition(
       config.run.seed,
     )
   if config.partition.kind == 'file':
-    parts, _ = partition_lib.load_file(
-      config.partition.file,
-      config.partition.num_clients,
-      num_examples=len(labels),
-      sha256=config.partition.sha256,
-    )
-    return parts
+    if file_parts is None:
+      _, file_parts = checks.read_partition_file(config)
+    partition_lib.check_range(file_parts, len(labels), config.partition.file)
+    return list(file_parts)
   if config.partition.kind == 'dirichlet_equal':
     return partition_lib.dirichlet_equal(
       labels,

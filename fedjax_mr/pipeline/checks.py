@@ -1,23 +1,30 @@
 """The checks of an `ExperimentConfig`, run once where a run starts.
 
 `validate(config)` checks every field and returns the algorithm's
-hyper-parameters; the optimizers are built here from their parts
-(`client_optimizer`, `server_optimizer`), so that an optimizer's
-`ArgumentError` names its flag. Errors are `ConfigError`s naming the flag
-in backticks, which the programs render as their flags.
+hyper-parameters (`check` returns them with what the checks read: the
+partition file, read once, for the build); the optimizers are built here
+from their parts (`client_optimizer`, `server_optimizer`), so that an
+optimizer's `ArgumentError` names its flag. Errors are `ConfigError`s
+naming the flag in backticks, which the programs render as their flags.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Any
 from typing import Mapping
+from typing import NamedTuple
+
+import numpy as np
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import jsonfile
+from fedjax_mr.data import partition
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import registry
+from fedjax_mr.runtime import distributed
 from fedjax_mr.training import optimizers
 
 # The fields that some partitions alone read, and those partitions.
@@ -113,12 +120,28 @@ def _identity_defaults() -> dict[str, Any]:
   return out
 
 
-def validate(config: config_lib.ExperimentConfig) -> Any:
-  """Checks every field of `config` once.
+class Checked(NamedTuple):
+  """A config checked once (`check`), with what its checks read.
 
-  Returns:
-    The algorithm's hyper-parameters, validated (what `hparams` returns),
-    so that a caller builds the run from them without checking again.
+  Attributes:
+    config: the config, its `partition_sha256` that of the partition file
+      read (`partition=file`).
+    hparams: the algorithm's hyper-parameters, validated (what `hparams`
+      returns).
+    partition: the client index lists of the partition file
+      (`partition=file`; the build checks them against the dataset's
+      size), else None.
+  """
+
+  config: config_lib.ExperimentConfig
+  hparams: Any
+  partition: list[np.ndarray] | None = None
+
+
+def check(config: config_lib.ExperimentConfig) -> Checked:
+  """Checks every field of `config` once, reading the partition file
+  (`partition=file`) once, so that a caller builds the run from what it
+  returns without checking or reading again.
 
   Raises:
     ConfigError: naming the first bad field (in backticks) and what it
@@ -129,8 +152,18 @@ def validate(config: config_lib.ExperimentConfig) -> Any:
   client_optimizer(config)
   _check_optimizer_fields(config)
   server_optimizer(config)
-  _check_data(config)
-  return _check_algorithm_fields(config)
+  config, parts = _check_data(config)
+  return Checked(config, _check_algorithm_fields(config), parts)
+
+
+def validate(config: config_lib.ExperimentConfig) -> Any:
+  """`check`'s hyper-parameters: the algorithm's, validated (what
+  `hparams` returns).
+
+  Raises:
+    ConfigError: as `check`.
+  """
+  return check(config).hparams
 
 
 # The fields that must be ≥ 1, and those that must be ≥ 0.
@@ -240,41 +273,28 @@ def _check_run(config: config_lib.ExperimentConfig) -> None:
   check_clients_per_round(
     config.server.clients_per_round, config.partition.num_clients
   )
-  if (
-    not 0
-    <= config.devices.processes.process_id
-    < config.devices.processes.num_processes
-  ):
-    raise errors.ConfigError(
-      '`process_id` must be in [0, '
-      f'`num_processes={config.devices.processes.num_processes}`),'
-      f' got {config.devices.processes.process_id}'
+  p = config.devices.processes
+  try:
+    distributed.check_processes(
+      p.num_processes,
+      p.process_id,
+      p.coordinator_address,
+      p.coordinator_timeout,
     )
-  timeout = config.devices.processes.coordinator_timeout
-  if not (0 < timeout <= 86_400):  # nan too
-    raise errors.ConfigError(
-      f'`coordinator_timeout` must be in (0, 86400] seconds, got {timeout}'
-    )
-  if config.devices.processes.num_processes > 1:
-    host, sep, port = config.devices.processes.coordinator_address.rpartition(
-      ':'
-    )
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-      raise errors.ConfigError(
-        '`coordinator_address` must be host:port (e.g. 10.0.0.1:1234) with '
-        f'`num_processes={config.devices.processes.num_processes}`, got '
-        f'{config.devices.processes.coordinator_address!r}'
-      )
+  except errors.ArgumentError as e:
+    raise field_error(e.argument, e) from None
 
 
-def _check_data(config: config_lib.ExperimentConfig) -> None:
-  """The partition and its fields, the model against the dataset."""
+def _check_data(
+  config: config_lib.ExperimentConfig,
+) -> tuple[config_lib.ExperimentConfig, list[np.ndarray] | None]:
+  """The partition and its fields, the model against the dataset; returns
+  `config` and the partition file's client lists as `_check_partition_file`
+  does."""
   _check_owned(config, 'dataset', DATASET_FIELDS)
   if config.data.dataset == _synthetic().NAME:
     _check_synthetic(config)
   if config.partition.kind in PARTITION_FIELDS['alpha']:
-    from fedjax_mr.data import partition  # host-only, no jax
-
     try:
       partition.check_alpha(config.partition.alpha)
     except errors.ArgumentError as e:
@@ -290,7 +310,7 @@ def _check_data(config: config_lib.ExperimentConfig) -> None:
       f'`init_from={config.model.init_from}`: no meta.json there (want a model '
       'folder as experiments.pretrain_zoo writes it: <pool>/<model id>)'
     )
-  _check_partition_file(config)
+  config, parts = _check_partition_file(config)
   gives, takes = _input_kinds(config.data.dataset, config.model.name)
   if gives != takes:
     fits = _models_taking(gives)
@@ -300,6 +320,7 @@ def _check_data(config: config_lib.ExperimentConfig) -> None:
       f'gives {gives} (models that take {gives}: {", ".join(fits)})'
     )
   _check_dataset_fields(config)
+  return config, parts
 
 
 def _check_dataset_fields(config: config_lib.ExperimentConfig) -> None:
@@ -358,24 +379,76 @@ def _check_synthetic(config: config_lib.ExperimentConfig) -> None:
     )
 
 
-def _check_partition_file(config: config_lib.ExperimentConfig) -> None:
+def _check_partition_file(
+  config: config_lib.ExperimentConfig,
+) -> tuple[config_lib.ExperimentConfig, list[np.ndarray] | None]:
   """`partition_file` with `partition=file`: given, and readable as
-  `num_clients` index lists (of the given sha256, if any)."""
+  `num_clients` index lists (of the given sha256, if any). Returns
+  `read_partition_file`'s config and lists, or `config` and None for the
+  other partitions."""
   if config.partition.kind != 'file':
-    return
+    return config, None
   if not config.partition.file:
     raise errors.ConfigError(
       '`partition=file` needs `partition_file=<a JSON file of client '
       'index lists>`'
     )
-  from fedjax_mr.data import partition  # host-only, no jax
+  return read_partition_file(config)
 
-  # Everything but the index range (the dataset is not loaded yet).
-  partition.load_file(
-    config.partition.file,
-    config.partition.num_clients,
-    sha256=config.partition.sha256,
-  )
+
+def read_partition_file(
+  config: config_lib.ExperimentConfig,
+) -> tuple[config_lib.ExperimentConfig, list[np.ndarray]]:
+  """Reads `partition_file` once and checks it, all but the index range
+  (the dataset is not loaded yet: `partition.check_range`).
+
+  Returns:
+    `config` with `partition_sha256` that of the bytes read, and the
+    file's `num_clients` client index lists.
+
+  Raises:
+    ConfigError: naming `partition_file` and what is wrong with it, or
+      the file's sha256 where it is not `partition_sha256` (when set).
+  """
+  p = config.partition
+  where = f'`partition_file={errors.clip(p.file)}`'
+  try:
+    data = partition.read_file(p.file)
+  except errors.ArgumentError as e:
+    raise partition_error(e, config.flat()) from None
+  digest = partition.digest(data)
+  if p.sha256 and digest != p.sha256:
+    raise errors.ConfigError(
+      f'{where}: its sha256 is {digest}, not `partition_sha256={p.sha256}` '
+      '(the file changed; an empty `partition_sha256` takes it as it is)'
+    )
+  try:
+    parts = partition.parse_file(data, p.file, p.num_clients)
+  except errors.ArgumentError as e:
+    raise partition_error(e, config.flat()) from None
+  digested = dataclasses.replace(p, sha256=digest)
+  return dataclasses.replace(config, partition=digested), parts
+
+
+# The field behind each argument of the partition functions whose name
+# differs (`sizes_between`'s, in the benchmark's setting).
+PARTITION_ARGUMENTS = {'low': 'min_client_size', 'high': 'max_client_size'}
+
+
+def partition_error(
+  error: errors.ArgumentError, values: Mapping[str, Any]
+) -> errors.ConfigError:
+  """A partition function's `error` naming the field of its argument with
+  its value in `values` ({field: value}: a config's `flat()`, a FedStitch
+  config's or the benchmark's setting)."""
+  if isinstance(error, partition.FileError):
+    where = f'`partition_file={errors.clip(values["partition_file"])}`'
+    return errors.ConfigError(f'{where}: {error.reason}')
+  if error.argument == 'alpha':
+    # `dirichlet`'s search; a bad alpha is refused before (`check_alpha`).
+    return errors.ConfigError(f'Dirichlet partition: {error.message}')
+  field = PARTITION_ARGUMENTS.get(error.argument, error.argument)
+  return errors.ConfigError(f'`{field}={values[field]}` {error.message}')
 
 
 def _check_owned(

@@ -14,8 +14,9 @@ its metadata gives (`flag`, else its own: `lr`; `partition` for
 `ExperimentConfig.from_flat(algorithm='fedprox', fedprox_mu=0.1)`,
 `config.flat()`, `config.replace(rounds=5)`. The algorithms' flags come
 from the registry. Fields marked `run_only` may change when a run resumes;
-the others define the run. Nothing here reads a file: `with_file_digest`
-fills `partition_sha256` where a run starts. The checks are in
+the others define the run. Nothing here reads a file: `checks.check`
+fills `partition_sha256` where a run starts (`with_file_digest` alone,
+for a config that is not checked yet). The checks are in
 `fedjax_mr.pipeline.checks`; their errors name flags in backticks, which
 the programs render as their flags (`experiments.cli.render`).
 """

@@ -80,20 +80,18 @@ def setup(config: config_lib.ExperimentConfig) -> build.Experiment:
   Raises:
     UserError: bad config or data (the message names the config field).
   """
-  config = config_lib.with_file_digest(config)
-  return _setup(config, checks.validate(config))
+  return _setup(checks.check(config))
 
 
-def _setup(
-  config: config_lib.ExperimentConfig, hparams: Any
-) -> build.Experiment:
-  """`setup` of a validated `config` whose algorithm's hyper-parameters
-  are `hparams`."""
+def _setup(checked: checks.Checked) -> build.Experiment:
+  """`setup` of a config checked once (`checks.check`): its algorithm's
+  hyper-parameters and partition file as the checks read them."""
+  config, hparams = checked.config, checked.hparams
   try:
     mesh = distributed.mesh_for(config.devices, config.server.clients_per_round)
   except errors.ArgumentError as e:
     raise checks.value_error(config, e) from None
-  clients = build.load_clients(config)
+  clients = build.load_clients(config, checked.partition)
   model = model_lib.get(
     config.model.name,
     clients.num_classes,
@@ -147,7 +145,7 @@ def _setup(
 
 
 def train_and_evaluate(
-  config: config_lib.ExperimentConfig,
+  config: config_lib.ExperimentConfig | checks.Checked,
   workdir: str | None = None,
   *,
   log: Callable[[str], None] = _log_default,
@@ -157,7 +155,8 @@ def train_and_evaluate(
   """Runs (or resumes) an experiment: `run(setup(config), workdir)`.
 
   Args:
-    config: the experiment.
+    config: the experiment, or what `checks.check` returned for it (not
+      checked again, nor its partition file read again).
     workdir: output folder; default `config.run.workdir`, else
       `config.default_workdir()`.
     log: where progress lines go.
@@ -174,8 +173,11 @@ def train_and_evaluate(
     NonFiniteError: the train loss became non-finite; the metrics written
       so far and the last checkpoint are kept.
   """
-  config = config_lib.with_file_digest(config)
-  hparams = checks.validate(config)
+  if isinstance(config, checks.Checked):
+    checked = config
+  else:
+    checked = checks.check(config)
+  config = checked.config
   # The devices the command line would give, before anything asks JAX
   # which process this is (that would fix its devices).
   try:
@@ -186,7 +188,7 @@ def train_and_evaluate(
   # Refuse another run's workdir before loading anything.
   resume.check_workdir(config, workdir)
   return run(
-    _setup(config, hparams),
+    _setup(checked),
     workdir,
     log=log,
     on_round=on_round,

@@ -111,10 +111,14 @@ def initialize(
   (`limit_malloc_arenas`).
 
   Raises:
-    ArgumentError: a bad process setting, naming its argument.
+    ArgumentError: a bad process setting, naming its argument
+      (`check_processes`).
     ConfigError: not every process joined within `coordinator_timeout`
       seconds (see `join`).
   """
+  check_processes(
+    num_processes, process_id, coordinator_address, coordinator_timeout
+  )
   n = host_devices or num_devices or auto_host_devices(clients_per_round)
   # More host devices than this only time-slice one CPU host; a mesh of
   # `num_devices` beyond it is refused when the mesh is made.
@@ -127,18 +131,44 @@ def initialize(
   if n > 1:
     limit_malloc_arenas()
   if num_processes > 1 and not jax.distributed.is_initialized():
-    if not coordinator_address:
-      raise errors.ArgumentError(
-        'coordinator_address',
-        f'(host:port of process 0) is required with {num_processes} processes',
-      )
-    if not 0 <= process_id < num_processes:
-      raise errors.ArgumentError(
-        'process_id', f'must be in [0, {num_processes}), got {process_id}'
-      )
     join(
       coordinator_address, num_processes, process_id, coordinator_timeout, log
     )
+
+
+# The longest `coordinator_timeout`: a day.
+MAX_COORDINATOR_TIMEOUT_S = 86_400
+
+
+def check_processes(
+  num_processes: int,
+  process_id: int,
+  coordinator_address: str,
+  coordinator_timeout: float,
+) -> None:
+  """Raises `ArgumentError` naming `process_id` unless it is in
+  `[0, num_processes)`, `coordinator_timeout` unless it is in (0, a day]
+  seconds, or, with several processes, `coordinator_address` unless it is
+  `host:port` (what `initialize` takes)."""
+  if not 0 <= process_id < num_processes:
+    raise errors.ArgumentError(
+      'process_id',
+      f'must be in [0, `num_processes={num_processes}`), got {process_id}',
+    )
+  if not 0 < coordinator_timeout <= MAX_COORDINATOR_TIMEOUT_S:  # nan too
+    raise errors.ArgumentError(
+      'coordinator_timeout',
+      f'must be in (0, {MAX_COORDINATOR_TIMEOUT_S}] seconds, got '
+      f'{coordinator_timeout}',
+    )
+  if num_processes > 1:
+    host, sep, port = coordinator_address.rpartition(':')
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+      raise errors.ArgumentError(
+        'coordinator_address',
+        'must be host:port (e.g. 10.0.0.1:1234) with '
+        f'`num_processes={num_processes}`, got {coordinator_address!r}',
+      )
 
 
 def join(

@@ -115,7 +115,6 @@ def _one_of(choices) -> str:
 def _rules(config: Config, num_clients: int) -> list[tuple[str, bool, str]]:
   """(field, whether its value is good, what it must be), in check order."""
   rules = [
-    ('num_clients', num_clients >= 1, f'must be ≥ 1, got {num_clients}'),
     (
       'num_clients',
       num_clients <= MAX_CLIENTS,
@@ -176,6 +175,7 @@ def check_config(
   names = names or {}
   try:
     errors.check_count('clients_per_round', config.clients_per_round)
+    errors.check_count('num_clients', num_clients)
   except errors.ArgumentError as e:
     raise errors.ConfigError(
       f'`{names.get(e.argument, e.argument)}` {e.message}'

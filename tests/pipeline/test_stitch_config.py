@@ -76,7 +76,7 @@ _BAD = [
   ({'partition': 'natural'}, '`partition`: unknown value'),
   ({'aggregation': 'vote'}, '`aggregation`: unknown value'),
   ({'stitch_solver': 'lu'}, '`stitch_solver`: unknown value'),
-  ({'num_clients': 0}, '`num_clients` must be ≥ 1'),
+  ({'num_clients': 0}, '`num_clients` must be a positive integer'),
   ({'num_clients': 2**20 + 1}, '`num_clients` must be at most 1,048,576'),
   ({'batch_size': 4097}, '`batch_size` must be at most 4,096'),
   (
