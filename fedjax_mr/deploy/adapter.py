@@ -65,8 +65,7 @@ def check(config: Config) -> str:
       client-to-client swaps, which a Flower federation could relay only
       through the server), or the workdir.
   """
-  config = config_lib.with_file_digest(config)
-  checks.validate(config)
+  config = checks.check(config).config  # the partition file read once
   if config.algorithm.options().get('fedmr_secure_repeats', 0):
     raise errors.ConfigError(
       '`fedmr_secure_repeats` is not deployed: secure recombination swaps '
