@@ -1,11 +1,11 @@
 """Splitting a training set among simulated clients (host side, seeded).
 
 Every partition is a list of client index arrays into the training set:
-`iid`, `dirichlet`, `dirichlet_equal` and `shards` draw one from a seed,
-`sizes_between` clients of uniform sizes in a range (the benchmark's large
-cohorts); `load_file` reads one (`read_file` then `parse_file`),
-`save_file` writes one in that format. Errors are `ArgumentError`s naming
-the argument at fault.
+`iid`, `dirichlet`, `dirichlet_equal` and `shards` draw one from a seed
+(`drawn`: any of them by name), `sizes_between` clients of uniform sizes
+in a range (the benchmark's large cohorts); `load_file` reads one
+(`read_file` then `parse_file`), `save_file` writes one in that format.
+Errors are `ArgumentError`s naming the argument at fault.
 
 References:
   Dirichlet label skew as in NIID-Bench (Li et al., "Federated Learning on
@@ -285,6 +285,37 @@ class FileError(errors.ArgumentError):
   def __init__(self, path: str, reason: str):
     super().__init__('path', f'{errors.clip(path)}: {reason}')
     self.reason = reason
+
+
+DRAWN = ('iid', 'shards', 'dirichlet_equal', 'dirichlet')
+
+
+def drawn(
+  kind: str,
+  labels: np.ndarray,
+  num_clients: int,
+  seed: int,
+  *,
+  alpha: float = 0.5,
+  shards_per_client: int = 2,
+  min_size: int = 10,
+) -> list[np.ndarray]:
+  """The partition of kind `kind` (one of `DRAWN`) of the examples with
+  `labels`, drawn from `seed`: `iid`, `shards` (`shards_per_client`),
+  `dirichlet_equal` (`alpha`) or `dirichlet` (`alpha`, `min_size`).
+
+  Raises:
+    ArgumentError: naming the argument at fault.
+  """
+  if kind == 'iid':
+    return iid(len(labels), num_clients, seed)
+  if kind == 'shards':
+    return shards(labels, num_clients, shards_per_client, seed)
+  if kind == 'dirichlet_equal':
+    return dirichlet_equal(labels, num_clients, alpha, seed)
+  if kind == 'dirichlet':
+    return dirichlet(labels, num_clients, alpha, seed, min_size=min_size)
+  raise errors.ArgumentError('kind', f'{kind!r} is none of {", ".join(DRAWN)}')
 
 
 def read_file(path: str) -> bytes:

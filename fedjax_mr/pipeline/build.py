@@ -285,35 +285,20 @@ def _partition(
         'clients'
       )
     return list(clients)
-  if config.partition.kind == 'iid':
-    return partition_lib.iid(
-      len(labels), config.partition.num_clients, config.run.seed
-    )
-  if config.partition.kind == 'shards':
-    return partition_lib.shards(
-      labels,
-      config.partition.num_clients,
-      config.partition.shards_per_client,
-      config.run.seed,
-    )
   if config.partition.kind == 'file':
     if file_parts is None:
       _, file_parts = checks.read_partition_file(config)
     partition_lib.check_range(file_parts, len(labels), config.partition.file)
     return list(file_parts)
-  if config.partition.kind == 'dirichlet_equal':
-    return partition_lib.dirichlet_equal(
-      labels,
-      config.partition.num_clients,
-      config.partition.alpha,
-      config.run.seed,
-    )
-  return partition_lib.dirichlet(
+  p = config.partition
+  return partition_lib.drawn(
+    p.kind,
     labels,
-    config.partition.num_clients,
-    config.partition.alpha,
+    p.num_clients,
     config.run.seed,
-    min_size=config.partition.min_client_size,
+    alpha=p.alpha,
+    shards_per_client=p.shards_per_client,
+    min_size=p.min_client_size,
   )
 
 

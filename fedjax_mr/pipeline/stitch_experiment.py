@@ -268,14 +268,14 @@ def client_examples(
   p, seed = config.partition, config.run.seed
   n, y = p.num_clients, ds.y_train[private]
   try:
-    if p.kind == 'iid':
-      parts = partition.iid(len(private), n, seed)
-    elif p.kind == 'shards':
-      parts = partition.shards(y, n, p.shards_per_client, seed)
-    elif p.kind == 'dirichlet_equal':
-      parts = partition.dirichlet_equal(y, n, p.alpha, seed)
-    else:
-      parts = partition.dirichlet(y, n, p.alpha, seed)
+    parts = partition.drawn(
+      p.kind,
+      y,
+      n,
+      seed,
+      alpha=p.alpha,
+      shards_per_client=p.shards_per_client,
+    )
   except errors.ArgumentError as e:
     raise checks.partition_error(e, config.flat()) from None
   return [private[p] for p in parts], public

@@ -418,3 +418,17 @@ def test_sizes_between_refuses_before_drawing():
     errors.ArgumentError, match=r'^low must be in \[1, high\]'
   ):
     partition.sizes_between(1000, 10, 21, 20, seed=0)
+
+
+def test_drawn_names_each_drawn_partition():
+  labels = np.repeat(np.arange(10), 30)
+  for kind, direct in [
+    ('iid', partition.iid(300, 6, 3)),
+    ('shards', partition.shards(labels, 6, 2, 3)),
+    ('dirichlet_equal', partition.dirichlet_equal(labels, 6, 0.5, 3)),
+    ('dirichlet', partition.dirichlet(labels, 6, 0.5, 3, min_size=5)),
+  ]:
+    got = partition.drawn(kind, labels, 6, 3, alpha=0.5, min_size=5)
+    assert [p.tolist() for p in got] == [p.tolist() for p in direct], kind
+  with pytest.raises(errors.ArgumentError, match='kind'):
+    partition.drawn('file', labels, 6, 3)
