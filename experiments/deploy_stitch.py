@@ -44,7 +44,7 @@ def main(argv) -> None:
   ):
     from fedjax_mr.deploy import launch
 
-    launch.run_stitch(config, FLAGS.nodes, **cli.deploy_arguments())
+    launch.run(config, FLAGS.nodes, **cli.deploy_arguments())
 
 
 def entry() -> None:

@@ -1,5 +1,5 @@
-"""One federated run on a local Flower federation: `run(config, nodes)`
-for a training run, `run_stitch(config, nodes)` for a FedStitch run.
+"""One federated run on a local Flower federation: `run(config, nodes)`,
+a training run or a FedStitch run.
 
 Checks the config and the workdir (nothing is written before a run can
 start), then starts a SuperLink and `nodes` SuperNodes on this machine
@@ -85,7 +85,7 @@ def node_config(folder: str, nodes: int) -> Callable[[int], dict]:
 
 
 def run(
-  config: adapter.Config,
+  config: adapter.Config | adapter.StitchConfig,
   nodes: int,
   *,
   round_timeout: float = 0.0,
@@ -98,7 +98,9 @@ def run(
   returns the workdir.
 
   Args:
-    config: the run (`experiments.run`'s flags).
+    config: the run: a training run (`experiments.run`'s flags) or a
+      FedStitch run (`experiments.stitch`'s `StitchConfig`, each node
+      scoring its clients' candidates on its own pool and data).
     nodes: SuperNodes (node i serves clients i, i + nodes, …).
     round_timeout: seconds a round waits for replies (0: no deadline);
       clients without a reply by then count as failed.
@@ -113,89 +115,15 @@ def run(
       the run's own failure (one line).
   """
   _check_arguments(nodes, round_timeout, federation)
-  workdir = adapter.check(config)
-  return _submit(
-    workdir,
-    lambda folder: adapter.write_config(config, folder),
-    node_lib.TRAINING,
-    nodes,
-    round_timeout=round_timeout,
-    insecure=insecure,
-    host=host,
-    log=log,
-    federation=federation,
-  )
-
-
-def run_stitch(
-  config: adapter.StitchConfig,
-  nodes: int,
-  *,
-  round_timeout: float = 0.0,
-  insecure: bool = False,
-  host: str = '127.0.0.1',
-  log: Callable[[str], None] = print,
-  federation: federation_lib.Federation | None = None,
-) -> str:
-  """Runs (or resumes) the FedStitch run `config` (`experiments.stitch`'s
-  flags) on a local federation of `nodes` nodes, each scoring its
-  clients' candidates on its own pool and data; returns the workdir. The
-  arguments are `run`'s.
-
-  Raises:
-    UserError: a bad argument or config field (named), the workdir, or
-      the run's own failure (one line).
-  """
-  _check_arguments(nodes, round_timeout, federation)
-  workdir = adapter.check_stitch(config)
-  return _submit(
-    workdir,
-    lambda folder: adapter.write_stitch_config(config, folder),
-    node_lib.STITCH,
-    nodes,
-    round_timeout=round_timeout,
-    insecure=insecure,
-    host=host,
-    log=log,
-    federation=federation,
-  )
-
-
-def _check_arguments(
-  nodes: int,
-  round_timeout: float,
-  federation: federation_lib.Federation | None,
-) -> None:
-  if nodes < 1:
-    raise errors.ConfigError(f'`nodes={nodes}` must be >= 1')
-  if not math.isfinite(round_timeout) or round_timeout < 0:
-    raise errors.ConfigError(
-      f'`round_timeout={round_timeout}` must be finite and >= 0 (0: none)'
-    )
-  if federation is not None and federation.num_nodes != nodes:
-    raise errors.ConfigError(
-      f"`nodes={nodes}` is not the federation's {federation.num_nodes}"
-    )
-
-
-def _submit(
-  workdir: str,
-  write_spec: Callable[[str], str],
-  kind: str,
-  nodes: int,
-  *,
-  round_timeout: float,
-  insecure: bool,
-  host: str,
-  log: Callable[[str], None],
-  federation: federation_lib.Federation | None,
-) -> str:
-  """Writes the run's spec (`write_spec(folder)`) and the App into
-  `<workdir>/flower`, starts a federation (unless given one), runs the
-  App on it and stops what it started."""
+  if isinstance(config, adapter.StitchConfig):
+    workdir = adapter.check_stitch(config)
+    write, kind = adapter.write_stitch_config, node_lib.STITCH
+  else:
+    workdir = adapter.check(config)
+    write, kind = adapter.write_config, node_lib.TRAINING
   folder = os.path.join(os.path.abspath(workdir), FOLDER)
   with workdir_lib.acquire(folder, 'workdir'):
-    spec = os.path.dirname(write_spec(os.path.join(folder, 'spec')))
+    spec = os.path.dirname(write(config, os.path.join(folder, 'spec')))
     app = write_app(os.path.join(folder, 'app'))
     result = os.path.join(folder, RESULT)
     if os.path.exists(result):
@@ -228,6 +156,23 @@ def _submit(
         fed.stop()
     _check_result(result, fed)
   return workdir
+
+
+def _check_arguments(
+  nodes: int,
+  round_timeout: float,
+  federation: federation_lib.Federation | None,
+) -> None:
+  if nodes < 1:
+    raise errors.ConfigError(f'`nodes={nodes}` must be >= 1')
+  if not math.isfinite(round_timeout) or round_timeout < 0:
+    raise errors.ConfigError(
+      f'`round_timeout={round_timeout}` must be finite and >= 0 (0: none)'
+    )
+  if federation is not None and federation.num_nodes != nodes:
+    raise errors.ConfigError(
+      f"`nodes={nodes}` is not the federation's {federation.num_nodes}"
+    )
 
 
 def _check_result(path: str, fed: federation_lib.Federation) -> None:

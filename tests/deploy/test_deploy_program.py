@@ -158,7 +158,7 @@ def test_deployed_fedstitch_equals_experiments_stitch(
   simulated, deployed = str(tmp_path / 'sim'), str(tmp_path / 'dep')
   stitch_experiment.stitch_and_evaluate(config(simulated), log=lambda s: None)
   lines = []
-  launch.run_stitch(config(deployed), NODES, federation=fed, log=lines.append)
+  launch.run(config(deployed), NODES, federation=fed, log=lines.append)
   with open(os.path.join(deployed, 'flower', 'result.json')) as f:
     assert json.load(f) == {'ok': True}
   # Every round's clients, weights, choices' votes, selected blocks and

@@ -20,34 +20,14 @@ from fedjax_mr.deploy import stitch_node
 from fedjax_mr.deploy import stitch_server
 from fedjax_mr.energy import fleet
 from fedjax_mr.energy import simulation
-from fedjax_mr.stitch import config as config_lib
 from fedjax_mr.stitch import federated
-from fedjax_mr.stitch import pool as pool_lib
-from tests.stitch import common
+from tests.stitch import test_federated
 
-NUM_CLIENTS, NODES = 6, 2
-CONFIG = config_lib.Config(
-  clients_per_round=3,
-  batch_size=8,
-  top_k=2,
-  epsilon=0.3,
-  rounds_per_selection=2,
-  num_selections=2,
-  max_depth=3,
-  seed=0,
-)
+NODES = 2
 TIMES = ('client_time_s', 'round_time_s')
-
-
-def batch_fn(client, round_):
-  rng = np.random.default_rng([client, round_])
-  return rng.uniform(0, 1, (8, 28, 28, 1)).astype(np.float32)
-
-
-def _pool():
-  return pool_lib.make_pool(
-    [common.chain(n) for n in ('cnn_mnist', 'cnn_femnist', 'cnn_cifar')]
-  )
+# The FedStitch run tests/stitch/test_federated.py runs.
+CONFIG, NUM_CLIENTS = test_federated.CONFIG, test_federated.NUM_CLIENTS
+batch_fn, _pool = test_federated.batch_fn, test_federated._pool
 
 
 def _fleet():
