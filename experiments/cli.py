@@ -189,17 +189,48 @@ def define_deploy_flags() -> tuple[str, ...]:
     '127.0.0.1',
     'The address the SuperLink listens on (its certificate names it).',
   )
-  return ('nodes', 'round_timeout', 'insecure_federation')
+  flags.DEFINE_string(
+    'superlink',
+    '',
+    'host:port of a SuperLink running elsewhere (a real fleet, whose '
+    'SuperNodes have the node configs node-index=i num-nodes=N): the run '
+    'is submitted to it instead of a federation started here.',
+  )
+  flags.DEFINE_string(
+    'root_certificates',
+    '',
+    "With --superlink: the CA certificate file of the SuperLink's TLS "
+    'certificate (without it, --insecure_federation must say so).',
+  )
+  flags.DEFINE_list(
+    'node_ids',
+    [],
+    "With --superlink: node 0's Flower id, node 1's, ... (what `flwr "
+    'supernode register` printed); empty: the server asks each node.',
+  )
+  return ('nodes', 'round_timeout', 'insecure_federation', 'superlink')
 
 
 def deploy_arguments() -> dict:
   """The deploy flags' values as `launch.run`'s keyword arguments."""
+  from fedjax_mr.deploy import federation
+
   f = flags.FLAGS
+  superlink = None
+  if f.superlink:
+    try:
+      ids = tuple(int(n) for n in f.node_ids)
+    except ValueError:
+      fail(f'--node_ids={",".join(f.node_ids)}: not node ids (integers)')
+    superlink = federation.Remote(f.superlink, f.root_certificates or None, ids)
+  elif f.root_certificates or f.node_ids:
+    fail('--root_certificates and --node_ids go with --superlink')
   return dict(
     round_timeout=f.round_timeout,
     insecure=f.insecure_federation,
     host=f.federation_host,
     log=log,
+    superlink=superlink,
   )
 
 

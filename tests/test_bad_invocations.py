@@ -531,6 +531,18 @@ CASES = {
       ['--algorithm=fedmr', '--fedmr_secure_repeats=1'],
       '--fedmr_secure_repeats',
     ),
+    (['--superlink=nohost'], '--superlink=nohost: address'),
+    (['--superlink=127.0.0.1:9'], '--insecure_federation'),
+    (
+      ['--superlink=127.0.0.1:9', '--root_certificates=/nonexistent/ca.crt'],
+      '--root_certificates=/nonexistent/ca.crt: no such file',
+    ),
+    (['--root_certificates=ca.crt'], '--superlink'),
+    (
+      ['--superlink=127.0.0.1:9', '--insecure_federation', '--node_ids=1,2,3'],
+      '--node_ids',
+    ),
+    (['--superlink=127.0.0.1:9', '--node_ids=a,b'], '--node_ids=a,b'),
   ],
   'experiments.deploy_stitch': [
     (['--nodes=0'], '--nodes'),

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
+from fedjax_mr.core import jsonfile
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.pipeline import build
 from fedjax_mr.pipeline import checks
@@ -39,21 +40,12 @@ STITCH_CONFIG = 'stitch.json'
 
 
 def write_config(config: Config, folder: str) -> str:
-  """Writes `config` where `read_config(folder)` reads it; its path."""
+  """Writes `config` where `read_spec(folder)` reads it; its path."""
   os.makedirs(folder, exist_ok=True)
   path = os.path.join(folder, records.CONFIG_FILE)
   text = json.dumps(config.to_dict(), indent=1, sort_keys=True)
   files.write_atomic(path, lambda f: f.write(text))
   return path
-
-
-def read_config(folder: str) -> Config:
-  """The config `write_config` wrote in `folder`.
-
-  Raises:
-    ConfigError: none there, or one that does not read as a config.
-  """
-  return experiment.read_config(folder)
 
 
 def check(config: Config) -> str:
@@ -102,7 +94,7 @@ def train_and_evaluate(
 
 
 def write_stitch_config(config: StitchConfig, folder: str) -> str:
-  """Writes `config` where `read_stitch_config(folder)` reads it; its
+  """Writes `config` where `read_spec(folder)` reads it; its
   path."""
   os.makedirs(folder, exist_ok=True)
   path = os.path.join(folder, STITCH_CONFIG)
@@ -111,26 +103,50 @@ def write_stitch_config(config: StitchConfig, folder: str) -> str:
   return path
 
 
-def is_stitch(folder: str) -> bool:
-  """Whether `folder` holds a FedStitch run's config."""
-  return os.path.exists(os.path.join(folder, STITCH_CONFIG))
+TRAINING, STITCH = 'training', 'stitch'  # the kinds of run
 
 
-def read_stitch_config(folder: str) -> StitchConfig:
-  """The config `write_stitch_config` wrote in `folder`.
+def read_spec(folder: str) -> tuple[str, str]:
+  """`(kind, text)`: the kind of run and the config text that
+  `write_config` or `write_stitch_config` wrote in `folder` (what travels
+  to the nodes in each message: they need no file of the server's).
 
   Raises:
-    ConfigError: none there, or one that does not read as a config.
+    ConfigError: no config there, or one too large.
   """
-  path = os.path.join(folder, STITCH_CONFIG)
+  for kind, name in ((STITCH, STITCH_CONFIG), (TRAINING, records.CONFIG_FILE)):
+    path = os.path.join(folder, name)
+    if os.path.exists(path):
+      try:
+        data = jsonfile.read_bytes(path, checks.MAX_CONFIG_BYTES)
+        return kind, data.decode('utf-8')
+      except (jsonfile.JsonFileError, UnicodeDecodeError) as e:
+        raise errors.ConfigError(str(e)) from None
+  raise errors.ConfigError(f'{folder} holds no run config')
+
+
+def config_from_text(kind: str, text: str) -> Config | StitchConfig:
+  """The config of a run of `kind` whose config text is `text`
+  (`read_spec`).
+
+  Raises:
+    ConfigError: a text that does not read as such a config.
+  """
+  where = f'the {kind} run config'
   try:
-    with open(path) as f:
-      values = json.load(f)
+    values = jsonfile.loads(text.encode('utf-8'), where)
+  except jsonfile.JsonFileError as e:
+    raise errors.ConfigError(str(e)) from None
+  if kind == TRAINING:
+    return experiment.config_of(values, where)
+  if kind != STITCH:
+    raise errors.ConfigError(f'a run of unknown kind {kind!r}')
+  try:
     return StitchConfig.from_flat(
       **{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     )
-  except (OSError, ValueError, TypeError) as e:
-    raise errors.ConfigError(f'{path} is not a FedStitch config: {e}') from None
+  except (TypeError, ValueError) as e:
+    raise errors.ConfigError(f'{where}: {e}') from None
 
 
 def check_stitch(config: StitchConfig) -> str:

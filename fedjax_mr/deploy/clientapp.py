@@ -7,10 +7,10 @@ message types, `node` and the config's `setup`), never the server's side
 
 A node's node config names its index (`node-index`), the number of nodes
 (`num-nodes`) and where it keeps its clients' state (`state`); each
-`train` message names the run's spec (the folder of its config) and kind
-(a training or a FedStitch run), so one federation serves any number of
-runs, and holds the requests of all the node's clients of a round
-(`node.pack`).
+`train` message carries the run's config (its text) and kind (a training
+or a FedStitch run), so one federation serves any number of runs and a
+node needs no file of the server's, and holds the requests of all the
+node's clients of a round (`node.pack`).
 """
 
 from __future__ import annotations
@@ -50,12 +50,13 @@ def train(message: Message, context: Context) -> Message:
   or, in a FedStitch run, their scores and statistics
   (`stitch_node.serve`)."""
   index, num_nodes = _node_of(context)
-  spec, kind = node_lib.spec_of(message.content)
+  text, kind = node_lib.run_of(message.content)
+  config = adapter.config_from_text(kind, text)
   if kind == node_lib.STITCH:
-    held = adapter.stitch_node(adapter.read_stitch_config(spec))
+    held = adapter.stitch_node(config)
     reply = stitch_node.serve(held, message.content, index, num_nodes)
     return Message(reply, reply_to=message)
-  experiment = adapter.setup(adapter.read_config(spec))
-  state = node_lib.run_folder(context.node_config.get('state'), spec)
+  experiment = adapter.setup(config)
+  state = node_lib.run_folder(context.node_config.get('state'), text)
   reply = node_lib.serve(experiment, message.content, index, num_nodes, state)
   return Message(reply, reply_to=message)

@@ -13,6 +13,10 @@ registered with the SuperLink before the node starts (its registration
 gives the node's id, `node_ids`); a node with another key is refused.
 `insecure=True` runs without either (the caller warns).
 
+`Federation.attach(folder, address, num_nodes, ...)` is a SuperLink
+running elsewhere (a real fleet's): `start()` then starts nothing of the
+federation, only what submits runs to it, and `stop()` stops only that.
+
 Everything Flower writes stays in `folder`: its home (`FLWR_HOME`), the
 processes' logs, temporary files. Telemetry is off, runtime dependency
 installation (`uv sync`) is off (the environment is this one, and it may
@@ -35,6 +39,8 @@ import time
 import uuid
 from typing import Callable
 from typing import Mapping
+from typing import NamedTuple
+from typing import Sequence
 
 from fedjax_mr.deploy import credentials as credentials_lib
 from fedjax_mr.deploy import watchdog
@@ -98,6 +104,21 @@ def config_pairs(config: Mapping[str, object]) -> str:
   return ' '.join(f'{k}={_toml_value(v)}' for k, v in config.items())
 
 
+class Remote(NamedTuple):
+  """A SuperLink running elsewhere, to submit runs to (`Federation.attach`).
+
+  Attributes:
+    address: its `host:port`.
+    root_certificates: the CA certificate file its TLS certificate is
+      signed by; None: an insecure SuperLink.
+    node_ids: node 0's Flower id, node 1's, …; empty: asked.
+  """
+
+  address: str
+  root_certificates: str | None = None
+  node_ids: tuple[int, ...] = ()
+
+
 class Federation:
   """A SuperLink and `num_nodes` SuperNodes on this machine (see the
   module docstring).
@@ -139,6 +160,49 @@ class Federation:
     # Marks the environment of every process of this federation (and of
     # their children, those Flower starts in sessions of their own too).
     self.mark = f'{os.getpid()}-{uuid.uuid4().hex}'
+    # Attached (`attach`): the CA certificate of a SuperLink elsewhere.
+    self.attached = False
+    self.root_certificates: str | None = None
+
+  @classmethod
+  def attach(
+    cls,
+    folder: str,
+    address: str,
+    num_nodes: int,
+    *,
+    root_certificates: str | None = None,
+    node_ids: Sequence[int] = (),
+  ) -> Federation:
+    """A SuperLink running at `address` (`host:port`) with `num_nodes`
+    SuperNodes, to submit runs to.
+
+    Args:
+      folder: where Flower's home and the logs of the runs go.
+      address: the SuperLink's `host:port`.
+      num_nodes: its SuperNodes (node config `node-index` 0 … N − 1).
+      root_certificates: the CA certificate its TLS certificate is signed
+        by; None: an insecure SuperLink (no TLS).
+      node_ids: node 0's Flower id, node 1's, … (their registered keys'
+        ids); empty: the server asks each node its index.
+
+    Raises:
+      ValueError: an address that is not `host:port`, or node ids that
+        are not one per node.
+    """
+    host, _, port = address.rpartition(':')
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+      raise ValueError(f'address {address!r} is not host:port')
+    if node_ids and len(node_ids) != num_nodes:
+      raise ValueError(
+        f'node_ids names {len(node_ids)} nodes, not num_nodes={num_nodes}'
+      )
+    fed = cls(folder, num_nodes, host=host, insecure=root_certificates is None)
+    fed.port = int(port)
+    fed.attached = True
+    fed.root_certificates = root_certificates
+    fed.node_ids = [int(n) for n in node_ids]
+    return fed
 
   # Environment and processes.
 
@@ -208,6 +272,9 @@ class Federation:
       os.makedirs(path, exist_ok=True)
     try:
       self._start_watchdog()
+      if self.attached:
+        self._write_cli_config()
+        return self
       if not self.insecure:
         self.credentials = credentials_lib.make(
           os.path.join(self.folder, 'credentials'),
@@ -262,9 +329,8 @@ class Federation:
     if self.insecure:
       lines.append('insecure = true')
     else:
-      lines.append(
-        f'root-certificates = {_toml_value(self.credentials.ca_cert)}'
-      )
+      ca = self.root_certificates or self.credentials.ca_cert
+      lines.append(f'root-certificates = {_toml_value(os.path.abspath(ca))}')
     with open(os.path.join(self.home, 'config.toml'), 'w') as f:
       f.write('\n'.join(lines) + '\n')
 

@@ -26,7 +26,6 @@ from fedjax_mr.core import errors
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import federation as federation_lib
-from fedjax_mr.deploy import node as node_lib
 
 FOLDER = 'flower'  # the federation's files, inside the workdir
 RESULT = 'result.json'
@@ -52,7 +51,6 @@ clientapp = "fedjax_mr.deploy.clientapp:client_app"
 
 [tool.flwr.app.config]
 spec = ""
-kind = "training"
 workdir = ""
 result = ""
 num-nodes = 1
@@ -93,9 +91,10 @@ def run(
   host: str = '127.0.0.1',
   log: Callable[[str], None] = print,
   federation: federation_lib.Federation | None = None,
+  superlink: federation_lib.Remote | None = None,
 ) -> str:
-  """Runs (or resumes) `config` on a local federation of `nodes` nodes;
-  returns the workdir.
+  """Runs (or resumes) `config` on a local federation of `nodes` nodes
+  (or on a running one); returns the workdir.
 
   Args:
     config: the run: a training run (`experiments.run`'s flags) or a
@@ -109,18 +108,23 @@ def run(
     log: where progress lines go.
     federation: a running federation (started with `node_config`) to
       submit the run to; `nodes`, `insecure` and `host` are its own.
+    superlink: a SuperLink running elsewhere (a real fleet's, whose
+      `nodes` nodes have the node configs `node_config` gives) to submit
+      the run to; `insecure` must say whether it is; `host` is unused.
 
   Raises:
     UserError: a bad argument or config field (named), the workdir, or
       the run's own failure (one line).
   """
   _check_arguments(nodes, round_timeout, federation)
+  if superlink is not None:
+    _check_superlink(superlink, nodes, insecure, federation)
   if isinstance(config, adapter.StitchConfig):
     workdir = adapter.check_stitch(config)
-    write, kind = adapter.write_stitch_config, node_lib.STITCH
+    write = adapter.write_stitch_config
   else:
     workdir = adapter.check(config)
-    write, kind = adapter.write_config, node_lib.TRAINING
+    write = adapter.write_config
   folder = os.path.join(os.path.abspath(workdir), FOLDER)
   with workdir_lib.acquire(folder, 'workdir'):
     spec = os.path.dirname(write(config, os.path.join(folder, 'spec')))
@@ -130,19 +134,16 @@ def run(
       os.remove(result)
     fed = federation
     if fed is None:
-      fed = federation_lib.Federation(
-        folder, nodes, node_config(folder, nodes), host=host, insecure=insecure
-      )
       if insecure:
-        log(INSECURE_WARNING.format(address=host))
-      fed.start()
+        where = host if superlink is None else superlink.address
+        log(INSECURE_WARNING.format(address=where))
+      fed = _start(folder, nodes, host, insecure, superlink)
     try:
       log(f'federation: a SuperLink on {fed.address}, {nodes} SuperNodes')
       fed.run(
         app,
         {
           'spec': spec,
-          'kind': kind,
           'workdir': os.path.abspath(workdir),
           'result': result,
           'num-nodes': nodes,
@@ -172,6 +173,63 @@ def _check_arguments(
   if federation is not None and federation.num_nodes != nodes:
     raise errors.ConfigError(
       f"`nodes={nodes}` is not the federation's {federation.num_nodes}"
+    )
+
+
+def _start(
+  folder: str,
+  nodes: int,
+  host: str,
+  insecure: bool,
+  superlink: federation_lib.Remote | None,
+) -> federation_lib.Federation:
+  """A federation of `nodes` nodes started on `host` (files in `folder`),
+  or what submits runs to `superlink`."""
+  if superlink is not None:
+    fed = federation_lib.Federation.attach(
+      folder,
+      superlink.address,
+      nodes,
+      root_certificates=superlink.root_certificates,
+      node_ids=superlink.node_ids,
+    )
+  else:
+    fed = federation_lib.Federation(
+      folder, nodes, node_config(folder, nodes), host=host, insecure=insecure
+    )
+  return fed.start()
+
+
+def _check_superlink(
+  superlink: federation_lib.Remote,
+  nodes: int,
+  insecure: bool,
+  federation: federation_lib.Federation | None,
+) -> None:
+  if federation is not None:
+    raise errors.ConfigError('a run goes to `superlink` or `federation`')
+  where = f'`superlink={errors.clip(superlink.address)}`'
+  if superlink.node_ids and len(superlink.node_ids) != nodes:
+    raise errors.ConfigError(
+      f'`node_ids` names {len(superlink.node_ids)} nodes; `nodes={nodes}`'
+    )
+  try:
+    federation_lib.Federation.attach('.', superlink.address, nodes)
+  except ValueError as e:
+    raise errors.ConfigError(f'{where}: {e}') from None
+  ca = superlink.root_certificates
+  if ca is None and not insecure:
+    raise errors.ConfigError(
+      f'{where}: without `root_certificates` (its CA certificate) the run '
+      'would go to it without TLS; pass `insecure_federation` to mean it'
+    )
+  if ca is not None and insecure:
+    raise errors.ConfigError(
+      '`insecure_federation` and `root_certificates` contradict each other'
+    )
+  if ca is not None and not os.path.isfile(ca):
+    raise errors.ConfigError(
+      f'`root_certificates={errors.clip(ca)}`: no such file'
     )
 
 

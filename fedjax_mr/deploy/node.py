@@ -5,7 +5,7 @@ A request (`request_content`) holds the dispatch's shared part, the
 client's row of its per-client part, the client's key and, as config, its
 id and the round. A node gets one message a round holding the requests of
 all its clients of the round (`pack`: each request's records under its
-position in the sampled order, plus the run's spec), and replies one
+position in the sampled order, plus the run's config), and replies one
 message holding each client's reply under the same position (`serve`).
 The node rebuilds the run's experiment from its config
 (the same `setup` as `experiments.run`: its data, partition, model and
@@ -42,6 +42,7 @@ from flwr.app import RecordDict
 from fedjax_mr.core import files
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import codec
 from fedjax_mr.training import engine
 from fedjax_mr.training import host_round
@@ -229,19 +230,19 @@ def train(
 
 
 RUN = 'run'  # the record of a packed message that names the run
-TRAINING, STITCH = 'training', 'stitch'  # the kinds of run
+TRAINING, STITCH = adapter.TRAINING, adapter.STITCH  # the kinds of run
 
 
 def pack(
-  parts: Mapping[int, RecordDict], spec: str = '', kind: str = TRAINING
+  parts: Mapping[int, RecordDict], config: str = '', kind: str = TRAINING
 ) -> RecordDict:
   """One message's content holding `parts` (position -> a request's or a
-  reply's records), each record keyed `<position>/<name>`, and `spec`
-  (the folder of the run's config) and the `kind` of run when `spec` is
-  given."""
+  reply's records), each record keyed `<position>/<name>`, and, when
+  `config` is given, the run: its config's text (`adapter.read_spec`: a
+  node needs no file of the server's) and its `kind`."""
   content = RecordDict()
-  if spec:
-    content[RUN] = ConfigRecord({'spec': spec, 'kind': kind})
+  if config:
+    content[RUN] = ConfigRecord({'config': config, 'kind': kind})
   for position, part in parts.items():
     for name, record in part.items():
       content[f'{int(position)}/{name}'] = record
@@ -262,13 +263,13 @@ def unpack(content: RecordDict) -> dict[int, RecordDict]:
   return parts
 
 
-def run_folder(state_root: str | None, spec: str) -> str | None:
-  """The folder where a node keeps the client state of the run of `spec`
-  (one per run, so that runs on one federation never mix their states;
-  the same for a run and its resumption)."""
+def run_folder(state_root: str | None, config: str) -> str | None:
+  """The folder where a node keeps the client state of the run whose
+  config text is `config` (one per run, so that runs on one federation
+  never mix their states; the same for a run and its resumption)."""
   if not state_root:
     return None
-  digest = hashlib.sha256(os.path.abspath(spec).encode()).hexdigest()[:16]
+  digest = hashlib.sha256(config.encode()).hexdigest()[:16]
   return os.path.join(state_root, f'run-{digest}')
 
 
@@ -293,15 +294,15 @@ def serve(
   )
 
 
-def spec_of(content: RecordDict) -> tuple[str, str]:
-  """The spec a packed message names and its kind of run.
+def run_of(content: RecordDict) -> tuple[str, str]:
+  """The run a packed message names: its config's text and its kind.
 
   Raises:
     RequestError: none, or an unknown kind.
   """
-  if RUN not in content or 'spec' not in content[RUN]:
-    raise RequestError('the message names no run spec')
+  if RUN not in content or 'config' not in content[RUN]:
+    raise RequestError('the message names no run')
   kind = str(content[RUN].get('kind', TRAINING))
   if kind not in (TRAINING, STITCH):
     raise RequestError(f'a run of unknown kind {kind!r}')
-  return str(content[RUN]['spec']), kind
+  return str(content[RUN]['config']), kind

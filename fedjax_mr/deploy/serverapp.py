@@ -1,9 +1,10 @@
 """The Flower App's `ServerApp`: `experiments.run`'s host loop with the
 deployed round over Flower's grid, or `experiments.stitch`'s run with
-its clients' work on the nodes (the run config's `kind`).
+its clients' work on the nodes (as the run's config says).
 
-The run config names `spec`, a folder holding the run's config.json
-(`adapter.write_config`), and, in a federation with node authentication,
+The run config names `spec`, a folder holding the run's config
+(`adapter.write_config`, `adapter.write_stitch_config`), whose text goes
+to the nodes in every message, and, in a federation with node authentication,
 `node-ids`: the Flower node id of node 0, 1, … (their registered keys'
 ids), so the server only waits for them to be online. In an insecure
 federation (ids unknown in advance) it first asks every node which index
@@ -48,7 +49,7 @@ server_app = ServerApp()
 
 class GridTransport:
   """`server.Transport` over Flower's grid: a round's requests as one
-  `train` message per node (`node.pack`, with the run's `spec`), replies
+  `train` message per node (`node.pack`, with the run's config), replies
   pulled as they arrive and split into the clients' replies.
 
   A node that went offline fails its requests (Flower answers them with
@@ -62,12 +63,12 @@ class GridTransport:
     self,
     grid: Grid,
     node_ids: dict[int, int],
-    spec: str = '',
+    config: str = '',
     kind: str = node_lib.TRAINING,
   ):
     self.grid = grid
     self.node_ids = node_ids
-    self.spec = spec
+    self.config = config
     self.kind = kind
 
   def refresh(self) -> None:
@@ -89,7 +90,7 @@ class GridTransport:
       by_node.setdefault(r.node, {})[r.position] = r.content
     messages = [
       Message(
-        node_lib.pack(parts, self.spec, self.kind),
+        node_lib.pack(parts, self.config, self.kind),
         dst_node_id=self.node_ids[n],
         message_type=TRAIN,
       )
@@ -213,14 +214,25 @@ def _write_result(path: str, result: dict[str, Any]) -> None:
   files.write_atomic(path, lambda f: f.write(json.dumps(result)))
 
 
-def _train(grid: Grid, run_config: Any) -> None:
-  """A training run: `experiments.run`'s host loop, the deployed round."""
-  spec = str(run_config['spec'])
-  config = adapter.read_config(spec)
+def _run(grid: Grid, run_config: Any) -> None:
+  """The run of the spec: a training run (`experiments.run`'s host loop
+  with the deployed round) or a FedStitch run (`experiments.stitch`'s,
+  its clients' work on the nodes: `stitch_server.DeployedClients`)."""
+  kind, text = adapter.read_spec(str(run_config['spec']))
+  config = adapter.config_from_text(kind, text)
   num_nodes = int(run_config['num-nodes'])
   timeout = float(run_config['round-timeout']) or None
   nodes = _nodes(grid, str(run_config.get('node-ids', '')), num_nodes)
-  transport = GridTransport(grid, nodes, spec)
+  transport = GridTransport(grid, nodes, text, kind)
+  if kind == node_lib.STITCH:
+
+    def deployed(setup):
+      return stitch_server.DeployedClients(
+        setup.pool, transport, num_nodes, timeout=timeout, log=print
+      )
+
+    adapter.stitch_and_evaluate(config, deployed, log=print)
+    return
 
   def make_round(experiment, chunk):
     return server_lib.make_round(
@@ -232,36 +244,15 @@ def _train(grid: Grid, run_config: Any) -> None:
   )
 
 
-def _stitch(grid: Grid, run_config: Any) -> None:
-  """A FedStitch run: `experiments.stitch`'s, its clients' work on the
-  nodes (`stitch_server.DeployedClients`)."""
-  spec = str(run_config['spec'])
-  config = adapter.read_stitch_config(spec)
-  num_nodes = int(run_config['num-nodes'])
-  timeout = float(run_config['round-timeout']) or None
-  nodes = _nodes(grid, str(run_config.get('node-ids', '')), num_nodes)
-  transport = GridTransport(grid, nodes, spec, node_lib.STITCH)
-
-  def deployed(setup):
-    return stitch_server.DeployedClients(
-      setup.pool, transport, num_nodes, timeout=timeout, log=print
-    )
-
-  adapter.stitch_and_evaluate(config, deployed, log=print)
-
-
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
   """Runs the experiment of `spec` (a training or a FedStitch run, as
-  `kind` says) in `workdir` over the federation and writes `result`
+  its config says) in `workdir` over the federation and writes `result`
   (`{"error": one line}` when it failed)."""
   run_config = context.run_config
   result_path = str(run_config['result'])
   try:
-    if str(run_config.get('kind', node_lib.TRAINING)) == node_lib.STITCH:
-      _stitch(grid, run_config)
-    else:
-      _train(grid, run_config)
+    _run(grid, run_config)
   except (errors.UserError, errors.NonFiniteError, TimeoutError) as e:
     _write_result(result_path, {'error': str(e)})
     return

@@ -490,10 +490,22 @@ def read_config(workdir: str) -> config_lib.ExperimentConfig:
     saved = jsonfile.load(config_path, checks.MAX_CONFIG_BYTES)
   except jsonfile.JsonFileError as e:
     raise errors.ConfigError(str(e)) from None
+  return config_of(saved, config_path)
+
+
+def config_of(saved: Any, where: str) -> config_lib.ExperimentConfig:
+  """The config of `saved`, a config.json's content (read from `where`;
+  fields this version does not know are left out).
+
+  Raises:
+    ConfigError: one that does not read as a config.
+  """
+  if not isinstance(saved, dict):
+    raise errors.ConfigError(f'{where}: not a JSON object')
   known = {f.name for f in config_lib.base_fields()}
   # Its algorithm's own flags: a config.json of an earlier version holds
   # every algorithm's (at the defaults of its time).
-  name = saved.get('algorithm') if isinstance(saved, dict) else None
+  name = saved.get('algorithm')
   if name in registry.REGISTRY:
     known |= set(registry.flags_of(name))
   try:
@@ -501,7 +513,7 @@ def read_config(workdir: str) -> config_lib.ExperimentConfig:
       **{k: v for k, v in saved.items() if k in known}
     )
   except TypeError as e:
-    raise errors.ConfigError(f'{config_path}: {e}') from None
+    raise errors.ConfigError(f'{where}: {e}') from None
 
 
 def load_run(workdir: str, round_index: int | None = None) -> FinishedRun:

@@ -121,20 +121,20 @@ def test_a_deadline_fails_the_requests_without_a_reply():
   assert sorted(got, key=lambda x: x[0]) == [(0, None), (1, None)]
 
 
-def test_a_packed_message_holds_each_position_and_the_spec():
+def test_a_packed_message_holds_each_position_and_the_run():
   parts = {2: RecordDict({'meta': ConfigRecord({'p': 2})}), 0: RecordDict()}
   parts[0]['meta'] = ConfigRecord({'p': 0})
-  content = node.pack(parts, '/abs/spec')
-  assert node.spec_of(content) == ('/abs/spec', node.TRAINING)
-  stitch = node.pack(parts, '/abs/spec', node.STITCH)
-  assert node.spec_of(stitch) == ('/abs/spec', node.STITCH)
+  content = node.pack(parts, '{"seed": 1}')
+  assert node.run_of(content) == ('{"seed": 1}', node.TRAINING)
+  stitch = node.pack(parts, '{"seed": 1}', node.STITCH)
+  assert node.run_of(stitch) == ('{"seed": 1}', node.STITCH)
   with pytest.raises(node.RequestError, match="kind 'x'"):
-    node.spec_of(node.pack(parts, '/abs/spec', 'x'))
+    node.run_of(node.pack(parts, '{"seed": 1}', 'x'))
   back = node.unpack(content)
   assert sorted(back) == [0, 2]
   assert all(back[p]['meta']['p'] == p for p in back)
-  with pytest.raises(node.RequestError, match='spec'):
-    node.spec_of(node.pack(parts))
+  with pytest.raises(node.RequestError, match='names no run'):
+    node.run_of(node.pack(parts))
   with pytest.raises(node.RequestError, match='x/meta'):
     node.unpack(RecordDict({'x/meta': ConfigRecord({'p': 0})}))
   assert node.run_folder(None, '/a') is None

@@ -88,11 +88,14 @@ def test_deployed_run_equals_the_simulation(tmp_path, fed, algorithm):
     config(simulated, algorithm=algorithm), str(simulated), log=lambda s: None
   )
   lines = []
+  to = dict(federation=fed)
+  if algorithm == 'fedmr':
+    # Submitted as to a real fleet's SuperLink: by its address and CA
+    # certificate (`--superlink`, `--root_certificates`), its nodes asked
+    # their indices.
+    to = dict(superlink=federation.Remote(fed.address, fed.credentials.ca_cert))
   launch.run(
-    config(deployed, algorithm=algorithm),
-    NODES,
-    federation=fed,
-    log=lines.append,
+    config(deployed, algorithm=algorithm), NODES, log=lines.append, **to
   )
   assert any(f'SuperLink on {fed.address}' in line for line in lines)
   assert_same_run(str(simulated), str(deployed))

@@ -59,7 +59,7 @@ class Nodes:
       if n in self.dead:
         yield from ((p, None) for p in parts)
         continue
-      message = node_lib.pack(parts, '/spec', node_lib.STITCH)
+      message = node_lib.pack(parts, '{}', node_lib.STITCH)
       reply = stitch_node.serve(self.held[n], message, n, NODES)
       for p, part in node_lib.unpack(reply).items():
         yield p, part if self.change is None else self.change(p, part)
