@@ -94,8 +94,7 @@ def train_and_evaluate(
 
 
 def write_stitch_config(config: StitchConfig, folder: str) -> str:
-  """Writes `config` where `read_spec(folder)` reads it; its
-  path."""
+  """Writes `config` where `read_spec(folder)` reads it; its path."""
   os.makedirs(folder, exist_ok=True)
   path = os.path.join(folder, STITCH_CONFIG)
   text = json.dumps(config.flat(), indent=1, sort_keys=True)
@@ -149,17 +148,17 @@ def config_from_text(kind: str, text: str) -> Config | StitchConfig:
     raise errors.ConfigError(f'{where}: {e}') from None
 
 
-def check_stitch(config: StitchConfig) -> str:
-  """Validates `config` for a FedStitch run on a local federation and
-  returns its workdir; refuses a workdir in use or of another run, an
-  energy backend this machine's nodes cannot use, and a dataset or pool
-  the run cannot use (they are loaded here, as the server and the nodes
+def check_stitch(config: StitchConfig, *, local_nodes: bool = True) -> str:
+  """Validates `config` for a deployed FedStitch run and returns its
+  workdir; refuses a workdir in use or of another run, an energy backend
+  this machine's nodes cannot use (`local_nodes`: they run here), and a
+  dataset or pool the run cannot use (they are loaded here, as the server
   will load them), before anything is written.
 
   Raises:
     UserError: a bad field (named), a file it names, or the workdir.
   """
-  coordinators = stitch_experiment.check(config)
+  coordinators = stitch_experiment.check(config, deployed=not local_nodes)
   stitch_experiment.load(config, coordinators, log=lambda line: None)
   return config.run.workdir
 

@@ -120,7 +120,7 @@ def run(
   if superlink is not None:
     _check_superlink(superlink, nodes, insecure, federation)
   if isinstance(config, adapter.StitchConfig):
-    workdir = adapter.check_stitch(config)
+    workdir = adapter.check_stitch(config, local_nodes=superlink is None)
     write = adapter.write_stitch_config
   else:
     workdir = adapter.check(config)
