@@ -479,6 +479,14 @@ def test_an_unsafe_or_wrong_tarball_fails_cleanly(tmp_path):
   assert not os.path.exists(tmp_path / 'd' / 'cinic10')
   assert not os.path.exists(tmp_path / 'd' / 'cinic10.partial')
   os.remove(tmp_path / 'd' / 'downloads' / 'CINIC-10.tar.gz')  # as it says
+  with tarfile.open(path, 'w:gz') as tar:  # a link (to a file outside)
+    info = tarfile.TarInfo('train/cat/a.png')
+    info.type, info.linkname = tarfile.SYMTYPE, '/etc/passwd'
+    tar.addfile(info)
+  with pytest.raises(errors.DataError, match='not a folder or a regular file'):
+    _prepare('cinic10', tmp_path / 'd', files)
+  assert not os.path.exists(tmp_path / 'd' / 'cinic10.partial')
+  os.remove(tmp_path / 'd' / 'downloads' / 'CINIC-10.tar.gz')
   with tarfile.open(path, 'w:gz') as tar:  # not CINIC-10's layout
     info = tarfile.TarInfo('train/cat/a.png')
     info.size = 3
