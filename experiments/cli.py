@@ -202,6 +202,14 @@ def define_deploy_flags() -> tuple[str, ...]:
     "With --superlink: the CA certificate file of the SuperLink's TLS "
     'certificate (without it, --insecure_federation must say so).',
   )
+  flags.DEFINE_bool(
+    'warm_superexec',
+    True,
+    "Start each message's ClientApp process (and the ServerApp) as a fork "
+    "of a SuperExec that has already imported them (Flower's process "
+    "isolation, fedjax_mr.deploy.warm); --nowarm_superexec: Flower's own "
+    'launcher, a fresh process importing Flower and JAX for every message.',
+  )
   flags.DEFINE_list(
     'node_ids',
     [],
@@ -231,6 +239,7 @@ def deploy_arguments() -> dict:
     host=f.federation_host,
     log=log,
     superlink=superlink,
+    warm=f.warm_superexec,
   )
 
 

@@ -45,6 +45,10 @@ from typing import Sequence
 from fedjax_mr.deploy import credentials as credentials_lib
 from fedjax_mr.deploy import watchdog
 
+# The warm SuperExec's module (`warm.py`; not imported here: it imports
+# Flower and JAX).
+WARM_SUPEREXEC = 'fedjax_mr.deploy.warm'
+
 FEDERATION = 'local'  # the connection's name in Flower's config.toml
 START_TIMEOUT_S = 120.0
 
@@ -89,9 +93,11 @@ def _own_line(line: str) -> bool:
 def options(**values: object) -> list[str]:
   """Flower's command-line options for `values`: each name with two
   dashes and its underscores as hyphens, then its value (`True` alone:
-  a switch)."""
+  a switch; `None`: left out)."""
   args = []
   for name, value in values.items():
+    if value is None:
+      continue
     args.append('-' * 2 + name.replace('_', '-'))
     if value is not True:
       args.append(str(value))
@@ -130,6 +136,10 @@ class Federation:
       `key=value` pairs).
     host: the address the SuperLink listens on.
     insecure: no TLS and no node authentication.
+    warm: the SuperLink and the SuperNodes in Flower's process isolation,
+      each with a warm SuperExec (`warm.py`: App processes forked from an
+      interpreter that has imported them); False: Flower's own launcher,
+      a fresh process for every message.
   """
 
   def __init__(
@@ -140,6 +150,7 @@ class Federation:
     *,
     host: str = '127.0.0.1',
     insecure: bool = False,
+    warm: bool = True,
   ):
     if num_nodes < 1:
       raise ValueError(f'num_nodes must be >= 1, got {num_nodes}')
@@ -148,6 +159,7 @@ class Federation:
     self.node_config = node_config
     self.host = host
     self.insecure = insecure
+    self.warm = warm
     self.home = os.path.join(self.folder, 'home')
     self.logs = os.path.join(self.folder, 'logs')
     self.port = None
@@ -360,8 +372,32 @@ class Federation:
           disable_runtime_dependency_installation=True,
           host=self.host,
           port=self.port,
+          isolation='process' if self.warm else None,
         ),
       ],
+    )
+    if self.warm:
+      ca = None if self.insecure else self.credentials.ca_cert
+      self._start_superexec('superexec', self.address, self.superlink, ca)
+
+  def _start_superexec(
+    self,
+    name: str,
+    runtime_address: str,
+    parent: subprocess.Popen,
+    root_certificates: str | None = None,
+  ) -> subprocess.Popen:
+    """Starts the warm SuperExec (`warm.py`) of the SuperLink or of a
+    SuperNode (`parent`) whose Runtime API is at `runtime_address`."""
+    tls = (
+      options(insecure=True)
+      if root_certificates is None
+      else options(root_certificates=root_certificates)
+    )
+    return self._start(
+      name,
+      [sys.executable, '-m', WARM_SUPEREXEC, *tls]
+      + options(runtime_api_address=runtime_address, parent_pid=parent.pid),
     )
 
   def _wait_for_superlink(self) -> None:
@@ -385,14 +421,17 @@ class Federation:
     *,
     key: str | None = None,
     root_certificates: str | None = None,
+    port: int | None = None,
   ) -> list[str]:
-    """SuperNode i's command line; `key`/`root_certificates` replace its
-    own key and the CA certificate (tests start impostors with them)."""
+    """SuperNode i's command line, its Runtime API on `port` (a free
+    one if None); `key`/`root_certificates` replace its own key and the CA
+    certificate (tests start impostors with them)."""
     command = [self._tool('flower-supernode')] + options(
       superlink=self.address,
       node_config=config_pairs(self.node_config(i)),
-      port=free_port(),
+      port=port or free_port(),
       max_retries=0,
+      isolation='process' if self.warm else None,
     )
     if self.insecure:
       return command + options(insecure=True)
@@ -403,8 +442,15 @@ class Federation:
     )
 
   def start_node(self, i: int, **kwargs) -> subprocess.Popen:
-    """Starts SuperNode i (again, after it ended: it rejoins)."""
-    return self._start(f'supernode{i}', self.node_command(i, **kwargs))
+    """Starts SuperNode i (again, after it ended: it rejoins), and its
+    warm SuperExec, which ends with it."""
+    port = free_port()
+    node = self._start(
+      f'supernode{i}', self.node_command(i, port=port, **kwargs)
+    )
+    if self.warm:
+      self._start_superexec(f'superexec{i}', f'127.0.0.1:{port}', node)
+    return node
 
   def online_nodes(self) -> int:
     """SuperNodes the SuperLink lists as online."""

@@ -92,6 +92,7 @@ def run(
   log: Callable[[str], None] = print,
   federation: federation_lib.Federation | None = None,
   superlink: federation_lib.Remote | None = None,
+  warm: bool = True,
 ) -> str:
   """Runs (or resumes) `config` on a local federation of `nodes` nodes
   (or on a running one); returns the workdir.
@@ -111,6 +112,9 @@ def run(
     superlink: a SuperLink running elsewhere (a real fleet's, whose
       `nodes` nodes have the node configs `node_config` gives) to submit
       the run to; `insecure` must say whether it is; `host` is unused.
+    warm: the federation started here forks its App processes from warm
+      SuperExecs (`federation.Federation`'s `warm`); False: Flower's own
+      launcher, a fresh process for every message.
 
   Raises:
     UserError: a bad argument or config field (named), the workdir, or
@@ -137,7 +141,7 @@ def run(
       if insecure:
         where = host if superlink is None else superlink.address
         log(INSECURE_WARNING.format(address=where))
-      fed = _start(folder, nodes, host, insecure, superlink)
+      fed = _start(folder, nodes, host, insecure, superlink, warm)
     try:
       log(f'federation: a SuperLink on {fed.address}, {nodes} SuperNodes')
       fed.run(
@@ -182,6 +186,7 @@ def _start(
   host: str,
   insecure: bool,
   superlink: federation_lib.Remote | None,
+  warm: bool = True,
 ) -> federation_lib.Federation:
   """A federation of `nodes` nodes started on `host` (files in `folder`),
   or what submits runs to `superlink`."""
@@ -195,7 +200,12 @@ def _start(
     )
   else:
     fed = federation_lib.Federation(
-      folder, nodes, node_config(folder, nodes), host=host, insecure=insecure
+      folder,
+      nodes,
+      node_config(folder, nodes),
+      host=host,
+      insecure=insecure,
+      warm=warm,
     )
   return fed.start()
 

@@ -134,8 +134,10 @@ def test_a_killed_server_resumes_to_the_uninterrupted_run(tmp_path):
 
 
 def test_ctrl_c_stops_every_process_and_keeps_what_was_written(tmp_path):
+  # Flower's own launcher here (a fresh process for every message), the
+  # warm SuperExec everywhere else.
   workdir = str(tmp_path / 'dep')
-  proc = _start(workdir, '--insecure_federation')
+  proc = _start(workdir, '--insecure_federation', '--nowarm_superexec')
   _wait_rows(workdir, 1, lambda: proc.poll() is None)
   proc.send_signal(signal.SIGINT)
   out, err = proc.communicate(timeout=300)

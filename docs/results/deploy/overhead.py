@@ -2,13 +2,18 @@
 default setting (experiments/configs/default.flags: Fashion-MNIST,
 cnn_mnist, 100 clients, K = 10), on 2 and on 5 local SuperNodes.
 
-  python docs/results/deploy/overhead.py > docs/results/deploy/overhead.json
+  cd docs/results/deploy
+  python overhead.py > overhead_warm.json
+  python overhead.py --cold > overhead.json
 
 Runs the setting `--rounds` times (4 unless given) with `experiments.run`'s
 pipeline (`experiment.train_and_evaluate`, at the setting's own devices
 and chunks) and deployed with `launch.run` on a local federation (a
 SuperLink and N SuperNodes as processes, TLS and node authentication) of
-each `--nodes` (2,5 unless given), each in a fresh workdir, and reads each
+each `--nodes` (2,5 unless given), each in a fresh workdir (the nodes'
+App processes forked from warm SuperExecs, `fedjax_mr.deploy.warm`;
+`--cold`: Flower's own launcher, a fresh process for every message; the
+record's `launcher`), and reads each
 round's `round_time_s` from the runs' metrics rows (the host loop's clock,
 after `block_until_ready`; evaluation is timed apart and not included).
 The first round compiles (and, deployed, starts every node's first
@@ -95,7 +100,13 @@ def summary(times: list[float]) -> dict:
   return {'round_times_s': times, 'median_s': statistics.median(steady)}
 
 
-def measure(setting: dict, rounds: int, nodes: list[int], folder: str):
+def measure(
+  setting: dict,
+  rounds: int,
+  nodes: list[int],
+  folder: str,
+  warm: bool = True,
+):
   """The record: the simulated run, then one deployed run per `nodes`."""
   flat = {**setting, 'rounds': rounds, 'eval_every': rounds}
 
@@ -111,6 +122,7 @@ def measure(setting: dict, rounds: int, nodes: list[int], folder: str):
     'cpus': os.cpu_count(),
     'commit': _commit(),
     'setting': flat,
+    'launcher': 'warm' if warm else 'flower',
     'load_average_before': list(os.getloadavg()),
   }
   c, workdir = config('simulated')
@@ -122,7 +134,7 @@ def measure(setting: dict, rounds: int, nodes: list[int], folder: str):
     # Deployed rounds sum one client at a time on one device, the order
     # the deployment's sums follow (docs/howto/deploy.md).
     c, workdir = config(f'deployed{n}', num_devices=1, client_chunk=1)
-    launch.run(c, n, log=quiet)
+    launch.run(c, n, log=quiet, warm=warm)
     deployed = summary(round_times(workdir))
     over = deployed['median_s'] - simulated['median_s']
     record['deployed'].append(
@@ -141,6 +153,9 @@ def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--rounds', type=int, default=4)
   parser.add_argument('--nodes', default='2,5')
+  parser.add_argument(
+    '--cold', action='store_true', help="Flower's own launcher"
+  )
   parser.add_argument('values', nargs='*', help='key=value setting changes')
   args = parser.parse_args(argv)
   setting = dict(DEFAULT)
@@ -150,7 +165,7 @@ def main(argv: list[str]) -> None:
   nodes = [int(n) for n in args.nodes.split(',')]
   start = time.monotonic()
   with tempfile.TemporaryDirectory(prefix='deploy_overhead_') as folder:
-    record = measure(setting, args.rounds, nodes, folder)
+    record = measure(setting, args.rounds, nodes, folder, not args.cold)
   record['wall_s'] = time.monotonic() - start
   print(json.dumps(record, indent=1))
   print(table_rows(record), file=sys.stderr)
