@@ -35,6 +35,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from typing import Callable
@@ -169,6 +170,9 @@ class Federation:
     self.node_ids: list[int] = []
     self._group = None
     self._processes: list[subprocess.Popen] = []
+    # The warm SuperExecs: (log name, its process, its SuperLink's or
+    # SuperNode's process).
+    self._superexecs: list[tuple[str, subprocess.Popen, subprocess.Popen]] = []
     # Marks the environment of every process of this federation (and of
     # their children, those Flower starts in sessions of their own too).
     self.mark = f'{os.getpid()}-{uuid.uuid4().hex}'
@@ -394,11 +398,21 @@ class Federation:
       if root_certificates is None
       else options(root_certificates=root_certificates)
     )
-    return self._start(
+    process = self._start(
       name,
       [sys.executable, '-m', WARM_SUPEREXEC, *tls]
       + options(runtime_api_address=runtime_address, parent_pid=parent.pid),
     )
+    self._superexecs.append((name, process, parent))
+    return process
+
+  def _ended_superexec(self) -> str | None:
+    """The log name of a warm SuperExec that ended while its SuperLink or
+    SuperNode lives (nothing would start that one's App processes)."""
+    for name, process, parent in self._superexecs:
+      if process.poll() is not None and parent.poll() is None:
+        return name
+    return None
 
   def _wait_for_superlink(self) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -488,12 +502,29 @@ class Federation:
         process_group=self._group,
       )
       self._processes.append(process)
+      ended = []
+
+      def watch() -> None:
+        while process.poll() is None:
+          name = self._ended_superexec()
+          if name is not None:
+            ended.append(name)
+            process.terminate()
+            return
+          time.sleep(1)
+
+      threading.Thread(target=watch, daemon=True).start()
       for line in process.stdout:
         out.write(line)
         out.flush()
         if echo is not None and _own_line(line):
           echo(line.rstrip('\n'))
       code = process.wait()
+    if ended:
+      raise FederationError(
+        f'the SuperExec of {ended[0]} ended; see '
+        f'{os.path.join(self.logs, ended[0] + ".log")}'
+      )
     if code:
       raise FederationError(
         f'flwr run failed ({code}); see {os.path.join(self.logs, "run.log")}'

@@ -141,10 +141,14 @@ def run(
       if insecure:
         where = host if superlink is None else superlink.address
         log(INSECURE_WARNING.format(address=where))
-      fed = _start(folder, nodes, host, insecure, superlink, warm)
+      try:
+        fed = _start(folder, nodes, host, insecure, superlink, warm)
+      except federation_lib.FederationError as e:
+        raise errors.UserError(str(e)) from None
     try:
       log(f'federation: a SuperLink on {fed.address}, {nodes} SuperNodes')
-      fed.run(
+      _run(
+        fed,
         app,
         {
           'spec': spec,
@@ -154,13 +158,27 @@ def run(
           'node-ids': ','.join(map(str, fed.node_ids)),
           'round-timeout': float(round_timeout),
         },
-        echo=log,
+        log,
       )
     finally:
       if federation is None:
         fed.stop()
     _check_result(result, fed)
   return workdir
+
+
+def _run(
+  fed: federation_lib.Federation,
+  app: str,
+  run_config: dict,
+  log: Callable[[str], None],
+) -> None:
+  """`fed.run`, its failure (a process of the federation that ended, the
+  run not submitted) one line."""
+  try:
+    fed.run(app, run_config, echo=log)
+  except federation_lib.FederationError as e:
+    raise errors.UserError(str(e)) from None
 
 
 def _check_arguments(

@@ -3,29 +3,26 @@ start as forks of an interpreter that has already imported them.
 
 Flower 1.42 runs every message a node gets (and every run's ServerApp) in
 a fresh process: its SuperExec starts `flwr-clientapp` (`flwr-serverapp`),
-which imports Flower, JAX and this package before it reads the message,
-about 6 s of a core here and most of a deployed round's time
-(docs/results/deploy/overhead.json). This module is `flower-superexec`
-with one change: the process of a ClientApp or ServerApp task is a fork
-of this one, made after the imports, that runs Flower's own
-`flwr-clientapp` (`flwr-serverapp`) entry point with the arguments Flower
-would give it. Everything from there on is Flower's: the Runtime API, the
-task's token, the message, the App and its reply. Nothing has touched JAX's
-backends before the fork (imports only), so each task starts its own, as a
-fresh process does.
+which imports Flower, JAX and this package before it reads the message:
+about 6 s of a core here for each message, most of a round's time in a
+small run (docs/howto/deploy.md, "Warm App processes"). This module is
+`flower-superexec` with one change: the process of a ClientApp or
+ServerApp task is a fork of this one, made after the imports, that runs
+Flower's own `flwr-clientapp` (`flwr-serverapp`) entry point with the
+arguments Flower would give it. Everything from there on is Flower's: the
+Runtime API, the task's token, the message, the App and its reply.
+Nothing has touched JAX's backends before the fork (imports only), so
+each task starts its own, as a fresh process does.
 
-Run it where Flower would run its SuperExec, with the same arguments, next
-to a SuperNode (or SuperLink) started with `--isolation process`:
+Run it where Flower would run its SuperExec, with the arguments Flower
+gives `flower-superexec`, next to a SuperNode (or a SuperLink) whose
+isolation option is `process`, in which Flower starts no SuperExec itself
+(`python -m fedjax_mr.deploy.warm`; docs/howto/deploy.md has a real
+fleet's command lines; `federation.Federation` starts one per process).
 
-  flower-supernode --isolation process --port 9094 ...
-  python -m fedjax_mr.deploy.warm --insecure \\
-      --runtime-api-address 127.0.0.1:9094 --parent-pid <the SuperNode's>
-
-Flower starts nothing itself in that mode. It leans on two names inside
-Flower (the subprocess executor's `launch` and the exit handlers'
-registry), checked at start: with another Flower it refuses to start,
-saying so, and `--isolation subprocess` (Flower's own launcher) is the way
-back.
+It leans on two names inside Flower (the subprocess executor's `launch`
+and the exit handlers' registry), pinned with Flower's version
+(pyproject.toml); Flower's own isolation, `subprocess`, is the way back.
 """
 
 from __future__ import annotations

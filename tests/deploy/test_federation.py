@@ -11,6 +11,7 @@ import pytest
 
 from fedjax_mr.deploy import credentials
 from fedjax_mr.deploy import federation
+from fedjax_mr.deploy import launch
 from fedjax_mr.deploy import watchdog
 
 
@@ -63,6 +64,17 @@ def test_only_registered_nodes_with_the_ca_join(tmp_path):
     assert 'CERTIFICATE_VERIFY_FAILED' in _log(folder, 'no_ca')
     assert fed.online_nodes() == 1
     assert len(_group_members(group)) > 2  # watchdog, link, node, execs
+    # A warm SuperExec that ends under its living SuperNode (nothing would
+    # start that node's App processes): the run stops, naming its log.
+    ((name, superexec, node),) = [
+      s for s in fed._superexecs if s[0] != 'superexec'
+    ]
+    superexec.kill()
+    superexec.wait()
+    app = launch.write_app(str(tmp_path / 'app'))
+    with pytest.raises(federation.FederationError, match=f'{name}.log'):
+      fed.run(app, {'spec': str(tmp_path)})
+    assert node.poll() is None
   assert _group_members(group) == []
   # Flower's home and temporary files stayed in the folder.
   assert os.path.exists(f'{folder}/home/config.toml')

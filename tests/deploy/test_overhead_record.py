@@ -1,6 +1,7 @@
-"""The deploy page's round-time table is its record's
-(docs/results/deploy/overhead.json, made by docs/results/deploy/
-overhead.py), and names the machine and the load it was measured at."""
+"""The deploy page's round-time tables are their records' (docs/results/
+deploy/overhead.json, Flower's own launcher, and overhead_warm.json, the
+warm SuperExec; made by docs/results/deploy/overhead.py), and name the
+machine and the load they were measured at."""
 
 import json
 import os
@@ -9,15 +10,17 @@ import statistics
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-RECORD = os.path.join(REPO, 'docs', 'results', 'deploy', 'overhead.json')
+RECORDS = os.path.join(REPO, 'docs', 'results', 'deploy')
 OVERHEAD = '| nodes | simulated (s/round) | deployed (s/round) |'
+OVERHEAD_WARM = '| nodes | simulated (s/round) | deployed warm (s/round) |'
 
 
-def check_overhead_table(text):
-  """Each row of the round-time table, as its record's figures print it,
-  and the prose beside it: the machine, the commit, the load."""
-  with open(RECORD) as f:
+def check_overhead_table(text, name='overhead.json', launcher='flower'):
+  """Each row of the round-time table of record `name`, as its figures
+  print it, and the prose beside it: the machine, the commit, the load."""
+  with open(os.path.join(RECORDS, name)) as f:
     record = json.load(f)
+  assert record.get('launcher', 'flower') == launcher
   # The default setting, not a quick check of the script.
   setting = record['setting']
   assert setting['dataset'] == 'fashion_mnist'
@@ -49,11 +52,19 @@ def check_overhead_table(text):
     assert line in text, line
 
 
-# The table's header line (its start) and its check, for
+def check_overhead_warm_table(text):
+  check_overhead_table(text, 'overhead_warm.json', 'warm')
+
+
+# Each table's header line (its start) and its check, for
 # tests/test_results_tables_tight.py.
-TABLES = {OVERHEAD: check_overhead_table}
+TABLES = {
+  OVERHEAD: check_overhead_table,
+  OVERHEAD_WARM: check_overhead_warm_table,
+}
 
 
-def test_the_overhead_table_is_recomputed_from_its_record():
+@pytest.mark.parametrize('header', sorted(TABLES))
+def test_the_overhead_tables_are_recomputed_from_their_records(header):
   with open(os.path.join(REPO, 'docs', 'howto', 'deploy.md')) as f:
-    check_overhead_table(f.read())
+    TABLES[header](f.read())
