@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent import futures
 from typing import Callable
 from typing import Mapping
 from typing import NamedTuple
@@ -302,9 +303,10 @@ class Federation:
       self._start_superlink()
       self._wait_for_superlink()
       if not self.insecure:
-        self.node_ids = [
-          self._register(key) for key in self.credentials.node_public_keys
-        ]
+        # One `flwr` process a key, all at once (each mostly imports).
+        keys = self.credentials.node_public_keys
+        with futures.ThreadPoolExecutor(len(keys)) as pool:
+          self.node_ids = list(pool.map(self._register, keys))
       self.nodes = [self.start_node(i) for i in range(self.num_nodes)]
     except BaseException:
       self.stop()
