@@ -20,8 +20,9 @@ isolation option is `process`, in which Flower starts no SuperExec itself
 (`python -m fedjax_mr.deploy.warm`; docs/howto/deploy.md has a real
 fleet's command lines; `federation.Federation` starts one per process).
 
-It leans on two names inside Flower (the subprocess executor's `launch`
-and the exit handlers' registry), pinned with Flower's version
+It leans on names inside Flower (the subprocess executor's `launch` and
+`reconcile`, the exit handlers' registry, the entry points), pinned with
+Flower's version
 (pyproject.toml); Flower's own isolation, `subprocess`, is the way back.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import traceback
 
@@ -55,12 +57,14 @@ ENTRY_POINTS = {
 }
 
 
-def _arguments(executor, spec) -> list[str]:
-  """The command line Flower's subprocess executor gives the task."""
+def _arguments(executor, spec) -> tuple[list[str], bool]:
+  """The command line Flower's subprocess executor gives the task, and
+  whether it sends the task's output to /dev/null (Flower's launcher does
+  for a ServerApp, whose lines the run's log stream carries)."""
   seen = []
 
   def popen(args, **kwargs):
-    seen.append(list(args))
+    seen.append((list(args), kwargs.get('stdout') == subprocess.DEVNULL))
 
   saved = subprocess_executor.subprocess.Popen
   subprocess_executor.subprocess.Popen = popen
@@ -68,16 +72,22 @@ def _arguments(executor, spec) -> list[str]:
     _STOCK_LAUNCH(executor, spec)
   finally:
     subprocess_executor.subprocess.Popen = saved
-  (args,) = seen
-  return args
+  (found,) = seen
+  return found
 
 
-def _run_task(entry, args: list[str]) -> None:
-  """In the forked process: Flower's entry point with `args`, then exit
-  without running this process's parent's exit or `atexit` handlers (they
-  would close the SuperExec's connections, which the fork shares)."""
+def _run_task(entry, args: list[str], quiet: bool) -> None:
+  """In the forked process: Flower's entry point with `args` (its output
+  to /dev/null if `quiet`), then exit without running this process's
+  parent's exit or `atexit` handlers (they would close the SuperExec's
+  connections, which the fork shares)."""
   code = 1
   try:
+    if quiet:
+      null = os.open(os.devnull, os.O_WRONLY)
+      os.dup2(null, 1)
+      os.dup2(null, 2)
+      os.close(null)
     for sig in (signal.SIGINT, signal.SIGTERM):
       signal.signal(sig, signal.SIG_DFL)
     exit_handler.registered_exit_handlers.clear()
@@ -116,12 +126,12 @@ def _launch(self, spec):
   entry = ENTRY_POINTS.get(spec.task_type)
   if entry is None:
     return _STOCK_LAUNCH(self, spec)
-  args = _arguments(self, spec)
+  args, quiet = _arguments(self, spec)
   sys.stdout.flush()
   sys.stderr.flush()
   pid = os.fork()
   if pid == 0:
-    _run_task(entry, args)
+    _run_task(entry, args, quiet)
   _children.add(pid)
   return executor_types.LaunchResult.accepted()
 

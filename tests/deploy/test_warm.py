@@ -36,12 +36,15 @@ def test_a_task_gets_the_command_line_of_flowers_launcher():
     (TaskType.SERVER_APP, 'flwr-serverapp'),
   ):
     for insecure in (False, True):
-      args = warm._arguments(executor, _spec(task_type, insecure=insecure))
-      tls = ['--insecure'] if insecure else ['--root-certificates', '/ca.crt']
-      assert args == [
-        command, '--runtime-api-address', '127.0.0.1:9094',
-        '--token', 'a-token', *tls, '--parent-pid', '42',
-      ]  # fmt: skip
+      for quiet in (False, True):
+        spec = _spec(task_type, insecure=insecure, suppress_output=quiet)
+        args, got_quiet = warm._arguments(executor, spec)
+        tls = ['--insecure'] if insecure else ['--root-certificates', '/ca.crt']
+        assert args == [
+          command, '--runtime-api-address', '127.0.0.1:9094',
+          '--token', 'a-token', *tls, '--parent-pid', '42',
+        ]  # fmt: skip
+        assert got_quiet == quiet
   # The stock launcher is left as it was.
   assert subprocess_executor.subprocess.Popen is subprocess.Popen
 
