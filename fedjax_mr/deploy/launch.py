@@ -141,10 +141,7 @@ def run(
       if insecure:
         where = host if superlink is None else superlink.address
         log(INSECURE_WARNING.format(address=where))
-      try:
-        fed = _start(folder, nodes, host, insecure, superlink, warm)
-      except federation_lib.FederationError as e:
-        raise errors.UserError(str(e)) from None
+      fed = _start(folder, nodes, host, insecure, superlink, warm)
     try:
       log(f'federation: a SuperLink on {fed.address}, {nodes} SuperNodes')
       _run(
@@ -225,7 +222,10 @@ def _start(
       insecure=insecure,
       warm=warm,
     )
-  return fed.start()
+  try:
+    return fed.start()
+  except federation_lib.FederationError as e:  # one line
+    raise errors.UserError(str(e)) from None
 
 
 def _check_superlink(
