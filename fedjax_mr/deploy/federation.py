@@ -303,9 +303,11 @@ class Federation:
       self._start_superlink()
       self._wait_for_superlink()
       if not self.insecure:
-        # One `flwr` process a key, all at once (each mostly imports).
+        # One `flwr` process a key, a few at once (each mostly imports;
+        # a large federation's hundred would not fit in memory together).
         keys = self.credentials.node_public_keys
-        with futures.ThreadPoolExecutor(len(keys)) as pool:
+        at_once = min(len(keys), 2 * (os.cpu_count() or 1))
+        with futures.ThreadPoolExecutor(at_once) as pool:
           self.node_ids = list(pool.map(self._register, keys))
       self.nodes = [self.start_node(i) for i in range(self.num_nodes)]
     except BaseException:
