@@ -327,13 +327,28 @@ def held_out(data: SyntheticData, seed: int) -> tuple[np.ndarray, np.ndarray]:
   `(x [M, 60] float32, y [M] int32)`, M ≤ 10,000; `seed` picks the
   clients (the seed of `data`)."""
   ids, positions = held_out_positions(np.asarray(data.sizes), seed)
-  generate = jax.jit(
-    jax.vmap(
-      lambda k, j: examples(data.key, data.alpha, data.beta, k, j[None]),
-    )
+  # Padded to a power of two (each example is drawn on its own, so the
+  # padding changes no bit of the others): one compiled generator serves
+  # every data set of a bucket, where one of each M would compile anew.
+  m = len(ids)
+  padded = max(64, 1 << (m - 1).bit_length())
+  pad = (0, padded - m)
+  x, y = _generate(
+    data.key,
+    data.alpha,
+    data.beta,
+    jnp.asarray(np.pad(ids, pad)),
+    jnp.asarray(np.pad(positions, pad)),
   )
-  x, y = generate(jnp.asarray(ids), jnp.asarray(positions))
-  return np.asarray(x[:, 0]), np.asarray(y[:, 0])
+  return np.asarray(x[:m, 0]), np.asarray(y[:m, 0])
+
+
+@jax.jit
+def _generate(key, alpha, beta, ids, positions):
+  """`examples` of one position each: `(x [M, 1, 60], y [M, 1])`."""
+  return jax.vmap(lambda k, j: examples(key, alpha, beta, k, j[None]))(
+    ids, positions
+  )
 
 
 def summary(data: SyntheticData, alpha: float, beta: float) -> dict:
