@@ -5,11 +5,14 @@ needs every client's model) and for SCAFFOLD (whose client state lives on
 the nodes); a deployed FedStitch run (each node holding the block pool and
 its clients' examples) ends with `experiments.stitch`'s own records. One
 federation serves the runs, as a real fleet serves many
-(`launch.run(..., federation=)`); the program's own start of a
+(`launch.run(..., federation=)`), and last a run one of whose nodes is
+killed mid-round and started again; the program's own start of a
 federation is tested in test_deploy_faults.py."""
 
 import json
 import os
+import threading
+import time
 
 import jax
 import numpy as np
@@ -52,6 +55,20 @@ def _rows(workdir, name):
       {k: v for k, v in json.loads(line).items() if k not in TIMES}
       for line in f
     ]
+
+
+def wait_rows(workdir, n, alive, timeout=900):
+  """Waits for `n` metrics rows in `workdir` while `alive()` holds."""
+  path = os.path.join(workdir, 'metrics.jsonl')
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if os.path.exists(path):
+      with open(path) as f:
+        if len(f.readlines()) >= n:
+          return
+    assert alive(), 'the run ended early'
+    time.sleep(0.5)
+  raise AssertionError(f'{n} rows never came')
 
 
 def config(workdir, **values):
@@ -184,3 +201,49 @@ def test_deployed_fedstitch_equals_experiments_stitch(
   )
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_killed_node_fails_its_clients_and_rejoins(tmp_path, fed):
+  workdir = tmp_path / 'dep'
+  nodes = NODES
+  lines, failures = [], []
+
+  def deploy(rounds):
+    try:
+      launch.run(
+        config(workdir, algorithm='fedavg', rounds=rounds),
+        nodes,
+        round_timeout=120,
+        federation=fed,
+        log=lines.append,
+      )
+    except BaseException as e:  # noqa: BLE001 - reported below
+      failures.append(e)
+
+  run = threading.Thread(target=deploy, args=(2,))
+  run.start()
+  wait_rows(str(workdir), 1, run.is_alive)
+  # Round 2 trains clients 4, 6 and 0 (seed 3): node 1 serves client 4.
+  fed.nodes[1].kill()
+  fed.nodes[1].wait()
+  run.join(900)
+  assert not failures, failures
+  rows = _rows(workdir, 'metrics.jsonl')
+  assert rows[1]['client_ids'] == [4, 6, 0]
+  assert rows[1]['failed_clients'] == [4]
+  clients = _rows(workdir, 'clients.jsonl')[1]['clients']
+  assert [c.get('failed', False) for c in clients] == [True, False, False]
+  assert any('client 4 failed' in line for line in lines)
+  # Node 1 comes back (its registered key: the same node id) and
+  # serves round 3 of the run, resumed with one more round; the module's
+  # federation is whole again for the tests after this one.
+  fed.nodes[1] = fed.start_node(1)
+  deadline = time.monotonic() + 300
+  # (Each look is a `flwr` process: a few seconds apart.)
+  while fed.online_nodes() < nodes and time.monotonic() < deadline:
+    time.sleep(3)
+  deploy(3)
+  assert not failures, failures
+  rows = _rows(workdir, 'metrics.jsonl')
+  assert len(rows) == 3 and 'failed_clients' not in rows[2]
+  assert any(c % nodes == 1 for c in rows[2]['client_ids'])

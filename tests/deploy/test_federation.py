@@ -25,7 +25,7 @@ def _wait_online(fed, count, timeout=60):
   while time.monotonic() < deadline:
     if fed.online_nodes() == count:
       return
-    time.sleep(0.5)
+    time.sleep(2)  # each look is a `flwr` process
   raise AssertionError(f'{count} nodes never came online')
 
 
