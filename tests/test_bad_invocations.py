@@ -12,8 +12,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from fedjax_mr.energy import profiles as energy_profiles
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment
 from tests import docs_text
+from tests import fork_server
 from tests import helpers
 from tests.data import test_idx_and_datasets as idx_tests
 
@@ -791,18 +790,16 @@ def test_bad_invocations(program, tmp_path, bad_data, request):
     [_substitute(a, scratch, bad_data) for a in [*extra, *argv]]
     for argv, _ in CASES[program]
   ]
-  proc = subprocess.run(
-    [
-      sys.executable,
-      '-m',
-      'tests.bad_invocations',
-      program,
-      json.dumps(argvs),
-      scratch,
-    ],
+  # A process of its own, forked from one that imported the libraries the
+  # programs share (tests/fork_server.py): each program's own
+  # imports and flags are made in it, as `python -m` makes them.
+  proc = fork_server.run_module(
+    'tests.bad_invocations',
+    program,
+    json.dumps(argvs),
+    scratch,
     cwd=REPO,
-    capture_output=True,
-    text=True,
+    env=dict(os.environ),
     timeout=600,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,19 +12,17 @@ its console script) knows every flag it is given, each extra that
 `pip install` names exists, and each script or path it runs is there.
 """
 
-import concurrent.futures
 import functools
 import importlib.metadata
 import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 import tomllib
 
 from tests import docs_text
+from tests import fork_server
 
 REPO = docs_text.REPO
 PAGES = ['docs/quickstart.md'] + sorted(
@@ -97,14 +95,9 @@ def test_python_block_runs(case, tmp_path):
     return  # tests/test_readme.py runs it
   if name.endswith('add-algorithm.md'):
     return  # tests/test_docs_add_algorithm.py imports and runs both blocks
-  proc = subprocess.run(
-    [sys.executable, '-c', code],
-    cwd=tmp_path,
-    capture_output=True,
-    text=True,
-    timeout=600,
-    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
-  )
+  # `python -c`, in a process forked from one that imported the libraries
+  # (tests/fork_server.py).
+  proc = fork_server.run_module('-c', code, cwd=tmp_path, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   expected = re.search(r'this prints\s+`([^`]+)`', docs_text.read(name))
   if expected and expected[1].split()[0] in code:
@@ -148,13 +141,10 @@ def commands(code):
 @functools.cache
 def program_flags(program):
   """The flags `python -m experiments.<program>` knows (its --helpfull)."""
-  proc = subprocess.run(
-    [sys.executable, '-m', f'experiments.{program}', '--helpfull'],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
+  # Its own process, forked from one that imported the libraries the
+  # programs share (tests/fork_server.py).
+  proc = fork_server.run_module(
+    f'experiments.{program}', '--helpfull', cwd=REPO, timeout=300
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   flags = set()
@@ -224,16 +214,6 @@ def check_command(command):
     compile(words[2], '<-c>', 'exec')
   else:
     assert tool in PLAIN_COMMANDS, f'a command this test does not know: {tool}'
-
-
-@pytest.fixture(scope='module', autouse=True)
-def _flags_in_parallel():
-  """Reads every program's flags at once (each --helpfull starts jax)."""
-  programs = {
-    p[0] for c in SHELL for cmd in commands(c[2]) if (p := _program(cmd))
-  }
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    list(pool.map(program_flags, sorted(programs)))
 
 
 @pytest.mark.parametrize('case', SHELL, ids=[_id(c) for c in SHELL])

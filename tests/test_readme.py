@@ -3,10 +3,9 @@ it stays a landing page."""
 
 import os
 import re
-import subprocess
-import sys
 
 from tests import docs_text
+from tests import fork_server
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 
@@ -22,12 +21,10 @@ def test_library_example_runs_and_learns():
   assert code, 'README example block not found'
   lines = code.group(1).strip().splitlines()
   assert len(lines) <= 25
-  proc = subprocess.run(
-    [sys.executable, '-c', code.group(1)],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=600,
+  # `python -c`, in a process forked from one that imported the libraries
+  # (tests/fork_server.py); this process's environment.
+  proc = fork_server.run_module(
+    '-c', code.group(1), cwd=REPO, env=dict(os.environ), timeout=600
   )
   assert proc.returncode == 0, proc.stderr
   rows = [line.split() for line in proc.stdout.strip().splitlines()]

@@ -10,10 +10,13 @@ import sys
 import pytest
 
 from fedjax_mr.stitch import state as state_lib
-from tests import helpers
+from tests import fork_server
 from tests.energy import fake_sysfs
 
-_run = helpers.run_module
+# Each program in a process of its own, forked from one that imported the
+# libraries once (tests/fork_server.py); the SIGTERM test's
+# interrupted run is a process of the test's own.
+_run = fork_server.run_module
 _LOG = re.compile(r'^[IWEF]\d{4} ')  # absl log lines (not errors)
 
 

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +14,7 @@ from fedjax_mr.data import client_data
 from fedjax_mr.pipeline import experiment
 from fedjax_mr.runtime import metrics_io
 from fedjax_mr.training import evaluation
+from tests import fork_server
 from tests import helpers
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -160,21 +159,19 @@ def test_program_on_a_finished_run(small_fmnist_dir, tmp_path):
   experiment.train_and_evaluate(cfg, work, log=lambda line: None)
   before = sorted(os.listdir(work))
   out = tmp_path / 'out'
-  proc = subprocess.run(
-    [
-      sys.executable,
-      '-m',
-      'experiments.landscape',
-      f'--workdir={work}',
-      f'--output={out}',
-      '--steps=3',
-      '--extent=0.5',
-      '--num_examples=0',
-      '--points_per_pass=4',
-    ],
+  # A process of its own, forked from one that imported the libraries the
+  # programs share (tests/fork_server.py); this process's
+  # environment.
+  proc = fork_server.run_module(
+    'experiments.landscape',
+    f'--workdir={work}',
+    f'--output={out}',
+    '--steps=3',
+    '--extent=0.5',
+    '--num_examples=0',
+    '--points_per_pass=4',
     cwd=REPO,
-    capture_output=True,
-    text=True,
+    env=dict(os.environ),
     timeout=300,
   )
   assert proc.returncode == 0, proc.stderr[-3000:]

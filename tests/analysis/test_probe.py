@@ -20,6 +20,7 @@ from fedjax_mr.pipeline import experiment
 from fedjax_mr.pipeline import stitch_config
 from fedjax_mr.stitch import network
 from fedjax_mr.stitch import pool as pool_lib
+from tests import fork_server
 from tests import helpers
 
 REFERENCE = 120  # public examples the tiny probe is fitted on
@@ -267,7 +268,9 @@ def test_the_program_prints_each_round_and_the_mean(tiny, tmp_path):
   shutil.copytree(
     tiny['run'], work, ignore=shutil.ignore_patterns('probe.json')
   )
-  proc = helpers.run_module(
+  # A process of its own, forked from one that imported the libraries the
+  # programs share (tests/fork_server.py).
+  proc = fork_server.run_module(
     'experiments.probe',
     f'--workdir={work}',
     f'--knn_reference={REFERENCE}',

@@ -8,8 +8,6 @@ the rows written here.
 import json
 import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from fedjax_mr.analysis import stitch_tables
 from fedjax_mr.core import errors
 from fedjax_mr.core import jsonfile
 from fedjax_mr.stitch import state as state_lib
+from tests import fork_server
 
 REPO = os.path.dirname(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,20 +286,15 @@ def results(dirs, tmp_path_factory):
   argvs = [[*good[k], f'--output={out[k]}'] for k in good] + [
     bad[k][0] for k in bad
   ]
-  proc = subprocess.run(
-    [
-      sys.executable,
-      '-m',
-      'tests.bad_invocations',
-      'experiments.stitch_figures',
-      json.dumps(argvs),
-      scratch,
-    ],
+  # A process of its own, forked from one that imported the libraries the
+  # programs share (tests/fork_server.py).
+  proc = fork_server.run_module(
+    'tests.bad_invocations',
+    'experiments.stitch_figures',
+    json.dumps(argvs),
+    scratch,
     cwd=REPO,
-    capture_output=True,
-    text=True,
     timeout=300,
-    env={**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2'},
   )
   assert proc.returncode == 0, proc.stderr
   got = dict(zip(names, json.loads(proc.stdout)))
