@@ -53,45 +53,57 @@ def test_one_step_equals_hand_computation(adaptive):
   assert int(out.num_steps) == 1
 
 
+def _rounds(algorithm, model, data, rounds):
+  """The state after each of `rounds` engine rounds from the same init and
+  key, and each round's total step count."""
+  fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=4))
+  state = engine.init_state(algorithm, model.init(jax.random.key(0)))
+  states, steps = [], []
+  for _ in range(rounds):
+    state, metrics = fn(state, data, jax.random.key(4))
+    states.append(jax.device_get(state))
+    steps.append(int(metrics['num_steps']))
+  return states, steps
+
+
+@pytest.fixture(scope='module')
+def toy_setup():
+  model = helpers.linear_bn_model()
+  data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
+  return model, data, contract.local_training(model)
+
+
+@pytest.fixture(scope='module')
+def fedavg_rounds(toy_setup):
+  # FedAvg's three rounds, the reference of every test below (they ran it
+  # once each before).
+  model, data, local = toy_setup
+  return _rounds(fedavg.fedavg(local, 4), model, data, 3)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('adaptive', [False, True])
-def test_rho_zero_is_fedavg_exactly(adaptive):
-  model = helpers.linear_bn_model()
-  data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
-  local = contract.local_training(model)
-  states, steps = [], []
-  for algorithm in (
-    fedasam.fedasam(local, 4, rho=0.0, adaptive=adaptive),
-    fedavg.fedavg(local, 4),
-  ):
-    fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=4))
-    state = engine.init_state(algorithm, model.init(jax.random.key(0)))
-    for _ in range(3):
-      state, metrics = fn(state, data, jax.random.key(4))
-      steps.append(int(metrics['num_steps']))
-    states.append(jax.device_get(state))
-  helpers.tree_equal(states[0], states[1])
-  assert steps[:3] == steps[3:]
+def test_rho_zero_is_fedavg_exactly(toy_setup, fedavg_rounds, adaptive):
+  model, data, local = toy_setup
+  states, steps = _rounds(
+    fedasam.fedasam(local, 4, rho=0.0, adaptive=adaptive), model, data, 3
+  )
+  helpers.tree_equal(states[-1], fedavg_rounds[0][-1])
+  assert steps == fedavg_rounds[1]
 
 
 @pytest.mark.slow
-def test_sharpness_aware_steps_differ_but_keep_step_counts():
-  model = helpers.linear_bn_model()
-  data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
-  local = contract.local_training(model)
-  runs = {}
+def test_sharpness_aware_steps_differ_but_keep_step_counts(
+  toy_setup, fedavg_rounds
+):
+  model, data, local = toy_setup
+  runs = {'fedavg': (fedavg_rounds[0][0].server.params, fedavg_rounds[1][0])}
   for name, algorithm in (
     ('asam', fedasam.fedasam(local, 4)),
     ('sam', fedasam.fedasam(local, 4, rho=0.1, adaptive=False)),
-    ('fedavg', fedavg.fedavg(local, 4)),
   ):
-    fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=4))
-    state = engine.init_state(algorithm, model.init(jax.random.key(0)))
-    state, metrics = fn(state, data, jax.random.key(4))
-    runs[name] = (
-      jax.device_get(state.server.params),
-      int(metrics['num_steps']),
-    )
+    states, steps = _rounds(algorithm, model, data, 1)
+    runs[name] = (states[0].server.params, steps[0])
   assert runs['asam'][1] == runs['sam'][1] == runs['fedavg'][1]
   for name in ('asam', 'sam'):
     diff = jax.tree.map(

@@ -206,15 +206,24 @@ def test_frozen_modules_run_in_evaluation_mode(as_argument):
   )
 
 
-@pytest.mark.slow
-def test_full_with_everyone_eligible_is_fedavg():
+@pytest.fixture(scope='module')
+def full_run():
+  """FT-Full's two rounds on the toy setup (the next two tests compare it
+  with FedAvg and with FT-Part; each ran it before): the setup and
+  `_run`'s result."""
   model = helpers.linear_bn_model()
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
   local = contract.local_training(model)
   variables = model.init(jax.random.key(0))
   # The tiny model's step fits every default budget: all 6 are eligible.
   ft = finetune.build_full(_setting(local, 4, 6), finetune.Hparams())
-  got, h_ft = _run(ft, variables, data, 4)
+  return (local, variables, data), _run(ft, variables, data, 4)
+
+
+@pytest.mark.slow
+def test_full_with_everyone_eligible_is_fedavg(full_run):
+  (local, variables, data), (got, h_ft) = full_run
+  h_ft = [dict(h) for h in h_ft]  # popped below; the fixture's stay whole
   want, h_avg = _run(fedavg.fedavg(local, 4), variables, data, 4)
   chex.assert_trees_all_equal(got, want)
   for a, b in zip(h_ft, h_avg):
@@ -222,16 +231,11 @@ def test_full_with_everyone_eligible_is_fedavg():
     chex.assert_trees_all_equal(a, b)
 
 
-def test_part_training_every_module_is_full():
-  model = helpers.linear_bn_model()
-  data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
-  local = contract.local_training(model)
-  variables = model.init(jax.random.key(0))
+def test_part_training_every_module_is_full(full_run):
+  (local, variables, data), (want, h_full) = full_run
   setting = _setting(local, 4, 6)
   part = finetune.build_part(setting, finetune.PartHparams(layers=3))
-  full = finetune.build_full(setting, finetune.Hparams())
   got, h_part = _run(part, variables, data, 4)
-  want, h_full = _run(full, variables, data, 4)
   chex.assert_trees_all_equal(got, want)
   chex.assert_trees_all_equal(h_part, h_full)
 

@@ -165,10 +165,12 @@ def test_zero_controls_first_round_is_plain_local_sgd():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
-def test_contract(dtype):
+def test_contract_with_bfloat16_controls():
+  # float32 controls (the default) meet the contract in test_registry's
+  # test_every_registered_algorithm_meets_the_contract[scaffold]; their
+  # norms: test_bfloat16_controls_halve_memory_and_keep_the_mean.
   history = contract.check_algorithm(
-    lambda local, k, n: scaffold.scaffold(local, k, n, control_dtype=dtype)
+    lambda local, k, n: scaffold.scaffold(local, k, n, control_dtype='bfloat16')
   )
   assert all(m['control_norm'] > 0 for m in history)
 
@@ -186,7 +188,8 @@ def test_bfloat16_controls_halve_memory_and_keep_the_mean():
     sizes[dtype] = sum(x.nbytes for x in jax.tree.leaves(state.clients))
     fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=3))
     for _ in range(3):
-      state, _ = fn(state, data, jax.random.key(1))
+      state, metrics = fn(state, data, jax.random.key(1))
+      assert metrics['control_norm'] > 0
     # c stays the mean of the stored c_i (dc is taken from stored values).
     helpers.assert_close(
       state.server.control,

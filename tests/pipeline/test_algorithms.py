@@ -19,11 +19,33 @@ from fedjax_mr.training import evaluation
 from tests import helpers
 
 
+def _small_config(data_dir):
+  return helpers.small_config(
+    data_dir, partition='dirichlet', local_eval_every=2
+  )
+
+
 @pytest.fixture
 def small_config(small_fmnist_dir):
-  return helpers.small_config(
-    small_fmnist_dir, partition='dirichlet', local_eval_every=2
-  )
+  return _small_config(small_fmnist_dir)
+
+
+@pytest.fixture(scope='module')
+def reference(small_fmnist_dir, tmp_path_factory):
+  """`reference(**changes)`: the uninterrupted run of `small_config` with
+  `changes`, run once for every test of this module that needs it."""
+  done = {}
+
+  def run(**changes):
+    key = tuple(sorted(changes.items()))
+    if key not in done:
+      cfg = _small_config(small_fmnist_dir).replace(**changes)
+      done[key] = experiment.train_and_evaluate(
+        cfg, str(tmp_path_factory.mktemp('reference')), log=_quiet
+      )
+    return done[key]
+
+  return run
 
 
 @pytest.fixture(scope='module')
@@ -58,9 +80,11 @@ def _crash_at(r_stop):
     {'algorithm': 'fedmut'},
   ],
 )
-def test_crash_and_resume_equals_uninterrupted(small_config, tmp_path, changes):
+def test_crash_and_resume_equals_uninterrupted(
+  small_config, reference, tmp_path, changes
+):
   cfg = small_config.replace(**changes)
-  ref = experiment.train_and_evaluate(cfg, str(tmp_path / 'ref'), log=_quiet)
+  ref = reference(**changes)
   work = str(tmp_path / 'crashed')
   with pytest.raises(RuntimeError, match='^crash$'):
     experiment.train_and_evaluate(cfg, work, log=_quiet, on_round=_crash_at(2))
@@ -234,11 +258,16 @@ def test_bad_algorithm_flags(small_config, tmp_path, changes, message):
   assert message in str(e.value)
 
 
-def test_resume_accepts_a_workdir_from_before_new_flags(small_config, tmp_path):
-  cfg = small_config.replace(rounds=1, algorithm='fedmut')
-  experiment.train_and_evaluate(cfg, str(tmp_path), log=_quiet)
+def test_resume_accepts_a_workdir_from_before_new_flags(
+  small_config, reference, tmp_path
+):
+  # The config.json that FedMut's reference run (the one
+  # test_crash_and_resume_equals_uninterrupted resumes against) wrote.
+  cfg = small_config.replace(algorithm='fedmut')
+  written = os.path.join(reference(algorithm='fedmut').workdir, 'config.json')
+  with open(written) as f:
+    saved = json.load(f)
   path = tmp_path / 'config.json'
-  saved = json.loads(path.read_text())
   del saved['fedmut_alpha']  # as written by an older version
   path.write_text(json.dumps(saved))
   checks.check_resumable(cfg, str(path))
