@@ -36,7 +36,15 @@ def test_train_and_evaluate_then_load_run_set_up_the_devices(
 ):
   code = SCRIPT.format(touch_jax_first=touch_jax_first, workdir=str(tmp_path))
   # A user's environment: not the tests' forced 2 host devices (conftest).
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  # Their other XLA flag (-O0) stays: it changes how fast XLA compiles,
+  # not the devices, and lets the interpreter read back what this session
+  # compiled (the session's compilation cache).
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = ' '.join(
+    f
+    for f in env.get('XLA_FLAGS', '').split()
+    if not f.startswith('--xla_force_host_platform_device_count')
+  )
   proc = subprocess.run(
     [sys.executable, '-c', code],
     cwd=REPO,
