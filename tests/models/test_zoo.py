@@ -1,6 +1,8 @@
 """ResNet-20/18, VGG-16, the char LSTM and logistic regression: counts,
 BatchNorm state, dropout, registry errors."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,15 @@ from tests import helpers
 
 def _abstract(m):
   return jax.eval_shape(m.init, jax.random.key(0))
+
+
+@functools.cache
+def _initialized(name, classes, shape):
+  """`(model, variables)`, built once for the module: initializing the
+  large zoo models takes seconds at -O0 (VGG-16 draws 33 M normals), and
+  several tests read the same ones."""
+  m = model_lib.get(name, classes, shape)
+  return m, m.init(jax.random.key(0))
 
 
 # Parameter counts as PyTorch counts them (BN scale and bias are parameters;
@@ -103,7 +114,7 @@ def test_resnet20_leaves_out_the_unused_final_bn():
 
 def test_lstm_count_and_leaves_follow_pytorch():
   # Not traced: jax transformations return dicts with sorted keys.
-  v = model_lib.get('char_lstm', 80, (80,)).init(jax.random.key(0))
+  _, v = _initialized('char_lstm', 80, (80,))
   # Insertion order = PyTorch's state_dict order (FedMR-p's model order).
   assert list(v['params']) == ['embed', 'lstm0', 'lstm1', 'fc']
   assert list(v['params']['lstm0']) == ['w_ih', 'w_hh', 'b_ih', 'b_hh']
@@ -139,9 +150,8 @@ def test_lstm_layer_matches_the_pytorch_equations():
 
 
 def test_char_lstm_takes_int_tokens():
-  m = model_lib.get('char_lstm', 80, (80,))
+  m, v = _initialized('char_lstm', 80, (80,))
   assert m.input_dtype == jnp.int32
-  v = m.init(jax.random.key(0))
   x = np.random.default_rng(0).integers(0, 80, (3, 80)).astype(np.uint8)
   logits, state = m.apply_train(v, x, jax.random.key(1))
   assert logits.shape == (3, 80) and state == {}
@@ -183,11 +193,21 @@ def test_batch_norm_momentum_and_mask():
   helpers.assert_close(stats['var'], 0.9 + 0.1 * real.var(0), rtol=1e-5)
 
 
-@pytest.mark.parametrize('name', ['resnet20', 'resnet18', 'vgg16'])
-def test_padded_rows_change_neither_statistics_nor_real_logits(name):
-  m = model_lib.get(name, 10, (8, 8, 3))
-  v = m.init(jax.random.key(0))
-  x = jax.random.normal(jax.random.key(1), (3, 8, 8, 3))
+# ResNet-18 at width 16: the same module, basic blocks and BatchNorms
+# (after every convolution and in the projection shortcuts) as at full
+# width, with 1/16 of its parameters to draw; the split test below
+# initializes the same model at the same shape.
+@pytest.mark.parametrize(
+  'name,shape',
+  [
+    ('resnet20', (8, 8, 3)),
+    ('resnet18_w16', (8, 8, 1)),
+    ('vgg16', (8, 8, 3)),
+  ],
+)
+def test_padded_rows_change_neither_statistics_nor_real_logits(name, shape):
+  m, v = _initialized(name, 10, shape)
+  x = jax.random.normal(jax.random.key(1), (3, *shape))
   junk = x.at[2].set(100.0)
   mask = jnp.array([1.0, 1.0, 0.0])
   key = jax.random.key(2)
@@ -216,8 +236,7 @@ def test_padded_rows_change_neither_statistics_nor_real_logits(name):
 
 
 def test_vgg_dropout_only_in_training():
-  m = model_lib.get('vgg16', 10, (8, 8, 3))
-  v = m.init(jax.random.key(0))
+  m, v = _initialized('vgg16', 10, (8, 8, 3))
   x = jax.random.normal(jax.random.key(1), (2, 8, 8, 3))
   a, _ = m.apply_train(v, x, jax.random.key(1))
   b, _ = m.apply_train(v, x, jax.random.key(1))
@@ -288,7 +307,7 @@ def test_split_at_the_head_is_the_whole_network(
   assert _abstract(m)['params'][head]['kernel'].shape == (dim, classes)
   if name in ('resnet18', 'vgg16'):
     return  # large: the same split as resnet20 / the CNNs, shapes above
-  v = m.init(jax.random.key(0))
+  m, v = _initialized(name, classes, shape)
   if name == 'char_lstm':
     x = jax.random.randint(jax.random.key(1), (3, *shape), 0, classes)
   else:

@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,10 @@ def _local(model):
   return client.LocalTraining(model, optimizers.sgd(0.2, momentum=0.9), 2, 4)
 
 
+@functools.cache
 def _setup(chunk=1, k=4):
+  """`(round_fn, state, data)` of FedAvg, jitted once per (chunk, K) for
+  the module: several tests run the same round."""
   model = helpers.linear_model()
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
   server = fedavg.fedavg(_local(model), k)
@@ -42,7 +47,7 @@ def _run(round_fn, state, data, key, rounds=3):
 
 
 def test_same_seed_identical_different_seed_differs():
-  round_fn, state, data = _setup()
+  round_fn, state, data = _setup(chunk=1)
   s1, h1 = _run(round_fn, state, data, jax.random.key(7))
   s2, h2 = _run(round_fn, state, data, jax.random.key(7))
   s3, h3 = _run(round_fn, state, data, jax.random.key(8))
@@ -158,7 +163,7 @@ def test_sharded_round_equals_one_device():
   data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
   server = fedavg.fedavg(_local(model), 4)
   state = engine.init_state(server, model.init(jax.random.key(0)))
-  one = jax.jit(engine.make_round_fn(server, clients_per_round=4))
+  one = _setup(chunk=1)[0]  # the same FedAvg round on one device
   two = jax.jit(engine.make_round_fn(server, clients_per_round=4, mesh=mesh))
   s1, h1 = _run(one, state, data, jax.random.key(5))
   s2, h2 = _run(two, state, data, jax.random.key(5))

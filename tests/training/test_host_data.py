@@ -2,6 +2,7 @@
 the view of its sampled clients (`client_data.gather_round`); the results
 must be those of the whole training set on the devices, bit for bit."""
 
+import functools
 import os
 
 import jax
@@ -68,28 +69,37 @@ def _algorithms(local, k):
   }
 
 
+@functools.cache
+def _round_fns(name, devices):
+  """`(algorithm, sample, rows_round, sharding)`: K = 3 of the 6 clients,
+  on 1 or 2 devices, jitted once for the module (both tests below run the
+  same rounds; tracing and compiling them is most of their time)."""
+  mesh = sharding = None
+  if devices > 1:
+    assert len(jax.devices()) >= 2, 'tests/conftest.py sets 2 host devices'
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  model = helpers.linear_model()
+  local = client.LocalTraining(model, optimizers.sgd(0.2, momentum=0.9), 2, 4)
+  algorithm = _algorithms(local, 3)[name]
+  sample = jax.jit(engine.make_sample_fn(algorithm, 3))
+  rows_round = jax.jit(
+    engine.make_round_fn(
+      algorithm, clients_per_round=3, mesh=mesh, client_rows=True
+    )
+  )
+  return algorithm, sample, rows_round, sharding
+
+
 @pytest.mark.parametrize('name', ['fedavg', 'scaffold'])
 @pytest.mark.parametrize('devices', [1, 2])
 def test_host_data_rounds_equal_device_data_rounds(name, devices):
   """Three rounds of K = 3 of 6 clients with partial last batches: the
   round on each round's view equals the round on the whole set."""
-  mesh = None
-  if devices > 1:
-    assert len(jax.devices()) >= 2, 'tests/conftest.py sets 2 host devices'
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
-  model = helpers.linear_model()
-  local = client.LocalTraining(model, optimizers.sgd(0.2, momentum=0.9), 2, 4)
-  algorithm = _algorithms(local, 3)[name]
-  variables = model.init(jax.random.key(0))
+  algorithm, sample, rows_round, _ = _round_fns(name, devices)
+  step = host_round.make_host_round(sample, rows_round)
   data = _shuffled_data()
-  step = host_round.make_host_round(
-    jax.jit(engine.make_sample_fn(algorithm, 3)),
-    jax.jit(
-      engine.make_round_fn(
-        algorithm, clients_per_round=3, mesh=mesh, client_rows=True
-      )
-    ),
-  )
+  variables = helpers.linear_model().init(jax.random.key(0))
   results = []
   for where in (data, host_round.host_data(data, 3)):
     state = engine.init_state(algorithm, variables, 6, host_clients=True)
@@ -148,22 +158,8 @@ def test_prefetched_and_memory_mapped_rounds_equal_plain_ones(
   as the plain host round, bit for bit; the prefetched step draws each
   round once, one round ahead, and a fresh step (a resumed run) starts
   from any round with the same bits."""
-  mesh = None
-  if devices > 1:
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('clients',))
-  model = helpers.linear_model()
-  local = client.LocalTraining(model, optimizers.sgd(0.2, momentum=0.9), 2, 4)
-  algorithm = _algorithms(local, 3)[name]
+  algorithm, sample, rows_round, sharding = _round_fns(name, devices)
   assert host_round.draws_ahead(algorithm)
-  sample = jax.jit(engine.make_sample_fn(algorithm, 3))
-  rows_round = jax.jit(
-    engine.make_round_fn(
-      algorithm, clients_per_round=3, mesh=mesh, client_rows=True
-    )
-  )
-  sharding = None
-  if mesh is not None:
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   in_memory = host_round.host_data(_shuffled_data(), 3)
   mapped = in_memory._replace(
     data=client_data.memory_mapped(in_memory.data, str(tmp_path))
