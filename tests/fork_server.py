@@ -115,12 +115,14 @@ def _child(request, out_path, err_path):
   # Exceptions and SystemExit end the fork as they end `python -m`: the
   # interpreter prints the traceback, runs the exit handlers, exits.
   if module == '-c':  # `python -c code`: the folder is '' on the path
-    import types
-
+    # The code (a test's own: a README or docs block) runs from a file
+    # beside the output files, as `__main__` (sys.argv[0] names that file
+    # while it runs, where `python -c` has '-c').
+    path = os.path.join(os.path.dirname(out_path), 'main.py')
+    with open(path, 'w', encoding='utf-8') as f:
+      f.write(argv[0])
     sys.argv, sys.path[0] = ['-c', *argv[1:]], ''
-    main = types.ModuleType('__main__')
-    sys.modules['__main__'] = main
-    exec(compile(argv[0], '<string>', 'exec'), main.__dict__)
+    runpy.run_path(path, run_name='__main__')
   else:  # `python -m module`: the folder is first on the path
     sys.argv, sys.path[0] = ['-m', *argv], os.getcwd()
     runpy.run_module(module, run_name='__main__', alter_sys=True)
