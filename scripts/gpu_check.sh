@@ -110,11 +110,11 @@ else
   CHUNKS=1,5,10 ALL=10 COHORTS='100 1000 10000' FEDMR_K=100 SIZES='' B=10
 fi
 BENCH="-m experiments.benchmark --random_data --rounds=$ROUNDS --num_devices=1"
-# Tiny: no matmul peak (10 s a process on 2 CPU cores), and LLVM at -O0 (a
-# quarter less compile time, as the test suite compiles).
+# Tiny: no matmul peak (10 s a process on 2 CPU cores), and XLA:CPU's
+# faster-compiling flags, as the test suite compiles (tests/xla_flags.py).
 if [[ $TINY == 1 ]]; then
   BENCH="$BENCH --nopeak"
-  BASE_XLA_FLAGS="$BASE_XLA_FLAGS --xla_backend_optimization_level=0"
+  BASE_XLA_FLAGS="$BASE_XLA_FLAGS --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 fi
 CIFAR='--dataset=cifar10'
 FMNIST='--dataset=fashion_mnist'

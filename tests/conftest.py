@@ -8,24 +8,19 @@ import os
 import shutil
 import tempfile
 
+from tests import xla_flags
+
 # Two XLA host devices, as the experiment binary uses on a 2-core machine:
-# the in-process runs exercise the sharded client axis. Must precede the
-# first JAX computation.
-#
-# LLVM at -O0 (`--xla_backend_optimization_level=0`): most of the suite's
-# time is XLA compiling small rounds, which -O0 does about a quarter
-# faster (the suite's heaviest tests: 393 s against 478 s on 2 loaded
-# Intel cores; a run that learns on real data executes a little slower).
-# XLA's own passes stay as they are, but some kernels round differently
-# (`machine_numerics` changes), so every comparison in the suite is
-# between runs compiled alike, and the regression recordings, which hold
-# the bits a program gets, are checked in a process at the default level
-# (tests/pipeline/test_regression.py).
-os.environ['XLA_FLAGS'] = (
-  os.environ.get('XLA_FLAGS', '')
-  + ' --xla_force_host_platform_device_count=2'
-  + ' --xla_backend_optimization_level=0'
-).strip()
+# the in-process runs exercise the sharded client axis; and the flags that
+# make XLA:CPU compile faster (tests/xla_flags.py). Must precede the first
+# JAX computation.
+os.environ['XLA_FLAGS'] = ' '.join(
+  [
+    *os.environ.get('XLA_FLAGS', '').split(),
+    '--xla_force_host_platform_device_count=2',
+    *xla_flags.COMPILE_FLAGS,
+  ]
+)
 
 # One persistent compilation cache for the whole session, shared with the
 # programs the tests start as subprocesses and, under pytest-xdist (`-n 2`,

@@ -12,6 +12,13 @@ import numpy as np
 from fedjax_mr.data import client_data
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.pipeline import config as config_lib
+from tests import xla_flags
+
+
+def program_jit(fun, **kwargs):
+  """`jax.jit` with a program's fusion emitters (tests/xla_flags.py), for
+  the tests that compare two programs bit for bit."""
+  return jax.jit(fun, compiler_options=xla_flags.PROGRAM_EMITTERS, **kwargs)
 
 
 class Linear(nn.Module):

@@ -207,9 +207,10 @@ def test_blocks_run_in_sequence():
   two = fedepth.fedepth(local, 1, [[(0, 0), (1, 2)]])
   first = fedepth.fedepth(local, 1, [[(0, 0)]])
   second = fedepth.fedepth(local, 1, [[(1, 2)]])
-  out, _ = jax.jit(two.client_update)(start, (), (), data, jnp.int32(0), key)
-  mid, _ = jax.jit(first.client_update)(start, (), (), data, jnp.int32(0), key)
-  end, _ = jax.jit(second.client_update)(
+  jit = helpers.program_jit
+  out, _ = jit(two.client_update)(start, (), (), data, jnp.int32(0), key)
+  mid, _ = jit(first.client_update)(start, (), (), data, jnp.int32(0), key)
+  end, _ = jit(second.client_update)(
     mid.variables, (), (), data, jnp.int32(0), jax.random.fold_in(key, 1)
   )
   helpers.assert_close(out.variables, end.variables, rtol=1e-6, atol=1e-7)

@@ -89,7 +89,7 @@ def test_decayed_weights():
 
 def _run(algorithm, model, data, rounds=3, n=6):
   # Stacked (stream=False): FedGen's mean is FedAvg's stacked one.
-  fn = jax.jit(
+  fn = helpers.program_jit(
     engine.make_round_fn(algorithm, clients_per_round=4, stream=False)
   )
   state = engine.init_state(algorithm, model.init(jax.random.key(0)), n)

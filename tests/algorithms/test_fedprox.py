@@ -45,7 +45,7 @@ def test_mu_zero_is_fedavg_exactly(devices):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ('c',))
   states, sent = [], []
   for algorithm in (fedprox.fedprox(local, 4, mu=0.0), fedavg.fedavg(local, 4)):
-    fn = jax.jit(
+    fn = helpers.program_jit(
       engine.make_round_fn(
         algorithm, clients_per_round=4, mesh=mesh if devices > 1 else None
       )

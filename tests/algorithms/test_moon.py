@@ -137,7 +137,7 @@ def test_mu_zero_is_fedavg_exactly():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ('c',))
   states, history = [], []
   for algorithm in (moon.moon(local, 4, mu=0.0), fedavg.fedavg(local, 4)):
-    fn = jax.jit(
+    fn = helpers.program_jit(
       engine.make_round_fn(algorithm, clients_per_round=4, mesh=mesh)
     )
     state = engine.init_state(algorithm, model.init(jax.random.key(0)), 6)

@@ -677,9 +677,9 @@ def test_a_run_started_from_python_gets_the_command_lines_devices(
 ):
   # A fresh interpreter without the tests' device flags: setup() chooses
   # the host devices as experiments.run does (one per core, at most K).
-  # The tests' other XLA flag (-O0) stays: it changes how fast XLA
-  # compiles, not the devices, and lets the interpreter read back what
-  # this session compiled (the session's compilation cache).
+  # The tests' compile flags (tests/xla_flags.py) stay: they change how
+  # fast XLA compiles, not the devices, and let the interpreter read back
+  # what this session compiled (the session's compilation cache).
   env = {k: v for k, v in os.environ.items() if k != 'JAX_PLATFORMS'}
   env['XLA_FLAGS'] = ' '.join(
     f

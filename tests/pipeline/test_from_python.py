@@ -36,9 +36,9 @@ def test_train_and_evaluate_then_load_run_set_up_the_devices(
 ):
   code = SCRIPT.format(touch_jax_first=touch_jax_first, workdir=str(tmp_path))
   # A user's environment: not the tests' forced 2 host devices (conftest).
-  # Their other XLA flag (-O0) stays: it changes how fast XLA compiles,
-  # not the devices, and lets the interpreter read back what this session
-  # compiled (the session's compilation cache).
+  # Their compile flags (tests/xla_flags.py) stay: they change how fast
+  # XLA compiles, not the devices, and let the interpreter read back what
+  # this session compiled (the session's compilation cache).
   env = dict(os.environ)
   env['XLA_FLAGS'] = ' '.join(
     f

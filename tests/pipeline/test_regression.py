@@ -20,6 +20,13 @@ not known); it is never matched exactly, and
 `test_recorded_machines_agree` checks that every two entries of a recording
 are within the cross-machine tolerance.
 
+The cases run in the test process, under the suite's compile flags
+(tests/xla_flags.py), which round some kernels differently from a
+program's: `machine_numerics()`, computed under the same flags, keys them
+as a kind of machine of their own. (Until 2026-11 the cases ran in a fresh
+process with a program's flags, at 2.5 times the compile time; those
+entries stay, and are compared within the tolerance.)
+
 Re-record after a deliberate change of numerics, and say so in the commit:
 `FEDJAX_MR_RECORD=1 pytest tests/pipeline/test_regression.py` (keeps only
 this machine's entry: the others no longer hold). On a new kind of machine
@@ -34,8 +41,6 @@ import hashlib
 import itertools
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -144,40 +149,6 @@ def measure(name: str, data_dir: str, workdir: str) -> dict:
   }
 
 
-def measure_as_the_programs_compile(names, data_dir, workdir) -> dict:
-  """`measure` of each case in `names` (by name), in one fresh process
-  with XLA's flags as a program has them: the suite compiles with LLVM at
-  -O0 (tests/conftest.py), which rounds some kernels differently, and the
-  recordings hold the bits of the default level. One process for all the
-  cases: a compiled function gives the same bits whichever case compiled
-  it first, and each process start costs seconds."""
-  flags = os.environ.get('XLA_FLAGS', '').split()
-  env = dict(
-    os.environ,
-    XLA_FLAGS=' '.join(
-      f for f in flags if not f.startswith('--xla_backend_optimization_level')
-    ),
-  )
-  code = (
-    'import json, os, sys\n'
-    'from tests.pipeline import test_regression as t\n'
-    'data, work = sys.argv[1:3]\n'
-    'print(json.dumps({n: t.measure(n, data, os.path.join(work, n))\n'
-    '                  for n in sys.argv[3:]}))\n'
-  )
-  root = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-  proc = subprocess.run(
-    [sys.executable, '-c', code, data_dir, workdir, *names],
-    cwd=root,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
-  assert proc.returncode == 0, proc.stderr
-  return json.loads(proc.stdout.splitlines()[-1])
-
-
 @pytest.fixture(scope='module')
 def measured(request, small_fmnist_dir, tmp_path_factory):
   """The recording of every case this session runs, made now, by name."""
@@ -188,9 +159,8 @@ def measured(request, small_fmnist_dir, tmp_path_factory):
       if item.originalname == 'test_against_recording'
     }
   )
-  return measure_as_the_programs_compile(
-    names, str(small_fmnist_dir), str(tmp_path_factory.mktemp('reg'))
-  )
+  work = tmp_path_factory.mktemp('reg')
+  return {n: measure(n, str(small_fmnist_dir), str(work / n)) for n in names}
 
 
 @pytest.mark.parametrize('name', sorted(CASES))

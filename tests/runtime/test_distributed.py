@@ -12,6 +12,7 @@ import pytest
 from fedjax_mr.runtime import distributed
 from fedjax_mr.runtime import metrics_io
 from tests import helpers
+from tests import xla_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -30,9 +31,9 @@ def _cmd(cfg, workdir, **extra):
 
 
 def _env():
-  env = dict(os.environ)
-  env.pop('XLA_FLAGS', None)  # let the binary set its host devices
-  return env
+  # The binary sets its host devices; the suite's compile flags stay
+  # (tests/xla_flags.py): both runs compile alike.
+  return dict(os.environ, XLA_FLAGS=' '.join(xla_flags.COMPILE_FLAGS))
 
 
 def test_two_processes_equal_one(small_fmnist_dir, tmp_path):

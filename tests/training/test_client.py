@@ -173,9 +173,10 @@ def test_two_pass_step_keeps_steps_and_rho_zero_is_plain_sgd():
   local = client.LocalTraining(model, optimizers.sgd(0.3), 2, 5)
   variables = model.init(jax.random.key(0))
   key, cid = jax.random.key(3), jnp.int32(1)
-  plain = jax.jit(client.make_local_update(local))(variables, data, cid, key)
+  jit = helpers.program_jit
+  plain = jit(client.make_local_update(local))(variables, data, cid, key)
   outs = {
-    rho: jax.jit(
+    rho: jit(
       client.make_local_update(local, perturbation=client.asam(rho, 0.01))
     )(variables, data, cid, key)
     for rho in (0.0, 0.5)

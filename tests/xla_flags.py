@@ -1,0 +1,44 @@
+"""The XLA flags the suite compiles with, beyond a program's.
+
+Most of the suite's time is XLA:CPU compiling small rounds. Two flags make
+that cheaper without changing what a program computes:
+
+- LLVM at -O0 (`--xla_backend_optimization_level=0`): about a quarter less
+  compile time (the suite's heaviest tests: 393 s against 478 s on 2 loaded
+  Intel cores); a run that learns on real data executes a little slower.
+- XLA:CPU's older fusion emitters (`--xla_cpu_use_fusion_emitters=false`)
+  in place of the MLIR ones: the contract round of every registered
+  algorithm compiles in about 40 % of the time (tests/pipeline/
+  test_registry.py: 156 s of CPU against 281 s, AMD EPYC, 2 cores), and
+  the small rounds execute no slower. But where XLA's default emitters
+  give two different programs of one computation the same bits (FedProx
+  at mu = 0 and FedAvg, ASAM at rho = 0 and SGD), the older ones fuse each
+  program its own way and round in another order: the tests of such an
+  identity compile both programs with a program's emitters
+  (`PROGRAM_EMITTERS`, through `helpers.program_jit`).
+
+XLA's own passes stay as they are, but some kernels round differently
+(`machine_numerics` changes), so every comparison in the suite is between
+runs compiled alike, and the regression recordings, which hold the bits a
+program gets, are checked in a process without these flags
+(tests/pipeline/test_regression.py).
+
+No imports: tests/conftest.py reads this before JAX starts.
+"""
+
+COMPILE_FLAGS = (
+  '--xla_backend_optimization_level=0',
+  '--xla_cpu_use_fusion_emitters=false',
+)
+
+# Per jitted function (`jax.jit(..., compiler_options=...)`): the fusion
+# emitters a program compiles with.
+PROGRAM_EMITTERS = {'xla_cpu_use_fusion_emitters': True}
+
+
+def without_compile_flags(xla_flags: str) -> str:
+  """`xla_flags` (an XLA_FLAGS value) without `COMPILE_FLAGS`' settings."""
+  names = {f.split('=', 1)[0] for f in COMPILE_FLAGS}
+  return ' '.join(
+    f for f in xla_flags.split() if f.split('=', 1)[0] not in names
+  )
