@@ -1,7 +1,7 @@
 """The XLA flags the suite compiles with, beyond a program's.
 
 Most of the suite's time is XLA:CPU compiling small rounds. Two flags make
-that cheaper without changing what a program computes:
+that cheaper without changing what a program means:
 
 - LLVM at -O0 (`--xla_backend_optimization_level=0`): about a quarter less
   compile time (the suite's heaviest tests: 393 s against 478 s on 2 loaded
@@ -19,8 +19,8 @@ that cheaper without changing what a program computes:
 
 XLA's own passes stay as they are, but some kernels round differently
 (`machine_numerics` changes), so every comparison in the suite is between
-runs compiled alike, and the regression recordings, which hold the bits a
-program gets, are checked in a process without these flags
+runs compiled alike: the programs the tests start inherit the flags, and
+the regression recordings keep an entry per kind of machine under them
 (tests/pipeline/test_regression.py).
 
 No imports: tests/conftest.py reads this before JAX starts.
@@ -34,11 +34,3 @@ COMPILE_FLAGS = (
 # Per jitted function (`jax.jit(..., compiler_options=...)`): the fusion
 # emitters a program compiles with.
 PROGRAM_EMITTERS = {'xla_cpu_use_fusion_emitters': True}
-
-
-def without_compile_flags(xla_flags: str) -> str:
-  """`xla_flags` (an XLA_FLAGS value) without `COMPILE_FLAGS`' settings."""
-  names = {f.split('=', 1)[0] for f in COMPILE_FLAGS}
-  return ' '.join(
-    f for f in xla_flags.split() if f.split('=', 1)[0] not in names
-  )
