@@ -34,3 +34,14 @@ COMPILE_FLAGS = (
 # Per jitted function (`jax.jit(..., compiler_options=...)`): the fusion
 # emitters a program compiles with.
 PROGRAM_EMITTERS = {'xla_cpu_use_fusion_emitters': True}
+
+
+def program_flags(xla_flags: str) -> str:
+  """`xla_flags` (an XLA_FLAGS value) without `COMPILE_FLAGS`: what a
+  program the suite starts compiles with when it runs long enough that
+  executing, not compiling, is most of its time (at -O0 the rounds run
+  at about 2.5 times a program's time)."""
+  names = {f.split('=', 1)[0] for f in COMPILE_FLAGS}
+  return ' '.join(
+    f for f in xla_flags.split() if f.split('=', 1)[0] not in names
+  )
