@@ -21,7 +21,10 @@ XLA's own passes stay as they are, but some kernels round differently
 (`machine_numerics` changes), so every comparison in the suite is between
 runs compiled alike: the programs the tests start inherit the flags, and
 the regression recordings keep an entry per kind of machine under them
-(tests/pipeline/test_regression.py).
+(tests/pipeline/test_regression.py). A program that mostly executes
+(the concurrency reproducer of tests/pipeline/test_determinism.py, which
+compares runs inside one process) gets a program's flags back
+(`program_flags`).
 
 No imports: tests/conftest.py reads this before JAX starts.
 """
