@@ -100,7 +100,13 @@ def _cka_matrices(x: np.ndarray, y: np.ndarray, debiased: bool) -> float:
   n = x.shape[0]
   x = x - x.mean(axis=0)
   y = y - y.mean(axis=0)
-  xty = np.sum((y.T @ x) ** 2)
+  # Both products: CKA(X, Y) and CKA(Y, X) are one number, and a block
+  # scored against a network and that network's block against the
+  # block's model (the candidates after two start blocks, each with the
+  # other's next block) tie exactly; a single product's summation order
+  # follows the arguments' order and, on some CPUs' BLAS, parts such a
+  # tie by an ulp, which then picks the surviving network by machine.
+  xty = (np.sum((y.T @ x) ** 2) + np.sum((x.T @ y) ** 2)) / 2
   xtx = np.sum((x.T @ x) ** 2)
   yty = np.sum((y.T @ y) ** 2)
   if debiased:

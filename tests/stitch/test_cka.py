@@ -79,6 +79,23 @@ def test_invariances(view):
   assert cka.linear_cka(y, x, view) == pytest.approx(base, rel=1e-9)
 
 
+def test_symmetric_to_the_last_bit():
+  # Two candidates whose scores are one number (a block after a network,
+  # and that network's next block after the block's model) must tie
+  # exactly on every CPU: the server's ranking breaks an exact tie by
+  # its fixed order, an ulp by the machine. One product's sum of squares
+  # parts these cases by an ulp on this very data.
+  rng = _rng(11)
+  for _ in range(8):
+    x = rng.standard_normal((500, 16))
+    y = np.tanh(x @ rng.standard_normal((16, 20)))
+    y = y + rng.standard_normal((500, 20))
+    for debiased in (False, True):
+      assert cka.linear_cka(x, y, 'gap', debiased) == cka.linear_cka(
+        y, x, 'gap', debiased
+      )
+
+
 def test_identical_inputs_give_one():
   x = _rng(3).standard_normal((10, 5, 5, 3)).astype(np.float32)
   for view in cka.VIEWS:
