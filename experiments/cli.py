@@ -210,6 +210,13 @@ def define_deploy_flags() -> tuple[str, ...]:
     "isolation, fedjax_mr.deploy.warm); --nowarm_superexec: Flower's own "
     'launcher, a fresh process importing Flower and JAX for every message.',
   )
+  flags.DEFINE_float(
+    'node_heartbeat_s',
+    0.0,
+    'Seconds between the heartbeats of the SuperNodes started here (10 to '
+    "1800; 0: Flower's 30): the SuperLink fails the clients of a node that "
+    'died two intervals after its last beat.',
+  )
   flags.DEFINE_list(
     'node_ids',
     [],
@@ -240,6 +247,7 @@ def deploy_arguments() -> dict:
     log=log,
     superlink=superlink,
     warm=f.warm_superexec,
+    node_heartbeat_s=f.node_heartbeat_s,
   )
 
 

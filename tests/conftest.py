@@ -120,8 +120,10 @@ SLOW_MODULES = {
   'test_registry',
   'test_zoo',
   'test_workdir',
-  # A local Flower federation's processes (tests/deploy).
+  # A local Flower federation's processes (tests/deploy), and its
+  # watchdog's (tests/core).
   'test_federation',
+  'test_watchdog',
   'test_deploy_program',
   'test_deploy_faults',
 }

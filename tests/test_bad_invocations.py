@@ -525,6 +525,16 @@ CASES = {
     (['--round_timeout=-1'], '--round_timeout'),
     (['--round_timeout=nan'], '--round_timeout'),
     (['--round_timeout=inf'], '--round_timeout'),
+    (['--node_heartbeat_s=5'], '--node_heartbeat_s=5.0'),
+    (['--node_heartbeat_s=nan'], '--node_heartbeat_s'),
+    (
+      [
+        '--superlink=127.0.0.1:9',
+        '--insecure_federation',
+        '--node_heartbeat_s=10',
+      ],
+      '--node_heartbeat_s',
+    ),
     (['--seed=-1'], '--seed'),
     (
       ['--algorithm=fedmr', '--fedmr_secure_repeats=1'],
@@ -546,6 +556,7 @@ CASES = {
   'experiments.deploy_stitch': [
     (['--nodes=0'], '--nodes'),
     (['--round_timeout=-1'], '--round_timeout'),
+    (['--node_heartbeat_s=3600'], '--node_heartbeat_s=3600.0'),
     (['--num_clients=0'], '--num_clients'),
     (['--pool=/nonexistent/pool'], '--pool'),
     (['--energy_backend=sysfs'], '--energy_profile'),

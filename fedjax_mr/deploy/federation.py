@@ -24,8 +24,8 @@ be offline), and the processes start from this Python's environment (its
 `bin` first on PATH, where `flower-superexec` is).
 
 Every process joins one process group, led by a watchdog
-(`watchdog.py`) that stops the group when the program that started it
-ends in any way, SIGKILL included.
+(`fedjax_mr/core/watchdog.py`) that stops the group when the program
+that started it ends in any way, SIGKILL included.
 """
 
 from __future__ import annotations
@@ -44,12 +44,18 @@ from typing import Mapping
 from typing import NamedTuple
 from typing import Sequence
 
+from fedjax_mr.core import watchdog
 from fedjax_mr.deploy import credentials as credentials_lib
-from fedjax_mr.deploy import watchdog
 
 # The warm SuperExec's module (`warm.py`; not imported here: it imports
 # Flower and JAX).
 WARM_SUPEREXEC = 'fedjax_mr.deploy.warm'
+# `flower-supernode` beating at an interval of its own (`supernode.py`).
+SUPERNODE = 'fedjax_mr.deploy.supernode'
+# The heartbeat intervals a SuperLink accepts, in s (Flower's
+# HEARTBEAT_MIN_INTERVAL and HEARTBEAT_MAX_INTERVAL; supernode.py reads
+# them from Flower).
+HEARTBEAT_S = (10.0, 1800.0)
 
 FEDERATION = 'local'  # the connection's name in Flower's config.toml
 START_TIMEOUT_S = 120.0
@@ -142,6 +148,10 @@ class Federation:
       each with a warm SuperExec (`warm.py`: App processes forked from an
       interpreter that has imported them); False: Flower's own launcher,
       a fresh process for every message.
+    heartbeat_s: the heartbeat interval the SuperNodes ask for
+      (`supernode.py`; the SuperLink counts a node offline, and fails
+      the messages it holds for it, two intervals after its last beat);
+      None: Flower's own, 30 s.
   """
 
   def __init__(
@@ -153,15 +163,23 @@ class Federation:
     host: str = '127.0.0.1',
     insecure: bool = False,
     warm: bool = True,
+    heartbeat_s: float | None = None,
   ):
     if num_nodes < 1:
       raise ValueError(f'num_nodes must be >= 1, got {num_nodes}')
+    low, high = HEARTBEAT_S
+    if heartbeat_s is not None and not low <= heartbeat_s <= high:
+      raise ValueError(
+        f'heartbeat_s must be in [{low:g}, {high:g}] (what a SuperLink '
+        f'accepts), got {heartbeat_s}'
+      )
     self.folder = os.path.abspath(folder)
     self.num_nodes = num_nodes
     self.node_config = node_config
     self.host = host
     self.insecure = insecure
     self.warm = warm
+    self.heartbeat_s = heartbeat_s
     self.home = os.path.join(self.folder, 'home')
     self.logs = os.path.join(self.folder, 'logs')
     self.port = None
@@ -444,7 +462,12 @@ class Federation:
     """SuperNode i's command line, its Runtime API on `port` (a free
     one if None); `key`/`root_certificates` replace its own key and the CA
     certificate (tests start impostors with them)."""
-    command = [self._tool('flower-supernode')] + options(
+    command = [self._tool('flower-supernode')]
+    if self.heartbeat_s is not None:
+      command = [sys.executable, '-m', SUPERNODE] + options(
+        heartbeat_interval=self.heartbeat_s
+      )
+    command += options(
       superlink=self.address,
       node_config=config_pairs(self.node_config(i)),
       port=port or free_port(),
@@ -470,12 +493,15 @@ class Federation:
       self._start_superexec(f'superexec{i}', f'127.0.0.1:{port}', node)
     return node
 
+  def node_list(self) -> list[dict[str, str]]:
+    """The SuperLink's list of SuperNodes (`flwr supernode list`'s JSON:
+    per node its `node-id`, `status`, `online-at`, `offline-at`, …)."""
+    out = self._flwr('supernode', 'list', FEDERATION, *options(format='json'))
+    return json.loads(out).get('nodes', [])
+
   def online_nodes(self) -> int:
     """SuperNodes the SuperLink lists as online."""
-    out = self._flwr('supernode', 'list', FEDERATION, *options(format='json'))
-    return sum(
-      1 for n in json.loads(out).get('nodes', []) if n.get('status') == 'online'
-    )
+    return sum(1 for n in self.node_list() if n.get('status') == 'online')
 
   # Run and stop.
 

@@ -93,6 +93,7 @@ def run(
   federation: federation_lib.Federation | None = None,
   superlink: federation_lib.Remote | None = None,
   warm: bool = True,
+  node_heartbeat_s: float = 0.0,
 ) -> str:
   """Runs (or resumes) `config` on a local federation of `nodes` nodes
   (or on a running one); returns the workdir.
@@ -115,20 +116,18 @@ def run(
     warm: the federation started here forks its App processes from warm
       SuperExecs (`federation.Federation`'s `warm`); False: Flower's own
       launcher, a fresh process for every message.
+    node_heartbeat_s: the heartbeat interval of the SuperNodes started
+      here (`federation.Federation`'s `heartbeat_s`); 0: Flower's 30 s.
 
   Raises:
     UserError: a bad argument or config field (named), the workdir, or
       the run's own failure (one line).
   """
   _check_arguments(nodes, round_timeout, federation)
+  _check_heartbeat(node_heartbeat_s, federation, superlink)
   if superlink is not None:
     _check_superlink(superlink, nodes, insecure, federation)
-  if isinstance(config, adapter.StitchConfig):
-    workdir = adapter.check_stitch(config, local_nodes=superlink is None)
-    write = adapter.write_stitch_config
-  else:
-    workdir = adapter.check(config)
-    write = adapter.write_config
+  workdir, write = _check_config(config, superlink)
   folder = os.path.join(os.path.abspath(workdir), FOLDER)
   with workdir_lib.acquire(folder, 'workdir'):
     spec = os.path.dirname(write(config, os.path.join(folder, 'spec')))
@@ -138,10 +137,9 @@ def run(
       os.remove(result)
     fed = federation
     if fed is None:
-      if insecure:
-        where = host if superlink is None else superlink.address
-        log(INSECURE_WARNING.format(address=where))
-      fed = _start(folder, nodes, host, insecure, superlink, warm)
+      fed = _start(
+        folder, nodes, host, insecure, superlink, warm, node_heartbeat_s, log
+      )
     try:
       log(f'federation: a SuperLink on {fed.address}, {nodes} SuperNodes')
       _run(
@@ -195,6 +193,35 @@ def _check_arguments(
     )
 
 
+def _check_config(
+  config: adapter.Config | adapter.StitchConfig,
+  superlink: federation_lib.Remote | None,
+) -> tuple[str, Callable[..., str]]:
+  """`config`'s workdir (checked) and the function that writes it."""
+  if isinstance(config, adapter.StitchConfig):
+    workdir = adapter.check_stitch(config, local_nodes=superlink is None)
+    return workdir, adapter.write_stitch_config
+  return adapter.check(config), adapter.write_config
+
+
+def _check_heartbeat(
+  node_heartbeat_s: float,
+  federation: federation_lib.Federation | None,
+  superlink: federation_lib.Remote | None,
+) -> None:
+  low, high = federation_lib.HEARTBEAT_S
+  if node_heartbeat_s != 0 and not low <= node_heartbeat_s <= high:
+    raise errors.ConfigError(
+      f"`node_heartbeat_s={node_heartbeat_s}` must be 0 (Flower's 30 s) "
+      f'or {low:g} to {high:g} (what a SuperLink accepts)'
+    )
+  if node_heartbeat_s and (federation is not None or superlink is not None):
+    raise errors.ConfigError(
+      '`node_heartbeat_s` is for the SuperNodes started here; a running '
+      "federation's nodes beat as they were started"
+    )
+
+
 def _start(
   folder: str,
   nodes: int,
@@ -202,9 +229,15 @@ def _start(
   insecure: bool,
   superlink: federation_lib.Remote | None,
   warm: bool = True,
+  node_heartbeat_s: float = 0.0,
+  log: Callable[[str], None] = print,
 ) -> federation_lib.Federation:
   """A federation of `nodes` nodes started on `host` (files in `folder`),
-  or what submits runs to `superlink`."""
+  or what submits runs to `superlink`; an insecure one's warning to
+  `log` first."""
+  if insecure:
+    where = host if superlink is None else superlink.address
+    log(INSECURE_WARNING.format(address=where))
   if superlink is not None:
     fed = federation_lib.Federation.attach(
       folder,
@@ -221,6 +254,7 @@ def _start(
       host=host,
       insecure=insecure,
       warm=warm,
+      heartbeat_s=node_heartbeat_s or None,
     )
   try:
     return fed.start()

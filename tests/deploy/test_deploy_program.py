@@ -10,6 +10,7 @@ serves the runs, as a real fleet serves many
 killed mid-round and started again; the program's own start of a
 federation is tested in test_deploy_faults.py."""
 
+import datetime
 import json
 import os
 import threading
@@ -47,6 +48,10 @@ SETTING = dict(
 )
 FLAGS = [f'--{k}={v}' for k, v in SETTING.items()]
 NODES = 3
+# The module federation's SuperNodes beat every 10 s (the least a
+# SuperLink accepts; Flower's own is 30 s): a killed node's clients fail
+# at most 20 s after its death.
+HEARTBEAT_S = 10.0
 TIMES = {'round_time_s', 'eval_time_s', 'elapsed_s'}
 
 
@@ -82,7 +87,7 @@ def config(workdir, **values):
 def fed(tmp_path_factory):
   folder = str(tmp_path_factory.mktemp('federation'))
   with federation.Federation(
-    folder, NODES, launch.node_config(folder, NODES)
+    folder, NODES, launch.node_config(folder, NODES), heartbeat_s=HEARTBEAT_S
   ) as f:
     yield f
 
@@ -227,10 +232,20 @@ def test_a_killed_node_fails_its_clients_and_rejoins(tmp_path, fed):
   run.start()
   wait_rows(str(workdir), 1, run.is_alive)
   # Round 2 trains clients 4, 6 and 0 (seed 3): node 1 serves client 4.
+  killed_at = time.time()
   fed.nodes[1].kill()
   fed.nodes[1].wait()
   run.join(900)
   assert not failures, failures
+  # The SuperLink counted node 1 offline (and failed its messages) two of
+  # its heartbeat intervals after its last beat at the latest: with
+  # Flower's own interval, 38 s after the kill at the earliest.
+  (listed,) = [
+    n for n in fed.node_list() if int(n['node-id']) == fed.node_ids[1]
+  ]
+  assert listed['status'] == 'offline'
+  offline_at = datetime.datetime.fromisoformat(listed['offline-at'])
+  assert offline_at.timestamp() - killed_at <= 2 * HEARTBEAT_S + 1
   rows = _rows(workdir, 'metrics.jsonl')
   assert rows[1]['client_ids'] == [4, 6, 0]
   assert rows[1]['failed_clients'] == [4]

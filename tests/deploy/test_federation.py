@@ -1,10 +1,7 @@
 """A real local federation: who may join it, and that nothing outlives it."""
 
 import os
-import signal
-import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -12,7 +9,6 @@ import pytest
 from fedjax_mr.deploy import credentials
 from fedjax_mr.deploy import federation
 from fedjax_mr.deploy import launch
-from fedjax_mr.deploy import watchdog
 
 
 def _log(folder, name):
@@ -83,52 +79,43 @@ def test_only_registered_nodes_with_the_ca_join(tmp_path):
   assert os.stat(f'{folder}/credentials/node0.key').st_mode & 0o077 == 0
 
 
-def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
-  # The parent starts the watchdog, a process in its group and one that
-  # leaves it for a session of its own (as Flower's SuperLink starts its
-  # SuperExec) with the federation's mark, then waits to be killed with
-  # SIGKILL, which it cannot handle.
-  parent = subprocess.Popen(
-    [
-      sys.executable,
-      '-c',
-      textwrap.dedent(
-        """
-        import os, subprocess, sys, time
-        from fedjax_mr.deploy import watchdog
-        dog = subprocess.Popen(
-          [sys.executable, '-m', watchdog.__name__, str(os.getpid()), 'M1'],
-          process_group=0)
-        env = {**os.environ, watchdog.MARK_VARIABLE: 'M1'}
-        child = subprocess.Popen(['sleep', '600'], process_group=dog.pid)
-        away = subprocess.Popen(
-          ['bash', '-c', "trap '' TERM; sleep 600"], env=env,
-          start_new_session=True)
-        print(dog.pid, child.pid, away.pid, flush=True)
-        time.sleep(600)
-        """
-      ),
-    ],
-    stdout=subprocess.PIPE,
-    text=True,
-  )
-  group, child, away = map(int, parent.stdout.readline().split())
-  assert child in _group_members(group)
-  assert away in watchdog._members(group, 'M1')
-  parent.send_signal(signal.SIGKILL)
-  parent.wait()
-  deadline = time.monotonic() + 60
-  while watchdog._members(group, 'M1') and time.monotonic() < deadline:
-    time.sleep(0.2)
-  assert watchdog._members(group, 'M1') == []
-  assert (
-    not os.path.exists(f'/proc/{away}')
-    or open(f'/proc/{away}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z'
-  )
-
-
 def test_bad_arguments_are_named(tmp_path):
   with pytest.raises(ValueError, match='num_nodes'):
     federation.Federation(str(tmp_path), 0)
   with pytest.raises(ValueError, match='num_nodes'):
     credentials.make(str(tmp_path), 0)
+  for heartbeat_s in (9.5, 1801, float('nan')):
+    with pytest.raises(ValueError, match='heartbeat_s'):
+      federation.Federation(str(tmp_path), 1, heartbeat_s=heartbeat_s)
+
+
+def test_a_heartbeat_interval_starts_the_nodes_beating_at_it(tmp_path):
+  from flwr.supercore import heartbeat
+  from flwr.supernode import fleet_http_connection
+
+  from fedjax_mr.deploy import supernode
+
+  # The bounds the Federation checks without importing Flower are Flower's.
+  assert federation.HEARTBEAT_S == (supernode.MIN_S, supernode.MAX_S)
+  default = federation.Federation(str(tmp_path), 2, insecure=True)
+  fed = federation.Federation(str(tmp_path), 2, insecure=True, heartbeat_s=12)
+  default.port = fed.port = 1
+  plain = default.node_command(1, port=7)
+  assert os.path.basename(plain[0]) == 'flower-supernode'
+  command = fed.node_command(1, port=7)
+  assert command == [
+    sys.executable, '-m', federation.SUPERNODE, '--heartbeat-interval', '12',
+    *plain[1:],
+  ]  # fmt: skip
+  # What that module changes in the node's process: the interval it
+  # asks the SuperLink for and the one its heartbeat thread waits by.
+  saved = fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL
+  try:
+    supernode.set_interval(12)
+    assert fleet_http_connection.HEARTBEAT_DEFAULT_INTERVAL == 12
+    assert heartbeat.HEARTBEAT_DEFAULT_INTERVAL == 12
+  finally:
+    supernode.set_interval(saved)
+  assert heartbeat.HEARTBEAT_DEFAULT_INTERVAL == saved
+  with pytest.raises(ValueError, match='10'):
+    supernode.set_interval(5)

@@ -1,16 +1,16 @@
-"""Stops a federation's processes when the program that started them ends.
+"""Stops a group of processes when the program that started them ends.
 
-`python -m fedjax_mr.deploy.watchdog PARENT_PID MARK` is started first,
-as the leader of a new process group; every process of the federation
-joins that group, and carries `MARK` in its environment (`MARK_VARIABLE`),
-which its children inherit: Flower's SuperLink starts its SuperExec (and
-so the ServerApp) in a session of its own, outside the group, so the
-mark is what finds them. The watchdog polls its parent: when the parent
-is gone (it ended, or was killed with SIGKILL, which no handler sees), it
-sends the group and every marked process SIGTERM, then SIGKILL after a
-grace period. A program that ends normally stops them itself
-(`federation.Federation.stop`). Host-only: never imports jax or flwr, so
-it starts at once.
+`python -m fedjax_mr.core.watchdog PARENT_PID MARK` is started first, as
+the leader of a new process group; every process the program starts joins
+that group, and carries `MARK` in its environment (`MARK_VARIABLE`), which
+its children inherit: a process that leaves the group for a session of its
+own (Flower's SuperLink starts its SuperExec, and so the ServerApp, so) is
+found by the mark. The watchdog polls its parent: when the parent is gone
+(it ended, or was killed with SIGKILL, which no handler sees), it sends
+the group and every marked process SIGTERM, then SIGKILL after a grace
+period. A program that ends normally stops them itself (`stop_group`; the
+local Flower federation, `fedjax_mr.deploy.federation`, does both).
+Host-only and standard library only, so it starts at once.
 """
 
 from __future__ import annotations

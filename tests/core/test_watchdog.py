@@ -1,0 +1,69 @@
+"""The watchdog: a program killed with SIGKILL leaves no process of its
+group, or marked by it, behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from fedjax_mr.core import watchdog
+
+
+def _group_members(pgid):
+  found = []
+  for entry in os.listdir('/proc'):
+    if entry.isdigit():
+      try:
+        with open(f'/proc/{entry}/stat', 'rb') as f:
+          fields = f.read().rsplit(b')', 1)[1].split()
+      except OSError:
+        continue
+      if int(fields[2]) == pgid and fields[0] != b'Z':
+        found.append(int(entry))
+  return found
+
+
+def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
+  # The parent starts the watchdog, a process in its group and one that
+  # leaves it for a session of its own (as Flower's SuperLink starts its
+  # SuperExec) with the program's mark, then waits to be killed with
+  # SIGKILL, which it cannot handle.
+  parent = subprocess.Popen(
+    [
+      sys.executable,
+      '-c',
+      textwrap.dedent(
+        """
+        import os, subprocess, sys, time
+        from fedjax_mr.core import watchdog
+        dog = subprocess.Popen(
+          [sys.executable, '-m', watchdog.__name__, str(os.getpid()), 'M1'],
+          process_group=0)
+        env = {**os.environ, watchdog.MARK_VARIABLE: 'M1'}
+        child = subprocess.Popen(['sleep', '600'], process_group=dog.pid)
+        away = subprocess.Popen(
+          ['bash', '-c', "trap '' TERM; sleep 600"], env=env,
+          start_new_session=True)
+        print(dog.pid, child.pid, away.pid, flush=True)
+        time.sleep(600)
+        """
+      ),
+    ],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  group, child, away = map(int, parent.stdout.readline().split())
+  assert child in _group_members(group)
+  assert away in watchdog._members(group, 'M1')
+  parent.send_signal(signal.SIGKILL)
+  parent.wait()
+  deadline = time.monotonic() + 60
+  while watchdog._members(group, 'M1') and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert watchdog._members(group, 'M1') == []
+  assert (
+    not os.path.exists(f'/proc/{away}')
+    or open(f'/proc/{away}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z'
+  )
