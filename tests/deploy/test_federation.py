@@ -1,6 +1,7 @@
 """A real local federation: who may join it, and that nothing outlives it."""
 
 import os
+import subprocess
 import sys
 import time
 
@@ -119,3 +120,14 @@ def test_a_heartbeat_interval_starts_the_nodes_beating_at_it(tmp_path):
   assert heartbeat.HEARTBEAT_DEFAULT_INTERVAL == saved
   with pytest.raises(ValueError, match='10'):
     supernode.set_interval(5)
+  # The module as a program: an interval the SuperLink would refuse, or
+  # none, ends it with one line before Flower starts.
+  for args in (['--heartbeat-interval', '5'], ['--superlink', 'x:1']):
+    done = subprocess.run(
+      [sys.executable, '-m', federation.SUPERNODE, *args],
+      capture_output=True,
+      text=True,
+    )
+    assert done.returncode == 1
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert 'heartbeat-interval' in done.stderr
