@@ -11,7 +11,8 @@ import time
 from fedjax_mr.core import watchdog
 
 
-def _group_members(pgid):
+def group_members(pgid):
+  """The live members of process group `pgid` (tests/deploy's too)."""
   found = []
   for entry in os.listdir('/proc'):
     if entry.isdigit():
@@ -55,7 +56,7 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
     text=True,
   )
   group, child, away = map(int, parent.stdout.readline().split())
-  assert child in _group_members(group)
+  assert child in group_members(group)
   assert away in watchdog._members(group, 'M1')
   parent.send_signal(signal.SIGKILL)
   parent.wait()

@@ -10,6 +10,7 @@ import pytest
 from fedjax_mr.deploy import credentials
 from fedjax_mr.deploy import federation
 from fedjax_mr.deploy import launch
+from tests.core import test_watchdog
 
 
 def _log(folder, name):
@@ -24,20 +25,6 @@ def _wait_online(fed, count, timeout=60):
       return
     time.sleep(2)  # each look is a `flwr` process
   raise AssertionError(f'{count} nodes never came online')
-
-
-def _group_members(pgid):
-  found = []
-  for entry in os.listdir('/proc'):
-    if entry.isdigit():
-      try:
-        with open(f'/proc/{entry}/stat', 'rb') as f:
-          fields = f.read().rsplit(b')', 1)[1].split()
-      except OSError:
-        continue
-      if int(fields[2]) == pgid and fields[0] != b'Z':
-        found.append(int(entry))
-  return found
 
 
 def test_only_registered_nodes_with_the_ca_join(tmp_path):
@@ -60,7 +47,8 @@ def test_only_registered_nodes_with_the_ca_join(tmp_path):
     assert 'Failed to activate SuperNode' in _log(folder, 'intruder')
     assert 'CERTIFICATE_VERIFY_FAILED' in _log(folder, 'no_ca')
     assert fed.online_nodes() == 1
-    assert len(_group_members(group)) > 2  # watchdog, link, node, execs
+    # The watchdog, the SuperLink, the node, the SuperExecs.
+    assert len(test_watchdog.group_members(group)) > 2
     # A warm SuperExec that ends under its living SuperNode (nothing would
     # start that node's App processes): the run stops, naming its log.
     ((name, superexec, node),) = [
@@ -72,7 +60,7 @@ def test_only_registered_nodes_with_the_ca_join(tmp_path):
     with pytest.raises(federation.FederationError, match=f'{name}.log'):
       fed.run(app, {'spec': str(tmp_path)})
     assert node.poll() is None
-  assert _group_members(group) == []
+  assert test_watchdog.group_members(group) == []
   # Flower's home and temporary files stayed in the folder.
   assert os.path.exists(f'{folder}/home/config.toml')
   with open(f'{folder}/credentials/node0.key', 'rb') as f:
