@@ -2,6 +2,10 @@
 work through `node.train`, replies in any order, failures and malformed
 replies (no Flower here; tests/deploy/test_deploy_program.py runs it)."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
@@ -15,8 +19,10 @@ from fedjax_mr.deploy import codec
 from fedjax_mr.deploy import node
 from fedjax_mr.deploy import server
 from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import experiment as experiment_lib
 from fedjax_mr.pipeline import records
 from fedjax_mr.training import engine
+from tests import xla_flags
 
 NODES = 2
 
@@ -95,6 +101,80 @@ def test_a_round_equals_the_engines_bit_for_bit(experiment, simulated):
     [metrics[k] for k in sorted(metrics)],
     [want_metrics[k] for k in sorted(metrics)],
   )
+
+
+def differing_leaves(algorithm: str) -> int:
+  """How many leaves of the server state after one round differ between
+  the deployed round and the round `experiments.run` compiles."""
+  experiment = _experiment(algorithm)
+  state, _ = _deployed(experiment)
+  # Donates its state: after the deployed round, which reads it.
+  want, _ = experiment_lib._compile_round(experiment, 1)(
+    experiment.state, experiment.data, experiment.key
+  )
+  return sum(
+    not np.array_equal(np.asarray(x), np.asarray(y))
+    for x, y in zip(jax.tree.leaves(state.server), jax.tree.leaves(want.server))
+  )
+
+
+def test_a_round_equals_the_engines_bit_for_bit_as_programs_compile():
+  # At the suite's LLVM -O0 (tests/xla_flags.py) XLA:CPU makes no fused
+  # multiply-add; at a program's level it makes FedAvg's total + n_k * w_k
+  # one, so the deployed sum must add each contribution in one program
+  # with it, as the simulation's step does (`server._adders`). With the
+  # contribution computed apart and added after, this fails here (2 of 2
+  # leaves differ, Intel Xeon) and the in-process test above passes.
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = xla_flags.program_flags(env.get('XLA_FLAGS', ''))
+  code = (
+    'from tests.deploy import test_server as t; '
+    "print(t.differing_leaves('fedavg'))"
+  )
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  done = subprocess.run(
+    [sys.executable, '-c', code],
+    cwd=os.path.abspath(repo),
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split()[-1] == '0'
+
+
+def _summed(chunk, outputs, order):
+  """`server._Summer`'s total of `outputs` (None: failed) put in `order`."""
+  template = {
+    'n': jax.ShapeDtypeStruct((), np.float32),
+    'x': jax.ShapeDtypeStruct((1,), np.float32),
+  }
+  summer = server._Summer(
+    lambda o: {'x': o['n'] * o['x']}, template, len(outputs), chunk
+  )
+  for p in order:
+    o = outputs[p]
+    x = np.asarray([o], np.float32)
+    summer.put(p, None if o is None else {'n': np.float32(1), 'x': x})
+  assert summer.next == len(outputs) and not summer.waiting
+  return float(summer.total['x'][0])
+
+
+def test_sums_group_as_the_simulation_in_any_arrival_order():
+  # float32 spacing at 1e8 is 8: 1e8 + 1 is 1e8 and 1 - 1e8 is -1e8, so
+  # the grouping shows in the total.
+  xs = [1e8, 1.0, -1e8, 1.0]
+  for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]):
+    # One at a time: ((1e8 + 1) - 1e8) + 1.
+    assert _summed(1, xs, order) == 1.0
+    # Groups of 2 (engine's client_chunk): (1e8 + 1) + (-1e8 + 1).
+    assert _summed(2, xs, order) == 0.0
+    # Groups of 3 and the rest: (1e8 + 1 - 1e8) + 1.
+    assert _summed(3, xs, order) == 1.0
+    # A failed client adds nothing, also within a group.
+    assert _summed(1, [1e8, None, -1e8, 1.0], order) == 1.0
+    assert _summed(2, [1e8, 1.0, None, 1.0], order) == 1e8
 
 
 def _nan(reply):
