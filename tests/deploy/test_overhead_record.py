@@ -1,6 +1,7 @@
 """The deploy page's round-time tables are their records' (docs/results/
 deploy/overhead.json, Flower's own launcher, and overhead_warm.json, the
-warm SuperExec; made by docs/results/deploy/overhead.py), and name the
+warm SuperExec, on the AMD EPYC; overhead_warm_intel.json, the warm one on
+the Intel Xeon; made by docs/results/deploy/overhead.py), and name the
 machine and the load they were measured at."""
 
 import json
@@ -13,9 +14,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 RECORDS = os.path.join(REPO, 'docs', 'results', 'deploy')
 OVERHEAD = '| nodes | simulated (s/round) | deployed (s/round) |'
 OVERHEAD_WARM = '| nodes | simulated (s/round) | deployed warm (s/round) |'
+OVERHEAD_WARM_INTEL = (
+  '| nodes (Intel Xeon) | simulated (s/round) | deployed warm (s/round) |'
+)
 
 
-def check_overhead_table(text, name='overhead.json', launcher='flower'):
+def check_overhead_table(
+  text, name='overhead.json', launcher='flower', date='2026-11-27'
+):
   """Each row of the round-time table of record `name`, as its figures
   print it, and the prose beside it: the machine, the commit, the load."""
   with open(os.path.join(RECORDS, name)) as f:
@@ -29,7 +35,7 @@ def check_overhead_table(text, name='overhead.json', launcher='flower'):
   assert [d['nodes'] for d in record['deployed']] == [2, 5]
   said = (
     f'Measured on an {record["machine"]} ({record["cpus"]} cores) on '
-    f'2026-11-27 at commit {record["commit"]}'
+    f'{date} at commit {record["commit"]}'
   )
   assert said in ' '.join(text.split()), said
   before, after = (
@@ -56,11 +62,16 @@ def check_overhead_warm_table(text):
   check_overhead_table(text, 'overhead_warm.json', 'warm')
 
 
+def check_overhead_warm_intel_table(text):
+  check_overhead_table(text, 'overhead_warm_intel.json', 'warm', '2026-11-28')
+
+
 # Each table's header line (its start) and its check, for
 # tests/test_results_tables_tight.py.
 TABLES = {
   OVERHEAD: check_overhead_table,
   OVERHEAD_WARM: check_overhead_warm_table,
+  OVERHEAD_WARM_INTEL: check_overhead_warm_intel_table,
 }
 
 
