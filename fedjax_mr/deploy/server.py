@@ -131,8 +131,8 @@ class _Summer:
   """The running sum of contributions in the simulation's order (see the
   module docstring, step 4)."""
 
-  def __init__(self, contribution, template, k: int, chunk: int):
-    self.add_one, self.add_group = _adders(contribution)
+  def __init__(self, contribution, adders, template, k: int, chunk: int):
+    self.add_one, self.add_group = adders  # `_adders(contribution)`
     self.template = template
     self.total = jax.tree.map(
       jnp.asarray, _zeros_like(jax.eval_shape(contribution, template))
@@ -189,6 +189,8 @@ def make_round(
   keys_of = jax.jit(engine.round_keys)
   split = jax.jit(lambda key: jax.random.split(key, k))
   summed = algorithm.contribution is not None
+  # Compiled once a run, not once a round.
+  adders = _adders(algorithm.contribution) if summed else None
   aggregate = jax.jit(
     algorithm.aggregate
     if summed
@@ -216,7 +218,7 @@ def make_round(
     ]
     if summed:
       outputs, failed = _collect_sums(
-        transport, requests, template, timeout, log, r, algorithm, chunk
+        transport, requests, template, timeout, log, r, algorithm, chunk, adders
       )
     else:
       stacked, failed = _collect(transport, requests, template, timeout, log, r)
@@ -256,10 +258,18 @@ def _replies(
 
 
 def _collect_sums(
-  transport, requests, template, timeout, log, round_index, algorithm, chunk
+  transport,
+  requests,
+  template,
+  timeout,
+  log,
+  round_index,
+  algorithm,
+  chunk,
+  adders,
 ) -> tuple[types.Sums, list[int]]:
   k = len(requests)
-  summer = _Summer(algorithm.contribution, template, k, chunk)
+  summer = _Summer(algorithm.contribution, adders, template, k, chunk)
   scalars = {
     'num_examples': np.zeros(k, np.int32),
     'loss': np.zeros(k, np.float32),

@@ -150,9 +150,9 @@ def _summed(chunk, outputs, order):
     'n': jax.ShapeDtypeStruct((), np.float32),
     'x': jax.ShapeDtypeStruct((1,), np.float32),
   }
-  summer = server._Summer(
-    lambda o: {'x': o['n'] * o['x']}, template, len(outputs), chunk
-  )
+  contribution = lambda o: {'x': o['n'] * o['x']}  # noqa: E731
+  adders = server._adders(contribution)
+  summer = server._Summer(contribution, adders, template, len(outputs), chunk)
   for p in order:
     o = outputs[p]
     x = np.asarray([o], np.float32)
