@@ -5,7 +5,7 @@
 #
 #   bash docs/results/deploy/equality.sh > docs/results/deploy/equality.txt
 #
-# 1. FedAvg, FedMR and SCAFFOLD, 2 rounds: `experiments.run` and
+# 1. FedAvg, FedMR, FedMut and SCAFFOLD, 2 rounds: `experiments.run` and
 #    `experiments.deploy --nodes=3` (a SuperLink and 3 SuperNodes as
 #    processes, TLS, node authentication), both `--num_devices=1
 #    --client_chunk=1`; every metrics and clients row (times aside) and
@@ -50,7 +50,7 @@ print(f"  last row: train_loss {last['train_loss']!r}, test_accuracy "
 EOF
 }
 
-for alg in fedavg fedmr scaffold; do
+for alg in fedavg fedmr fedmut scaffold; do
   echo "== $alg, 2 rounds"
   $PY -m experiments.run $BASE --rounds=2 --algorithm=$alg \
     --workdir=$V/sim_$alg > $V/sim_$alg.log 2>&1
