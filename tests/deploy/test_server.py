@@ -154,9 +154,10 @@ def _summed(chunk, outputs, order):
   adders = server._adders(contribution)
   summer = server._Summer(contribution, adders, template, len(outputs), chunk)
   for p in order:
-    o = outputs[p]
-    x = np.asarray([o], np.float32)
-    summer.put(p, None if o is None else {'n': np.float32(1), 'x': x})
+    x = outputs[p]
+    if x is not None:
+      x = {'n': np.float32(1), 'x': np.asarray([x], np.float32)}
+    summer.put(p, x)
   assert summer.next == len(outputs) and not summer.waiting
   return float(summer.total['x'][0])
 
