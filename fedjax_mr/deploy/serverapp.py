@@ -4,13 +4,20 @@ its clients' work on the nodes (as the run's config says).
 
 The run config names `spec`, a folder holding the run's config
 (`adapter.write_config`, `adapter.write_stitch_config`), whose text goes
-to the nodes in every message, and, in a federation with node authentication,
-`node-ids`: the Flower node id of node 0, 1, … (their registered keys'
-ids), so the server only waits for them to be online. In an insecure
-federation (ids unknown in advance) it first asks every node which index
-it is (a `query` message). Each round sends one `train` message to each
-node that serves a sampled client, holding the requests of all its
-clients (`node.pack`), and splits its reply into the clients' replies.
+to the nodes in every message, and, in a federation with node
+authentication, `node-ids`: the Flower node id of node 0, 1, … (their
+registered keys' ids). Those ids are the slots for the whole run: node i
+is that id and only that id; a node not named is never sent a message
+and its answers are never read; a named node that is offline fails its
+clients until it is back under its own key. Only an insecure federation
+(no node keys, so no identity: anyone who reaches the SuperLink can join
+and claim an index, as the launcher warns) leaves `node-ids` empty;
+there the server asks every node which index it is (a `query` message,
+`discover`) and believes the answer.
+
+Each round sends one `train` message to each node that serves a sampled
+client, holding the requests of all its clients (`node.pack`), and
+splits its reply into the clients' replies.
 The `ClientApp` is in `clientapp.py`.
 """
 
@@ -20,6 +27,7 @@ import json
 import time
 import traceback
 from typing import Any
+from typing import Callable
 from typing import Iterator
 from typing import Sequence
 
@@ -52,11 +60,12 @@ class GridTransport:
   `train` message per node (`node.pack`, with the run's config), replies
   pulled as they arrive and split into the clients' replies.
 
-  A node that went offline fails its requests (Flower answers them with
-  an error). A node that comes back with its registered key has its old
-  id and simply gets the next round's requests; one that comes back with
-  a new id (an insecure federation) is asked its index before a round
-  whose nodes are not all online (`identify`).
+  The slot map `node_ids` is fixed: a node that went offline fails its
+  requests (Flower answers them with an error; one line says so per
+  outage) and, back with its registered key, has its old id and simply
+  gets the next round's requests. Only with `insecure` (ids found by
+  asking, `discover`) is an offline node's index given to a new online id
+  that claims it (`identify`), since there no identity exists to bind.
   """
 
   def __init__(
@@ -65,61 +74,85 @@ class GridTransport:
     node_ids: dict[int, int],
     config: str = '',
     kind: str = node_lib.TRAINING,
+    *,
+    insecure: bool = False,
+    log: Callable[[str], None] = print,
   ):
     self.grid = grid
     self.node_ids = node_ids
     self.config = config
     self.kind = kind
+    self.insecure = insecure
+    self.log = log
+    self.down: set[int] = set()  # Indices reported offline, not yet back.
 
-  def refresh(self) -> None:
-    """Maps the indices of offline nodes to new online ids, if any."""
+  def refresh(self) -> set[int]:
+    """The indices of the nodes offline now; in an insecure federation,
+    first maps the indices of offline nodes to new online ids, if any."""
     online = set(self.grid.get_node_ids())
     known = set(self.node_ids.values())
-    if online - known and known - online:
+    if self.insecure and online - known and known - online:
       found = identify(
         self.grid, len(self.node_ids), online - known, REJOIN_TIMEOUT_S
       )
       self.node_ids.update(found)
+    return {i for i, n in self.node_ids.items() if n not in online}
+
+  def _report(self, offline: set[int], asked: set[int]) -> None:
+    """One line when a node with requests is offline, one when it is
+    back."""
+    for i in sorted(self.down - offline):
+      self.log(f'node {i} (id {self.node_ids[i]}) is back online')
+    for i in sorted((offline & asked) - self.down):
+      self.log(
+        f'node {i} (id {self.node_ids[i]}) is offline: its clients fail '
+        'until it is back'
+      )
+    self.down = (self.down | (offline & asked)) & offline
 
   def exchange(
     self, requests: Sequence[server_lib.Request], timeout: float | None
   ) -> Iterator[tuple[int, Any]]:
-    self.refresh()
+    offline = self.refresh()
     by_node: dict[int, dict[int, Any]] = {}
     for r in requests:
       by_node.setdefault(r.node, {})[r.position] = r.content
+    self._report(offline, set(by_node))
+    nodes = sorted(by_node)
     messages = [
       Message(
-        node_lib.pack(parts, self.config, self.kind),
+        node_lib.pack(by_node[n], self.config, self.kind),
         dst_node_id=self.node_ids[n],
         message_type=TRAIN,
       )
-      for n, parts in sorted(by_node.items())
+      for n in nodes
     ]
     ids = list(self.grid.push_messages(messages))
     waiting = {
-      m: list(parts) for m, (_, parts) in zip(ids, sorted(by_node.items()))
+      m: (self.node_ids[n], list(by_node[n])) for m, n in zip(ids, nodes)
     }
     deadline = None if timeout is None else time.monotonic() + timeout
     while waiting and (deadline is None or time.monotonic() < deadline):
       for reply in self.grid.pull_messages(list(waiting)):
-        positions = waiting.pop(reply.metadata.reply_to_message_id, None)
-        if positions is None:
+        sent = waiting.pop(reply.metadata.reply_to_message_id, None)
+        if sent is None:
           continue
-        yield from _split(reply, positions)
+        yield from _split(reply, *sent)
       if waiting:
         time.sleep(POLL_S)
-    for positions in waiting.values():
+    for _, positions in waiting.values():
       for p in positions:
         yield p, None
 
 
-def _split(reply: Message, positions: list[int]) -> Iterator[tuple[int, Any]]:
+def _split(
+  reply: Message, node_id: int, positions: list[int]
+) -> Iterator[tuple[int, Any]]:
   """`(position, the client's reply or None)` for each of `positions` in
-  a node's reply (all None when the node failed or the reply does not
-  unpack)."""
+  the reply of node `node_id` (all None when the node failed, the reply
+  comes from another node or does not unpack)."""
   parts = {}
-  if not reply.has_error():
+  if not reply.has_error() and reply.metadata.src_node_id == node_id:
     try:
       parts = node_lib.unpack(reply.content)
     except node_lib.RequestError:
@@ -133,7 +166,8 @@ def identify(
 ) -> dict[int, int]:
   """`{index: id}` of the nodes of `node_ids` that answer a `query`
   message within `timeout` seconds as nodes of a federation of
-  `num_nodes`."""
+  `num_nodes`. Their answers are believed: only for an insecure
+  federation, where no node has an identity (`GridTransport`)."""
   messages = [
     Message(RecordDict(), dst_node_id=n, message_type=QUERY)
     for n in sorted(node_ids)
@@ -157,7 +191,8 @@ def identify(
 def discover(grid: Grid, num_nodes: int, timeout: float) -> dict[int, int]:
   """`{node index: Flower node id}` of the `num_nodes` nodes, each asked
   its index (`identify`) as it comes online (a node starts a process per
-  message, which may take a while).
+  message, which may take a while): an insecure federation's only way to
+  know its nodes.
 
   Raises:
     TimeoutError: not every index answered within `timeout` seconds.
@@ -198,16 +233,30 @@ def wait_online(grid: Grid, node_ids: dict[int, int], timeout: float) -> None:
     time.sleep(0.25)
 
 
-def _nodes(grid: Grid, ids: str, num_nodes: int) -> dict[int, int]:
-  """`{index: id}`: from `ids` (node 0's id, node 1's, …, comma
-  separated) once they are online, or else asked (`discover`)."""
+def connect(
+  grid: Grid,
+  run_config: Any,
+  config: str = '',
+  kind: str = node_lib.TRAINING,
+) -> GridTransport:
+  """The transport to the run's `num-nodes` nodes: node i is the i-th id
+  of `node-ids` (comma separated; named in every federation with node
+  authentication), for the whole run, once they are all online; or else,
+  in an insecure federation, whichever node answers index i (`discover`).
+
+  Raises:
+    ValueError: `node-ids` does not name `num-nodes` ids.
+  """
+  num_nodes = int(run_config['num-nodes'])
+  ids = str(run_config.get('node-ids', ''))
   if not ids:
-    return discover(grid, num_nodes, DISCOVERY_TIMEOUT_S)
-  found = {i: int(n) for i, n in enumerate(ids.split(','))}
-  if len(found) != num_nodes:
-    raise ValueError(f'node-ids names {len(found)} nodes, not {num_nodes}')
-  wait_online(grid, found, DISCOVERY_TIMEOUT_S)
-  return found
+    nodes = discover(grid, num_nodes, DISCOVERY_TIMEOUT_S)
+    return GridTransport(grid, nodes, config, kind, insecure=True)
+  nodes = {i: int(n) for i, n in enumerate(ids.split(','))}
+  if len(nodes) != num_nodes:
+    raise ValueError(f'node-ids names {len(nodes)} nodes, not {num_nodes}')
+  wait_online(grid, nodes, DISCOVERY_TIMEOUT_S)
+  return GridTransport(grid, nodes, config, kind)
 
 
 def _write_result(path: str, result: dict[str, Any]) -> None:
@@ -222,8 +271,7 @@ def _run(grid: Grid, run_config: Any) -> None:
   config = adapter.config_from_text(kind, text)
   num_nodes = int(run_config['num-nodes'])
   timeout = float(run_config['round-timeout']) or None
-  nodes = _nodes(grid, str(run_config.get('node-ids', '')), num_nodes)
-  transport = GridTransport(grid, nodes, text, kind)
+  transport = connect(grid, run_config, text, kind)
   if kind == node_lib.STITCH:
 
     def deployed(setup):

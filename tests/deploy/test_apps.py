@@ -1,5 +1,7 @@
 """The ServerApp's transport over a grid: replies as they come, failures,
-a node that comes back under a new id (a fake grid: no processes)."""
+slots bound to the named nodes (an impostor claiming a dead node's index
+gets nothing), a node that comes back under a new id in an insecure
+federation (a fake grid: no processes)."""
 
 import itertools
 from types import SimpleNamespace
@@ -105,12 +107,95 @@ def test_a_dead_node_fails_its_requests():
   assert [p for p in sorted(got) if got[p] is None] == [1, 3]
 
 
-def test_a_node_back_under_a_new_id_is_asked_its_index():
-  grid = FakeGrid({11: 0, 33: 1}, 2)  # node 1 was 22, now 33
-  transport = apps.GridTransport(grid, {0: 11, 1: 22})
+def _sent_to(grid, node_id):
+  return [m for m in grid.sent.values() if m.metadata.dst_node_id == node_id]
+
+
+def _failed(got):
+  return sorted(p for p, reply in got.items() if reply is None)
+
+
+def test_a_named_slot_is_not_taken_by_an_impostor_while_its_node_is_down(
+  capsys,
+):
+  grid = FakeGrid({10: 0, 11: 1}, 2)
+  transport = apps.GridTransport(grid, {0: 10, 1: 11})
+  assert _failed(dict(transport.exchange(_requests(4), None))) == []
+  # Node 1 (id 11) dies; an unregistered node claiming index 1 joins.
+  del grid.nodes[11]
+  grid.nodes[99] = 1
+  for _ in range(2):
+    got = dict(transport.exchange(_requests(4), None))
+    assert _failed(got) == [1, 3]
+    assert all(got[p]['c']['p'] == p for p in (0, 2))
+  assert transport.node_ids == {0: 10, 1: 11}
+  # Once per outage, however many rounds it lasts.
+  assert capsys.readouterr().out == (
+    'node 1 (id 11) is offline: its clients fail until it is back\n'
+  )
+  # Node 1 back under its own key serves the next round.
+  grid.nodes[11] = 1
+  got = dict(transport.exchange(_requests(4), None))
+  assert _failed(got) == []
+  assert capsys.readouterr().out == 'node 1 (id 11) is back online\n'
+  assert _sent_to(grid, 99) == []
+  assert len(_sent_to(grid, 11)) == 4
+
+
+def test_a_reply_from_another_node_is_not_read():
+  grid = FakeGrid({10: 0, 11: 1}, 2)
+  pull = grid.pull_messages
+
+  def forged(ids):
+    # Replies to node 1's messages say they come from node 99.
+    return [
+      SimpleNamespace(
+        metadata=SimpleNamespace(
+          reply_to_message_id=r.metadata.reply_to_message_id,
+          src_node_id={11: 99}.get(src, src),
+        ),
+        has_error=r.has_error,
+        content=r.content,
+      )
+      for r in pull(ids)
+      for src in [r.metadata.src_node_id]
+    ]
+
+  grid.pull_messages = forged
+  transport = apps.GridTransport(grid, {0: 10, 1: 11})
+  assert _failed(dict(transport.exchange(_requests(4), None))) == [1, 3]
+
+
+def test_named_node_ids_bind_the_slots_and_nothing_is_asked():
+  grid = FakeGrid({10: 0, 11: 1, 99: 1}, 2)
+  transport = apps.connect(grid, {'num-nodes': 2, 'node-ids': '10,11'})
+  assert transport.node_ids == {0: 10, 1: 11}
+  del grid.nodes[11]
+  assert _failed(dict(transport.exchange(_requests(2), None))) == [1]
+  assert transport.node_ids == {0: 10, 1: 11}
+  assert _sent_to(grid, 99) == []
+  assert not any(
+    m.metadata.message_type == apps.QUERY for m in grid.sent.values()
+  )
+  with pytest.raises(ValueError, match='names 2 nodes, not 3'):
+    apps.connect(grid, {'num-nodes': 3, 'node-ids': '10,11'})
+
+
+def test_an_insecure_federation_asks_and_a_node_back_under_a_new_id_too():
+  grid = FakeGrid({11: 0, 22: 1}, 2)
+  transport = apps.connect(grid, {'num-nodes': 2, 'node-ids': ''})
+  assert transport.node_ids == {0: 11, 1: 22}
+  del grid.nodes[22]
+  grid.nodes[33] = 1  # node 1 was 22, now 33
   got = dict(transport.exchange(_requests(2), None))
   assert transport.node_ids == {0: 11, 1: 33}
-  assert all(reply is not None for reply in got.values())
+  assert _failed(got) == []
+  queried = [
+    m.metadata.dst_node_id
+    for m in grid.sent.values()
+    if m.metadata.message_type == apps.QUERY
+  ]
+  assert sorted(queried) == [11, 22, 33]
 
 
 def test_a_deadline_fails_the_requests_without_a_reply():
