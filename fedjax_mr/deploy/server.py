@@ -14,8 +14,9 @@ functions and the engine's keys, in the engine's order:
    serves the client (`node_of`);
 3. each reply is decoded against the `ClientOutput` that the client's
    update returns (`codec.decode`: tree, shapes, dtypes, size, finite
-   values) before anything reads it; a refused reply is logged and its
-   client counted as failed;
+   values) before anything reads it, and its weights against what the
+   server knows (`check_weights`: the client's size, its steps); a
+   refused reply is logged and its client counted as failed;
 4. an algorithm with a `contribution` is summed in the simulation's
    order: groups of `chunk` clients in sampled order, each group's rows
    added one after another and then to the running sum (the engine's
@@ -87,6 +88,80 @@ class NoClientError(RuntimeError):
 def node_of(client: int, num_nodes: int) -> int:
   """The node that serves `client`: node i serves clients i, i + N, …"""
   return int(client) % num_nodes
+
+
+class Weights(NamedTuple):
+  """What the server knows of every client's reply weights
+  (`weights_of`), as the engine's local training computes them
+  (`client.train_steps`): client c reports n_c = `sizes[c]` examples and
+  one pass of E epochs of ceil(n_c / b) steps; a FeDepth client makes
+  one pass per block of layers it trains, a number the server does not
+  hold: at most one per leaf of the model (a block trains at least one
+  layer, a layer at least one leaf).
+
+  Attributes:
+    sizes: `[N]` every client's number of training examples (the
+      partition is the server's).
+    epochs: E, the local epochs.
+    batch: b, the batch size no client exceeds: min(B, largest client).
+    max_passes: the most local passes a client makes.
+  """
+
+  sizes: Sequence[int]
+  epochs: int
+  batch: int
+  max_passes: int
+
+
+# The algorithms whose clients train in several passes (`Weights`).
+MULTI_PASS = ('fedepth',)
+
+
+def weights_of(experiment: Any, template: Any) -> Weights:
+  """The `Weights` of `experiment`'s clients; `template` is the shape of
+  a client's output (`node.output_shape`)."""
+  data = experiment.data
+  if isinstance(data, host_round.HostData):
+    data = data.data
+  config = experiment.config
+  passes = 1
+  if config.algorithm.name in MULTI_PASS:
+    passes = len(jax.tree.leaves(template.variables))
+  return Weights(
+    [int(n) for n in experiment.client_sizes],
+    int(config.local.local_epochs),
+    min(int(config.local.batch_size), int(data.max_size)),
+    passes,
+  )
+
+
+def check_weights(
+  weights: Weights, client: int, output: types.ClientOutput
+) -> None:
+  """Refuses a reply whose weights are not client `client`'s: its example
+  count, its steps (a positive multiple of one pass's, at most
+  `max_passes` of them) and its loss (a mean cross-entropy, >= 0).
+
+  Raises:
+    codec.ReplyError: which count is wrong, and what it should be.
+  """
+  n = weights.sizes[client]
+  got = int(output.num_examples)
+  if got != n:
+    raise codec.ReplyError(f'num_examples is {got}, the client holds {n}')
+  one_pass = weights.epochs * -(-n // weights.batch)
+  steps = int(output.num_steps)
+  if one_pass == 0:
+    ok = steps == 0
+  else:
+    ok = steps % one_pass == 0 and 1 <= steps // one_pass <= weights.max_passes
+  if not ok:
+    raise codec.ReplyError(
+      f'num_steps is {steps}, not a pass of {one_pass} steps '
+      f'(at most {weights.max_passes} passes)'
+    )
+  if not float(output.loss) >= 0:
+    raise codec.ReplyError(f'loss is {float(output.loss)}, below 0')
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -207,6 +282,7 @@ def make_round(
     at = [int(i) for i in np.asarray(jax.device_get(ids))]
     r = int(jax.device_get(state.round))
     template = node_lib.output_shape(experiment, sent, state)
+    read = _reader(template, weights_of(experiment, template))
     requests = [
       Request(
         p,
@@ -217,11 +293,13 @@ def make_round(
       for p, c in enumerate(at)
     ]
     if summed:
+      replies = _replies(transport, requests, read, timeout, log, r)
       outputs, failed = _collect_sums(
-        transport, requests, template, timeout, log, r, algorithm, chunk, adders
+        replies, requests, template, r, algorithm, chunk, adders
       )
     else:
-      stacked, failed = _collect(transport, requests, template, timeout, log, r)
+      replies = _replies(transport, requests, read, timeout, log, r)
+      stacked, failed = _collect(replies, requests, r)
       outputs = _stacked_outputs(algorithm, sent, stacked, template)
     server_state, server_metrics = aggregate(
       state.server, outputs, ids, state.round, k_aggregate
@@ -235,15 +313,30 @@ def make_round(
   return step
 
 
+def _reader(template: Any, weights: Weights) -> Callable:
+  """`read(reply, client) -> ClientOutput`: the reply decoded against
+  `template` (`node.read_reply`) and its weights checked
+  (`check_weights`); raises `codec.ReplyError`."""
+
+  def read(reply: Any, client: int) -> types.ClientOutput:
+    output = node_lib.read_reply(reply, template)
+    check_weights(weights, client, output)
+    return output
+
+  return read
+
+
 def _replies(
   transport: Transport,
   requests: Sequence[Request],
-  template: Any,
+  read: Callable[[Any, int], types.ClientOutput],
   timeout: float | None,
   log: Callable[[str], None],
   round_index: int,
 ) -> Iterator[tuple[int, Any | None]]:
-  """`(position, checked output or None)` as replies arrive."""
+  """`(position, checked output or None)` as replies arrive: a reply
+  `read` refuses is logged, one line naming the client and the check,
+  and counts as a failed client's."""
   for position, reply in transport.exchange(requests, timeout):
     client = requests[position].client
     if reply is None:
@@ -251,22 +344,14 @@ def _replies(
       yield position, None
       continue
     try:
-      yield position, node_lib.read_reply(reply, template)
+      yield position, read(reply, client)
     except codec.ReplyError as e:
       log(f'round {round_index + 1}: client {client} refused: {e}')
       yield position, None
 
 
 def _collect_sums(
-  transport,
-  requests,
-  template,
-  timeout,
-  log,
-  round_index,
-  algorithm,
-  chunk,
-  adders,
+  replies, requests, template, round_index, algorithm, chunk, adders
 ) -> tuple[types.Sums, list[int]]:
   k = len(requests)
   summer = _Summer(algorithm.contribution, adders, template, k, chunk)
@@ -276,9 +361,7 @@ def _collect_sums(
     'num_steps': np.zeros(k, np.int32),
   }
   failed = []
-  for position, output in _replies(
-    transport, requests, template, timeout, log, round_index
-  ):
+  for position, output in replies:
     summer.put(position, output)
     if output is None:
       failed.append(position)
@@ -291,13 +374,9 @@ def _collect_sums(
   return sums, [requests[p].client for p in sorted(failed)]
 
 
-def _collect(
-  transport, requests, template, timeout, log, round_index
-) -> tuple[list[Any], list[int]]:
+def _collect(replies, requests, round_index) -> tuple[list[Any], list[int]]:
   outputs: list[Any] = [None] * len(requests)
-  for position, output in _replies(
-    transport, requests, template, timeout, log, round_index
-  ):
+  for position, output in replies:
     outputs[position] = output
   failed = [r.client for r, o in zip(requests, outputs) if o is None]
   if len(failed) == len(requests):

@@ -234,6 +234,119 @@ def test_a_failed_or_malformed_reply_is_left_out_and_named(
   assert np.all(np.isfinite(np.asarray(jax.tree.leaves(state.server)[0])))
 
 
+def _with_scalar(name, value):
+  """A change of a reply: its `ClientOutput.<name>` made `value`."""
+
+  def change(reply):
+    record = reply['output']
+    out = ArrayRecord()
+    for k in record:
+      got = record[k].numpy()
+      out[k] = Array(np.asarray(value, got.dtype) if k == f'.{name}' else got)
+    return RecordDict({'output': out})
+
+  return change
+
+
+def _steps_times(factor, plus=0):
+  """A change: the reply's steps times `factor`, plus `plus`."""
+
+  def change(reply):
+    steps = int(reply['output']['.num_steps'].numpy())
+    return _with_scalar('num_steps', steps * factor + plus)(reply)
+
+  return change
+
+
+@pytest.fixture(scope='module')
+def second_failed(experiment):
+  """The round in which the second sampled client sent no reply."""
+  lines = []
+  got = _deployed(
+    experiment, lambda p, reply: None if p == 1 else reply, lines.append
+  )
+  return got, lines
+
+
+# The weights a hostile node claimed (issue 71): each refused.
+WEIGHT_ATTACKS = [
+  (_with_scalar('num_examples', 10**9), 'num_examples is 1000000000'),
+  (_with_scalar('num_examples', -7), 'num_examples is -7'),
+  (_with_scalar('num_examples', 0), 'num_examples is 0'),
+  (_steps_times(1, plus=1), 'num_steps is'),
+  (_steps_times(0), 'num_steps is 0'),
+  (_steps_times(-1), 'num_steps is -'),
+  (_with_scalar('num_steps', 10**9), 'num_steps is 1000000000'),
+  (_with_scalar('loss', -1.0), 'loss is -1.0'),
+]
+
+
+@pytest.mark.parametrize('change, says', WEIGHT_ATTACKS)
+def test_a_reply_that_lies_about_its_weight_is_a_failed_clients(
+  experiment, second_failed, change, says
+):
+  lines = []
+  state, metrics = _deployed(
+    experiment,
+    lambda p, reply: change(reply) if p == 1 else reply,
+    lines.append,
+  )
+  (want_state, want_metrics), failed_lines = second_failed
+  client = int(metrics['client_ids'][1])
+  assert len(lines) == 1, lines
+  assert f'client {client} refused: ' in lines[0] and says in lines[0]
+  assert failed_lines == [f'round 1: client {client} failed (no reply)']
+  # The rest of the round: the round where that client failed, bit for
+  # bit (state and every metric, its failure named).
+  _assert_equal(state, want_state)
+  assert sorted(metrics) == sorted(want_metrics)
+  _assert_equal(
+    [metrics[k] for k in sorted(metrics)],
+    [want_metrics[k] for k in sorted(metrics)],
+  )
+
+
+def test_the_most_examples_from_every_client_are_all_refused(experiment):
+  # Three of 2^31 - 1 wrap an int32 total; all zeros divide by zero.
+  for value in (2**31 - 1, 0):
+    lines = []
+    with pytest.raises(server.NoClientError, match='no client replied'):
+      _deployed(
+        experiment,
+        lambda p, reply: _with_scalar('num_examples', value)(reply),
+        lines.append,
+      )
+    assert len(lines) == 3
+    assert all(f'refused: num_examples is {value},' in x for x in lines)
+
+
+def test_the_weights_of_every_client_are_what_the_server_knows(experiment):
+  # What `check_weights` expects, by hand from the partition and flags
+  # (6 clients, E = 1, B = 50): the steps the simulation reports.
+  template = node.output_shape(
+    experiment,
+    engine.next_dispatch(
+      experiment.algorithm,
+      experiment.state,
+      experiment.data,
+      experiment.key,
+      3,
+    ),
+    experiment.state,
+  )
+  weights = server.weights_of(experiment, template)
+  assert list(weights.sizes) == list(experiment.client_sizes)
+  assert (weights.epochs, weights.max_passes) == (1, 1)
+  b = min(50, max(experiment.client_sizes))
+  assert weights.batch == b
+  _, metrics = _simulated(experiment)
+  for c, n, steps in zip(
+    metrics['client_ids'], metrics['client_examples'], metrics['client_steps']
+  ):
+    assert int(n) == experiment.client_sizes[int(c)]
+    assert int(steps) == -(-int(n) // b)
+
+
 def test_no_reply_at_all_is_an_error(experiment):
   with pytest.raises(server.NoClientError, match='no client replied'):
     _deployed(experiment, lambda p, reply: None, lambda line: None)
