@@ -142,6 +142,23 @@ def test_data_that_disagrees_with_its_header_is_refused():
     codec.decode(_with(record, key, forged), sent)
 
 
+def test_data_of_another_shape_than_its_header_is_refused():
+  # The Array says float32[3, 4]; its bytes hold a float32 [4, 3] array.
+  sent = _tree()
+  record = codec.encode(sent)
+  key = "['params']['dense']['kernel']"
+  buffer = io.BytesIO()
+  np.save(buffer, np.zeros((4, 3), np.float32))
+  forged = Array(
+    dtype='float32',
+    shape=(3, 4),
+    stype=record[key].stype,
+    data=buffer.getvalue(),
+  )
+  with pytest.raises(codec.ReplyError, match=r'reads as float32\[4, 3\]'):
+    codec.decode(_with(record, key, forged), sent)
+
+
 def test_a_pickle_is_never_unpickled(tmp_path):
   marker = tmp_path / 'ran'
 

@@ -8,6 +8,7 @@ a node refuses what is not its own. The real federation's run is in
 test_deploy_program.py."""
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -30,11 +31,20 @@ CONFIG, NUM_CLIENTS = test_federated.CONFIG, test_federated.NUM_CLIENTS
 batch_fn, _pool = test_federated.batch_fn, test_federated._pool
 
 
+MIX, SECONDS_PER_UNIT = 'tx2_chained@1:0.5,tx2_chained@0.5:0.5', 0.001
+
+
 def _fleet():
-  devices = simulation.assign_profiles(
-    'tx2_chained@1:0.5,tx2_chained@0.5:0.5', NUM_CLIENTS
+  devices = simulation.assign_profiles(MIX, NUM_CLIENTS)
+  return fleet.Fleet(
+    fleet.SimulatedBackend(devices), seconds_per_unit=SECONDS_PER_UNIT
   )
-  return fleet.Fleet(fleet.SimulatedBackend(devices), seconds_per_unit=0.001)
+
+
+# What the server knows of the clients' devices: the nodes' model.
+ENERGY = stitch_server.EnergyModel(
+  simulation.assign_profiles(MIX, NUM_CLIENTS), SECONDS_PER_UNIT, False
+)
 
 
 class Nodes:
@@ -68,7 +78,7 @@ class Nodes:
 def _deployed(pool, log=None, **kw):
   lines = [] if log is None else log
   return stitch_server.DeployedClients(
-    pool, Nodes(pool, **kw), NODES, log=lines.append
+    pool, Nodes(pool, **kw), NODES, log=lines.append, energy=ENERGY
   )
 
 
@@ -246,3 +256,219 @@ def test_a_node_refuses_what_is_not_its_own(simulated):
   request['paths'] = ConfigRecord({'paths': json.dumps([[['zz', 0]]])})
   with pytest.raises(node_lib.RequestError, match='pool does not hold'):
     stitch_node.answer(held, request, 0, NODES)
+
+
+def _with_energy(**figures):
+  """A change of a score reply: its coordinator's figures replaced."""
+
+  def change(part):
+    work = dict(part['work'])
+    work['energy'] = json.dumps({**json.loads(work['energy']), **figures})
+    part['work'] = ConfigRecord(work)
+
+  return change
+
+
+def _half_energy(part):
+  entry = json.loads(part['work']['energy'])
+  _with_energy(energy_j=entry['energy_j'] / 2)(part)
+
+
+def _no_time(part):
+  part['work'] = ConfigRecord({**dict(part['work']), 'time_s': 0.0})
+
+
+def _scores_of(value):
+  def change(part):
+    scores = _arrays(part['scores'])
+    first = sorted(scores)[0]
+    scores[first] = np.full_like(scores[first], value)
+    part['scores'] = codec.encode(scores)
+
+  return change
+
+
+def _duplicate_choices(part):
+  choices = _arrays(part['choices'])
+  part['choices'] = codec.encode(
+    {k: np.zeros_like(v) for k, v in choices.items()}
+  )
+
+
+def _one_past_the_last(part):
+  scores, choices = _arrays(part['scores']), _arrays(part['choices'])
+  first = sorted(choices)[0]
+  choices[first] = choices[first].copy()
+  choices[first][0] = len(scores[first])
+  part['choices'] = codec.encode(choices)
+
+
+def _round(pool, change, lines):
+  """One round, the first sampled client's score reply passed through
+  `change` (returns None: no reply); its log entry (times left out)."""
+
+  def first_only(p, part):
+    return change(part) if p == 0 else part
+
+  state = federated.run_round(
+    pool,
+    federated.state_lib.init_state(pool, NUM_CLIENTS),
+    _deployed(pool, lines, change=first_only),
+    CONFIG,
+    population=range(NUM_CLIENTS),
+    energy=_fleet(),
+  )
+  return _log(state), np.asarray(state.weights)
+
+
+def _changed(change):
+  def apply(part):
+    change(part)
+    return part
+
+  return apply
+
+
+@pytest.mark.parametrize(
+  'change, said',
+  [
+    (_with_energy(time_s=0.0, energy_j=0.0), 'energy time_s is 0.0'),
+    (_with_energy(energy_j=0.0), 'energy energy_j is 0.0'),
+    (_half_energy, 'energy_j (tx2_chained'),
+    (_with_energy(time_s=1e-3), 'time_s (tx2_chained'),
+    (_with_energy(device='agx'), 'device (tx2_chained'),
+    (_with_energy(units=10**9), 'energy units'),
+    (_no_time, 'time_s is 0.0'),
+    (_scores_of(1e300), 'leave [0, 1]'),
+    (_scores_of(-1e300), 'leave [0, 1]'),
+    (_scores_of(1.001), 'leave [0, 1]'),
+    (_duplicate_choices, 'not positions'),
+    (_one_past_the_last, 'not positions'),
+  ],
+)
+def test_a_score_reply_that_lies_is_a_failed_clients(simulated, change, said):
+  pool, _ = simulated
+  lines, failed_lines = [], []
+  got = _round(pool, _changed(change), lines)
+  want = _round(pool, lambda part: None, failed_lines)
+  first = federated.sample_clients(CONFIG, 0, range(NUM_CLIENTS))[0]
+  assert len(lines) == 1 and f'client {first} refused: ' in lines[0], lines
+  assert said in lines[0], lines
+  assert failed_lines == [f'round 1: client {first} failed (no reply)']
+  # The rest of the round: the round where that client failed.
+  assert got[0] == want[0]
+  np.testing.assert_array_equal(got[1], want[1])
+
+
+def _stats_of(rows=None, g=None):
+  """A change of a statistics reply: every block's rows or XᵀX (a
+  function of the true one) replaced."""
+
+  def change(part):
+    record = part['stats']
+    stats = {}
+    for k, v in record.items():
+      block, name = k[2:-2].split("']['")
+      stats.setdefault(block, {})[name] = v.numpy()
+    for s in stats.values():
+      if rows is not None:
+        s['rows'] = np.int64(rows)
+      if g is not None:
+        s['g'] = g(s['g'])
+    part['stats'] = codec.encode(stats)
+
+  return change
+
+
+def _statistics_run(pool, change, lines):
+  """The whole run, the first statistics reply of each selection passed
+  through `change` (returns None: no reply)."""
+
+  def first_stats(p, part):
+    return change(part) if p == 0 and 'stats' in part else part
+
+  state = _run(pool, _deployed(pool, lines, change=first_stats))
+  return _log(state), np.asarray(state.weights), _nets(state)
+
+
+def _negative_definite(g):
+  return -g - np.eye(len(g))
+
+
+def _indefinite(g):
+  # Symmetric, a non-negative diagonal, an eigenvalue of -trace.
+  d = float(np.trace(g)) + 1
+  out = np.zeros_like(g)
+  out[:2, :2] = [[d, 2 * d], [2 * d, d]]
+  return out
+
+
+def _asymmetric(g):
+  out = g.copy()
+  out[0, 1] += float(np.trace(g))
+  return out
+
+
+@pytest.mark.parametrize(
+  'change, said',
+  [
+    (_stats_of(rows=10**18), f'over {10**18} rows'),
+    (_stats_of(rows=0), 'over 0 rows'),
+    (_stats_of(10**18, _negative_definite), f'over {10**18} rows'),
+    (_stats_of(g=_negative_definite), 'not symmetric PSD'),
+    (_stats_of(g=_asymmetric), 'not symmetric PSD'),
+    (_stats_of(g=_indefinite), 'not positive semi-definite'),
+  ],
+)
+def test_statistics_that_lie_are_a_failed_clients(simulated, change, said):
+  pool, _ = simulated
+  lines, failed_lines = [], []
+  got = _statistics_run(pool, _changed(change), lines)
+  want = _statistics_run(pool, lambda part: None, failed_lines)
+  assert lines and all(
+    'refused: statistics' in x or 'refused: XᵀX' in x for x in lines
+  ), lines
+  assert all(said in x for x in lines), lines
+  assert [x.replace(' failed (no reply)', '') for x in failed_lines] == [
+    x.split(' refused: ')[0] for x in lines
+  ]
+  assert got[0] == want[0]
+  np.testing.assert_array_equal(got[1], want[1])
+  for (pa, sa), (pb, sb) in zip(got[2], want[2], strict=True):
+    assert pa == pb
+    for x, y in zip(sa, sb, strict=True):
+      assert (x is None) == (y is None)
+      if x is not None:
+        np.testing.assert_array_equal(x[0], y[0])
+
+
+def test_the_rows_of_a_stitch_are_the_batchs_positions(simulated):
+  # By hand: a block's input of H × W × C takes batch · H · W rows, a
+  # dense one batch rows.
+  pool, _ = simulated
+  for b, block in enumerate(pool.blocks):
+    spatial = block.in_spec[:-1]
+    want = 8 * (spatial[0] * spatial[1] if len(spatial) == 2 else 1)
+    assert stitch_server.batch_rows(pool, b, 8) == want
+
+
+def test_the_energy_model_is_the_nodes_devices():
+  energy = types.SimpleNamespace(
+    backend='simulated', mix=MIX, profile=None, ms_per_score=1.0
+  )
+  config = types.SimpleNamespace(
+    energy=energy,
+    partition=types.SimpleNamespace(num_clients=NUM_CLIENTS),
+    run=types.SimpleNamespace(seed=0),
+  )
+  model = stitch_server.energy_model(config)
+  assert model == ENERGY
+  sysfs = types.SimpleNamespace(
+    **{**vars(energy), 'backend': 'sysfs', 'profile': 'tx2_literal'}
+  )
+  model = stitch_server.energy_model(
+    types.SimpleNamespace(**{**vars(config), 'energy': sysfs})
+  )
+  assert model.measured and model.seconds_per_unit == 0.001
+  assert {d.profile.name for d in model.devices} == {'tx2_literal'}
+  assert len(model.devices) == NUM_CLIENTS
