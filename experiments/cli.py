@@ -226,6 +226,75 @@ def define_deploy_flags() -> tuple[str, ...]:
   return ('nodes', 'round_timeout', 'insecure_federation', 'superlink')
 
 
+# The deploy programs' flags that name a file or a folder. The
+# federation's processes run in `<workdir>/flower`, where a relative path
+# names another file or none: `absolute_paths` makes them absolute.
+_PATH_FLAGS = (
+  'workdir',
+  'data_dir',
+  'partition_file',
+  'init_from',
+  'pool',
+  'imagenet_pool',
+  'root_certificates',
+  'energy_sysfs_root',
+)
+
+
+def absolute_paths(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Makes each path the parsed flags name absolute, from this working
+  folder: the `_PATH_FLAGS` that are set, and `--label_map`,
+  `--energy_profile` and each profile of `--energy_mix` where they name a
+  file here rather than a bundled map or profile (a name that is neither
+  stays as given, for the config's check to name). Run before anything
+  starts, so that the launcher's checks and the federation's processes
+  read the same files."""
+  from fedjax_mr.energy import profiles
+  from fedjax_mr.stitch import label_maps
+
+  def absolute(name: str, bundled=None) -> None:
+    value = flag_values[name].value if name in flag_values else None
+    if value and (bundled is None or _a_file(value, bundled)):
+      setattr(flag_values, name, os.path.abspath(value))
+
+  for name in _PATH_FLAGS:
+    absolute(name)
+  absolute('label_map', label_maps.BUNDLED)
+  absolute('energy_profile', profiles.BUILTIN_PROFILES)
+  if 'energy_mix' in flag_values and flag_values['energy_mix'].value:
+    flag_values.energy_mix = _mix_files_absolute(
+      flag_values['energy_mix'].value, profiles.BUILTIN_PROFILES
+    )
+
+
+def _mix_files_absolute(spec: str, builtin) -> str:
+  """`spec` (`profile[@speed][:weight]` entries, separated by ',' within
+  a mix and ';' between mixes) with each profile that is a file here, not
+  one in `builtin`, made absolute; an entry that does not parse is left
+  for the config's check to name."""
+  from fedjax_mr.energy import simulation
+
+  mixes = []
+  for mix in spec.split(';'):
+    entries = []
+    for entry in mix.split(','):
+      try:
+        ((name, _, _),) = simulation.parse_mix(entry)
+      except ValueError:
+        name = ''
+      if name and _a_file(name, builtin):
+        entry = entry.replace(name, os.path.abspath(name), 1)
+      entries.append(entry)
+    mixes.append(','.join(entries))
+  return ';'.join(mixes)
+
+
+def _a_file(value: str, bundled) -> bool:
+  """Whether `value` of a flag that names a bundled thing or a file is a
+  file (or folder) here rather than a name in `bundled`."""
+  return value not in bundled and os.path.lexists(value)
+
+
 def deploy_arguments() -> dict:
   """The deploy flags' values as `launch.run`'s keyword arguments."""
   from fedjax_mr.deploy import federation

@@ -38,6 +38,9 @@ FLAGS = flags.FLAGS
 def main(argv) -> None:
   cli.no_arguments(argv)
   logging.set_verbosity(logging.WARNING)
+  # The federation's processes run in <workdir>/flower: a relative path
+  # would name another file there.
+  cli.absolute_paths()
   config = stitch_program.config_from_flags()
   with cli.training_errors(
     're-run with the same flags to resume', workdir=config.run.workdir

@@ -1,5 +1,6 @@
 """The benchmark and experiment programs print figures, reject bad input."""
 
+import json
 import re
 
 import pytest
@@ -268,3 +269,80 @@ def test_run_help_lists_the_flags_by_concern_and_leaves_the_rest_to_helpfull():
   assert not re.search(r'^  --(fedprox_mu|logtostderr)', out, re.M)
   assert full.stdout.startswith('Runs one federated training experiment.')
   assert '  --fedprox_mu:' in full.stdout
+
+
+# What the deploy programs hand the launcher, printed by a stand-in for
+# `launch.run` (no federation starts): every path of the config and the
+# SuperLink's CA file.
+_DEPLOY_PATHS = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from fedjax_mr.core import config_tree
+from fedjax_mr.deploy import launch
+from fedjax_mr.pipeline import config, stitch_config
+
+FIELDS = config.base_fields()
+if 'stitch' in 'PROGRAM':
+  FIELDS = stitch_config.fields()
+
+def run(config, nodes, **kwargs):
+  paths = {f.name: config_tree.get(config, f.path) for f in FIELDS}
+  paths['root_certificates'] = kwargs['superlink'].root_certificates
+  print(json.dumps(paths))
+
+launch.run = run
+from experiments import PROGRAM
+sys.argv = ['PROGRAM', *sys.argv[2:]]
+PROGRAM.entry()
+"""
+
+
+@pytest.mark.parametrize(
+  'program, relative',
+  [
+    (
+      'deploy',
+      {
+        'data_dir': 'mydata',
+        'partition_file': 'parts.json',
+        'init_from': 'runs/pool/cnn_mnist',
+        'workdir': 'runs/deployed',
+      },
+    ),
+    (
+      'deploy_stitch',
+      {
+        'pool': 'runs/pool',
+        'imagenet_pool': 'imagenet',
+        'data_dir': 'mydata',
+        'label_map': 'map.json',
+        'energy_profile': 'tx2.json',
+        'energy_mix': 'tx2.json@0.5:1,tx2_chained:1;tx2.json',
+        'workdir': 'runs/stitch_deployed',
+      },
+    ),
+  ],
+)
+def test_a_deploy_programs_relative_paths_reach_its_config_absolute(
+  tmp_path, program, relative
+):
+  # The federation's processes run in <workdir>/flower: a relative
+  # --pool=runs/pool passed the launcher's checks, then failed there.
+  (tmp_path / 'map.json').write_text('[]')
+  (tmp_path / 'tx2.json').write_text('{}')
+  proc = _run(
+    '-c',
+    _DEPLOY_PATHS.replace('PROGRAM', program),
+    fork_server.REPO,
+    *(f'--{name}={value}' for name, value in relative.items()),
+    '--superlink=127.0.0.1:9',
+    '--root_certificates=ca.crt',
+    cwd=tmp_path,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  for name, value in {**relative, 'root_certificates': 'ca.crt'}.items():
+    expected = str(tmp_path / value)
+    if name == 'energy_mix':  # each profile file; a bundled one by name
+      expected = f'{tmp_path}/tx2.json@0.5:1,tx2_chained:1;{tmp_path}/tx2.json'
+    assert got[name] == expected, name
