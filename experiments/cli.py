@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -167,9 +168,9 @@ def render(text: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:
 
 
 def define_deploy_flags() -> tuple[str, ...]:
-  """Defines the flags of a federation the deploy programs start
-  (`--nodes`, `--round_timeout`, `--insecure_federation`,
-  `--federation_host`); the names a program lists in its short help."""
+  """Defines the flags of a federation the deploy programs start or use
+  (`--nodes`, `--round_timeout`, `--superlink`, ...); returns their names,
+  in the order the programs' `--help` lists them."""
   flags.DEFINE_integer(
     'nodes', 2, 'SuperNodes to start (node i serves clients i, i + N, ...).'
   )
@@ -223,7 +224,17 @@ def define_deploy_flags() -> tuple[str, ...]:
     "With --superlink: node 0's Flower id, node 1's, ... (what `flwr "
     'supernode register` printed); empty: the server asks each node.',
   )
-  return ('nodes', 'round_timeout', 'insecure_federation', 'superlink')
+  return (
+    'nodes',
+    'round_timeout',
+    'insecure_federation',
+    'federation_host',
+    'warm_superexec',
+    'node_heartbeat_s',
+    'superlink',
+    'root_certificates',
+    'node_ids',
+  )
 
 
 # The deploy programs' flags that name a file or a folder. The
@@ -584,6 +595,9 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
   (file or sys.stderr).write(text)
 
 
+# The values a config flag allows, by flag (`define_config_flags`,
+# `define_algorithm_flags`), for `grouped_help`.
+_CHOICES: dict[str, tuple[str, ...]] = {}
 # The programs whose `--help` lists their flags by concern: {program
 # module: [(heading, [flag, ...]), ...]} (`set_help_groups`).
 _HELP_GROUPS: dict[str, list[tuple[str, list[str]]]] = {}
@@ -597,9 +611,22 @@ def set_help_groups(program: str, groups: list[tuple[str, list[str]]]) -> None:
   _HELP_GROUPS[program] = groups
 
 
+def config_help_groups(
+  fields: Sequence[Any], headings: dict[str, str]
+) -> list[tuple[str, list[str]]]:
+  """The `set_help_groups` of a config tree's flags (`FlagField`s): the
+  flags of each part (`'devices.processes'`) under its heading, in the
+  order of `headings` {part: heading}."""
+  return [
+    (heading, [f.name for f in fields if '.'.join(f.path[:-1]) == part])
+    for part, heading in headings.items()
+  ]
+
+
 def grouped_help(doc: str, groups: list[tuple[str, list[str]]]) -> str:
   """A program's `--help`: its docstring, then each group's flags as
-  `--name=default  first sentence of the help`."""
+  `--name=default  first sentence of the help`, and under a flag that
+  takes one of a few values, those values."""
   lines = [doc.strip(), '']
   lines.append(
     'Flags by concern (--helpfull: every flag with its whole help, and '
@@ -609,11 +636,20 @@ def grouped_help(doc: str, groups: list[tuple[str, list[str]]]) -> str:
     lines += ['', f'{heading}:']
     for name in names:
       flag = flags.FLAGS[name]
-      default = (flag.default_as_str or '').strip("'")
+      # A repeatable flag's default is [] (none).
+      default = (flag.default_as_str or '').strip("'").removeprefix('[]')
       text = ' '.join((flag.help or '').split())
       first = re.split(r'(?<=[a-z0-9)]\.)\s(?=[A-Z])', text, maxsplit=1)[0]
       line = f'  --{name}={default}  {first}'
       lines.append(line if len(line) <= 80 else line[:79] + '…')
+      if name in _CHOICES:  # an enum flag's help starts with <a|b>
+        lines += textwrap.wrap(
+          'one of: ' + ', '.join(_CHOICES[name]),
+          80,
+          initial_indent=' ' * 6,
+          subsequent_indent=' ' * 8,
+          break_on_hyphens=False,
+        )
   return '\n'.join(lines) + '\n'
 
 
@@ -675,6 +711,7 @@ def define_config_flags(
     allowed = choices(f)
     if allowed:
       help_text += f' One of: {", ".join(allowed)}.'
+      _CHOICES[f.name] = tuple(allowed)
     define_flag(f.name, f, help_text)
   return [f.name for f in fields]
 
@@ -689,6 +726,7 @@ def define_algorithm_flags() -> list[str]:
     help_text = f'{", ".join(users)}: {f.help}'
     if f.choices:
       help_text += f' One of: {", ".join(f.choices)}.'
+      _CHOICES[name] = tuple(f.choices)
     define_flag(name, f, help_text)
     names.append(name)
   return names

@@ -78,6 +78,17 @@ _TABLE = flags.DEFINE_enum(
   '--workdir (those of this command first), or these, the variants and '
   'seeds of this command only.',
 )
+# `--help`: the comparison's own flags, then experiments.run's by concern.
+cli.set_help_groups(
+  __name__,
+  [
+    (
+      'Comparison',
+      ['variants', 'variant', 'seeds', 'last', 'summarize_only', 'table'],
+    ),
+    *run_flags.HELP_GROUPS,
+  ],
+)
 
 
 def main(argv) -> None:

@@ -27,9 +27,15 @@ from absl import logging
 
 from . import run as run_program
 
-for _name in cli.define_deploy_flags():
+_DEPLOY_FLAGS = cli.define_deploy_flags()
+for _name in _DEPLOY_FLAGS:
   flags.declare_key_flag(_name)
 FLAGS = flags.FLAGS
+# `--help`: experiments.run's flags by concern, then the federation's.
+cli.set_help_groups(
+  __name__,
+  [*run_program.HELP_GROUPS, ('Federation', list(_DEPLOY_FLAGS))],
+)
 
 
 def main(argv) -> None:

@@ -52,20 +52,8 @@ _HEADINGS = {
   'devices': 'Devices',
   'devices.processes': 'Processes (multi-host)',
 }
-cli.set_help_groups(
-  __name__,
-  [
-    (
-      heading,
-      [
-        f.name
-        for f in config_lib.base_fields()
-        if '.'.join(f.path[:-1]) == part
-      ],
-    )
-    for part, heading in _HEADINGS.items()
-  ],
-)
+HELP_GROUPS = cli.config_help_groups(config_lib.base_fields(), _HEADINGS)
+cli.set_help_groups(__name__, HELP_GROUPS)
 
 
 def flag_values() -> dict[str, object]:

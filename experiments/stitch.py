@@ -39,7 +39,8 @@ rounds left) and writes, under `--workdir`:
   refused). Neither file is a pickle: nothing is ever unpickled.
 
 Every flag is a field of `fedjax_mr.pipeline.stitch_config.StitchConfig`
-(`--helpfull` lists them); the work is
+(`--help` lists them by concern, a line each; `--helpfull` gives each
+flag's whole help); the work is
 `fedjax_mr.pipeline.stitch_experiment.stitch_and_evaluate`.
 
 Pool models whose labels differ from the dataset's need `--label_map`, a
@@ -81,6 +82,22 @@ def _define_flags() -> None:
 
 _define_flags()
 FLAGS = flags.FLAGS
+
+# `--help`: the flags by the config's parts.
+_HEADINGS = {
+  'pool': 'Pool',
+  'data': 'Data',
+  'partition': 'Partition',
+  'selection': 'Selection (a round)',
+  'search': 'Search (selections, depth, pruning)',
+  'cka': 'Block comparison (CKA)',
+  'stitching': 'Stitching',
+  'run': 'Run and records',
+  'evaluation': 'Evaluation',
+  'energy': "Energy (the clients' coordinators)",
+}
+HELP_GROUPS = cli.config_help_groups(config_lib.fields(), _HEADINGS)
+cli.set_help_groups(__name__, HELP_GROUPS)
 
 
 def config_from_flags() -> config_lib.StitchConfig:

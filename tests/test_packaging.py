@@ -168,20 +168,17 @@ def test_the_installed_programs_print_their_help_from_elsewhere(
     return proc.stdout
 
   for script, start, own in [
-    ('fedjax-mr-run', 'Runs one federated training experiment.', 'rounds'),
-    ('fedjax-mr-compare', 'Runs several algorithm variants', 'variants'),
-    ('fedjax-mr-stitch', 'FedStitch on a dataset with a pool', 'pool'),
+    ('fedjax-mr-run', 'Runs one federated training experiment.', 'rounds=20'),
+    ('fedjax-mr-compare', 'Runs several algorithm variants', 'variants='),
+    ('fedjax-mr-stitch', 'FedStitch on a dataset with a pool', 'pool='),
   ]:
     out = helps(script, '--helpshort')
-    # The program's description and its flags, under the script's name
-    # (absl gave `USAGE: .../fedjax-mr-run [flags]` and exit code 1).
+    # The program's description and its flags by concern, its usage lines
+    # under the script's name (absl gave
+    # `USAGE: .../fedjax-mr-run [flags]` and exit code 1).
     assert out.startswith(start), out
-    if script == 'fedjax-mr-run':  # by concern, its usage lines its own
-      assert '\n  --rounds=20  ' in out and 'python -m' not in out
-      assert '\n  fedjax-mr-run --partition=iid' in out
-    else:
-      assert f'\n{site / "bin" / script}:\n' in out
-      assert f'\n  --{own}:' in out
+    assert f'\n  --{own}' in out
+    assert f'\n  {script} --' in out
     assert '--logtostderr' not in out
   full = helps('fedjax-mr-run', '--helpfull')
   assert full.startswith('Runs one federated training experiment.')

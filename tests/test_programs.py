@@ -231,7 +231,31 @@ def _docstring_start(program):
   return ast.get_docstring(ast.parse(open(path).read())).split('\n')[0]
 
 
-@pytest.mark.parametrize('program', [p for p in _programs() if p != 'run'])
+# The programs whose --help lists their flags by concern, as run's: a
+# heading of each and its first flag.
+_GROUPED = {
+  'compare': ('Comparison', 'variants=fedavg,fedmr'),
+  'deploy': ('Federation', 'nodes=2'),
+  'deploy_stitch': ('Federation', 'nodes=2'),
+  'stitch': ('Pool', 'pool=runs/pool'),
+}
+# The flags of a federation (experiments/cli.py's define_deploy_flags).
+_DEPLOY_FLAGS = {
+  'nodes',
+  'round_timeout',
+  'insecure_federation',
+  'federation_host',
+  'warm_superexec',
+  'node_heartbeat_s',
+  'superlink',
+  'root_certificates',
+  'node_ids',
+}
+
+
+@pytest.mark.parametrize(
+  'program', [p for p in _programs() if p != 'run' and p not in _GROUPED]
+)
 def test_helpshort_prints_the_programs_description_and_own_flags(program):
   proc = _run(f'experiments.{program}', '--helpshort')
   assert proc.returncode == 0, proc.stderr
@@ -269,6 +293,54 @@ def test_run_help_lists_the_flags_by_concern_and_leaves_the_rest_to_helpfull():
   assert not re.search(r'^  --(fedprox_mu|logtostderr)', out, re.M)
   assert full.stdout.startswith('Runs one federated training experiment.')
   assert '  --fedprox_mu:' in full.stdout
+
+
+def _choices(out, flag):
+  """The values `--help` lists under `--flag`, as a list."""
+  match = re.search(rf'^  --{flag}=.*\n((?:      .*\n)+)', out, re.M)
+  assert match, flag
+  text = ' '.join(match[1].split())
+  assert text.startswith('one of: '), text
+  return text[len('one of: ') :].split(', ')
+
+
+def test_run_help_lists_the_values_a_flag_takes():
+  from fedjax_mr.pipeline import config as config_lib
+
+  out = _run('experiments.run', '--help').stdout
+  fields = {f.name: f for f in config_lib.base_fields()}
+  for flag in ('algorithm', 'dataset', 'model', 'partition'):
+    assert _choices(out, flag) == list(config_lib.choices(fields[flag]))
+  assert 'fedmr' in _choices(out, 'algorithm')
+  assert all(len(line) <= 80 for line in out.splitlines())
+
+
+@pytest.mark.parametrize('program', sorted(_GROUPED))
+def test_the_other_programs_help_lists_their_flags_by_concern_too(program):
+  from fedjax_mr.pipeline import config as config_lib
+  from fedjax_mr.pipeline import stitch_config
+
+  proc = _run(f'experiments.{program}', '--help')
+  assert proc.returncode == 0, proc.stderr
+  out = proc.stdout
+  assert out.startswith(_docstring_start(program))
+  heading, first = _GROUPED[program]
+  assert f'\n{heading}:\n  --{first}  ' in out, out
+  listed = re.findall(r'^  --(\w+)=', out, re.M)
+  assert len(listed) == len(set(listed))
+  stitching = 'stitch' in program
+  fields = stitch_config.fields() if stitching else config_lib.base_fields()
+  expected = {f.name for f in fields}
+  if program == 'compare':
+    assert '\nData:\n  --dataset=fashion_mnist  ' in out
+    expected |= {'variants', 'variant', 'seeds', 'last', 'summarize_only'}
+  if program.startswith('deploy'):
+    expected |= _DEPLOY_FLAGS
+  assert set(listed) >= expected, expected - set(listed)
+  assert not re.search(r'^  --(fedprox_mu|logtostderr|out)=', out, re.M)
+  assert all(len(line) <= 80 for line in out.splitlines())
+  if not stitching:
+    assert 'scaffold' in _choices(out, 'algorithm')
 
 
 # What the deploy programs hand the launcher, printed by a stand-in for
