@@ -538,21 +538,31 @@ def adopt_program_help(program: str) -> None:
   key flags of the module named `sys.argv[0]`. Under `python -m
   experiments.run` that is the program; under a console script
   (`fedjax-mr-run`) it is a generated wrapper with neither, so the
-  wrapper takes the program's docstring and key flags.
+  wrapper takes the program's docstring and key flags, in which each
+  program is named by its console script (`installed_names`).
   """
   module = sys.modules[program]
   main = sys.modules['__main__']
   if module is main:
     return
-  # Its usage lines name the script, not `python -m <program>` (which
-  # works only in a checkout).
-  script = os.path.basename(sys.argv[0])
-  short = program.rsplit('.', 1)[-1]  # fedjax_mr.experiments.run: run
-  main.__doc__ = (module.__doc__ or '').replace(
-    f'python -m experiments.{short}', script
-  )
+  main.__doc__ = installed_names(module.__doc__ or '')
   for flag in flags.FLAGS.get_key_flags_for_module(program):
     flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
+
+
+# `python -m experiments.<program>` (`.venv/bin/python` too), which works
+# only in a checkout.
+_IN_CHECKOUT = re.compile(r'\S*python3? -m experiments\.(\w+)')
+
+
+def installed_names(text: str) -> str:
+  """`text` with each `python -m experiments.<program>` replaced by the
+  console script that runs `<program>` where the package is installed
+  (`fedjax-mr-<program>`, its underscores as hyphens, as pyproject.toml
+  names them)."""
+  return _IN_CHECKOUT.sub(
+    lambda m: 'fedjax-mr-' + m.group(1).replace('_', '-'), text
+  )
 
 
 def no_arguments(argv: list[str]) -> None:

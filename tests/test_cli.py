@@ -413,3 +413,40 @@ def test_render_keeps_a_line_one_line_when_a_flag_value_holds_a_newline():
   assert cli.render('`workdir=/tmp/a\nb`: in use', flag_values=fv) == (
     '--workdir=/tmp/a\\nb: in use'
   )
+
+
+def test_installed_each_program_is_named_by_its_console_script():
+  assert cli.installed_names(
+    '  python -m experiments.pretrain_zoo --workdir=runs/pool\n'
+    '  sudo .venv/bin/python -m experiments.profile_device --dry_run\n'
+    'as `experiments.stitch` writes it'
+  ) == (
+    '  fedjax-mr-pretrain-zoo --workdir=runs/pool\n'
+    '  sudo fedjax-mr-profile-device --dry_run\n'
+    'as `experiments.stitch` writes it'
+  )
+
+
+def test_the_help_names_the_other_programs_as_they_are_run_here(tmp_path):
+  # fedjax-mr-stitch --help said `python -m experiments.pretrain_zoo`,
+  # which works only in a checkout. A console script is a wrapper whose
+  # __main__ is not the program, as this one.
+  script = tmp_path / 'fedjax-mr-stitch'
+  script.write_text('from experiments.stitch import entry\nentry()\n')
+  env = {**os.environ, 'PYTHONPATH': REPO, 'TF_CPP_MIN_LOG_LEVEL': '2'}
+  helps = [
+    subprocess.run(
+      [sys.executable, *argv, '--help'],
+      cwd=tmp_path,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
+    for argv in ([str(script)], ['-m', 'experiments.stitch'])
+  ]
+  installed, checkout = (proc.stdout for proc in helps)
+  assert '\n  fedjax-mr-pretrain-zoo --workdir=runs/pool\n' in installed
+  assert '\n  fedjax-mr-stitch --pool=runs/pool' in installed
+  assert 'python -m' not in installed
+  assert '\n  python -m experiments.pretrain_zoo --workdir' in checkout

@@ -174,12 +174,13 @@ def test_the_installed_programs_print_their_help_from_elsewhere(
   ]:
     out = helps(script, '--helpshort')
     # The program's description and its flags by concern, its usage lines
-    # under the script's name (absl gave
+    # and the other programs under their scripts' names (absl gave
     # `USAGE: .../fedjax-mr-run [flags]` and exit code 1).
     assert out.startswith(start), out
-    assert f'\n  --{own}' in out
+    assert f'\n  --{own}' in out and 'python -m' not in out
     assert f'\n  {script} --' in out
     assert '--logtostderr' not in out
+  assert '\n  fedjax-mr-pretrain-zoo --workdir=runs/pool' in out  # stitch's
   full = helps('fedjax-mr-run', '--helpfull')
   assert full.startswith('Runs one federated training experiment.')
   assert '  --fedprox_mu:' in full and '  --[no]logtostderr:' in full
