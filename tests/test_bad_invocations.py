@@ -293,6 +293,11 @@ CASES = {
     (['--variants=', '--variant=a/b:lr=0.1'], '--variants'),
     (['--variants=', '--variant=x:seed=5'], '--seeds'),
     (['--variants=', '--variant=x:workdir=/tmp/elsewhere'], '--workdir'),
+    # A folder named as the table would stop its write, after training.
+    (
+      ['--variants=', '--variant=results.md:lr=0.1'],
+      "--variants: variant name 'results.md'",
+    ),
     # Dir(1e-300) underflows to no mass at all (it crashed on NaN shares).
     (
       [

@@ -67,6 +67,13 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
       f'`variants`: bad variant name in {spec!r} (a folder name under '
       "`workdir`, without '/' and not starting with '.')"
     )
+  if name in (RESULTS_FILE, TABLE_FILE, CURVES_FILE):
+    # A folder of that name would stop the table's write, after training.
+    raise errors.ConfigError(
+      f'`variants`: variant name {name!r} in {spec!r} is a file the '
+      f'comparison writes in `workdir` ({TABLE_FILE}, {RESULTS_FILE}, '
+      f'{CURVES_FILE}); name it otherwise'
+    )
   fields = {f.name: f for f in config_lib.base_fields()}
   fields.update({flag: f for flag, (f, _) in registry.all_flags().items()})
   overrides: dict[str, Any] = {}
