@@ -11,8 +11,8 @@ metadata is of another round than its folder's (a copy, a roll back), or
 that was saved after other rows than the records hold, is skipped like a
 damaged one. Ctrl-C or SIGTERM writes the current round's
 rows and checkpoints that round on the way out (`TerminationAsInterrupt`,
-`finish_interrupted`), and no signal lands inside a checkpoint's write
-(`SignalsDeferred`); a full disk stops the run with what to do
+`finish_interrupted`), saying so at once (`InterruptAnnounced`), and no
+signal lands inside a checkpoint's write (`SignalsDeferred`); a full disk stops the run with what to do
 (`storage_error`).
 """
 
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import threading
 from typing import Any
 from typing import Callable
 from typing import Mapping
@@ -388,6 +390,65 @@ class TerminationAsInterrupt:
   def __exit__(self, *exc):
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
+    return False
+
+
+class InterruptAnnounced:
+  """Says at once that Ctrl-C (or SIGTERM) was heard, with `log(line)`.
+
+  Python runs a signal's handler when the main thread runs Python again:
+  while a round computes (the main thread waits for its results in XLA)
+  that is when the round is done, seconds to minutes later, and nothing
+  is said meanwhile. Here the signal's C handler also writes a byte to a
+  socket (`signal.set_wakeup_fd`), and a thread waiting on it logs `line`
+  at the first SIGINT or SIGTERM. Where the process has a wakeup fd
+  already, or outside the main thread, it does nothing.
+  """
+
+  _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+  def __init__(self, log: Log, line: str):
+    self._log = log
+    self._line = line
+
+  def __enter__(self):
+    self._thread = None
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)
+    try:
+      previous = signal.set_wakeup_fd(
+        writer.fileno(), warn_on_full_buffer=False
+      )
+    except ValueError:  # not in the main thread
+      previous = None
+    if previous != -1:  # another wakeup fd, or none could be set
+      if previous is not None:
+        signal.set_wakeup_fd(previous)
+      reader.close()
+      writer.close()
+      return self
+    self._writer = writer
+    self._thread = threading.Thread(
+      target=self._announce, args=(reader,), daemon=True
+    )
+    self._thread.start()
+    return self
+
+  def _announce(self, reader: socket.socket) -> None:
+    # Reads until the writer closes: a write to a closed reader would be
+    # an error the signal's handler reports.
+    said = False
+    with reader:
+      while data := reader.recv(64):  # b'': the writer closed
+        if not said and any(signum in self._SIGNALS for signum in data):
+          self._log(self._line)
+          said = True
+
+  def __exit__(self, *exc):
+    if self._thread is not None:
+      signal.set_wakeup_fd(-1)
+      self._writer.close()
+      self._thread.join()
     return False
 
 

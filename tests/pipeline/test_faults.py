@@ -8,9 +8,11 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import jax
@@ -437,3 +439,58 @@ def test_a_real_full_disk_is_one_line_and_resumes(small_fmnist_dir, tmp_path):
     assert lines[0] == f'resuming {work} after round 2'
   finally:
     subprocess.run(['umount', disk], capture_output=True)
+
+
+@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_during_a_round_is_announced_at_once(
+  small_fmnist_dir, tmp_path, signum
+):
+  # While a round computes, the main thread waits in XLA, where Python runs
+  # no signal handler: Ctrl-C said nothing until the round ended (about
+  # 20 s). Here round 2 waits in C (select) for the announcement, up to
+  # 10 s, while the signal lands on another thread (as on XLA's).
+  # Python's own handler, also where the suite runs with SIGINT ignored.
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  read, write = os.pipe()
+  said = []
+
+  def log(line):
+    said.append(line)
+    if line == experiment.INTERRUPTED:
+      os.write(write, b'!')
+
+  def make_round(exp, chunk):
+    compiled = experiment._compile_round(exp, chunk)
+    calls = []
+
+    def round_fn(state, data, key):
+      calls.append(1)
+      if len(calls) == 2:
+        # Sent once this thread waits in select: from Python it would
+        # be handled at the next bytecode.
+        threading.Timer(
+          0.5, lambda: signal.pthread_kill(threading.get_ident(), signum)
+        ).start()
+        t0 = time.monotonic()
+        try:  # the handler raises KeyboardInterrupt as select returns
+          select.select([read], [], [], 10)
+        finally:
+          waited.append(time.monotonic() - t0)
+      return compiled(state, data, key)
+
+    return round_fn
+
+  waited = []
+  cfg = helpers.small_config(small_fmnist_dir, rounds=3)
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      experiment.train_and_evaluate(
+        cfg, str(tmp_path / 'run'), log=log, make_round=make_round
+      )
+  finally:
+    signal.signal(signal.SIGINT, previous)
+    os.close(read)
+    os.close(write)
+  # Said once, while the round still waited (which it ended).
+  assert said.count(experiment.INTERRUPTED) == 1
+  assert len(waited) == 1 and waited[0] < 10
