@@ -1,6 +1,6 @@
 r"""Runs one FedStitch experiment on a local Flower federation.
 
-  python -m experiments.deploy_stitch --nodes=3 --pool=runs/zoo \
+  python -m experiments.deploy_stitch --nodes=3 --pool=runs/pool \
       --workdir=runs/stitch_deployed
 
 Starts a Flower SuperLink and `--nodes` SuperNodes as processes on this
