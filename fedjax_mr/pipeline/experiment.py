@@ -47,12 +47,6 @@ from fedjax_mr.training import host_round
 
 # Named subkeys of the run key.
 _INIT, _ROUNDS = 0, 1
-# Logged at once on Ctrl-C or SIGTERM, which a round in flight would
-# otherwise hold back until it ends (`resume.InterruptAnnounced`).
-INTERRUPTED = (
-  'interrupted: the round in flight finishes first, then the run saves a '
-  'checkpoint and stops'
-)
 
 
 class Result(NamedTuple):
@@ -319,10 +313,7 @@ def _run(
   )
   saved_round = start
   pending = None  # the round whose rows are not written: (r, metrics, t0)
-  with (
-    resume.TerminationAsInterrupt(),
-    resume.InterruptAnnounced(log, INTERRUPTED),
-  ):
+  with resume.TerminationAsInterrupt(), resume.InterruptAnnounced(log):
     try:
       for r in range(start + 1, config.run.rounds + 1):
         t0 = time.perf_counter()

@@ -12,8 +12,8 @@ that was saved after other rows than the records hold, is skipped like a
 damaged one. Ctrl-C or SIGTERM writes the current round's
 rows and checkpoints that round on the way out (`TerminationAsInterrupt`,
 `finish_interrupted`), saying so at once (`InterruptAnnounced`), and no
-signal lands inside a checkpoint's write (`SignalsDeferred`); a full disk stops the run with what to do
-(`storage_error`).
+signal lands inside a checkpoint's write (`SignalsDeferred`); a full disk
+stops the run with what to do (`storage_error`).
 """
 
 from __future__ import annotations
@@ -393,6 +393,13 @@ class TerminationAsInterrupt:
     return False
 
 
+# What `finish_interrupted` will do, said at once (`InterruptAnnounced`).
+INTERRUPTED = (
+  'interrupted: the round in flight finishes first, then the run saves a '
+  'checkpoint and stops'
+)
+
+
 class InterruptAnnounced:
   """Says at once that Ctrl-C (or SIGTERM) was heard, with `log(line)`.
 
@@ -407,7 +414,7 @@ class InterruptAnnounced:
 
   _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-  def __init__(self, log: Log, line: str):
+  def __init__(self, log: Log, line: str = INTERRUPTED):
     self._log = log
     self._line = line
 

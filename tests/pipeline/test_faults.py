@@ -24,6 +24,7 @@ from orbax.checkpoint._src.path import atomicity
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
 from fedjax_mr.pipeline import experiment
+from fedjax_mr.pipeline import resume
 from fedjax_mr.runtime import checkpoint
 from fedjax_mr.runtime import metrics_io
 from tests import helpers
@@ -456,7 +457,7 @@ def test_an_interrupt_during_a_round_is_announced_at_once(
 
   def log(line):
     said.append(line)
-    if line == experiment.INTERRUPTED:
+    if line == resume.INTERRUPTED:
       os.write(write, b'!')
 
   def make_round(exp, chunk):
@@ -492,5 +493,5 @@ def test_an_interrupt_during_a_round_is_announced_at_once(
     os.close(read)
     os.close(write)
   # Said once, while the round still waited (which it ended).
-  assert said.count(experiment.INTERRUPTED) == 1
+  assert said.count(resume.INTERRUPTED) == 1
   assert len(waited) == 1 and waited[0] < 10
