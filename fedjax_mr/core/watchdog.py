@@ -11,17 +11,26 @@ the group and every marked process SIGTERM, then SIGKILL after a grace
 period. A program that ends normally stops them itself (`stop_group`; the
 local Flower federation, `fedjax_mr.deploy.federation`, does both).
 Host-only and standard library only, so it starts at once.
+
+`python -m fedjax_mr.core.watchdog PARENT_PID MARK LAST_WORDS` runs, when
+the parent is gone and before the group is stopped, the command that file
+`LAST_WORDS` holds at that moment, if any (`write_last_words`: what the
+program would have done on its way out, such as stopping a run it started
+on another machine); the command has LAST_TIMEOUT_S seconds.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
 POLL_S = 0.5
 GRACE_S = 10.0
+LAST_TIMEOUT_S = 60.0
 
 
 def _alive(pid: int) -> bool:
@@ -93,12 +102,51 @@ def _members(pgid: int, mark: str | None) -> list[int]:
   return found
 
 
+def write_last_words(
+  path: str, argv: list[str] | None, env: dict[str, str] | None = None
+) -> None:
+  """Makes `argv` (with `env` added to the watchdog's environment) the
+  command the watchdog reading `path` runs when its parent is gone;
+  None: no command. Atomic (the watchdog may read it at any moment)."""
+  if argv is None:
+    if os.path.exists(path):
+      os.remove(path)
+    return
+  part = f'{path}.{os.getpid()}.part'
+  with open(part, 'w') as f:
+    json.dump({'argv': list(argv), 'env': dict(env or {})}, f)
+  os.replace(part, path)
+
+
+def _last_words(path: str) -> None:
+  """Runs the command in `path` (`write_last_words`), if there is one."""
+  try:
+    with open(path) as f:
+      words = json.load(f)
+    argv, env = list(words['argv']), dict(words['env'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return
+  try:
+    subprocess.run(
+      argv,
+      stdin=subprocess.DEVNULL,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.DEVNULL,
+      env={**os.environ, **env},
+      timeout=LAST_TIMEOUT_S,
+    )
+  except (OSError, subprocess.SubprocessError):
+    pass
+
+
 def main(argv: list[str]) -> int:
   parent, mark = int(argv[1]), argv[2]
   signal.signal(signal.SIGTERM, signal.SIG_IGN)
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   while _alive(parent):
     time.sleep(POLL_S)
+  if len(argv) > 3:
+    _last_words(argv[3])
   stop_group(os.getpgid(0), mark)
   return 0
 

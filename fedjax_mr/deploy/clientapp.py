@@ -1,7 +1,7 @@
 """The Flower App's `ClientApp`: a node serving its clients.
 
 Flower 1.42's SuperNode runs every message in a process of its own (a
-fresh `flwr-clientapp`, or a fork of the warm SuperExec, `warm.py`),
+fresh `flwr-clientapp`, or a fork of the warm SuperExec, `flower/warm.py`),
 which imports this module: it imports what a node needs (Flower's
 message types, `node` and the config's `setup`), never the server's side
 (`serverapp.py`).

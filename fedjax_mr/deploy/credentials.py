@@ -1,12 +1,18 @@
-"""The certificates and node keys a federation needs, made locally.
+"""The certificates, node keys and secrets a federation needs, made
+locally.
 
 `make(folder, num_nodes, hosts)` writes a certificate authority, the
 SuperLink's TLS certificate (signed by it, valid for `hosts`) and one
 authentication key pair per SuperNode (EC P-384, OpenSSH format, which
-Flower reads), with `cryptography`, the package flwr depends on. Private
-keys are written readable by their owner only. Nothing is sent anywhere:
-the CA certificate goes to every node, each node's private key to that
-node alone, and the public keys are registered with the SuperLink.
+Flower reads), with `cryptography`, the package flwr depends on.
+`make_secrets(folder)` writes the operator's token (the only credential
+the SuperLink's Control API accepts: `flower/superlink.py`) and the SuperExecs'
+shared secret (Flower's `superexec-auth-secret-file` option: a SuperExec
+without it gets no task). The folder is its owner's alone (0700) and
+private keys and secrets are readable by their owner only (0600).
+Nothing is sent anywhere: the CA certificate goes to every node, each
+node's private key to that node alone, the public keys are registered
+with the SuperLink, and the secrets stay with the processes started here.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import secrets
 from typing import NamedTuple
 
 from cryptography import x509
@@ -44,11 +51,49 @@ class Credentials(NamedTuple):
   node_public_keys: tuple[str, ...]
 
 
+class Secrets(NamedTuple):
+  """Paths of what `make_secrets` wrote.
+
+  Attributes:
+    operator_token: the Control API's operator token (text).
+    superexec_secret: the SuperExecs' shared secret (raw bytes).
+  """
+
+  operator_token: str
+  superexec_secret: str
+
+
+def private_folder(folder: str) -> str:
+  """`folder`, created if missing and made its owner's alone (0700)."""
+  os.makedirs(folder, mode=0o700, exist_ok=True)
+  os.chmod(folder, 0o700)
+  return folder
+
+
 def _write(path: str, data: bytes, private: bool = False) -> None:
   flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
   fd = os.open(path, flags, 0o600 if private else 0o644)
   with os.fdopen(fd, 'wb') as f:
     f.write(data)
+  # A file that existed keeps its mode through O_CREAT: set it.
+  os.chmod(path, 0o600 if private else 0o644)
+
+
+def write_secret(path: str) -> str:
+  """Writes a fresh secret (256 random bits from the OS's generator, as
+  64 hexadecimal digits) to `path`, readable by its owner only; `path`."""
+  _write(path, secrets.token_hex(32).encode(), private=True)
+  return path
+
+
+def make_secrets(folder: str) -> Secrets:
+  """Writes a fresh operator token and SuperExec secret (`write_secret`)
+  into `folder` (created, 0700)."""
+  private_folder(folder)
+  return Secrets(
+    write_secret(os.path.join(folder, 'operator.token')),
+    write_secret(os.path.join(folder, 'superexec.secret')),
+  )
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -115,7 +160,7 @@ def make(
   if num_nodes < 1:
     raise ValueError(f'num_nodes must be >= 1, got {num_nodes}')
   hosts = tuple(dict.fromkeys((*hosts, '127.0.0.1', 'localhost')))
-  os.makedirs(folder, exist_ok=True)
+  private_folder(folder)
   ca_key = ec.generate_private_key(ec.SECP384R1())
   ca_name = _name('fedjax_mr federation CA')
   ca = _certificate(ca_name, ca_key, ca_name, ca_key, ca=True)

@@ -11,17 +11,23 @@ Secure by default: TLS with a CA and certificates made in
 authentication: each SuperNode holds its own key, whose public half is
 registered with the SuperLink before the node starts (its registration
 gives the node's id, `node_ids`); a node with another key is refused.
-`insecure=True` runs without either (the caller warns).
+`insecure=True` runs without either (the caller warns). In both, the
+SuperLink's Control API (runs, logs, node registration) obeys the
+operator's token alone (`flower/superlink.py`; the `flwr` commands here send it
+from Flower's credential store in `home`), and every SuperExec
+authenticates with a shared secret (Flower's process isolation and
+its `superexec-auth-secret-file` option; a SuperExec without it gets no task).
 
 `Federation.attach(folder, address, num_nodes, ...)` is a SuperLink
 running elsewhere (a real fleet's): `start()` then starts nothing of the
 federation, only what submits runs to it, and `stop()` stops only that.
 
-Everything Flower writes stays in `folder`: its home (`FLWR_HOME`), the
-processes' logs, temporary files. Telemetry is off, runtime dependency
-installation (`uv sync`) is off (the environment is this one, and it may
-be offline), and the processes start from this Python's environment (its
-`bin` first on PATH, where `flower-superexec` is).
+Everything Flower writes stays in `folder`, which is its owner's alone
+(0700): its home (`FLWR_HOME`), the processes' logs, temporary files.
+Telemetry is off, runtime dependency installation (`uv sync`) is off
+(the environment is this one, and it may be offline), and the processes
+start from this Python's environment (its `bin` first on PATH, where
+`flower-superexec` is).
 
 Every process joins one process group, led by a watchdog
 (`fedjax_mr/core/watchdog.py`) that stops the group when the program
@@ -33,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -46,12 +53,16 @@ from typing import Sequence
 
 from fedjax_mr.core import watchdog
 from fedjax_mr.deploy import credentials as credentials_lib
+from fedjax_mr.deploy.flower import commands
+from fedjax_mr.deploy.flower import superlink as superlink_lib
 
-# The warm SuperExec's module (`warm.py`; not imported here: it imports
+# The warm SuperExec's module (`flower/warm.py`; not imported here: it imports
 # Flower and JAX).
-WARM_SUPEREXEC = 'fedjax_mr.deploy.warm'
-# `flower-supernode` beating at an interval of its own (`supernode.py`).
-SUPERNODE = 'fedjax_mr.deploy.supernode'
+WARM_SUPEREXEC = 'fedjax_mr.deploy.flower.warm'
+# `flower-supernode` beating at an interval of its own (`flower/supernode.py`).
+SUPERNODE = 'fedjax_mr.deploy.flower.supernode'
+# `flower-superlink` obeying the operator's token (`flower/superlink.py`).
+SUPERLINK = 'fedjax_mr.deploy.flower.superlink'
 # The heartbeat intervals a SuperLink accepts, in s (Flower's
 # HEARTBEAT_MIN_INTERVAL and HEARTBEAT_MAX_INTERVAL; supernode.py reads
 # them from Flower).
@@ -59,6 +70,8 @@ HEARTBEAT_S = (10.0, 1800.0)
 
 FEDERATION = 'local'  # the connection's name in Flower's config.toml
 START_TIMEOUT_S = 120.0
+# How long an attached SuperLink has to answer the first checks.
+CHECK_TIMEOUT_S = 30.0
 
 
 class FederationError(RuntimeError):
@@ -73,49 +86,27 @@ def free_port(host: str = '127.0.0.1') -> int:
     return s.getsockname()[1]
 
 
-def _toml_value(value) -> str:
-  if isinstance(value, bool):
-    return 'true' if value else 'false'
-  if isinstance(value, (int, float)):
-    return repr(value)
-  escaped = str(value).replace('\\', '\\\\').replace('"', '\\"')
-  return f'"{escaped}"'
+def _tls_handshake(sock: socket.socket, host: str, ca: str) -> None:
+  """A TLS handshake on `sock` with the server `host`, trusting only the
+  CA certificate file `ca`.
 
-
-# What `flwr run` prints of its own, besides Flower's log lines.
-_FLWR_LINES = (
-  'Using SuperLink',
-  'Successfully',
-  'Flower App configuration',
-  '- Recommended',
-)
-
-
-def _own_line(line: str) -> bool:
-  """Whether a line of `flwr run`'s stream is the App's own (not one of
-  Flower's log lines, which are coloured, nor its notices)."""
-  text = line.strip()
-  return bool(text) and '\x1b[' not in line and not text.startswith(_FLWR_LINES)
-
-
-def options(**values: object) -> list[str]:
-  """Flower's command-line options for `values`: each name with two
-  dashes and its underscores as hyphens, then its value (`True` alone:
-  a switch; `None`: left out)."""
-  args = []
-  for name, value in values.items():
-    if value is None:
-      continue
-    args.append('-' * 2 + name.replace('_', '-'))
-    if value is not True:
-      args.append(str(value))
-  return args
-
-
-def config_pairs(config: Mapping[str, object]) -> str:
-  """`config` as Flower's space separated `key=value` pairs (TOML
-  values)."""
-  return ' '.join(f'{k}={_toml_value(v)}' for k, v in config.items())
+  Raises:
+    FederationError: `ca` is not a certificate file, or the server's
+      certificate is not the CA's for `host`.
+  """
+  try:
+    context = ssl.create_default_context(cafile=ca)
+  except (ssl.SSLError, ValueError, UnicodeDecodeError):
+    raise FederationError(f'{ca} is not a PEM CA certificate file') from None
+  except OSError as e:
+    raise FederationError(f'{ca}: {e.strerror or e}') from None
+  try:
+    context.wrap_socket(sock, server_hostname=host).close()
+  except ssl.SSLCertVerificationError as e:
+    raise FederationError(
+      f"the SuperLink's certificate at {host} is not one the CA in {ca} "
+      f'signed for that address ({e.verify_message})'
+    ) from None
 
 
 class Remote(NamedTuple):
@@ -126,11 +117,14 @@ class Remote(NamedTuple):
     root_certificates: the CA certificate file its TLS certificate is
       signed by; None: an insecure SuperLink.
     node_ids: node 0's Flower id, node 1's, …; empty: asked.
+    operator_token: the file of the operator's token its Control API
+      accepts (`flower/superlink.py`); None: a SuperLink that asks for none.
   """
 
   address: str
   root_certificates: str | None = None
   node_ids: tuple[int, ...] = ()
+  operator_token: str | None = None
 
 
 class Federation:
@@ -144,12 +138,13 @@ class Federation:
       `key=value` pairs).
     host: the address the SuperLink listens on.
     insecure: no TLS and no node authentication.
-    warm: the SuperLink and the SuperNodes in Flower's process isolation,
-      each with a warm SuperExec (`warm.py`: App processes forked from an
-      interpreter that has imported them); False: Flower's own launcher,
-      a fresh process for every message.
+    warm: the SuperExecs started beside the SuperLink and each SuperNode
+      (all in Flower's process isolation) are warm (`flower/warm.py`: App
+      processes forked from an interpreter that has imported them);
+      False: Flower's own `flower-superexec`, a fresh process for every
+      message.
     heartbeat_s: the heartbeat interval the SuperNodes ask for
-      (`supernode.py`; the SuperLink counts a node offline, and fails
+      (`flower/supernode.py`; the SuperLink counts a node offline, and fails
       the messages it holds for it, two intervals after its last beat);
       None: Flower's own, 30 s.
   """
@@ -184,12 +179,16 @@ class Federation:
     self.logs = os.path.join(self.folder, 'logs')
     self.port = None
     self.credentials = None
+    # The operator's token and the SuperExecs' secret (`make_secrets`);
+    # attached: the operator's token file given, if any.
+    self.secrets: credentials_lib.Secrets | None = None
+    self.operator_token: str | None = None
     self.nodes: list[subprocess.Popen | None] = []
     # Node i's Flower id (its registered key's; empty when insecure).
     self.node_ids: list[int] = []
     self._group = None
     self._processes: list[subprocess.Popen] = []
-    # The warm SuperExecs: (log name, its process, its SuperLink's or
+    # The SuperExecs: (log name, its process, its SuperLink's or
     # SuperNode's process).
     self._superexecs: list[tuple[str, subprocess.Popen, subprocess.Popen]] = []
     # Marks the environment of every process of this federation (and of
@@ -198,6 +197,10 @@ class Federation:
     # Attached (`attach`): the CA certificate of a SuperLink elsewhere.
     self.attached = False
     self.root_certificates: str | None = None
+    # The run submitted and not yet ended (its id), and what the
+    # watchdog runs if this process dies meanwhile (stop it there).
+    self.running: int | None = None
+    self._last_words = os.path.join(self.folder, 'last_words.json')
 
   @classmethod
   def attach(
@@ -208,6 +211,7 @@ class Federation:
     *,
     root_certificates: str | None = None,
     node_ids: Sequence[int] = (),
+    operator_token: str | None = None,
   ) -> Federation:
     """A SuperLink running at `address` (`host:port`) with `num_nodes`
     SuperNodes, to submit runs to.
@@ -220,6 +224,8 @@ class Federation:
         by; None: an insecure SuperLink (no TLS).
       node_ids: node 0's Flower id, node 1's, … (their registered keys'
         ids); empty: the server asks each node its index.
+      operator_token: the file of the operator's token its Control API
+        accepts (`flower/superlink.py`); None: it asks for none.
 
     Raises:
       ValueError: an address that is not `host:port`, or node ids that
@@ -237,6 +243,7 @@ class Federation:
     fed.attached = True
     fed.root_certificates = root_certificates
     fed.node_ids = [int(n) for n in node_ids]
+    fed.operator_token = operator_token
     return fed
 
   # Environment and processes.
@@ -291,10 +298,12 @@ class Federation:
       timeout=timeout,
       process_group=self._group,
     )
-    if done.returncode:
+    said = (done.stdout + done.stderr).strip()
+    if done.returncode or '"success": false' in done.stdout:
+      # JSON output (`format='json'`) exits 0 on a refusal; its JSON says so.
       raise FederationError(
         f'flwr {args[0]} {args[1] if len(args) > 1 else ""} failed '
-        f'({done.returncode}): {(done.stdout + done.stderr).strip()[-300:]}'
+        f'({done.returncode}): {said[-300:]}'
       )
     return done.stdout
 
@@ -303,13 +312,23 @@ class Federation:
   def start(self) -> Federation:
     """Starts the watchdog, the SuperLink and the SuperNodes; returns once
     the SuperLink answers and the nodes are started."""
-    for path in (self.home, self.logs, os.path.join(self.folder, 'tmp')):
-      os.makedirs(path, exist_ok=True)
+    for path in (
+      self.folder,
+      self.home,
+      self.logs,
+      os.path.join(self.folder, 'tmp'),
+    ):
+      credentials_lib.private_folder(path)
     try:
       self._start_watchdog()
       if self.attached:
         self._write_cli_config()
+        self._check_remote()
         return self
+      self.secrets = credentials_lib.make_secrets(
+        os.path.join(self.folder, 'credentials')
+      )
+      self.operator_token = self.secrets.operator_token
       if not self.insecure:
         self.credentials = credentials_lib.make(
           os.path.join(self.folder, 'credentials'),
@@ -333,10 +352,48 @@ class Federation:
       raise
     return self
 
+  def _check_remote(self) -> None:
+    """Checks that the SuperLink attached to answers at its address with
+    a certificate the CA signed, obeys the operator's token and has
+    registered the node ids given (within CHECK_TIMEOUT_S)."""
+    host, port = self.host.strip('[]'), self.port
+    try:
+      with socket.create_connection((host, port), CHECK_TIMEOUT_S) as s:
+        if self.root_certificates is not None:
+          _tls_handshake(s, host, self.root_certificates)
+    except OSError as e:
+      raise FederationError(
+        f'no SuperLink answers at {self.address}: {e.strerror or e}'
+      ) from None
+    try:
+      nodes = self.node_list(timeout=CHECK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+      raise FederationError(
+        f'the SuperLink at {self.address} did not answer in '
+        f'{CHECK_TIMEOUT_S:g} s'
+      ) from None
+    except FederationError as e:
+      if 'Authentication failed' in str(e):
+        raise FederationError(
+          f'the SuperLink at {self.address} refused the operator token'
+        ) from None
+      raise
+    registered = {int(n['node-id']) for n in nodes}
+    missing = [n for n in self.node_ids if n not in registered]
+    if missing:
+      raise FederationError(
+        f'node ids {",".join(map(str, missing))} are not registered at the '
+        f'SuperLink at {self.address}'
+      )
+
   def _register(self, public_key: str) -> int:
     """Registers a node's public key; the node id it gives."""
     out = self._flwr(
-      'supernode', 'register', public_key, FEDERATION, *options(format='json')
+      'supernode',
+      'register',
+      public_key,
+      FEDERATION,
+      *commands.options(format='json'),
     )
     try:
       return int(json.loads(out)['node-id'])
@@ -347,7 +404,14 @@ class Federation:
 
   def _start_watchdog(self) -> None:
     process = subprocess.Popen(
-      [sys.executable, '-m', watchdog.__name__, str(os.getpid()), self.mark],
+      [
+        sys.executable,
+        '-m',
+        watchdog.__name__,
+        str(os.getpid()),
+        self.mark,
+        self._last_words,
+      ],
       stdin=subprocess.DEVNULL,
       # A group of its own in this session (others may join it), apart
       # from the terminal's: Ctrl-C reaches the program alone, which
@@ -358,19 +422,15 @@ class Federation:
     self._processes.append(process)
 
   def _write_cli_config(self) -> None:
-    lines = [
-      '[superlink]',
-      f'default = "{FEDERATION}"',
-      f'[superlink.{FEDERATION}]',
-      f'address = "{self.address}"',
-    ]
-    if self.insecure:
-      lines.append('insecure = true')
-    else:
+    ca = None
+    if not self.insecure:
       ca = self.root_certificates or self.credentials.ca_cert
-      lines.append(f'root-certificates = {_toml_value(os.path.abspath(ca))}')
-    with open(os.path.join(self.home, 'config.toml'), 'w') as f:
-      f.write('\n'.join(lines) + '\n')
+    try:
+      superlink_lib.operator_home(
+        self.home, self.address, ca, self.operator_token, FEDERATION
+      )
+    except ValueError as e:
+      raise FederationError(f'the operator token {e}') from None
 
   @property
   def address(self) -> str:
@@ -379,9 +439,9 @@ class Federation:
 
   def _tls_args(self) -> list[str]:
     if self.insecure:
-      return options(insecure=True)
+      return commands.options(insecure=True)
     c = self.credentials
-    return options(
+    return commands.options(
       ssl_ca_certfile=c.ca_cert,
       ssl_certfile=c.server_cert,
       ssl_keyfile=c.server_key,
@@ -389,22 +449,27 @@ class Federation:
     )
 
   def _start_superlink(self) -> None:
+    # Process isolation: the SuperExec is started here, with the secret
+    # (Flower's own, started by the SuperLink, would have none).
     self.superlink = self._start(
       'superlink',
       [
-        self._tool('flower-superlink'),
+        sys.executable,
+        '-m',
+        SUPERLINK,
+        *commands.options(operator_token_file=self.secrets.operator_token),
         *self._tls_args(),
-        *options(
+        *commands.options(
           disable_runtime_dependency_installation=True,
           host=self.host,
           port=self.port,
-          isolation='process' if self.warm else None,
+          isolation='process',
+          superexec_auth_secret_file=self.secrets.superexec_secret,
         ),
       ],
     )
-    if self.warm:
-      ca = None if self.insecure else self.credentials.ca_cert
-      self._start_superexec('superexec', self.address, self.superlink, ca)
+    ca = None if self.insecure else self.credentials.ca_cert
+    self._start_superexec('superexec', self.address, self.superlink, ca)
 
   def _start_superexec(
     self,
@@ -413,23 +478,34 @@ class Federation:
     parent: subprocess.Popen,
     root_certificates: str | None = None,
   ) -> subprocess.Popen:
-    """Starts the warm SuperExec (`warm.py`) of the SuperLink or of a
-    SuperNode (`parent`) whose Runtime API is at `runtime_address`."""
+    """Starts the SuperExec of the SuperLink or of a SuperNode (`parent`)
+    whose Runtime API is at `runtime_address`: the warm one (`flower/warm.py`),
+    or Flower's `flower-superexec` if not `warm`; with the secret."""
     tls = (
-      options(insecure=True)
+      commands.options(insecure=True)
       if root_certificates is None
-      else options(root_certificates=root_certificates)
+      else commands.options(root_certificates=root_certificates)
+    )
+    program = (
+      [sys.executable, '-m', WARM_SUPEREXEC]
+      if self.warm
+      else [self._tool('flower-superexec')]
     )
     process = self._start(
       name,
-      [sys.executable, '-m', WARM_SUPEREXEC, *tls]
-      + options(runtime_api_address=runtime_address, parent_pid=parent.pid),
+      program
+      + tls
+      + commands.options(
+        runtime_api_address=runtime_address,
+        parent_pid=parent.pid,
+        superexec_auth_secret_file=self.secrets.superexec_secret,
+      ),
     )
     self._superexecs.append((name, process, parent))
     return process
 
   def _ended_superexec(self) -> str | None:
-    """The log name of a warm SuperExec that ended while its SuperLink or
+    """The log name of a SuperExec that ended while its SuperLink or
     SuperNode lives (nothing would start that one's App processes)."""
     for name, process, parent in self._superexecs:
       if process.poll() is not None and parent.poll() is None:
@@ -464,39 +540,45 @@ class Federation:
     certificate (tests start impostors with them)."""
     command = [self._tool('flower-supernode')]
     if self.heartbeat_s is not None:
-      command = [sys.executable, '-m', SUPERNODE] + options(
+      command = [sys.executable, '-m', SUPERNODE] + commands.options(
         heartbeat_interval=self.heartbeat_s
       )
-    command += options(
+    command += commands.options(
       superlink=self.address,
-      node_config=config_pairs(self.node_config(i)),
+      node_config=commands.config_pairs(self.node_config(i)),
       port=port or free_port(),
       max_retries=0,
-      isolation='process' if self.warm else None,
+      isolation='process',
+      superexec_auth_secret_file=self.secrets.superexec_secret,
     )
     if self.insecure:
-      return command + options(insecure=True)
+      return command + commands.options(insecure=True)
     c = self.credentials
-    return command + options(
+    return command + commands.options(
       root_certificates=root_certificates or c.ca_cert,
       auth_supernode_private_key=key or c.node_keys[i],
     )
 
   def start_node(self, i: int, **kwargs) -> subprocess.Popen:
     """Starts SuperNode i (again, after it ended: it rejoins), and its
-    warm SuperExec, which ends with it."""
+    SuperExec, which ends with it."""
     port = free_port()
     node = self._start(
       f'supernode{i}', self.node_command(i, port=port, **kwargs)
     )
-    if self.warm:
-      self._start_superexec(f'superexec{i}', f'127.0.0.1:{port}', node)
+    self._start_superexec(f'superexec{i}', f'127.0.0.1:{port}', node)
     return node
 
-  def node_list(self) -> list[dict[str, str]]:
+  def node_list(self, timeout: float = START_TIMEOUT_S) -> list[dict[str, str]]:
     """The SuperLink's list of SuperNodes (`flwr supernode list`'s JSON:
     per node its `node-id`, `status`, `online-at`, `offline-at`, …)."""
-    out = self._flwr('supernode', 'list', FEDERATION, *options(format='json'))
+    out = self._flwr(
+      'supernode',
+      'list',
+      FEDERATION,
+      *commands.options(format='json'),
+      timeout=timeout,
+    )
     return json.loads(out).get('nodes', [])
 
   def online_nodes(self) -> int:
@@ -519,7 +601,9 @@ class Federation:
       FederationError: the run could not be submitted.
     """
     command = [self._tool('flwr'), 'run', app_dir, FEDERATION]
-    command += options(stream=True, run_config=config_pairs(run_config))
+    command += commands.options(
+      stream=True, run_config=commands.config_pairs(run_config)
+    )
     with open(os.path.join(self.logs, 'run.log'), 'a') as out:
       process = subprocess.Popen(
         command,
@@ -547,9 +631,12 @@ class Federation:
       for line in process.stdout:
         out.write(line)
         out.flush()
-        if echo is not None and _own_line(line):
+        self._note_run(line)
+        if echo is not None and commands.own_line(line):
           echo(line.rstrip('\n'))
       code = process.wait()
+    self.running = None
+    watchdog.write_last_words(self._last_words, None)
     if ended:
       raise FederationError(
         f'the SuperExec of {ended[0]} ended; see '
@@ -560,8 +647,32 @@ class Federation:
         f'flwr run failed ({code}); see {os.path.join(self.logs, "run.log")}'
       )
 
+  def _note_run(self, line: str) -> None:
+    """Notes the id of the run `flwr run` says it started; attached, the
+    watchdog is told to stop it at the SuperLink if this process dies."""
+    found = commands.STARTED.search(line)
+    if found is None:
+      return
+    self.running = int(found.group(1))
+    if self.attached:
+      watchdog.write_last_words(
+        self._last_words,
+        [self._tool('flwr'), 'stop', str(self.running), FEDERATION],
+        {'FLWR_HOME': self.home},
+      )
+
   def stop(self) -> None:
-    """Stops every process of the federation (SIGTERM, then SIGKILL)."""
+    """Stops every process of the federation (SIGTERM, then SIGKILL);
+    attached, a run it submitted that has not ended is stopped at the
+    SuperLink first."""
+    if self.attached and self.running is not None and self._group:
+      try:
+        self._flwr('stop', str(self.running), FEDERATION, timeout=60)
+      except (FederationError, subprocess.SubprocessError):
+        pass  # the watchdog's last words try again
+      else:
+        watchdog.write_last_words(self._last_words, None)
+      self.running = None
     if self._group is not None:
       watchdog.stop_group(self._group, self.mark)
       self._group = None

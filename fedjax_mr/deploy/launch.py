@@ -17,17 +17,24 @@ apart, `node.run_folder`).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
+import time
 from typing import Callable
 
 from fedjax_mr.core import errors
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import federation as federation_lib
+from fedjax_mr.deploy.flower import superlink as superlink_lib
+from fedjax_mr.pipeline import resume
 
 FOLDER = 'flower'  # the federation's files, inside the workdir
+# How long a run stopped at a SuperLink elsewhere has to release the
+# workdir (its server checkpoints the round in flight first).
+RELEASE_TIMEOUT_S = 120.0
 RESULT = 'result.json'
 
 _APP = """\
@@ -58,6 +65,11 @@ node-ids = ""
 round-timeout = 0.0
 """
 
+EXPOSED = (
+  'exposed: the SuperLink listens on {address} for every machine that '
+  'reaches it; TLS, the operator token and the registered node keys keep '
+  'out the others (insecure={insecure}: none of that if True)'
+)
 INSECURE_WARNING = (
   'warning: an insecure federation: no TLS and no node authentication; '
   'anyone who reaches {address} can join it and read the models'
@@ -94,6 +106,7 @@ def run(
   superlink: federation_lib.Remote | None = None,
   warm: bool = True,
   node_heartbeat_s: float = 0.0,
+  expose: bool = False,
 ) -> str:
   """Runs (or resumes) `config` on a local federation of `nodes` nodes
   (or on a running one); returns the workdir.
@@ -106,7 +119,8 @@ def run(
     round_timeout: seconds a round waits for replies (0: no deadline);
       clients without a reply by then count as failed.
     insecure: no TLS and no node authentication (a warning is logged).
-    host: the address the SuperLink listens on.
+    host: the address the SuperLink listens on: a loopback address
+      unless `expose`.
     log: where progress lines go.
     federation: a running federation (started with `node_config`) to
       submit the run to; `nodes`, `insecure` and `host` are its own.
@@ -118,23 +132,23 @@ def run(
       launcher, a fresh process for every message.
     node_heartbeat_s: the heartbeat interval of the SuperNodes started
       here (`federation.Federation`'s `heartbeat_s`); 0: Flower's 30 s.
+    expose: the SuperLink started here may listen on a `host` that other
+      machines reach (a line says what that exposes, and to whom).
 
   Raises:
     UserError: a bad argument or config field (named), the workdir, or
       the run's own failure (one line).
   """
   _check_arguments(nodes, round_timeout, federation)
+  _check_host(host, expose, federation or superlink)
   _check_heartbeat(node_heartbeat_s, federation, superlink)
   if superlink is not None:
     _check_superlink(superlink, nodes, insecure, federation)
   workdir, write = _check_config(config, superlink)
   folder = os.path.join(os.path.abspath(workdir), FOLDER)
-  with workdir_lib.acquire(folder, 'workdir'):
-    spec = os.path.dirname(write(config, os.path.join(folder, 'spec')))
-    app = write_app(os.path.join(folder, 'app'))
-    result = os.path.join(folder, RESULT)
-    if os.path.exists(result):
-      os.remove(result)
+  # SIGTERM as Ctrl-C: the federation (or the run at `superlink`) stops.
+  with resume.TerminationAsInterrupt(), workdir_lib.acquire(folder, 'workdir'):
+    spec, app, result = _prepare(config, write, folder)
     fed = federation
     if fed is None:
       fed = _start(
@@ -142,24 +156,50 @@ def run(
       )
     try:
       log(f'federation: a SuperLink on {fed.address}, {nodes} SuperNodes')
-      _run(
-        fed,
-        app,
-        {
-          'spec': spec,
-          'workdir': os.path.abspath(workdir),
-          'result': result,
-          'num-nodes': nodes,
-          'node-ids': ','.join(map(str, fed.node_ids)),
-          'round-timeout': float(round_timeout),
-        },
-        log,
-      )
+      if expose and fed is not federation and superlink is None:
+        log(EXPOSED.format(address=fed.address, insecure=insecure))
+      run_config = {
+        'spec': spec,
+        'workdir': os.path.abspath(workdir),
+        'result': result,
+        'num-nodes': nodes,
+        'node-ids': ','.join(map(str, fed.node_ids)),
+        'round-timeout': float(round_timeout),
+      }
+      _run(fed, app, run_config, log)
     finally:
       if federation is None:
         fed.stop()
+      if superlink is not None:
+        wait_released(workdir)
     _check_result(result, fed)
   return workdir
+
+
+def _prepare(config, write: Callable[..., str], folder: str) -> tuple:
+  """Writes the run's spec and the App into `folder` and removes an
+  earlier run's result; (spec folder, App folder, result path)."""
+  spec = os.path.dirname(write(config, os.path.join(folder, 'spec')))
+  app = write_app(os.path.join(folder, 'app'))
+  result = os.path.join(folder, RESULT)
+  if os.path.exists(result):
+    os.remove(result)
+  return spec, app, result
+
+
+def wait_released(workdir: str, timeout: float = RELEASE_TIMEOUT_S) -> bool:
+  """Waits until no process holds `workdir`'s lock (a stopped run's
+  server saves the round it is in first), for at most `timeout` s;
+  whether it was released."""
+  deadline = time.monotonic() + timeout
+  while True:
+    try:
+      workdir_lib.check_free(workdir)
+      return True
+    except errors.ConfigError:
+      if time.monotonic() > deadline:
+        return False
+      time.sleep(0.5)
 
 
 def _run(
@@ -190,6 +230,22 @@ def _check_arguments(
   if federation is not None and federation.num_nodes != nodes:
     raise errors.ConfigError(
       f"`nodes={nodes}` is not the federation's {federation.num_nodes}"
+    )
+
+
+def _check_host(host: str, expose: bool, running: object) -> None:
+  """A SuperLink started here listens on a loopback `host`, unless
+  `expose`."""
+  if running is not None:
+    return
+  try:
+    loopback = ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    loopback = host == 'localhost'
+  if not loopback and not expose:
+    raise errors.ConfigError(
+      f'`host={errors.clip(host)}` is reached from other machines, not '
+      'only this one; pass `expose` to mean it'
     )
 
 
@@ -245,6 +301,7 @@ def _start(
       nodes,
       root_certificates=superlink.root_certificates,
       node_ids=superlink.node_ids,
+      operator_token=superlink.operator_token,
     )
   else:
     fed = federation_lib.Federation(
@@ -292,6 +349,23 @@ def _check_superlink(
   if ca is not None and not os.path.isfile(ca):
     raise errors.ConfigError(
       f'`root_certificates={errors.clip(ca)}`: no such file'
+    )
+  token = superlink.operator_token
+  if ca is not None and token is None:
+    raise errors.ConfigError(
+      f'{where}: without `operator_token` (the file of the token its '
+      'Control API accepts) the run would go to a SuperLink anyone with '
+      'its CA certificate commands'
+    )
+  if token is not None:
+    try:
+      superlink_lib.read_token(token)
+    except ValueError as e:
+      raise errors.ConfigError(f'`operator_token`: {e}') from None
+  if ca is not None and not superlink.node_ids:
+    raise errors.ConfigError(
+      f'{where}: `node_ids` must name the registered node of each index '
+      '(a node is never believed about its own index)'
     )
 
 

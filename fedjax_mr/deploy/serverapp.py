@@ -276,7 +276,12 @@ def _run(grid: Grid, run_config: Any) -> None:
 
     def deployed(setup):
       return stitch_server.DeployedClients(
-        setup.pool, transport, num_nodes, timeout=timeout, log=print
+        setup.pool,
+        transport,
+        num_nodes,
+        timeout=timeout,
+        log=print,
+        energy=stitch_server.energy_model(setup.config),
       )
 
     adapter.stitch_and_evaluate(config, deployed, log=print)

@@ -29,8 +29,10 @@ def group_members(pgid):
 def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
   # The parent starts the watchdog, a process in its group and one that
   # leaves it for a session of its own (as Flower's SuperLink starts its
-  # SuperExec) with the program's mark, then waits to be killed with
+  # SuperExec) with the program's mark, and leaves its last words (a
+  # command that reads its environment), then waits to be killed with
   # SIGKILL, which it cannot handle.
+  last, said = str(tmp_path / 'last.json'), str(tmp_path / 'said')
   parent = subprocess.Popen(
     [
       sys.executable,
@@ -39,9 +41,13 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
         """
         import os, subprocess, sys, time
         from fedjax_mr.core import watchdog
+        last, said = sys.argv[1:]
         dog = subprocess.Popen(
-          [sys.executable, '-m', watchdog.__name__, str(os.getpid()), 'M1'],
-          process_group=0)
+          [sys.executable, '-m', watchdog.__name__, str(os.getpid()), 'M1',
+           last], process_group=0)
+        watchdog.write_last_words(last, ['false'])
+        watchdog.write_last_words(
+          last, ['bash', '-c', f'echo "$WORD" > {said}'], {'WORD': 'bye'})
         env = {**os.environ, watchdog.MARK_VARIABLE: 'M1'}
         child = subprocess.Popen(['sleep', '600'], process_group=dog.pid)
         away = subprocess.Popen(
@@ -51,6 +57,8 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
         time.sleep(600)
         """
       ),
+      last,
+      said,
     ],
     stdout=subprocess.PIPE,
     text=True,
@@ -58,12 +66,16 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
   group, child, away = map(int, parent.stdout.readline().split())
   assert child in group_members(group)
   assert away in watchdog._members(group, 'M1')
+  assert not os.path.exists(said)
   parent.send_signal(signal.SIGKILL)
   parent.wait()
   deadline = time.monotonic() + 60
   while watchdog._members(group, 'M1') and time.monotonic() < deadline:
     time.sleep(0.2)
   assert watchdog._members(group, 'M1') == []
+  # The last words were said (their latest version) before the group went.
+  with open(said) as f:
+    assert f.read() == 'bye\n'
   assert (
     not os.path.exists(f'/proc/{away}')
     or open(f'/proc/{away}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z'

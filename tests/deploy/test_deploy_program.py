@@ -13,6 +13,9 @@ federation is tested in test_deploy_faults.py."""
 import datetime
 import json
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 
+import tests
 from fedjax_mr.deploy import federation
 from fedjax_mr.deploy import launch
 from fedjax_mr.pipeline import config as config_lib
@@ -77,6 +81,37 @@ def wait_rows(workdir, n, alive, timeout=900):
   raise AssertionError(f'{n} rows never came')
 
 
+def kill_submitter_after_round_1(fed, workdir, remote):
+  """Submits FedMR's run to `remote` from another process, kills that
+  process with SIGKILL once round 1 is written, and checks that the run
+  was stopped at the SuperLink (by the process's watchdog)."""
+  code = (
+    'from fedjax_mr.deploy import federation, launch\n'
+    'from tests.deploy import test_deploy_program as t\n'
+    f'remote = federation.Remote(*{tuple(remote)!r})\n'
+    f"launch.run(t.config({str(workdir)!r}, algorithm='fedmr'), t.NODES,"
+    ' superlink=remote, log=lambda line: None)\n'
+  )
+  submitter = subprocess.Popen(
+    [sys.executable, '-c', code], cwd=os.path.dirname(tests.__path__[0])
+  )
+  wait_rows(str(workdir), 1, lambda: submitter.poll() is None)
+  submitter.kill()
+  submitter.wait()
+  with open(os.path.join(workdir, 'flower', 'logs', 'run.log')) as f:
+    (run_id,) = re.findall(r'Successfully started run (\d+)', f.read())
+  deadline = time.monotonic() + 90
+  while time.monotonic() < deadline:
+    out = fed._flwr('ls', federation.FEDERATION, '--format', 'json')
+    (run,) = [r for r in json.loads(out)['runs'] if r['run-id'] == run_id]
+    if run['status'].startswith('finished'):
+      break
+    time.sleep(2)
+  assert run['status'] == 'finished:stopped', run
+  # Its server saves the round in flight and lets the workdir go.
+  assert launch.wait_released(str(workdir))
+
+
 def config(workdir, **values):
   return config_lib.ExperimentConfig.from_flat(
     **{**SETTING, **values}, workdir=str(workdir)
@@ -115,10 +150,19 @@ def test_deployed_run_equals_the_simulation(tmp_path, fed, algorithm):
   lines = []
   to = dict(federation=fed)
   if algorithm == 'fedmr':
-    # Submitted as to a real fleet's SuperLink: by its address and CA
-    # certificate (`--superlink`, `--root_certificates`), its nodes asked
-    # their indices.
-    to = dict(superlink=federation.Remote(fed.address, fed.credentials.ca_cert))
+    # Submitted as to a real fleet's SuperLink: by its address, CA
+    # certificate, node ids and operator token (`--superlink`,
+    # `--root_certificates`, `--node_ids`, `--operator_token`) ...
+    remote = federation.Remote(
+      fed.address,
+      fed.credentials.ca_cert,
+      tuple(fed.node_ids),
+      fed.secrets.operator_token,
+    )
+    to = dict(superlink=remote)
+    # ... by a process killed with SIGKILL once round 1 is written: its
+    # run is stopped at the SuperLink, and the same call resumes it.
+    kill_submitter_after_round_1(fed, deployed, remote)
   launch.run(
     config(deployed, algorithm=algorithm), NODES, log=lines.append, **to
   )

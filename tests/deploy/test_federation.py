@@ -1,4 +1,5 @@
-"""A real local federation: who may join it, and that nothing outlives it."""
+"""A real local federation: who may join it, command it or take its
+tasks, and that nothing outlives it."""
 
 import os
 import subprocess
@@ -10,6 +11,7 @@ import pytest
 from fedjax_mr.deploy import credentials
 from fedjax_mr.deploy import federation
 from fedjax_mr.deploy import launch
+from fedjax_mr.deploy.flower import superlink
 from tests.core import test_watchdog
 
 
@@ -25,6 +27,129 @@ def _wait_online(fed, count, timeout=60):
       return
     time.sleep(2)  # each look is a `flwr` process
   raise AssertionError(f'{count} nodes never came online')
+
+
+def _attacker_home(folder, fed, token=None):
+  """A Flower home whose `flwr` reaches the federation's SuperLink with
+  its public CA certificate, and `token` (if any) as a bearer token."""
+  os.makedirs(folder)
+  with open(os.path.join(folder, 'config.toml'), 'w') as f:
+    f.write(
+      f'[superlink]\ndefault = "x"\n[superlink.x]\n'
+      f'address = "{fed.address}"\n'
+      f'root-certificates = "{fed.credentials.ca_cert}"\n'
+    )
+  if token is not None:
+    superlink.store_operator_token(folder, fed.address, token)
+  return folder
+
+
+def _attacker_flwr(home, *args):
+  """`flwr args` from `home`: (exit code, its output)."""
+  env = dict(os.environ, FLWR_HOME=home)
+  done = subprocess.run(
+    [os.path.join(os.path.dirname(sys.executable), 'flwr'), *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=120,
+  )
+  return done.returncode, done.stdout + done.stderr
+
+
+def _own_app(folder, marker):
+  """A Flower App whose ServerApp and ClientApp write `marker` (so any
+  process that runs either leaves it)."""
+  os.makedirs(os.path.join(folder, 'evil'))
+  with open(os.path.join(folder, 'pyproject.toml'), 'w') as f:
+    f.write(
+      '[build-system]\nrequires = ["hatchling"]\n'
+      'build-backend = "hatchling.build"\n[project]\nname = "evil"\n'
+      'version = "1.0.0"\ndependencies = []\n[tool.flwr.app]\n'
+      'publisher = "x"\n[tool.flwr.app.components]\n'
+      'serverapp = "evil.apps:server"\nclientapp = "evil.apps:client"\n'
+    )
+  with open(os.path.join(folder, 'evil', '__init__.py'), 'w') as f:
+    f.write('')
+  with open(os.path.join(folder, 'evil', 'apps.py'), 'w') as f:
+    f.write(
+      f'open({marker!r}, "w").write("ran")\n'
+      'from flwr.serverapp import ServerApp\n'
+      'from flwr.clientapp import ClientApp\n'
+      'server = ServerApp()\nclient = ClientApp()\n'
+    )
+  return folder
+
+
+def _refused(code_and_output):
+  code, output = code_and_output
+  return code != 0 or '"success": false' in output
+
+
+def test_only_the_operator_commands_the_federation(tmp_path):
+  """Attacks 1, 2 and 4 of issue 71, replayed: with the public CA (and
+  a wrong token), running an App, listing, reading logs, stopping runs
+  and registering a key are refused, and SuperExecs without the secret
+  (or with a wrong one) get no task and end; the operator's `flwr` is
+  obeyed."""
+  folder = str(tmp_path / 'fed')
+  fed = federation.Federation(folder, 1, lambda i: {'node-index': i})
+  with fed:
+    _wait_online(fed, 1)
+    marker = str(tmp_path / 'ran')
+    app = _own_app(str(tmp_path / 'evil_app'), marker)
+    key = f'{folder}/intruder'
+    credentials.write_node_key(key, key + '.pub')
+    homes = [
+      _attacker_home(str(tmp_path / 'ca_only'), fed),
+      _attacker_home(str(tmp_path / 'guess'), fed, 'x' * 43),
+    ]
+    for home in homes:
+      for args in (
+        ('run', app, 'x', '--format', 'json'),
+        ('ls', 'x', '--format', 'json'),
+        ('log', '1', 'x', '--show'),
+        ('stop', '1', 'x', '--format', 'json'),
+        ('supernode', 'list', 'x', '--format', 'json'),
+        ('supernode', 'register', key + '.pub', 'x', '--format', 'json'),
+      ):
+        said = _attacker_flwr(home, *args)
+        assert _refused(said), (home, args, said)
+        assert 'Authentication failed' in said[1], (args, said)
+    # The operator's own `flwr` (its token in the federation's home).
+    nodes = fed.node_list()
+    assert [int(n['node-id']) for n in nodes] == fed.node_ids
+    # SuperExecs without the secret, or with another, at the node's
+    # Runtime API and at the SuperLink's: refused, they end.
+    node_runtime = fed._superexecs[1][1].args
+    node_runtime = node_runtime[node_runtime.index('--runtime-api-address') + 1]
+    with open(f'{folder}/wrong.secret', 'w') as f:
+      f.write('0' * 64)
+    tool = os.path.join(os.path.dirname(sys.executable), 'flower-superexec')
+    ca = fed.credentials.ca_cert
+    foreign = [
+      fed._start('x1', [tool, '--insecure', '--runtime-api-address',
+                        node_runtime]),
+      fed._start('x2', [tool, '--root-certificates', ca,
+                        '--runtime-api-address', fed.address]),
+      fed._start('x3', [tool, '--insecure', '--runtime-api-address',
+                        node_runtime, '--superexec-auth-secret-file',
+                        f'{folder}/wrong.secret']),
+    ]  # fmt: skip
+    for process in foreign:
+      process.wait(60)
+    for name in ('x1', 'x2', 'x3'):
+      assert 'Launch' not in _log(folder, name)
+    # Ours still serve.
+    assert all(p.poll() is None for _, p, _ in fed._superexecs)
+    assert fed.online_nodes() == 1
+  assert not os.path.exists(marker)
+  # The secrets and Flower's home are the operator's alone.
+  for path in ('', '/credentials', '/home', '/logs'):
+    assert os.stat(folder + path).st_mode & 0o077 == 0, path
+  for name in ('operator.token', 'superexec.secret', 'node0.key'):
+    assert os.stat(f'{folder}/credentials/{name}').st_mode & 0o077 == 0
+  assert os.stat(f'{folder}/home/credentials.yaml').st_mode & 0o077 == 0
 
 
 def test_only_registered_nodes_with_the_ca_join(tmp_path):
@@ -82,13 +207,14 @@ def test_a_heartbeat_interval_starts_the_nodes_beating_at_it(tmp_path):
   from flwr.supercore import heartbeat
   from flwr.supernode import fleet_http_connection
 
-  from fedjax_mr.deploy import supernode
+  from fedjax_mr.deploy.flower import supernode
 
   # The bounds the Federation checks without importing Flower are Flower's.
   assert federation.HEARTBEAT_S == (supernode.MIN_S, supernode.MAX_S)
   default = federation.Federation(str(tmp_path), 2, insecure=True)
   fed = federation.Federation(str(tmp_path), 2, insecure=True, heartbeat_s=12)
   default.port = fed.port = 1
+  default.secrets = fed.secrets = credentials.Secrets('token', 'secret')
   plain = default.node_command(1, port=7)
   assert os.path.basename(plain[0]) == 'flower-supernode'
   command = fed.node_command(1, port=7)

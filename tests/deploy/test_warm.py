@@ -1,4 +1,4 @@
-"""The warm SuperExec (fedjax_mr/deploy/warm.py): its task processes get
+"""The warm SuperExec (fedjax_mr/deploy/flower/warm.py): its task processes get
 the command line Flower's own launcher gives, and its imports leave the
 process safe to fork (no JAX backend, no thread). Its runs are those of
 the real federations in test_deploy_program.py and test_deploy_faults.py
@@ -11,7 +11,7 @@ from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import subprocess_executor
 from flwr.supercore.superexec.executor import types as executor_types
 
-from fedjax_mr.deploy import warm
+from fedjax_mr.deploy.flower import warm
 
 
 def _spec(task_type, **values):
@@ -52,7 +52,7 @@ def test_a_task_gets_the_command_line_of_flowers_launcher():
 def test_the_imports_start_no_backend_and_no_thread():
   code = (
     'import threading\n'
-    'import fedjax_mr.deploy.warm\n'
+    'import fedjax_mr.deploy.flower.warm\n'
     'from jax._src import xla_bridge\n'
     'assert not xla_bridge._backends, xla_bridge._backends\n'
     'assert threading.active_count() == 1, threading.enumerate()\n'

@@ -11,7 +11,7 @@ pipeline (`experiment.train_and_evaluate`, at the setting's own devices
 and chunks) and deployed with `launch.run` on a local federation (a
 SuperLink and N SuperNodes as processes, TLS and node authentication) of
 each `--nodes` (2,5 unless given), each in a fresh workdir (the nodes'
-App processes forked from warm SuperExecs, `fedjax_mr.deploy.warm`;
+App processes forked from warm SuperExecs, `fedjax_mr.deploy.flower.warm`;
 `--cold`: Flower's own launcher, a fresh process for every message; the
 record's `launcher`), and reads each
 round's `round_time_s` from the runs' metrics rows (the host loop's clock,

@@ -17,7 +17,7 @@ each task starts its own, as a fresh process does.
 Run it where Flower would run its SuperExec, with the arguments Flower
 gives `flower-superexec`, next to a SuperNode (or a SuperLink) whose
 isolation option is `process`, in which Flower starts no SuperExec itself
-(`python -m fedjax_mr.deploy.warm`; docs/howto/deploy.md has a real
+(`python -m fedjax_mr.deploy.flower.warm`; docs/howto/deploy.md has a real
 fleet's command lines; `federation.Federation` starts one per process).
 
 It leans on names inside Flower (the subprocess executor's `launch` and

@@ -7,7 +7,7 @@ of its intervals pass without a beat. Flower 1.42 fixes the interval a
 SuperNode asks for at 30 s, so a node that dies fails its clients up to
 a minute later. The SuperLink accepts 10 s to 30 min.
 
-`python -m fedjax_mr.deploy.supernode`, its first option
+`python -m fedjax_mr.deploy.flower.supernode`, its first option
 `heartbeat-interval S` (two dashes, as Flower's own options) and then
 the arguments of `flower-supernode`, is `flower-supernode` asking for S
 seconds (`federation.Federation`'s `heartbeat_s` starts its nodes so;
