@@ -171,6 +171,25 @@ def define_deploy_flags() -> tuple[str, ...]:
   """Defines the flags of a federation the deploy programs start or use
   (`--nodes`, `--round_timeout`, `--superlink`, ...); returns their names,
   in the order the programs' `--help` lists them."""
+  _define_local_federation_flags()
+  _define_superlink_flags()
+  return (
+    'nodes',
+    'round_timeout',
+    'insecure_federation',
+    'federation_host',
+    'expose_federation',
+    'warm_superexec',
+    'node_heartbeat_s',
+    'superlink',
+    'root_certificates',
+    'operator_token',
+    'node_ids',
+  )
+
+
+def _define_local_federation_flags() -> None:
+  """The flags of the federation a deploy program starts here."""
   flags.DEFINE_integer(
     'nodes', 2, 'SuperNodes to start (node i serves clients i, i + N, ...).'
   )
@@ -188,8 +207,36 @@ def define_deploy_flags() -> tuple[str, ...]:
   flags.DEFINE_string(
     'federation_host',
     '127.0.0.1',
-    'The address the SuperLink listens on (its certificate names it).',
+    'The address the SuperLink listens on (its certificate names it); an '
+    'address other machines reach needs --expose_federation.',
   )
+  flags.DEFINE_bool(
+    'expose_federation',
+    False,
+    'Let the SuperLink started here listen on a --federation_host that '
+    'other machines reach (prints what that exposes, and to whom).',
+  )
+
+  flags.DEFINE_bool(
+    'warm_superexec',
+    True,
+    "Start each message's ClientApp process (and the ServerApp) as a fork "
+    "of a SuperExec that has already imported them (Flower's process "
+    'isolation, fedjax_mr.deploy.flower.warm); --nowarm_superexec: '
+    "Flower's own SuperExec, a fresh process importing Flower and JAX for "
+    'every message.',
+  )
+  flags.DEFINE_float(
+    'node_heartbeat_s',
+    0.0,
+    'Seconds between the heartbeats of the SuperNodes started here (10 to '
+    "1800; 0: Flower's 30): the SuperLink fails the clients of a node that "
+    'died two intervals after its last beat.',
+  )
+
+
+def _define_superlink_flags() -> None:
+  """The flags of a SuperLink running elsewhere to submit the run to."""
   flags.DEFINE_string(
     'superlink',
     '',
@@ -203,37 +250,19 @@ def define_deploy_flags() -> tuple[str, ...]:
     "With --superlink: the CA certificate file of the SuperLink's TLS "
     'certificate (without it, --insecure_federation must say so).',
   )
-  flags.DEFINE_bool(
-    'warm_superexec',
-    True,
-    "Start each message's ClientApp process (and the ServerApp) as a fork "
-    "of a SuperExec that has already imported them (Flower's process "
-    "isolation, fedjax_mr.deploy.warm); --nowarm_superexec: Flower's own "
-    'launcher, a fresh process importing Flower and JAX for every message.',
-  )
-  flags.DEFINE_float(
-    'node_heartbeat_s',
-    0.0,
-    'Seconds between the heartbeats of the SuperNodes started here (10 to '
-    "1800; 0: Flower's 30): the SuperLink fails the clients of a node that "
-    'died two intervals after its last beat.',
+  flags.DEFINE_string(
+    'operator_token',
+    '',
+    "With --superlink: the file of the operator's token, which the "
+    "SuperLink's Control API accepts alone (python -m "
+    'fedjax_mr.deploy.flower.superlink --operator-token-file).',
   )
   flags.DEFINE_list(
     'node_ids',
     [],
     "With --superlink: node 0's Flower id, node 1's, ... (what `flwr "
-    'supernode register` printed); empty: the server asks each node.',
-  )
-  return (
-    'nodes',
-    'round_timeout',
-    'insecure_federation',
-    'federation_host',
-    'warm_superexec',
-    'node_heartbeat_s',
-    'superlink',
-    'root_certificates',
-    'node_ids',
+    'supernode register` printed); a node is never asked its index, so a '
+    'secure SuperLink needs them.',
   )
 
 
@@ -248,6 +277,7 @@ _PATH_FLAGS = (
   'pool',
   'imagenet_pool',
   'root_certificates',
+  'operator_token',
   'energy_sysfs_root',
 )
 
@@ -317,9 +347,13 @@ def deploy_arguments() -> dict:
       ids = tuple(int(n) for n in f.node_ids)
     except ValueError:
       fail(f'--node_ids={",".join(f.node_ids)}: not node ids (integers)')
-    superlink = federation.Remote(f.superlink, f.root_certificates or None, ids)
-  elif f.root_certificates or f.node_ids:
-    fail('--root_certificates and --node_ids go with --superlink')
+    superlink = federation.Remote(
+      f.superlink, f.root_certificates or None, ids, f.operator_token or None
+    )
+  elif f.root_certificates or f.node_ids or f.operator_token:
+    fail(
+      '--root_certificates, --operator_token and --node_ids go with --superlink'
+    )
   return dict(
     round_timeout=f.round_timeout,
     insecure=f.insecure_federation,
@@ -328,6 +362,7 @@ def deploy_arguments() -> dict:
     superlink=superlink,
     warm=f.warm_superexec,
     node_heartbeat_s=f.node_heartbeat_s,
+    expose=f.expose_federation,
   )
 
 

@@ -557,6 +557,31 @@ CASES = {
       '--node_ids',
     ),
     (['--superlink=127.0.0.1:9', '--node_ids=a,b'], '--node_ids=a,b'),
+    # Issue 71: a SuperLink reached from other machines only on purpose; a
+    # secure --superlink run only with the operator's token and node ids.
+    (['--federation_host=0.0.0.0'], '--expose_federation'),
+    (['--federation_host=10.1.2.3'], '--expose_federation'),
+    (
+      ['--superlink=127.0.0.1:9', '--root_certificates=README.md'],
+      '--operator_token',
+    ),
+    (
+      [
+        '--superlink=127.0.0.1:9',
+        '--root_certificates=README.md',
+        '--operator_token=/nonexistent/token',
+      ],
+      '--operator_token=/nonexistent/token',
+    ),
+    (
+      [
+        '--superlink=127.0.0.1:9',
+        '--root_certificates=README.md',
+        '--operator_token=LICENSE',
+      ],
+      'not an operator token',
+    ),
+    (['--operator_token=token'], '--superlink'),
   ],
   'experiments.deploy_stitch': [
     (['--nodes=0'], '--nodes'),
@@ -565,6 +590,7 @@ CASES = {
     (['--num_clients=0'], '--num_clients'),
     (['--pool=/nonexistent/pool'], '--pool'),
     (['--energy_backend=sysfs'], '--energy_profile'),
+    (['--federation_host=0.0.0.0'], '--expose_federation'),
     (['positional'], 'unexpected arguments'),
   ],
   'experiments.probe': [

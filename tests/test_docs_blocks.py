@@ -33,7 +33,7 @@ PAGES = ['docs/quickstart.md'] + sorted(
 )
 LANGUAGES = {'python', 'sh', 'text'}
 # Commands a shell block may use besides the programs, pip and pytest.
-PLAIN_COMMANDS = {'sudo', 'cd', 'mkdir', 'cp', 'ls', 'cat', 'source'}
+PLAIN_COMMANDS = {'sudo', 'cd', 'mkdir', 'cp', 'ls', 'cat', 'source', 'flwr'}
 
 
 def blocks(name):
@@ -118,7 +118,7 @@ def commands(code):
     words = shlex.split(line, comments=True)
     command = []
     for word in words + [';']:
-      if word in ('&&', ';', '||'):
+      if word in ('&&', ';', '||', '&'):
         if command:
           out.append(command)
         command = []
@@ -212,6 +212,11 @@ def check_command(command):
     assert all(os.path.exists(os.path.join(REPO, p)) for p in paths), paths
   elif re.fullmatch(r'python3?', tool) and words[1] == '-c':
     compile(words[2], '<-c>', 'exec')
+  elif re.fullmatch(r'python3?', tool) and words[1] == '-m':
+    # A module of the package run as a program (Flower's, wrapped).
+    assert words[2].startswith('fedjax_mr.'), words[2]
+    module = os.path.join(REPO, *words[2].split('.')) + '.py'
+    assert os.path.isfile(module), words[2]
   else:
     assert tool in PLAIN_COMMANDS, f'a command this test does not know: {tool}'
 
@@ -232,6 +237,8 @@ def test_shell_block_commands_and_flags_exist(case):
     (".venv/bin/pip install -e '.[nope]'", 'nope'),
     ('.venv/bin/pip install -U "jax[cuda12]>=0.9,<0.10"', 'jax'),
     ('bash scripts/nope.sh', 'nope.sh'),
+    ('python -m fedjax_mr.deploy.nope --x', 'fedjax_mr.deploy.nope'),
+    ('python -m http.server', 'http.server'),
     ('rm -rf runs', 'does not know: rm'),
   ],
 )

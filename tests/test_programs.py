@@ -245,10 +245,12 @@ _DEPLOY_FLAGS = {
   'round_timeout',
   'insecure_federation',
   'federation_host',
+  'expose_federation',
   'warm_superexec',
   'node_heartbeat_s',
   'superlink',
   'root_certificates',
+  'operator_token',
   'node_ids',
 }
 

@@ -430,7 +430,9 @@ class Federation:
         self.home, self.address, ca, self.operator_token, FEDERATION
       )
     except ValueError as e:
-      raise FederationError(f'the operator token {e}') from None
+      raise FederationError(
+        f'the operator token file {self.operator_token}: {e}'
+      ) from None
 
   @property
   def address(self) -> str:

@@ -243,9 +243,10 @@ def _check_host(host: str, expose: bool, running: object) -> None:
   except ValueError:
     loopback = host == 'localhost'
   if not loopback and not expose:
+    # Named as the programs' flags are (`federation_host`).
     raise errors.ConfigError(
-      f'`host={errors.clip(host)}` is reached from other machines, not '
-      'only this one; pass `expose` to mean it'
+      f'`federation_host={errors.clip(host)}` is reached from other '
+      'machines, not only this one; pass `expose_federation` to mean it'
     )
 
 
@@ -361,7 +362,9 @@ def _check_superlink(
     try:
       superlink_lib.read_token(token)
     except ValueError as e:
-      raise errors.ConfigError(f'`operator_token`: {e}') from None
+      raise errors.ConfigError(
+        f'`operator_token={errors.clip(token)}`: {e}'
+      ) from None
   if ca is not None and not superlink.node_ids:
     raise errors.ConfigError(
       f'{where}: `node_ids` must name the registered node of each index '

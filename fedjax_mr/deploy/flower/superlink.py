@@ -56,18 +56,18 @@ def read_token(path: str) -> str:
 
   Raises:
     ValueError: the file cannot be read, is not text or is shorter than
-      MIN_TOKEN_CHARS.
+      MIN_TOKEN_CHARS (the message says which, not the path).
   """
   try:
     token = pathlib.Path(path).read_bytes().decode('ascii').strip()
   except OSError as e:
-    raise ValueError(f'{path}: {e.strerror or e}') from None
+    raise ValueError(e.strerror or str(e)) from None
   except UnicodeDecodeError:
-    raise ValueError(f'{path}: not an operator token (not ASCII)') from None
+    raise ValueError('not an operator token (not ASCII)') from None
   if len(token) < MIN_TOKEN_CHARS or not token.isprintable():
     raise ValueError(
-      f'{path}: not an operator token (at least {MIN_TOKEN_CHARS} '
-      'printable characters)'
+      f'not an operator token (at least {MIN_TOKEN_CHARS} printable '
+      'characters on one line)'
     )
   return token
 
@@ -195,7 +195,7 @@ def main() -> None:
   try:
     install(read_token(args[1]))
   except ValueError as e:
-    sys.exit(f'{OPTION}: {e}')
+    sys.exit(f'{OPTION} {args[1]}: {e}')
   sys.argv = ['flower-superlink', *args[2:]]
   superlink_cli.flower_superlink()
 
