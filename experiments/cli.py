@@ -179,6 +179,7 @@ def define_deploy_flags() -> tuple[str, ...]:
     'insecure_federation',
     'federation_host',
     'expose_federation',
+    'flower_logs',
     'warm_superexec',
     'node_heartbeat_s',
     'superlink',
@@ -209,6 +210,12 @@ def _define_local_federation_flags() -> None:
     '127.0.0.1',
     'The address the SuperLink listens on (its certificate names it); an '
     'address other machines reach needs --expose_federation.',
+  )
+  flags.DEFINE_bool(
+    'flower_logs',
+    False,
+    "Print Flower's own log lines too (they are always in "
+    '<workdir>/flower/logs).',
   )
   flags.DEFINE_bool(
     'expose_federation',
@@ -363,6 +370,7 @@ def deploy_arguments() -> dict:
     warm=f.warm_superexec,
     node_heartbeat_s=f.node_heartbeat_s,
     expose=f.expose_federation,
+    flower_logs=f.flower_logs,
   )
 
 

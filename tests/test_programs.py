@@ -246,6 +246,7 @@ _DEPLOY_FLAGS = {
   'insecure_federation',
   'federation_host',
   'expose_federation',
+  'flower_logs',
   'warm_superexec',
   'node_heartbeat_s',
   'superlink',

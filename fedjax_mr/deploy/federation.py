@@ -594,10 +594,12 @@ class Federation:
     app_dir: str,
     run_config: Mapping[str, object],
     echo: Callable[[str], None] | None = None,
+    every_line: bool = False,
   ) -> None:
     """Submits the Flower App in `app_dir` with `run_config` and waits
     until the run ends; its output goes to `logs/run.log`, and the App's
-    own lines (not Flower's log lines) to `echo` as well.
+    own lines (not Flower's log lines, unless `every_line`) to `echo` as
+    well.
 
     Raises:
       FederationError: the run could not be submitted.
@@ -634,7 +636,7 @@ class Federation:
         out.write(line)
         out.flush()
         self._note_run(line)
-        if echo is not None and commands.own_line(line):
+        if echo is not None and (every_line or commands.own_line(line)):
           echo(line.rstrip('\n'))
       code = process.wait()
     self.running = None

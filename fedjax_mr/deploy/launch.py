@@ -107,6 +107,7 @@ def run(
   warm: bool = True,
   node_heartbeat_s: float = 0.0,
   expose: bool = False,
+  flower_logs: bool = False,
 ) -> str:
   """Runs (or resumes) `config` on a local federation of `nodes` nodes
   (or on a running one); returns the workdir.
@@ -119,21 +120,21 @@ def run(
     round_timeout: seconds a round waits for replies (0: no deadline);
       clients without a reply by then count as failed.
     insecure: no TLS and no node authentication (a warning is logged).
-    host: the address the SuperLink listens on: a loopback address
-      unless `expose`.
+    host: the SuperLink's address: a loopback one unless `expose`.
     log: where progress lines go.
     federation: a running federation (started with `node_config`) to
       submit the run to; `nodes`, `insecure` and `host` are its own.
     superlink: a SuperLink running elsewhere (a real fleet's, whose
       `nodes` nodes have the node configs `node_config` gives) to submit
       the run to; `insecure` must say whether it is; `host` is unused.
-    warm: the federation started here forks its App processes from warm
-      SuperExecs (`federation.Federation`'s `warm`); False: Flower's own
-      launcher, a fresh process for every message.
-    node_heartbeat_s: the heartbeat interval of the SuperNodes started
-      here (`federation.Federation`'s `heartbeat_s`); 0: Flower's 30 s.
+    warm: the federation started here has warm SuperExecs
+      (`federation.Federation`'s `warm`).
+    node_heartbeat_s: its SuperNodes' heartbeat interval (its
+      `heartbeat_s`); 0: Flower's 30 s.
     expose: the SuperLink started here may listen on a `host` that other
       machines reach (a line says what that exposes, and to whom).
+    flower_logs: Flower's own log lines go to `log` too (they are always
+      in `<workdir>/flower/logs`).
 
   Raises:
     UserError: a bad argument or config field (named), the workdir, or
@@ -142,8 +143,7 @@ def run(
   _check_arguments(nodes, round_timeout, federation)
   _check_host(host, expose, federation or superlink)
   _check_heartbeat(node_heartbeat_s, federation, superlink)
-  if superlink is not None:
-    _check_superlink(superlink, nodes, insecure, federation)
+  _check_superlink(superlink, nodes, insecure, federation)
   workdir, write = _check_config(config, superlink)
   folder = os.path.join(os.path.abspath(workdir), FOLDER)
   # SIGTERM as Ctrl-C: the federation (or the run at `superlink`) stops.
@@ -166,7 +166,7 @@ def run(
         'node-ids': ','.join(map(str, fed.node_ids)),
         'round-timeout': float(round_timeout),
       }
-      _run(fed, app, run_config, log)
+      _run(fed, app, run_config, log, flower_logs)
     finally:
       if federation is None:
         fed.stop()
@@ -207,11 +207,12 @@ def _run(
   app: str,
   run_config: dict,
   log: Callable[[str], None],
+  flower_logs: bool,
 ) -> None:
   """`fed.run`, its failure (a process of the federation that ended, the
   run not submitted) one line."""
   try:
-    fed.run(app, run_config, echo=log)
+    fed.run(app, run_config, echo=log, every_line=flower_logs)
   except federation_lib.FederationError as e:
     raise errors.UserError(str(e)) from None
 
@@ -321,11 +322,13 @@ def _start(
 
 
 def _check_superlink(
-  superlink: federation_lib.Remote,
+  superlink: federation_lib.Remote | None,
   nodes: int,
   insecure: bool,
   federation: federation_lib.Federation | None,
 ) -> None:
+  if superlink is None:
+    return
   if federation is not None:
     raise errors.ConfigError('a run goes to `superlink` or `federation`')
   where = f'`superlink={errors.clip(superlink.address)}`'

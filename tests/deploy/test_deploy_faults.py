@@ -61,6 +61,11 @@ def test_a_killed_server_resumes_to_the_uninterrupted_run(tmp_path):
   out, err = again.communicate(timeout=900)
   assert again.returncode == 0, out[-2000:] + err[-2000:]
   assert 'resum' in out.lower()
+  # Flower's own log lines stay in the workdir (issue 71), the rounds'
+  # lines reach the terminal.
+  assert ':flwr:' not in out + err and 'round 2/2' in out
+  with open(os.path.join(workdir, 'flower', 'logs', 'run.log')) as f:
+    assert 'DEBUG:flwr:' in f.read()
   # The uninterrupted run: `experiments.run`'s pipeline, in this process.
   # Its rows and final model, bit for bit (FedAvg's equality with the
   # simulation: test_deploy_program.py checks the other algorithms).
@@ -92,3 +97,24 @@ def test_ctrl_c_stops_every_process_and_keeps_what_was_written(tmp_path):
   assert _processes_with(workdir) == []
   assert len(program._rows(workdir, 'metrics.jsonl')) >= 1
   assert experiment.load_run(workdir).round >= 1
+
+
+def test_sigterm_says_one_line_and_stops_every_process(tmp_path):
+  # SIGTERM as Ctrl-C (issue 71: it ended the program with 143 and no
+  # line): once the federation is up, the program stops it, says one line
+  # and exits with Ctrl-C's code.
+  workdir = str(tmp_path / 'dep')
+  proc = _start(workdir)
+  for line in proc.stdout:
+    if line.startswith('federation: a SuperLink on'):
+      break
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 130, out[-2000:] + err[-2000:]
+  assert [line for line in err.splitlines() if line.strip()] == [
+    'interrupted; re-run with the same --workdir to resume'
+  ]
+  deadline = time.monotonic() + 60
+  while _processes_with(workdir) and time.monotonic() < deadline:
+    time.sleep(0.5)
+  assert _processes_with(workdir) == []

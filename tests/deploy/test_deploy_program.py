@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import tests
+from fedjax_mr.deploy import credentials
 from fedjax_mr.deploy import federation
 from fedjax_mr.deploy import launch
 from fedjax_mr.pipeline import config as config_lib
@@ -170,6 +171,41 @@ def test_deployed_run_equals_the_simulation(tmp_path, fed, algorithm):
   assert_same_run(str(simulated), str(deployed))
   with open(deployed / 'flower' / 'result.json') as f:
     assert json.load(f) == {'ok': True}
+
+
+def test_a_superlink_elsewhere_is_checked_in_one_line_first(tmp_path, fed):
+  """Attacks 7 and 8 of issue 71: node ids the SuperLink never
+  registered, another CA, a CA file that is not one, a wrong token and no
+  SuperLink at all are each one line, within 30 s, before any run."""
+  other = credentials.make(str(tmp_path / 'other'), 1).ca_cert
+  garbage = tmp_path / 'garbage.crt'
+  garbage.write_bytes(b'\xff\xfe not a certificate')
+  wrong_token = tmp_path / 'wrong.token'
+  wrong_token.write_text('w' * 43)
+  ca, token = fed.credentials.ca_cert, fed.secrets.operator_token
+  ids = list(fed.node_ids)
+  cases = [
+    (fed.address, ca, ids[:2] + [12345], token, 'node ids 12345 are not'),
+    (fed.address, other, ids, token, 'is not one the CA in'),
+    (fed.address, str(garbage), ids, token, 'not a PEM CA certificate'),
+    (fed.address, ca, ids, str(wrong_token), 'refused the operator token'),
+    (f'127.0.0.1:{federation.free_port()}', ca, ids, token, 'no SuperLink'),
+  ]
+  for i, (address, root, node_ids, token_file, says) in enumerate(cases):
+    remote = federation.Federation.attach(
+      str(tmp_path / f'attach{i}'),
+      address,
+      NODES,
+      root_certificates=root,
+      node_ids=node_ids,
+      operator_token=token_file,
+    )
+    started = time.monotonic()
+    with pytest.raises(federation.FederationError, match=says) as e:
+      remote.start()
+    assert time.monotonic() - started < federation.CHECK_TIMEOUT_S
+    assert '\n' not in str(e.value)
+    remote.stop()
 
 
 # A small FedStitch run: a pool of two zoo models (random weights), 6

@@ -30,11 +30,21 @@ FLWR_LINES = (
 )
 
 
+# A line of Flower's logger in Python's plain format (the ServerApp
+# process's, which `flwr run` relays in its stream): `DEBUG:flwr:...`.
+FLWR_LOGGER = re.compile(r'(DEBUG|INFO|WARNING|ERROR|CRITICAL):flwr:')
+
+
 def own_line(line: str) -> bool:
   """Whether a line of `flwr run`'s stream is the App's own (not one of
-  Flower's log lines, which are coloured, nor its notices)."""
+  Flower's log lines, coloured or plain, nor its notices)."""
   text = line.strip()
-  return bool(text) and '\x1b[' not in line and not text.startswith(FLWR_LINES)
+  return (
+    bool(text)
+    and '\x1b[' not in line
+    and not text.startswith(FLWR_LINES)
+    and not FLWR_LOGGER.match(text)
+  )
 
 
 def options(**values: object) -> list[str]:
