@@ -13,6 +13,7 @@ private keys and secrets are readable by their owner only (0600).
 Nothing is sent anywhere: the CA certificate goes to every node, each
 node's private key to that node alone, the public keys are registered
 with the SuperLink, and the secrets stay with the processes started here.
+`check_server` checks a server's certificate against a CA's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import datetime
 import ipaddress
 import os
 import secrets
+import socket
+import ssl
 from typing import NamedTuple
 
 from cryptography import x509
@@ -207,3 +210,26 @@ def write_node_key(private_path: str, public_path: str) -> None:
       serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
     ),
   )
+
+
+def check_server(sock: socket.socket, host: str, ca: str) -> None:
+  """A TLS handshake on `sock` with the server `host`, trusting only the
+  CA certificate file `ca`.
+
+  Raises:
+    ValueError: `ca` is not a certificate file, or the server's
+      certificate is not the CA's for `host` (the message says which).
+  """
+  try:
+    context = ssl.create_default_context(cafile=ca)
+  except (ssl.SSLError, ValueError, UnicodeDecodeError):
+    raise ValueError(f'{ca} is not a PEM CA certificate file') from None
+  except OSError as e:
+    raise ValueError(f'{ca}: {e.strerror or e}') from None
+  try:
+    context.wrap_socket(sock, server_hostname=host).close()
+  except ssl.SSLCertVerificationError as e:
+    raise ValueError(
+      f"the SuperLink's certificate at {host} is not one the CA in {ca} "
+      f'signed for that address ({e.verify_message})'
+    ) from None

@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import ssl
 import subprocess
 import sys
 import threading
@@ -86,27 +85,10 @@ def free_port(host: str = '127.0.0.1') -> int:
     return s.getsockname()[1]
 
 
-def _tls_handshake(sock: socket.socket, host: str, ca: str) -> None:
-  """A TLS handshake on `sock` with the server `host`, trusting only the
-  CA certificate file `ca`.
-
-  Raises:
-    FederationError: `ca` is not a certificate file, or the server's
-      certificate is not the CA's for `host`.
-  """
-  try:
-    context = ssl.create_default_context(cafile=ca)
-  except (ssl.SSLError, ValueError, UnicodeDecodeError):
-    raise FederationError(f'{ca} is not a PEM CA certificate file') from None
-  except OSError as e:
-    raise FederationError(f'{ca}: {e.strerror or e}') from None
-  try:
-    context.wrap_socket(sock, server_hostname=host).close()
-  except ssl.SSLCertVerificationError as e:
-    raise FederationError(
-      f"the SuperLink's certificate at {host} is not one the CA in {ca} "
-      f'signed for that address ({e.verify_message})'
-    ) from None
+# Python's warnings filter (PYTHONWARNINGS) for JAX's failed cache writes.
+_CACHE_WARNING = (
+  'ignore:Error writing persistent compilation cache entry:UserWarning'
+)
 
 
 class Remote(NamedTuple):
@@ -201,6 +183,9 @@ class Federation:
     # watchdog runs if this process dies meanwhile (stop it there).
     self.running: int | None = None
     self._last_words = os.path.join(self.folder, 'last_words.json')
+    # The result the run's ServerApp printed, where it could not write
+    # its file (`commands.result_line`).
+    self.streamed_result: dict | None = None
 
   @classmethod
   def attach(
@@ -264,6 +249,11 @@ class Federation:
       'JAX_COMPILATION_CACHE_DIR', os.path.join(self.folder, 'jax')
     )
     env.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+    # A program the cache cannot keep (a full disk) is compiled again,
+    # bit for bit: not worth a warning on the terminal per program.
+    env['PYTHONWARNINGS'] = ','.join(
+      w for w in (env.get('PYTHONWARNINGS'), _CACHE_WARNING) if w
+    )
     return env
 
   def _start(self, name: str, command: list[str]) -> subprocess.Popen:
@@ -360,7 +350,10 @@ class Federation:
     try:
       with socket.create_connection((host, port), CHECK_TIMEOUT_S) as s:
         if self.root_certificates is not None:
-          _tls_handshake(s, host, self.root_certificates)
+          try:
+            credentials_lib.check_server(s, host, self.root_certificates)
+          except ValueError as e:
+            raise FederationError(str(e)) from None
     except OSError as e:
       raise FederationError(
         f'no SuperLink answers at {self.address}: {e.strerror or e}'
@@ -632,12 +625,16 @@ class Federation:
           time.sleep(1)
 
       threading.Thread(target=watch, daemon=True).start()
+      self.streamed_result = None
+      log = commands.RunLog(out, echo)
       for line in process.stdout:
-        out.write(line)
-        out.flush()
+        log.keep(line)
         self._note_run(line)
-        if echo is not None and (every_line or commands.own_line(line)):
-          echo(line.rstrip('\n'))
+        self.streamed_result = (
+          commands.read_result(line) or self.streamed_result
+        )
+        if every_line or commands.own_line(line):
+          log.echo(line.rstrip('\n'))
       code = process.wait()
     self.running = None
     watchdog.write_last_words(self._last_words, None)

@@ -380,8 +380,11 @@ def _check_result(path: str, fed: federation_lib.Federation) -> None:
     with open(path) as f:
       result = json.load(f)
   except (OSError, ValueError):
+    # What the ServerApp could not write, it said in the run's stream.
+    result = fed.streamed_result
+  if result is None:
     raise errors.UserError(
       f'the run ended without a result; see {os.path.join(fed.logs, "run.log")}'
-    ) from None
+    )
   if 'error' in result:
     raise errors.UserError(str(result['error']))

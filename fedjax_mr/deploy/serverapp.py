@@ -43,6 +43,7 @@ from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import node as node_lib
 from fedjax_mr.deploy import server as server_lib
 from fedjax_mr.deploy import stitch_server
+from fedjax_mr.deploy.flower import commands
 
 QUERY, TRAIN = 'query', 'train'
 POLL_S = 0.05
@@ -260,7 +261,12 @@ def connect(
 
 
 def _write_result(path: str, result: dict[str, Any]) -> None:
-  files.write_atomic(path, lambda f: f.write(json.dumps(result)))
+  """Writes `result` to `path`, or, where it cannot be written (a full
+  disk), prints it as a line the launcher reads from the run's stream."""
+  try:
+    files.write_atomic(path, lambda f: f.write(json.dumps(result)))
+  except OSError:
+    print(commands.result_line(result), flush=True)
 
 
 def _run(grid: Grid, run_config: Any) -> None:

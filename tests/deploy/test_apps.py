@@ -11,9 +11,13 @@ from flwr.app import ConfigRecord
 from flwr.app import RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedjax_mr.core import errors
+from fedjax_mr.deploy import federation
+from fedjax_mr.deploy import launch
 from fedjax_mr.deploy import node
 from fedjax_mr.deploy import server
 from fedjax_mr.deploy import serverapp as apps
+from fedjax_mr.deploy.flower import commands
 
 
 @pytest.fixture(autouse=True)
@@ -224,3 +228,23 @@ def test_a_packed_message_holds_each_position_and_the_run():
     node.unpack(RecordDict({'x/meta': ConfigRecord({'p': 0})}))
   assert node.run_folder(None, '/a') is None
   assert node.run_folder('/s', '/a') != node.run_folder('/s', '/b')
+
+
+def test_a_result_that_cannot_be_written_is_said_in_the_stream(
+  tmp_path, capsys
+):
+  # A full disk at the ServerApp (issue 71): its result goes through the
+  # run's stream, and the launcher says it in one line.
+  result = {'error': 'cannot write /w/clients.jsonl: No space left on device'}
+  apps._write_result(str(tmp_path / 'gone' / 'result.json'), result)
+  (line,) = capsys.readouterr().out.splitlines()
+  fed = federation.Federation(str(tmp_path / 'fed'), 1)
+  fed.streamed_result = commands.read_result(line)
+  with pytest.raises(errors.UserError, match='^cannot write /w/clients'):
+    launch._check_result(str(tmp_path / 'gone' / 'result.json'), fed)
+  fed.streamed_result = None
+  with pytest.raises(errors.UserError, match='without a result'):
+    launch._check_result(str(tmp_path / 'gone' / 'result.json'), fed)
+  apps._write_result(str(tmp_path / 'result.json'), {'ok': True})
+  assert capsys.readouterr().out == ''
+  launch._check_result(str(tmp_path / 'result.json'), fed)
