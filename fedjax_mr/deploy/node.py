@@ -103,8 +103,10 @@ def load_client_state(folder: str, client: int, r: int, template: Any) -> Any:
 
 
 def save_client_state(folder: str, client: int, r: int, state: Any) -> None:
-  """Writes client `client`'s state after round `r` (atomically)."""
-  os.makedirs(folder, exist_ok=True)
+  """Writes client `client`'s state after round `r` (atomically) in
+  `folder`, which is made its owner's alone (0700)."""
+  os.makedirs(folder, mode=0o700, exist_ok=True)
+  os.chmod(folder, 0o700)
   leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(state))]
   files.write_atomic(
     _state_file(folder, client, r),

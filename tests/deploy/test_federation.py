@@ -112,6 +112,7 @@ def test_only_the_operator_commands_the_federation(tmp_path):
         ('stop', '1', 'x', '--format', 'json'),
         ('supernode', 'list', 'x', '--format', 'json'),
         ('supernode', 'register', key + '.pub', 'x', '--format', 'json'),
+        ('supernode', 'unregister', str(fed.node_ids[0]), 'x'),
       ):
         said = _attacker_flwr(home, *args)
         assert _refused(said), (home, args, said)

@@ -430,3 +430,6 @@ def test_scaffold_control_variates_live_on_the_nodes(tmp_path):
   _assert_equal(again_metrics, metrics)
   saved = sorted(p.name for p in tmp_path.rglob('*.npz'))
   assert saved and all('.round' in name for name in saved)
+  # The clients' states are the node's alone (issue 71).
+  for folder in {p.parent for p in tmp_path.rglob('*.npz')}:
+    assert folder.stat().st_mode & 0o777 == 0o700, folder
