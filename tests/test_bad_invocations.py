@@ -582,6 +582,14 @@ CASES = {
       'not an operator token',
     ),
     (['--operator_token=token'], '--superlink'),
+    (
+      [
+        '--superlink=127.0.0.1:9',
+        '--insecure_federation',
+        '--operator_token=LICENSE',
+      ],
+      '--operator_token would cross the network in the clear',
+    ),
   ],
   'experiments.deploy_stitch': [
     (['--nodes=0'], '--nodes'),

@@ -355,6 +355,12 @@ def _check_superlink(
       f'`root_certificates={errors.clip(ca)}`: no such file'
     )
   token = superlink.operator_token
+  if token is not None and insecure:
+    raise errors.ConfigError(
+      '`operator_token` would cross the network in the clear to a '
+      'SuperLink without TLS; give its `root_certificates` instead of '
+      '`insecure_federation`'
+    )
   if ca is not None and token is None:
     raise errors.ConfigError(
       f'{where}: without `operator_token` (the file of the token its '
