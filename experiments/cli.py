@@ -44,10 +44,23 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for Ctrl-C
 NOTHING_WRITTEN = 'interrupted during start-up; nothing written'
 
 
+def caused_by_interrupt(error: BaseException | None) -> bool:
+  """Whether `error` is a KeyboardInterrupt or was raised while handling
+  one: Ctrl-C inside a C extension's module initialization comes out as
+  `ImportError: initialization failed`, the interrupt its cause."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    if isinstance(error, KeyboardInterrupt):
+      return True
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  return False
+
+
 def _interrupted_starting(kind, value, traceback) -> None:
   """`sys.excepthook` while a program imports its modules: Ctrl-C there
   (seconds: jax, flax, orbax) is one line and exit code 130."""
-  if issubclass(kind, KeyboardInterrupt):
+  if issubclass(kind, KeyboardInterrupt) or caused_by_interrupt(value):
     sys.stdout.flush()
     print(NOTHING_WRITTEN, file=sys.stderr, flush=True)
     os._exit(EXIT_INTERRUPTED)  # an excepthook cannot raise SystemExit
@@ -414,7 +427,9 @@ def training_errors(resume_hint: str, workdir: str | None = None):
   except errors.NonFiniteError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(3)
-  except KeyboardInterrupt:
+  except (KeyboardInterrupt, ImportError) as e:
+    if not caused_by_interrupt(e):  # an ImportError of its own
+      raise
     if fresh and not os.path.exists(workdir):
       print(NOTHING_WRITTEN, file=sys.stderr)
     else:

@@ -346,6 +346,36 @@ def test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing(tmp_path):
   assert not workdir.exists()
 
 
+def test_an_import_that_ctrl_c_broke_is_an_interrupt():
+  # SIGINT inside tensorstore's module initialization (orbax imports it)
+  # came out as `ImportError: initialization failed`, the interrupt its
+  # cause: a traceback and exit 1 where Ctrl-C says one line (seen once
+  # in test_ctrl_c_early_in_a_run_is_one_line_and_writes_nothing).
+  def broken_import():
+    try:
+      raise KeyboardInterrupt
+    except KeyboardInterrupt as e:
+      raise ImportError('initialization failed') from e
+
+  try:
+    broken_import()
+  except ImportError as e:
+    assert cli.caused_by_interrupt(e)
+  try:
+    try:
+      raise KeyboardInterrupt
+    except KeyboardInterrupt:
+      raise ValueError('while handling it')  # noqa: B904 - the context
+  except ValueError as e:
+    assert cli.caused_by_interrupt(e)
+  assert not cli.caused_by_interrupt(ImportError('no module named x'))
+  assert not cli.caused_by_interrupt(None)
+  loop = ValueError('a')
+  loop.__context__ = ValueError('b')
+  loop.__context__.__context__ = loop
+  assert not cli.caused_by_interrupt(loop)
+
+
 def test_out_of_memory_in_a_run_is_one_line(tmp_path):
   # XLA's RESOURCE_EXHAUSTED (FedMR at K = 60,000 asked for 31.7 GB) as
   # the run raises it; the program names --clients_per_round.
