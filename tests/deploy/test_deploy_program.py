@@ -33,6 +33,7 @@ from fedjax_mr.pipeline import stitch_config
 from fedjax_mr.pipeline import stitch_experiment
 from fedjax_mr.stitch import pool as pool_lib
 from fedjax_mr.stitch import state as state_lib
+from tests.deploy import test_federation
 from tests.stitch import common
 
 # A tiny run: 9 generated clients, 3 a round, 2 rounds, a 610-parameter
@@ -80,6 +81,22 @@ def wait_rows(workdir, n, alive, timeout=900):
     assert alive(), 'the run ended early'
     time.sleep(0.5)
   raise AssertionError(f'{n} rows never came')
+
+
+def _attack_the_run(tmp_path, fed):
+  """Once `fed` runs a run, `flwr log` and `flwr stop` of it from a Flower
+  home with the public CA only: each refused (`fed.attacked`)."""
+  fed.attacked = False
+  deadline = time.monotonic() + 300
+  while fed.running is None and time.monotonic() < deadline:
+    time.sleep(0.2)
+  run_id = str(fed.running)
+  home = test_federation._attacker_home(str(tmp_path / 'attacker'), fed)
+  for args in (('log', run_id, 'x', '--show'), ('stop', run_id, 'x')):
+    said = test_federation._attacker_flwr(home, *args)
+    assert test_federation._refused(said), (args, said)
+    assert 'Authentication failed' in said[1], (args, said)
+  fed.attacked = True
 
 
 def kill_submitter_after_round_1(fed, workdir, remote):
@@ -164,9 +181,18 @@ def test_deployed_run_equals_the_simulation(tmp_path, fed, algorithm):
     # ... by a process killed with SIGKILL once round 1 is written: its
     # run is stopped at the SuperLink, and the same call resumes it.
     kill_submitter_after_round_1(fed, deployed, remote)
+  else:
+    # While the run goes on, someone with the public CA tries to read its
+    # log and to stop it (attack 1 of issue 71): refused, and the run
+    # ends with the simulation's bits.
+    attacker = threading.Thread(target=_attack_the_run, args=(tmp_path, fed))
+    attacker.start()
   launch.run(
     config(deployed, algorithm=algorithm), NODES, log=lines.append, **to
   )
+  if algorithm != 'fedmr':
+    attacker.join()
+    assert fed.attacked
   assert any(f'SuperLink on {fed.address}' in line for line in lines)
   assert_same_run(str(simulated), str(deployed))
   with open(deployed / 'flower' / 'result.json') as f:
