@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent import futures
 
 import pytest
 
@@ -104,7 +105,9 @@ def test_only_the_operator_commands_the_federation(tmp_path):
       _attacker_home(str(tmp_path / 'ca_only'), fed),
       _attacker_home(str(tmp_path / 'guess'), fed, 'x' * 43),
     ]
-    for home in homes:
+    attempts = [
+      (home, args)
+      for home in homes
       for args in (
         ('run', app, 'x', '--format', 'json'),
         ('ls', 'x', '--format', 'json'),
@@ -113,10 +116,14 @@ def test_only_the_operator_commands_the_federation(tmp_path):
         ('supernode', 'list', 'x', '--format', 'json'),
         ('supernode', 'register', key + '.pub', 'x', '--format', 'json'),
         ('supernode', 'unregister', str(fed.node_ids[0]), 'x'),
-      ):
-        said = _attacker_flwr(home, *args)
-        assert _refused(said), (home, args, said)
-        assert 'Authentication failed' in said[1], (args, said)
+      )
+    ]
+    # A few `flwr` processes at once (each mostly imports Flower).
+    with futures.ThreadPoolExecutor(4) as pool:
+      replies = list(pool.map(lambda a: _attacker_flwr(a[0], *a[1]), attempts))
+    for (home, args), said in zip(attempts, replies):
+      assert _refused(said), (home, args, said)
+      assert 'Authentication failed' in said[1], (args, said)
     # The operator's own `flwr` (its token in the federation's home).
     nodes = fed.node_list()
     assert [int(n['node-id']) for n in nodes] == fed.node_ids
