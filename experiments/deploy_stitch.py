@@ -28,9 +28,10 @@ from . import cli  # isort: split
 from absl import flags
 from absl import logging
 
+from . import deploy_flags
 from . import stitch as stitch_program
 
-_DEPLOY_FLAGS = cli.define_deploy_flags()
+_DEPLOY_FLAGS = deploy_flags.define_deploy_flags()
 for _name in _DEPLOY_FLAGS:
   flags.declare_key_flag(_name)
 FLAGS = flags.FLAGS
@@ -46,14 +47,14 @@ def main(argv) -> None:
   logging.set_verbosity(logging.WARNING)
   # The federation's processes run in <workdir>/flower: a relative path
   # would name another file there.
-  cli.absolute_paths()
+  deploy_flags.absolute_paths()
   config = stitch_program.config_from_flags()
   with cli.training_errors(
     're-run with the same flags to resume', workdir=config.run.workdir
   ):
     from fedjax_mr.deploy import launch
 
-    launch.run(config, FLAGS.nodes, **cli.deploy_arguments())
+    launch.run(config, FLAGS.nodes, **deploy_flags.deploy_arguments())
 
 
 def entry() -> None:

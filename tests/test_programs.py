@@ -239,7 +239,7 @@ _GROUPED = {
   'deploy_stitch': ('Federation', 'nodes=2'),
   'stitch': ('Pool', 'pool=runs/pool'),
 }
-# The flags of a federation (experiments/cli.py's define_deploy_flags).
+# The flags of a federation (experiments/deploy_flags.py's define_deploy_flags).
 _DEPLOY_FLAGS = {
   'nodes',
   'round_timeout',
