@@ -206,6 +206,32 @@ def _no_scores(part):
   del part['scores']
 
 
+def _round(pool, change, lines):
+  """One round, the first sampled client's score reply passed through
+  `change` (returns None: no reply); its log entry (times left out)."""
+
+  def first_only(p, part):
+    return change(part) if p == 0 else part
+
+  state = federated.run_round(
+    pool,
+    federated.state_lib.init_state(pool, NUM_CLIENTS),
+    _deployed(pool, lines, change=first_only),
+    CONFIG,
+    population=range(NUM_CLIENTS),
+    energy=_fleet(),
+  )
+  return _log(state), np.asarray(state.weights)
+
+
+def _changed(change):
+  def apply(part):
+    change(part)
+    return part
+
+  return apply
+
+
 @pytest.mark.parametrize(
   'change, said',
   [
@@ -220,22 +246,8 @@ def test_a_malformed_reply_is_refused_before_it_is_read(
   simulated, change, said
 ):
   pool, _ = simulated
-
-  def first_only(p, part):
-    if p == 0:
-      change(part)
-    return part
-
   lines = []
-  state = federated.run_round(
-    pool,
-    federated.state_lib.init_state(pool, NUM_CLIENTS),
-    _deployed(pool, lines, change=first_only),
-    CONFIG,
-    population=range(NUM_CLIENTS),
-    energy=_fleet(),
-  )
-  (entry,) = state.log
+  (entry,), _ = _round(pool, _changed(change), lines)
   first = federated.sample_clients(CONFIG, 0, range(NUM_CLIENTS))[0]
   assert entry['failed_clients'] == [first]
   assert first not in entry['clients'] and len(entry['clients']) == 2
@@ -301,32 +313,6 @@ def _one_past_the_last(part):
   choices[first] = choices[first].copy()
   choices[first][0] = len(scores[first])
   part['choices'] = codec.encode(choices)
-
-
-def _round(pool, change, lines):
-  """One round, the first sampled client's score reply passed through
-  `change` (returns None: no reply); its log entry (times left out)."""
-
-  def first_only(p, part):
-    return change(part) if p == 0 else part
-
-  state = federated.run_round(
-    pool,
-    federated.state_lib.init_state(pool, NUM_CLIENTS),
-    _deployed(pool, lines, change=first_only),
-    CONFIG,
-    population=range(NUM_CLIENTS),
-    energy=_fleet(),
-  )
-  return _log(state), np.asarray(state.weights)
-
-
-def _changed(change):
-  def apply(part):
-    change(part)
-    return part
-
-  return apply
 
 
 @pytest.mark.parametrize(
