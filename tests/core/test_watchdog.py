@@ -31,7 +31,9 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
   # leaves it for a session of its own (as Flower's SuperLink starts its
   # SuperExec) with the program's mark, and leaves its last words (a
   # command that reads its environment), then waits to be killed with
-  # SIGKILL, which it cannot handle.
+  # SIGKILL, which it cannot handle. The parent waits for the process that
+  # leaves to say it is up: Popen returns once exec has begun, when the new
+  # program's environment may not be readable yet (/proc/PID/environ empty).
   last, said = str(tmp_path / 'last.json'), str(tmp_path / 'said')
   parent = subprocess.Popen(
     [
@@ -51,8 +53,9 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
         env = {**os.environ, watchdog.MARK_VARIABLE: 'M1'}
         child = subprocess.Popen(['sleep', '600'], process_group=dog.pid)
         away = subprocess.Popen(
-          ['bash', '-c', "trap '' TERM; sleep 600"], env=env,
-          start_new_session=True)
+          ['bash', '-c', "trap '' TERM; echo up; sleep 600"], env=env,
+          start_new_session=True, stdout=subprocess.PIPE, text=True)
+        assert away.stdout.readline().strip() == 'up'
         print(dog.pid, child.pid, away.pid, flush=True)
         time.sleep(600)
         """
