@@ -55,17 +55,18 @@ from fedjax_mr.deploy import credentials as credentials_lib
 from fedjax_mr.deploy.flower import commands
 from fedjax_mr.deploy.flower import superlink as superlink_lib
 
-# The warm SuperExec's module (`flower/warm.py`; not imported here: it imports
-# Flower and JAX).
+# The warm SuperExec's module (`flower/warm.py`; it imports Flower and JAX).
 WARM_SUPEREXEC = 'fedjax_mr.deploy.flower.warm'
-# `flower-supernode` beating at an interval of its own (`flower/supernode.py`).
+# `flower-supernode` with intervals of its own (`flower/supernode.py`).
 SUPERNODE = 'fedjax_mr.deploy.flower.supernode'
 # `flower-superlink` obeying the operator's token (`flower/superlink.py`).
 SUPERLINK = 'fedjax_mr.deploy.flower.superlink'
-# The heartbeat intervals a SuperLink accepts, in s (Flower's
-# HEARTBEAT_MIN_INTERVAL and HEARTBEAT_MAX_INTERVAL; supernode.py reads
-# them from Flower).
+# The heartbeat intervals a SuperLink accepts, in s (Flower's MIN and MAX
+# HEARTBEAT_..._INTERVAL; supernode.py reads them from Flower).
 HEARTBEAT_S = (10.0, 1800.0)
+# The poll intervals a SuperNode takes (`flower/supernode.py`); a local one's.
+POLL_S = (0.05, 3.0)
+LOCAL_POLL_S = 0.25
 
 FEDERATION = 'local'  # the connection's name in Flower's config.toml
 START_TIMEOUT_S = 120.0
@@ -129,6 +130,9 @@ class Federation:
       (`flower/supernode.py`; the SuperLink counts a node offline, and fails
       the messages it holds for it, two intervals after its last beat);
       None: Flower's own, 30 s.
+    poll_s: the longest a SuperNode and a SuperExec wait between looks for
+      work (`flower/supernode.py`; Flower's FLWR_SUPEREXEC_TASK_POLL_INTERVAL);
+      None: Flower's own, 3 s and 1 s; `launch`'s federation: LOCAL_POLL_S.
   """
 
   def __init__(
@@ -141,15 +145,16 @@ class Federation:
     insecure: bool = False,
     warm: bool = True,
     heartbeat_s: float | None = None,
+    poll_s: float | None = None,
   ):
     if num_nodes < 1:
       raise ValueError(f'num_nodes must be >= 1, got {num_nodes}')
-    low, high = HEARTBEAT_S
-    if heartbeat_s is not None and not low <= heartbeat_s <= high:
-      raise ValueError(
-        f'heartbeat_s must be in [{low:g}, {high:g}] (what a SuperLink '
-        f'accepts), got {heartbeat_s}'
-      )
+    for name, value, (low, high) in (
+      ('heartbeat_s', heartbeat_s, HEARTBEAT_S),
+      ('poll_s', poll_s, POLL_S),
+    ):
+      if value is not None and not low <= value <= high:
+        raise ValueError(f'{name} must be in [{low:g}, {high:g}], got {value}')
     self.folder = os.path.abspath(folder)
     self.num_nodes = num_nodes
     self.node_config = node_config
@@ -157,6 +162,7 @@ class Federation:
     self.insecure = insecure
     self.warm = warm
     self.heartbeat_s = heartbeat_s
+    self.poll_s = poll_s
     self.home = os.path.join(self.folder, 'home')
     self.logs = os.path.join(self.folder, 'logs')
     self.port = None
@@ -243,6 +249,8 @@ class Federation:
     env['FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION'] = '1'
     env['TMPDIR'] = os.path.join(self.folder, 'tmp')
     env[watchdog.MARK_VARIABLE] = self.mark
+    if self.poll_s is not None:
+      env['FLWR_SUPEREXEC_TASK_POLL_INTERVAL'] = repr(self.poll_s)
     # A node starts a process per message: compiled programs are kept
     # (JAX's persistent cache, bit-identical to compiling again).
     env.setdefault(
@@ -534,9 +542,9 @@ class Federation:
     one if None); `key`/`root_certificates` replace its own key and the CA
     certificate (tests start impostors with them)."""
     command = [self._tool('flower-supernode')]
-    if self.heartbeat_s is not None:
+    if self.heartbeat_s is not None or self.poll_s is not None:
       command = [sys.executable, '-m', SUPERNODE] + commands.options(
-        heartbeat_interval=self.heartbeat_s
+        heartbeat_interval=self.heartbeat_s, poll_interval=self.poll_s
       )
     command += commands.options(
       superlink=self.address,

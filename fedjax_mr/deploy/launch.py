@@ -314,6 +314,7 @@ def _start(
       insecure=insecure,
       warm=warm,
       heartbeat_s=node_heartbeat_s or None,
+      poll_s=federation_lib.LOCAL_POLL_S,
     )
   try:
     return fed.start()

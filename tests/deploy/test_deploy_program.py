@@ -140,7 +140,11 @@ def config(workdir, **values):
 def fed(tmp_path_factory):
   folder = str(tmp_path_factory.mktemp('federation'))
   with federation.Federation(
-    folder, NODES, launch.node_config(folder, NODES), heartbeat_s=HEARTBEAT_S
+    folder,
+    NODES,
+    launch.node_config(folder, NODES),
+    heartbeat_s=HEARTBEAT_S,
+    poll_s=federation.LOCAL_POLL_S,
   ) as f:
     yield f
 

@@ -209,16 +209,21 @@ def test_bad_arguments_are_named(tmp_path):
   for heartbeat_s in (9.5, 1801, float('nan')):
     with pytest.raises(ValueError, match='heartbeat_s'):
       federation.Federation(str(tmp_path), 1, heartbeat_s=heartbeat_s)
+  for poll_s in (0.01, 3.5, float('nan')):
+    with pytest.raises(ValueError, match='poll_s'):
+      federation.Federation(str(tmp_path), 1, poll_s=poll_s)
 
 
 def test_a_heartbeat_interval_starts_the_nodes_beating_at_it(tmp_path):
   from flwr.supercore import heartbeat
   from flwr.supernode import fleet_http_connection
+  from flwr.supernode import start_client_internal
 
   from fedjax_mr.deploy.flower import supernode
 
   # The bounds the Federation checks without importing Flower are Flower's.
   assert federation.HEARTBEAT_S == (supernode.MIN_S, supernode.MAX_S)
+  assert federation.POLL_S == (supernode.POLL_MIN_S, 3.0)
   default = federation.Federation(str(tmp_path), 2, insecure=True)
   fed = federation.Federation(str(tmp_path), 2, insecure=True, heartbeat_s=12)
   default.port = fed.port = 1
@@ -242,9 +247,45 @@ def test_a_heartbeat_interval_starts_the_nodes_beating_at_it(tmp_path):
   assert heartbeat.HEARTBEAT_DEFAULT_INTERVAL == saved
   with pytest.raises(ValueError, match='10'):
     supernode.set_interval(5)
-  # The module as a program: an interval the SuperLink would refuse, or
-  # none, ends it with one line before Flower starts.
-  for args in (['--heartbeat-interval', '5'], ['--superlink', 'x:1']):
+  # A poll interval: the node's message loop waits at most that long
+  # (Flower's 3 s when no message came), its other clocks untouched.
+  polled = federation.Federation(str(tmp_path), 2, insecure=True, poll_s=0.25)
+  polled.port, polled.secrets = 1, default.secrets
+  assert polled.node_command(1, port=7) == [
+    sys.executable, '-m', federation.SUPERNODE, '--poll-interval', '0.25',
+    *plain[1:],
+  ]  # fmt: skip
+  both = federation.Federation(
+    str(tmp_path), 2, insecure=True, heartbeat_s=12, poll_s=0.25
+  )
+  both.port, both.secrets = 1, default.secrets
+  assert both.node_command(1, port=7)[3:7] == [
+    '--heartbeat-interval', '12', '--poll-interval', '0.25'
+  ]  # fmt: skip
+  assert polled.env()['FLWR_SUPEREXEC_TASK_POLL_INTERVAL'] == '0.25'
+  assert 'FLWR_SUPEREXEC_TASK_POLL_INTERVAL' not in default.env()
+  saved = start_client_internal.time
+  try:
+    supernode.set_poll(0.1)
+    clock = start_client_internal.time
+    started = time.monotonic()
+    clock.sleep(3)
+    assert time.monotonic() - started < 1
+    assert clock.monotonic is time.monotonic
+  finally:
+    start_client_internal.time = saved
+  for seconds in (0.01, 4, float('nan')):
+    with pytest.raises(ValueError, match='poll interval'):
+      supernode.set_poll(seconds)
+  # The module as a program: an interval the SuperLink would refuse, a
+  # poll interval out of range, an option twice, or none, ends it with one
+  # line before Flower starts.
+  for args, says in (
+    (['--heartbeat-interval', '5'], 'heartbeat-interval'),
+    (['--poll-interval', '0'], 'poll-interval'),
+    (['--poll-interval', '1', '--poll-interval', '1'], 'usage'),
+    (['--superlink', 'x:1'], 'usage'),
+  ):
     done = subprocess.run(
       [sys.executable, '-m', federation.SUPERNODE, *args],
       capture_output=True,
@@ -252,4 +293,4 @@ def test_a_heartbeat_interval_starts_the_nodes_beating_at_it(tmp_path):
     )
     assert done.returncode == 1
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert 'heartbeat-interval' in done.stderr
+    assert says in done.stderr
