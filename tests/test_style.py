@@ -136,3 +136,14 @@ def test_modules_packages_and_programs_stay_small():
     and len(list(p.glob('*.py'))) > MAX_PACKAGE_MODULES
   ]
   assert not crowded
+
+
+def test_the_suites_longest_files_exist():
+  # tests/conftest.py's LONGEST_FIRST names files by path: a renamed or
+  # removed one would silently lose its place at the front.
+  from tests import conftest
+
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  for path in conftest.LONGEST_FIRST:
+    assert (repo / path).is_file(), path
+  assert len(set(conftest.LONGEST_FIRST)) == len(conftest.LONGEST_FIRST)
