@@ -18,12 +18,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 FLAGS = [*program.FLAGS, '--algorithm=fedavg']
 
 
-def _start(workdir, *extra):
+def _start(workdir, *extra, nodes=3):
   # SIGINT at its default action (a suite started in the background of a
   # non-interactive shell hands its children an ignored SIGINT).
   return subprocess.Popen(
     test_cli._default_sigint([
-      sys.executable, '-m', 'experiments.deploy', '--nodes=3', *FLAGS,
+      sys.executable, '-m', 'experiments.deploy', f'--nodes={nodes}', *FLAGS,
       f'--workdir={workdir}', *extra,
     ]),
     cwd=REPO,
@@ -79,9 +79,11 @@ def test_a_killed_server_resumes_to_the_uninterrupted_run(tmp_path):
 
 def test_ctrl_c_stops_every_process_and_keeps_what_was_written(tmp_path):
   # Flower's own launcher here (a fresh process for every message), the
-  # warm SuperExec everywhere else.
+  # warm SuperExec everywhere else. One node: a process of each kind (the
+  # group's stop does not depend on their number; the killed server's
+  # test above stops three nodes).
   workdir = str(tmp_path / 'dep')
-  proc = _start(workdir, '--insecure_federation', '--nowarm_superexec')
+  proc = _start(workdir, '--insecure_federation', '--nowarm_superexec', nodes=1)
   program.wait_rows(workdir, 1, lambda: proc.poll() is None)
   proc.send_signal(signal.SIGINT)
   out, err = proc.communicate(timeout=300)
@@ -102,9 +104,9 @@ def test_ctrl_c_stops_every_process_and_keeps_what_was_written(tmp_path):
 def test_sigterm_says_one_line_and_stops_every_process(tmp_path):
   # SIGTERM as Ctrl-C (issue 71: it ended the program with 143 and no
   # line): once the federation is up, the program stops it, says one line
-  # and exits with Ctrl-C's code.
+  # and exits with Ctrl-C's code. One node, as for Ctrl-C.
   workdir = str(tmp_path / 'dep')
-  proc = _start(workdir)
+  proc = _start(workdir, nodes=1)
   for line in proc.stdout:
     if line.startswith('federation: a SuperLink on'):
       break
