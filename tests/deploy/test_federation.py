@@ -87,70 +87,88 @@ def _refused(code_and_output):
   return code != 0 or '"success": false' in output
 
 
-def test_only_the_operator_commands_the_federation(tmp_path):
+@pytest.fixture(scope='module')
+def one_node(tmp_path_factory):
+  """The module's secure 1-node federation, online: `one_node()`. A test
+  that breaks it stops it, and the next call starts a fresh one (each
+  costs about 11 s of CPU to start and stop)."""
+  started = []
+
+  def running():
+    if not started or started[-1]._group is None:  # stopped
+      folder = str(tmp_path_factory.mktemp('fed'))
+      fed = federation.Federation(folder, 1, lambda i: {'node-index': i})
+      started.append(fed.start())
+      _wait_online(fed, 1)
+    return started[-1]
+
+  yield running
+  for fed in started:
+    fed.stop()
+
+
+def test_only_the_operator_commands_the_federation(tmp_path, one_node):
   """Attacks 1, 2 and 4 of issue 71, replayed: with the public CA (and
   a wrong token), running an App, listing, reading logs, stopping runs
   and registering a key are refused, and SuperExecs without the secret
   (or with a wrong one) get no task and end; the operator's `flwr` is
   obeyed."""
-  folder = str(tmp_path / 'fed')
-  fed = federation.Federation(folder, 1, lambda i: {'node-index': i})
-  with fed:
-    _wait_online(fed, 1)
-    marker = str(tmp_path / 'ran')
-    app = _own_app(str(tmp_path / 'evil_app'), marker)
-    key = f'{folder}/intruder'
-    credentials.write_node_key(key, key + '.pub')
-    homes = [
-      _attacker_home(str(tmp_path / 'ca_only'), fed),
-      _attacker_home(str(tmp_path / 'guess'), fed, 'x' * 43),
-    ]
-    attempts = [
-      (home, args)
-      for home in homes
-      for args in (
-        ('run', app, 'x', '--format', 'json'),
-        ('ls', 'x', '--format', 'json'),
-        ('log', '1', 'x', '--show'),
-        ('stop', '1', 'x', '--format', 'json'),
-        ('supernode', 'list', 'x', '--format', 'json'),
-        ('supernode', 'register', key + '.pub', 'x', '--format', 'json'),
-        ('supernode', 'unregister', str(fed.node_ids[0]), 'x'),
-      )
-    ]
-    # A few `flwr` processes at once (each mostly imports Flower).
-    with futures.ThreadPoolExecutor(4) as pool:
-      replies = list(pool.map(lambda a: _attacker_flwr(a[0], *a[1]), attempts))
-    for (home, args), said in zip(attempts, replies):
-      assert _refused(said), (home, args, said)
-      assert 'Authentication failed' in said[1], (args, said)
-    # The operator's own `flwr` (its token in the federation's home).
-    nodes = fed.node_list()
-    assert [int(n['node-id']) for n in nodes] == fed.node_ids
-    # SuperExecs without the secret, or with another, at the node's
-    # Runtime API and at the SuperLink's: refused, they end.
-    node_runtime = fed._superexecs[1][1].args
-    node_runtime = node_runtime[node_runtime.index('--runtime-api-address') + 1]
-    with open(f'{folder}/wrong.secret', 'w') as f:
-      f.write('0' * 64)
-    tool = os.path.join(os.path.dirname(sys.executable), 'flower-superexec')
-    ca = fed.credentials.ca_cert
-    foreign = [
-      fed._start('x1', [tool, '--insecure', '--runtime-api-address',
-                        node_runtime]),
-      fed._start('x2', [tool, '--root-certificates', ca,
-                        '--runtime-api-address', fed.address]),
-      fed._start('x3', [tool, '--insecure', '--runtime-api-address',
-                        node_runtime, '--superexec-auth-secret-file',
-                        f'{folder}/wrong.secret']),
-    ]  # fmt: skip
-    for process in foreign:
-      process.wait(60)
-    for name in ('x1', 'x2', 'x3'):
-      assert 'Launch' not in _log(folder, name)
-    # Ours still serve.
-    assert all(p.poll() is None for _, p, _ in fed._superexecs)
-    assert fed.online_nodes() == 1
+  fed = one_node()
+  folder = fed.folder
+  marker = str(tmp_path / 'ran')
+  app = _own_app(str(tmp_path / 'evil_app'), marker)
+  key = f'{folder}/intruder'
+  credentials.write_node_key(key, key + '.pub')
+  homes = [
+    _attacker_home(str(tmp_path / 'ca_only'), fed),
+    _attacker_home(str(tmp_path / 'guess'), fed, 'x' * 43),
+  ]
+  attempts = [
+    (home, args)
+    for home in homes
+    for args in (
+      ('run', app, 'x', '--format', 'json'),
+      ('ls', 'x', '--format', 'json'),
+      ('log', '1', 'x', '--show'),
+      ('stop', '1', 'x', '--format', 'json'),
+      ('supernode', 'list', 'x', '--format', 'json'),
+      ('supernode', 'register', key + '.pub', 'x', '--format', 'json'),
+      ('supernode', 'unregister', str(fed.node_ids[0]), 'x'),
+    )
+  ]
+  # A few `flwr` processes at once (each mostly imports Flower).
+  with futures.ThreadPoolExecutor(4) as pool:
+    replies = list(pool.map(lambda a: _attacker_flwr(a[0], *a[1]), attempts))
+  for (home, args), said in zip(attempts, replies):
+    assert _refused(said), (home, args, said)
+    assert 'Authentication failed' in said[1], (args, said)
+  # The operator's own `flwr` (its token in the federation's home).
+  nodes = fed.node_list()
+  assert [int(n['node-id']) for n in nodes] == fed.node_ids
+  # SuperExecs without the secret, or with another, at the node's
+  # Runtime API and at the SuperLink's: refused, they end.
+  node_runtime = fed._superexecs[1][1].args
+  node_runtime = node_runtime[node_runtime.index('--runtime-api-address') + 1]
+  with open(f'{folder}/wrong.secret', 'w') as f:
+    f.write('0' * 64)
+  tool = os.path.join(os.path.dirname(sys.executable), 'flower-superexec')
+  ca = fed.credentials.ca_cert
+  foreign = [
+    fed._start('x1', [tool, '--insecure', '--runtime-api-address',
+                      node_runtime]),
+    fed._start('x2', [tool, '--root-certificates', ca,
+                      '--runtime-api-address', fed.address]),
+    fed._start('x3', [tool, '--insecure', '--runtime-api-address',
+                      node_runtime, '--superexec-auth-secret-file',
+                      f'{folder}/wrong.secret']),
+  ]  # fmt: skip
+  for process in foreign:
+    process.wait(60)
+  for name in ('x1', 'x2', 'x3'):
+    assert 'Launch' not in _log(folder, name)
+  # Ours still serve.
+  assert all(p.poll() is None for _, p, _ in fed._superexecs)
+  assert fed.online_nodes() == 1
   assert not os.path.exists(marker)
   # The secrets and Flower's home are the operator's alone.
   for path in ('', '/credentials', '/home', '/logs'):
@@ -160,18 +178,18 @@ def test_only_the_operator_commands_the_federation(tmp_path):
   assert os.stat(f'{folder}/home/credentials.yaml').st_mode & 0o077 == 0
 
 
-def test_only_registered_nodes_with_the_ca_join(tmp_path):
-  folder = str(tmp_path / 'fed')
-  fed = federation.Federation(folder, 1, lambda i: {'node-index': i})
-  with fed:
+def test_only_registered_nodes_with_the_ca_join(tmp_path, one_node):
+  # The module's federation (attacked by the test above, if it ran), which
+  # this test breaks and stops.
+  fed = one_node()
+  folder = fed.folder
+  try:
     group = fed._group
-    _wait_online(fed, 1)
     # An unregistered key, and a registered one that trusts another CA.
-    credentials.write_node_key(f'{folder}/intruder', f'{folder}/intruder.pub')
+    key = str(tmp_path / 'intruder')
+    credentials.write_node_key(key, key + '.pub')
     other = credentials.make(str(tmp_path / 'other'), 1)
-    intruder = fed._start(
-      'intruder', fed.node_command(0, key=f'{folder}/intruder')
-    )
+    intruder = fed._start('intruder', fed.node_command(0, key=key))
     no_ca = fed._start(
       'no_ca', fed.node_command(0, root_certificates=other.ca_cert)
     )
@@ -193,6 +211,8 @@ def test_only_registered_nodes_with_the_ca_join(tmp_path):
     with pytest.raises(federation.FederationError, match=f'{name}.log'):
       fed.run(app, {'spec': str(tmp_path)})
     assert node.poll() is None
+  finally:
+    fed.stop()
   assert test_watchdog.group_members(group) == []
   # Flower's home and temporary files stayed in the folder.
   assert os.path.exists(f'{folder}/home/config.toml')
