@@ -17,8 +17,20 @@ fi
 STAMP=$( (cat pyproject.toml; find fedjax_mr experiments -name '*.py' -o -name '*.flags' | LC_ALL=C sort) | sha256sum)
 if ! .venv/bin/python -c 'import fedjax_mr, jax, flax, optax, orbax.checkpoint, tensorflow_datasets, pytest' 2>/dev/null \
   || [ "$(cat .venv/.installed 2>/dev/null)" != "$STAMP" ]; then
-  .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e '.[test]' --config-settings editable_mode=strict
+  # uv resolves, downloads and unpacks the wheels in a quarter of pip's
+  # time (a fresh clone's set-up: 10 s against 39 s, AMD EPYC; Python
+  # writes the bytecode at the first import, not at install) and installs
+  # the same versions; UV_NATIVE_TLS: the system's certificates, as pip.
+  # pip where uv cannot be installed or fails.
+  if ! { .venv/bin/python -m pip install --quiet --disable-pip-version-check 'uv>=0.9' \
+    && UV_NATIVE_TLS=1 .venv/bin/python -m uv pip install --quiet \
+      --python .venv/bin/python -e '.[test]' \
+      --config-settings editable_mode=strict; }; then
+    echo 'uv failed: installing with pip' >&2
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -e '.[test]' \
+      --config-settings editable_mode=strict
+  fi
   echo "$STAMP" > .venv/.installed
 fi
 

@@ -187,12 +187,15 @@ def test_the_installed_programs_print_their_help_from_elsewhere(
 
 
 def _setup_install_options():
-  """The options of scripts/setup.sh's `pip install` of the checkout."""
+  """The options after `-e '.[test]'` of each of scripts/setup.sh's
+  installs of the checkout (uv's, and pip's where uv fails)."""
   with open(os.path.join(ROOT, 'scripts', 'setup.sh')) as f:
-    (line,) = [
-      line for line in f if "install --quiet -e '.[test]'" in line.strip()
-    ]
-  return line.split("'.[test]'", 1)[1].split()
+    script = f.read().replace('\\\n', ' ')
+  commands = [line for line in script.splitlines() if "-e '.[test]'" in line]
+  assert len(commands) == 2, commands  # uv, then pip
+  return [
+    line.split("'.[test]'", 1)[1].split(';')[0].split() for line in commands
+  ]
 
 
 @pytest.mark.parametrize('strict', [True, False], ids=['setup', 'lenient'])
@@ -213,8 +216,9 @@ def test_a_script_beside_the_clone_imports_the_package(tmp_path, strict):
       clone / folder,
       ignore=shutil.ignore_patterns('__pycache__'),
     )
-  options = _setup_install_options()
-  assert options == ['--config-settings', 'editable_mode=strict'], options
+  uv, pip = _setup_install_options()
+  assert uv == pip == ['--config-settings', 'editable_mode=strict'], (uv, pip)
+  options = pip
   prefix = tmp_path / 'prefix'
   subprocess.run(
     [sys.executable, '-m', 'pip', '--disable-pip-version-check', '-q']
