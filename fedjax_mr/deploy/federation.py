@@ -13,8 +13,9 @@ registered with the SuperLink before the node starts (its registration
 gives the node's id, `node_ids`); a node with another key is refused.
 `insecure=True` runs without either (the caller warns). In both, the
 SuperLink's Control API (runs, logs, node registration) obeys the
-operator's token alone (`flower/superlink.py`; the `flwr` commands here send it
-from Flower's credential store in `home`), and every SuperExec
+operator's token alone (`flower/superlink.py`; the registrations and node
+lists go from this process, `flower/control.py`, and `flwr run` and `flwr
+stop` send it from Flower's credential store in `home`), and every SuperExec
 authenticates with a shared secret (Flower's process isolation and
 its `superexec-auth-secret-file` option; a SuperExec without it gets no task).
 
@@ -36,7 +37,6 @@ that started it ends in any way, SIGKILL included.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -44,7 +44,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent import futures
 from typing import Callable
 from typing import Mapping
 from typing import NamedTuple
@@ -53,6 +52,7 @@ from typing import Sequence
 from fedjax_mr.core import watchdog
 from fedjax_mr.deploy import credentials as credentials_lib
 from fedjax_mr.deploy.flower import commands
+from fedjax_mr.deploy.flower import control as control_lib
 from fedjax_mr.deploy.flower import superlink as superlink_lib
 
 # The warm SuperExec's module (`flower/warm.py`; it imports Flower and JAX).
@@ -192,6 +192,7 @@ class Federation:
     # The result the run's ServerApp printed, where it could not write
     # its file (`commands.result_line`).
     self.streamed_result: dict | None = None
+    self._control_api: control_lib.Control | None = None
 
   @classmethod
   def attach(
@@ -338,12 +339,12 @@ class Federation:
       self._start_superlink()
       self._wait_for_superlink()
       if not self.insecure:
-        # One `flwr` process a key, a few at once (each mostly imports;
-        # a large federation's hundred would not fit in memory together).
+        # In this process, one request a key (`flower/control.py`).
         keys = self.credentials.node_public_keys
-        at_once = min(len(keys), 2 * (os.cpu_count() or 1))
-        with futures.ThreadPoolExecutor(at_once) as pool:
-          self.node_ids = list(pool.map(self._register, keys))
+        try:
+          self.node_ids = [self._control().register(k) for k in keys]
+        except control_lib.ControlError as e:
+          raise FederationError(f'registering the nodes: {e}') from None
       self.nodes = [self.start_node(i) for i in range(self.num_nodes)]
     except BaseException:
       self.stop()
@@ -367,18 +368,18 @@ class Federation:
         f'no SuperLink answers at {self.address}: {e.strerror or e}'
       ) from None
     try:
-      nodes = self.node_list(timeout=CHECK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+      nodes = self._control().nodes()
+    except control_lib.ControlTimeout:
       raise FederationError(
         f'the SuperLink at {self.address} did not answer in '
         f'{CHECK_TIMEOUT_S:g} s'
       ) from None
-    except FederationError as e:
-      if 'Authentication failed' in str(e):
+    except control_lib.ControlError as e:
+      if control_lib.AUTHENTICATION_FAILED in str(e):
         raise FederationError(
           f'the SuperLink at {self.address} refused the operator token'
         ) from None
-      raise
+      raise FederationError(f'the SuperLink at {self.address}: {e}') from None
     registered = {int(n['node-id']) for n in nodes}
     missing = [n for n in self.node_ids if n not in registered]
     if missing:
@@ -387,21 +388,18 @@ class Federation:
         f'SuperLink at {self.address}'
       )
 
-  def _register(self, public_key: str) -> int:
-    """Registers a node's public key; the node id it gives."""
-    out = self._flwr(
-      'supernode',
-      'register',
-      public_key,
-      FEDERATION,
-      *commands.options(format='json'),
-    )
-    try:
-      return int(json.loads(out)['node-id'])
-    except (ValueError, KeyError, TypeError):
-      raise FederationError(
-        f'flwr supernode register gave no node id: {out.strip()[-300:]}'
-      ) from None
+  def _control(self) -> control_lib.Control:
+    """The SuperLink's Control API, as the operator (`flower/control.py`)."""
+    if self._control_api is None:
+      try:
+        self._control_api = control_lib.Control(
+          self.address, self._ca(), self.operator_token, CHECK_TIMEOUT_S
+        )
+      except ValueError as e:
+        raise FederationError(
+          f'the operator token file {self.operator_token}: {e}'
+        ) from None
+    return self._control_api
 
   def _start_watchdog(self) -> None:
     process = subprocess.Popen(
@@ -422,13 +420,16 @@ class Federation:
     self._group = process.pid
     self._processes.append(process)
 
+  def _ca(self) -> str | None:
+    """The CA certificate file the SuperLink's is signed by (None: no TLS)."""
+    if self.insecure:
+      return None
+    return self.root_certificates or self.credentials.ca_cert
+
   def _write_cli_config(self) -> None:
-    ca = None
-    if not self.insecure:
-      ca = self.root_certificates or self.credentials.ca_cert
     try:
       superlink_lib.operator_home(
-        self.home, self.address, ca, self.operator_token, FEDERATION
+        self.home, self.address, self._ca(), self.operator_token, FEDERATION
       )
     except ValueError as e:
       raise FederationError(
@@ -572,17 +573,13 @@ class Federation:
     self._start_superexec(f'superexec{i}', f'127.0.0.1:{port}', node)
     return node
 
-  def node_list(self, timeout: float = START_TIMEOUT_S) -> list[dict[str, str]]:
+  def node_list(self) -> list[dict[str, str]]:
     """The SuperLink's list of SuperNodes (`flwr supernode list`'s JSON:
     per node its `node-id`, `status`, `online-at`, `offline-at`, …)."""
-    out = self._flwr(
-      'supernode',
-      'list',
-      FEDERATION,
-      *commands.options(format='json'),
-      timeout=timeout,
-    )
-    return json.loads(out).get('nodes', [])
+    try:
+      return self._control().nodes()
+    except control_lib.ControlError as e:
+      raise FederationError(f'listing the SuperNodes: {e}') from None
 
   def online_nodes(self) -> int:
     """SuperNodes the SuperLink lists as online."""
@@ -682,6 +679,9 @@ class Federation:
       else:
         watchdog.write_last_words(self._last_words, None)
       self.running = None
+    if self._control_api is not None:
+      self._control_api.close()
+      self._control_api = None
     if self._group is not None:
       watchdog.stop_group(self._group, self.mark)
       self._group = None
