@@ -37,6 +37,13 @@ os.environ['FEDJAX_MR_TEST_JAX_CACHE'] = (
 os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ['FEDJAX_MR_TEST_JAX_CACHE']
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
+# Each operation's location in the programs JAX lowers: the user's frame
+# (file and line), not the whole call stack (up to 100 frames, pytest's
+# included): the files that mostly compile take 2-8 % less CPU, those that
+# mostly execute the same (docs/results/suite/locations_amd_epyc.txt). The
+# code and its bits are the same (locations are metadata, and the
+# persistent cache's keys leave them out).
+os.environ['JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS'] = '0'
 
 import numpy as np
 import pytest
