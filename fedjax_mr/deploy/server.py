@@ -7,8 +7,7 @@ key) -> (state, metrics)`, the round `experiments.run`'s host loop calls
 functions and the engine's keys, in the engine's order:
 
 1. `engine.make_sample_fn`: the K ids; `engine.round_keys`: the dispatch,
-   client and aggregation keys, client k's key row k of
-   `split(k_clients, K)`;
+   client and aggregation keys; `engine.client_keys`: client k's key;
 2. `algorithm.dispatch`; request k holds the shared part, row k of the
    per-client part, the client's id and key, and goes to the node that
    serves the client (`node_of`);
@@ -17,15 +16,15 @@ functions and the engine's keys, in the engine's order:
    values) before anything reads it, and its weights against what the
    server knows (`check_weights`: the client's size, its steps); a
    refused reply is logged and its client counted as failed;
-4. an algorithm with a `contribution` is summed in the simulation's
-   order: groups of `chunk` clients in sampled order, each group's rows
-   added one after another and then to the running sum (the engine's
-   `stream_clients` on one device). A reply that arrives early waits
-   until its group is complete; the server holds the running sum and
-   those replies, never K models. A failed client adds nothing (as the
-   engine's masked clients). Other algorithms (the FedMR family) need
-   the K models: a failed client's slot holds the model it was sent, as
-   if it trained zero steps on zero examples (so the round completes,
+4. an algorithm with a `contribution` is summed by the engine's fold
+   (`training/fold.py`), in the order the simulated round of the same
+   config sums it on this machine: its devices (the experiment's mesh),
+   their slots and groups of `chunk` clients. A reply waits until its
+   group is complete; the server holds the devices' running sums and
+   those replies, never K models. A failed client adds nothing (masked,
+   as the engine's filling clients). Other algorithms (the FedMR family)
+   need the K models: a failed client's slot holds the model it was sent,
+   as if it trained zero steps on zero examples (so the round completes,
    and its loss and examples count for nothing);
 5. `algorithm.aggregate` (`types.aggregate_stacked` for stacked
    outputs), then `engine.round_metrics`, plus `failed_clients` (ids, in
@@ -43,13 +42,13 @@ from typing import Protocol
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedjax_mr.core import types
 from fedjax_mr.deploy import codec
 from fedjax_mr.deploy import node as node_lib
 from fedjax_mr.training import engine
+from fedjax_mr.training import fold
 from fedjax_mr.training import host_round
 
 
@@ -164,79 +163,8 @@ def check_weights(
     raise codec.ReplyError(f'loss is {float(output.loss)}, below 0')
 
 
-def _add(a: Any, b: Any) -> Any:
-  return jax.tree.map(jnp.add, a, b)
-
-
 def _zeros_like(tree: Any) -> Any:
   return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), tree)
-
-
-def _adders(contribution) -> tuple[Callable, Callable]:
-  """`(add_one(total, output), add_group(total, outputs, ok))`: the running
-  sum plus one client's contribution, or plus a group's (outputs stacked,
-  `ok[i]` False: row i adds zeros), each one program, as a step of
-  `streaming.stream_clients` computes it (unmasked for one client or a
-  group without failures, masked otherwise). A contribution computed in a
-  program of its own and added in another rounds differently: compiled
-  together, XLA:CPU makes FedAvg's total + n_k * w_k one fused
-  multiply-add (one rounding, not two) on a CPU that has the instruction,
-  in a quarter of the elements a different float32."""
-
-  def one(output, ok):
-    part = contribution(output)
-    return jax.tree.map(lambda c: jnp.where(ok, c, jnp.zeros_like(c)), part)
-
-  @jax.jit
-  def add_one(total, output):
-    return _add(total, contribution(output))
-
-  @functools.partial(jax.jit, static_argnames='masked')
-  def add_group(total, outputs, ok, masked):
-    if masked:
-      parts = jax.vmap(one)(outputs, ok)
-    else:
-      parts = jax.vmap(contribution)(outputs)
-    return _add(total, types.sum_clients(parts))
-
-  return add_one, add_group
-
-
-class _Summer:
-  """The running sum of contributions in the simulation's order (see the
-  module docstring, step 4)."""
-
-  def __init__(self, contribution, adders, template, k: int, chunk: int):
-    self.add_one, self.add_group = adders  # `_adders(contribution)`
-    self.template = template
-    self.total = jax.tree.map(
-      jnp.asarray, _zeros_like(jax.eval_shape(contribution, template))
-    )
-    self.k, self.chunk = k, max(1, min(int(chunk), k))
-    self.waiting: dict[int, Any] = {}  # position -> output or None
-    self.next = 0  # the first position not yet added
-
-  def put(self, position: int, output: Any | None) -> None:
-    """Client `position`'s output (None: it failed); adds every group
-    that is complete."""
-    self.waiting[position] = output
-    while self.next < self.k:
-      group = range(self.next, min(self.next + self.chunk, self.k))
-      if any(p not in self.waiting for p in group):
-        return
-      outputs = [self.waiting.pop(p) for p in group]
-      self.next = group.stop
-      if self.chunk == 1:
-        # One client at a time, as the simulation's scan adds them; a
-        # failed client adds nothing.
-        if outputs[0] is not None:
-          self.total = self.add_one(self.total, outputs[0])
-        continue
-      ok = np.asarray([o is not None for o in outputs])
-      filled = [_zeros_like(self.template) if o is None else o for o in outputs]
-      self.total = self.add_group(
-        self.total, _stack(filled), ok, masked=not ok.all()
-      )
 
 
 def _stack(outputs: list[Any]) -> Any:
@@ -255,17 +183,19 @@ def make_round(
   log: Callable[[str], None] = print,
 ) -> Callable:
   """The deployed round of `experiment` (see the module docstring);
-  `chunk` is the simulation's `client_chunk` on one device (the order of
-  the sums)."""
+  `chunk` is the simulation's `client_chunk` (with the experiment's mesh,
+  the order of the sums)."""
   algorithm = experiment.algorithm
   k = experiment.config.server.clients_per_round
   sample = jax.jit(engine.make_sample_fn(algorithm, k))
   dispatch = jax.jit(algorithm.dispatch)
   keys_of = jax.jit(engine.round_keys)
-  split = jax.jit(lambda key: jax.random.split(key, k))
+  split = jax.jit(functools.partial(engine.client_keys, clients_per_round=k))
   summed = algorithm.contribution is not None
   # Compiled once a run, not once a round.
-  adders = _adders(algorithm.contribution) if summed else None
+  folds = None
+  if summed:
+    folds = fold.programs(algorithm.contribution, experiment.mesh)
   aggregate = jax.jit(
     algorithm.aggregate
     if summed
@@ -275,7 +205,8 @@ def make_round(
 
   def step(state, data, key):
     device_state = state.replace(clients=())
-    ids = sample(device_state, host_round.round_data(data), key)
+    round_data = host_round.round_data(data)
+    ids = sample(device_state, round_data, key)
     _, k_dispatch, k_clients, k_aggregate = keys_of(key, state.round)
     sent = dispatch(state.server, ids, state.round, k_dispatch)
     client_keys = split(k_clients)
@@ -294,9 +225,8 @@ def make_round(
     ]
     if summed:
       replies = _replies(transport, requests, read, timeout, log, r)
-      outputs, failed = _collect_sums(
-        replies, requests, template, r, algorithm, chunk, adders
-      )
+      sums = fold.Fold(folds, template, round_data.sizes[ids], chunk)
+      outputs, failed = _collect_sums(replies, requests, r, sums)
     else:
       replies = _replies(transport, requests, read, timeout, log, r)
       stacked, failed = _collect(replies, requests, r)
@@ -351,10 +281,9 @@ def _replies(
 
 
 def _collect_sums(
-  replies, requests, template, round_index, algorithm, chunk, adders
+  replies, requests, round_index, sums: fold.Fold
 ) -> tuple[types.Sums, list[int]]:
   k = len(requests)
-  summer = _Summer(algorithm.contribution, adders, template, k, chunk)
   scalars = {
     'num_examples': np.zeros(k, np.int32),
     'loss': np.zeros(k, np.float32),
@@ -362,7 +291,7 @@ def _collect_sums(
   }
   failed = []
   for position, output in replies:
-    summer.put(position, output)
+    sums.put(position, output)
     if output is None:
       failed.append(position)
       continue
@@ -370,8 +299,9 @@ def _collect_sums(
       scalars[name][position] = np.asarray(getattr(output, name))
   if len(failed) == k:
     raise NoClientError(f'no client replied in round {round_index + 1}')
-  sums = types.Sums(summer.total, **scalars)
-  return sums, [requests[p].client for p in sorted(failed)]
+  return types.Sums(sums.total(), **scalars), [
+    requests[p].client for p in sorted(failed)
+  ]
 
 
 def _collect(replies, requests, round_index) -> tuple[list[Any], list[int]]:

@@ -117,6 +117,12 @@ def round_keys(key: jax.Array, round_index: jax.Array) -> jax.Array:
   return jax.random.split(jax.random.fold_in(key, round_index), 4)
 
 
+def client_keys(k_clients: jax.Array, clients_per_round: int) -> jax.Array:
+  """`[K]` keys of a round's clients from its clients' key (`round_keys`'
+  third): client k's is row k, wherever it runs."""
+  return jax.random.split(k_clients, clients_per_round)
+
+
 def next_dispatch(
   algorithm: types.Algorithm,
   state: RoundState,
@@ -235,7 +241,7 @@ def _rows_round(
   dispatch, the K client updates (`train`), aggregation (`aggregate`)."""
   _, k_dispatch, k_clients, k_aggregate = round_keys(key, state.round)
   sent = algorithm.dispatch(state.server, ids, state.round, k_dispatch)
-  keys = jax.random.split(k_clients, k)
+  keys = client_keys(k_clients, k)
   outputs, client_state = train(sent, client_state, ids, keys, data)
   server_state, server_metrics = aggregate(
     state.server, outputs, ids, state.round, k_aggregate

@@ -39,6 +39,26 @@ def balanced_order(sizes: jax.Array, num_shards: int) -> jax.Array:
   return jnp.zeros(k, jnp.int32).at[shard * per + row].set(order)
 
 
+def slots(sizes: jax.Array, num_shards: int) -> jax.Array:
+  """Where a round's K clients run over D = `num_shards` devices: the
+  client axis filled up with empty clients (size 0) to a multiple K' of
+  D, in `balanced_order`.
+
+  Args:
+    sizes: `[K]` the sampled clients' sizes, in sampling order.
+    num_shards: D.
+
+  Returns:
+    `perm` `[K']` int32: slot j (device j // (K' / D), its client
+    j mod (K' / D)) runs the client at sampling position `perm[j]`, or an
+    empty client where `perm[j]` >= K.
+  """
+  k = sizes.shape[0]
+  fill = -k % num_shards
+  sizes = jnp.concatenate([sizes, jnp.zeros((fill,), sizes.dtype)])
+  return balanced_order(sizes, num_shards)
+
+
 def _gather(tree: Any, ids: jax.Array) -> Any:
   return jax.tree.map(lambda x: x[ids], tree)
 
@@ -73,6 +93,29 @@ def shard_clients(
   )
 
 
+def sum_over_devices(mesh: jax.sharding.Mesh) -> Callable[[Any], Any]:
+  """`across(totals)`: the devices' sums (leaves `[D, ...]`, row d device
+  d's) added over `mesh` by the collective a streamed round ends with
+  (`shard_clients`), so in its order; the sum comes back replicated."""
+  axis = mesh.axis_names[0]
+  spec = jax.sharding.PartitionSpec(axis)
+  summed = jax.jit(
+    jax.shard_map(
+      lambda t: jax.tree.map(lambda x: lax.psum(x[0], axis), t),
+      mesh=mesh,
+      in_specs=spec,
+      out_specs=jax.sharding.PartitionSpec(),
+      check_vma=False,
+    )
+  )
+  sharding = jax.sharding.NamedSharding(mesh, spec)
+
+  def across(totals: Any) -> Any:
+    return summed(jax.device_put(totals, sharding))
+
+  return across
+
+
 def run_sharded(
   sharded_train: Callable,
   sent: types.Dispatch,
@@ -90,25 +133,21 @@ def run_sharded(
   clients, whose outputs are dropped (and add nothing to sums).
   """
   k = ids.shape[0]
-  # Empty clients that fill the client axis up to a multiple of D.
+  # Empty clients fill the client axis up to a multiple of D: client id N
+  # (one past the last), whose size is 0; their per-client inputs are
+  # copies of client 0's (never used).
   fill = -k % shards
-  run_ids, run_data = ids, data
-  if fill:
-    # Client id N (one past the last) is an empty client: its size is 0.
-    # The per-client inputs of the filling entries are copies of client
-    # 0's (never used).
-    run_ids = jnp.concatenate([ids, jnp.full((fill,), data.num_clients)])
-    run_data = data.with_empty_client()
-  first = jnp.concatenate([jnp.arange(k), jnp.zeros((fill,), jnp.int32)])
-  valid = jnp.arange(k + fill) < k
-  perm = balanced_order(run_data.sizes[run_ids], shards)
+  run_data = data.with_empty_client() if fill else data
+  perm = slots(data.sizes[ids], shards)
+  valid = perm < k
+  first = jnp.where(valid, perm, 0)
   outputs, client_state = sharded_train(
     sent.shared,
-    _gather(sent.per_client, first[perm]),
-    _gather(client_state, first[perm]),
-    run_ids[perm],
-    keys[first[perm]],
-    valid[perm],
+    _gather(sent.per_client, first),
+    _gather(client_state, first),
+    jnp.where(valid, ids[first], data.num_clients),
+    keys[first],
+    valid,
     run_data,
   )
   inverse = jnp.argsort(perm)[:k]

@@ -2,6 +2,7 @@
 work through `node.train`, replies in any order, failures and malformed
 replies (no Flower here; tests/deploy/test_deploy_program.py runs it)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment as experiment_lib
 from fedjax_mr.pipeline import records
 from fedjax_mr.training import engine
+from fedjax_mr.training import fold
 from tests import xla_flags
 
 NODES = 2
@@ -103,37 +105,103 @@ def test_a_round_equals_the_engines_bit_for_bit(experiment, simulated):
   )
 
 
-def differing_leaves(algorithm: str) -> int:
-  """How many leaves of the server state after one round differ between
-  the deployed round and the round `experiments.run` compiles."""
-  experiment = _experiment(algorithm)
-  state, _ = _deployed(experiment)
-  # Donates its state: after the deployed round, which reads it.
-  want, _ = experiment_lib._compile_round(experiment, 1)(
-    experiment.state, experiment.data, experiment.key
-  )
-  return sum(
-    not np.array_equal(np.asarray(x), np.asarray(y))
-    for x, y in zip(jax.tree.leaves(state.server), jax.tree.leaves(want.server))
-  )
+# (algorithm, devices, client_chunk): 5 clients a round over 2 devices
+# fill a sixth slot with an empty client; groups of 2 leave a group of
+# one; each kind of contribution (weighted sums, SCAFFOLD's two sums,
+# FedExP's norms, FedMut's, FedMR's stack of models).
+PLACEMENTS = [
+  ('fedavg', 1, 2),
+  ('fedavg', 2, 1),
+  ('fedavg', 2, 3),
+  ('scaffold', 2, 2),
+  ('fedexp', 2, 2),
+  ('fedmut', 2, 2),
+  ('fedmr', 2, 2),
+]
 
 
-def test_a_round_equals_the_engines_bit_for_bit_as_programs_compile():
+def _differences(algorithm, devices, chunk, folder, rounds=2) -> list[str]:
+  """What differs between `rounds` deployed rounds (replies in reverse order,
+  the nodes keeping client state in `folder`) and the rounds
+  `experiments.run` compiles for the same config (its mesh, its chunk):
+  the server state's leaves and the metrics, by name."""
+  experiment = adapter.setup(
+    config_lib.ExperimentConfig.from_flat(
+      algorithm=algorithm,
+      dataset='synthetic',
+      model='logistic',
+      num_clients=7,
+      clients_per_round=5,
+      local_epochs=1,
+      client_chunk=chunk,
+      num_devices=devices,
+      seed=5,
+    )
+  )
+  assert experiment.mesh.devices.size == devices
+  local = LocalWithState(experiment, folder)
+  deployed = server.make_round(experiment, chunk, local, NODES)
+  simulated = experiment_lib._compile_round(experiment, chunk)
+  state = experiment.state
+  want = jax.tree.map(lambda x: np.array(x, copy=True), state)  # donated
+  differ = []
+  for r in range(rounds):
+    state, metrics = deployed(state, experiment.data, experiment.key)
+    want, want_metrics = simulated(want, experiment.data, experiment.key)
+    leaves = jax.tree_util.tree_leaves_with_path(state.server)
+    for (path, x), y in zip(leaves, jax.tree.leaves(want.server), strict=True):
+      if not np.array_equal(np.asarray(x), np.asarray(y)):
+        differ.append(f'round {r + 1} {jax.tree_util.keystr(path)}')
+    assert sorted(metrics) == sorted(want_metrics)
+    for name in sorted(metrics):
+      if not np.array_equal(metrics[name], want_metrics[name]):
+        differ.append(f'round {r + 1} {name}')
+  return differ
+
+
+@pytest.mark.parametrize('algorithm, devices, chunk', PLACEMENTS)
+def test_two_rounds_equal_the_suites_programs_at_every_placement(
+  algorithm, devices, chunk, tmp_path
+):
+  assert _differences(algorithm, devices, chunk, str(tmp_path)) == []
+
+
+def differing(cases, folder) -> dict[str, list[str]]:
+  """`_differences` of each `(algorithm, devices, chunk, rounds)` of
+  `cases`."""
+  return {
+    '-'.join(map(str, case)): _differences(*case[:3], f'{folder}/{i}', case[3])
+    for i, case in enumerate(cases)
+  }
+
+
+def test_two_rounds_equal_the_programs_as_programs_compile(tmp_path):
   # At the suite's LLVM -O0 (tests/xla_flags.py) XLA:CPU makes no fused
   # multiply-add; at a program's level it makes FedAvg's total + n_k * w_k
-  # one, so the deployed sum must add each contribution in one program
-  # with it, as the simulation's step does (`server._adders`). With the
-  # contribution computed apart and added after, this fails here (2 of 2
-  # leaves differ, Intel Xeon) and the in-process test above passes.
+  # one, so the fold must add each contribution in one program with it,
+  # as the simulation's step does (`training/fold.py`). With the
+  # contribution computed apart and added after, FedAvg's leaves differed
+  # here (2 of 2, Intel Xeon) while the in-process tests passed.
+  # Each kind of contribution on both devices, one round (the sums of
+  # round 1 are what round 2 starts from); SCAFFOLD two (its controls).
+  cases = [
+    ('fedavg', 1, 1, 1),
+    ('fedavg', 2, 1, 1),
+    ('fedavg', 2, 3, 1),
+    ('scaffold', 2, 2, 2),
+    ('fedexp', 2, 2, 1),
+    ('fedmut', 2, 2, 1),
+    ('fedmr', 2, 2, 1),
+  ]
   env = dict(os.environ)
   env['XLA_FLAGS'] = xla_flags.program_flags(env.get('XLA_FLAGS', ''))
   code = (
-    'from tests.deploy import test_server as t; '
-    "print(t.differing_leaves('fedavg'))"
+    'import json, sys; from tests.deploy import test_server as t; '
+    'print(json.dumps(t.differing(json.loads(sys.argv[1]), sys.argv[2])))'
   )
   repo = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   done = subprocess.run(
-    [sys.executable, '-c', code],
+    [sys.executable, '-c', code, json.dumps(cases), str(tmp_path)],
     cwd=os.path.abspath(repo),
     env=env,
     capture_output=True,
@@ -141,25 +209,42 @@ def test_a_round_equals_the_engines_bit_for_bit_as_programs_compile():
     timeout=600,
   )
   assert done.returncode == 0, done.stderr[-2000:]
-  assert done.stdout.split()[-1] == '0'
+  got = json.loads(done.stdout.splitlines()[-1])
+  assert sorted(got) == sorted('-'.join(map(str, c)) for c in cases)
+  for (algorithm, devices, chunk, _), differ in zip(cases, got.values()):
+    if chunk == 1:
+      assert differ == [], (algorithm, devices, differ)
+    else:
+      # Not yet equal (issue 73): a chunk's clients train vmapped in the
+      # simulation and one by one on the nodes, and at a program's flags
+      # XLA:CPU sums a vmapped client's losses in another order (its
+      # model and every other metric are equal: AMD EPYC, two rounds,
+      # FedAvg at chunk 3 and FedMR at chunk 2 differ in round 2's
+      # client_loss).
+      names = {d.split(' ', 2)[2] for d in differ}
+      assert names <= {'client_loss', 'train_loss'}, (algorithm, differ)
 
 
-def _summed(chunk, outputs, order):
-  """`server._Summer`'s total of `outputs` (None: failed) put in `order`."""
+def _summed(chunk, outputs, order, devices=1):
+  """The engine's fold (`training/fold.py`) of `outputs` (None: failed)
+  put in `order`, as a round over `devices` devices with `client_chunk`
+  `chunk` sums them; the clients all of one size."""
   template = {
     'n': jax.ShapeDtypeStruct((), np.float32),
     'x': jax.ShapeDtypeStruct((1,), np.float32),
   }
   contribution = lambda o: {'x': o['n'] * o['x']}  # noqa: E731
-  adders = server._adders(contribution)
-  summer = server._Summer(contribution, adders, template, len(outputs), chunk)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ('clients',))
+  programs = fold.programs(contribution, mesh)
+  sizes = np.full(len(outputs), 5, np.int32)
+  sums = fold.Fold(programs, template, sizes, chunk)
   for p in order:
     x = outputs[p]
     if x is not None:
       x = {'n': np.float32(1), 'x': np.asarray([x], np.float32)}
-    summer.put(p, x)
-  assert summer.next == len(outputs) and not summer.waiting
-  return float(summer.total['x'][0])
+    sums.put(p, x)
+  assert not sums.waiting
+  return float(np.asarray(sums.total()['x'])[0])
 
 
 def test_sums_group_as_the_simulation_in_any_arrival_order():
@@ -176,6 +261,17 @@ def test_sums_group_as_the_simulation_in_any_arrival_order():
     # A failed client adds nothing, also within a group.
     assert _summed(1, [1e8, None, -1e8, 1.0], order) == 1.0
     assert _summed(2, [1e8, 1.0, None, 1.0], order) == 1e8
+    # Two devices (`placement.slots`, equal sizes): device 0 runs clients
+    # 0 and 3, device 1 clients 1 and 2, then one sum over the devices:
+    # (1e8 + 1) + (1 - 1e8).
+    assert _summed(1, xs, order, devices=2) == 0.0
+    assert _summed(1, [1e8, 1.0, -1e8, None], order, devices=2) == 0.0
+    assert _summed(1, [1e8, 1.0, 1.0, -1e8], order, devices=2) == 2.0
+    # Five clients on two devices in groups of 2: device 0 runs clients
+    # 0, 3 and 4, device 1 clients 1, 2 and an empty one (a sixth, which
+    # adds zeros): ((1e8 - 1e8) + 1) + ((1 + 1) + 0).
+    xs5 = [1e8, 1.0, 1.0, -1e8, 1.0]
+    assert _summed(2, xs5, order + [4], devices=2) == 3.0
 
 
 def _nan(reply):
