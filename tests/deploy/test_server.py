@@ -32,17 +32,17 @@ NODES = 2
 pytestmark = pytest.mark.slow
 
 
-def _experiment(algorithm):
+def _experiment(algorithm, clients=6, k=3, chunk=1, devices=1):
   return adapter.setup(
     config_lib.ExperimentConfig.from_flat(
       algorithm=algorithm,
       dataset='synthetic',
       model='logistic',
-      num_clients=6,
-      clients_per_round=3,
+      num_clients=clients,
+      clients_per_round=k,
       local_epochs=1,
-      client_chunk=1,
-      num_devices=1,
+      client_chunk=chunk,
+      num_devices=devices,
       seed=5,
     )
   )
@@ -125,19 +125,7 @@ def _differences(algorithm, devices, chunk, folder, rounds=2) -> list[str]:
   the nodes keeping client state in `folder`) and the rounds
   `experiments.run` compiles for the same config (its mesh, its chunk):
   the server state's leaves and the metrics, by name."""
-  experiment = adapter.setup(
-    config_lib.ExperimentConfig.from_flat(
-      algorithm=algorithm,
-      dataset='synthetic',
-      model='logistic',
-      num_clients=7,
-      clients_per_round=5,
-      local_epochs=1,
-      client_chunk=chunk,
-      num_devices=devices,
-      seed=5,
-    )
-  )
+  experiment = _experiment(algorithm, 7, 5, chunk, devices)
   assert experiment.mesh.devices.size == devices
   local = LocalWithState(experiment, folder)
   deployed = server.make_round(experiment, chunk, local, NODES)
