@@ -19,25 +19,34 @@ def broadcast(tree: types.PyTree, k: int) -> types.PyTree:
 def weighted_mean(
   client_tree: types.PyTree, weights: jax.Array | None = None
 ) -> types.PyTree:
-  """Mean over the leading client axis.
+  """Mean over the leading client axis, Σ_k w_k x_k / Σ_k w_k, added one
+  client after another (`types.sum_rows`, the products kept apart from
+  the additions by `types.unfused`): the same bits in every program that
+  computes it, a round's or a deployed server's.
 
   Args:
     client_tree: leaves `[K, ...]`.
-    weights: `[K]` non-negative weights, or None for the plain mean.
+    weights: `[K]` non-negative integer weights (numbers of examples), or
+      None for the plain mean.
 
   Returns:
     A tree with leaves `[...]`, in each leaf's dtype.
   """
+  k = jax.tree.leaves(client_tree)[0].shape[0]
   if weights is None:
     return jax.tree.map(
-      lambda x: jnp.mean(x, axis=0).astype(x.dtype), client_tree
+      lambda x: (types.sum_rows(x.astype(jnp.float32)) / k).astype(x.dtype),
+      client_tree,
     )
+  if not jnp.issubdtype(weights.dtype, jnp.integer):
+    raise ValueError(f'weights must be integers, got {weights.dtype}')
   w = weights.astype(jnp.float32)
-  w = w / jnp.sum(w)
+  total = jnp.sum(weights).astype(jnp.float32)
 
   def mean(x):
-    wx = jnp.tensordot(w, x.astype(jnp.float32), axes=1)
-    return wx.astype(x.dtype)
+    shaped = w.reshape((-1,) + (1,) * (x.ndim - 1))
+    parts = types.unfused(shaped * x.astype(jnp.float32), weights[0])
+    return (types.sum_rows(parts) / total).astype(x.dtype)
 
   return jax.tree.map(mean, client_tree)
 

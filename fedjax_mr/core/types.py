@@ -30,6 +30,7 @@ from typing import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 PyTree = Any
@@ -172,6 +173,36 @@ def dispatched_models(algorithm: Algorithm, sent: Dispatch) -> Variables:
   return jax.vmap(lambda row: algorithm.client_model(sent.shared, row))(
     sent.per_client
   )
+
+
+def unfused(tree: PyTree, count: jax.Array) -> PyTree:
+  """`tree`, its floating leaves passed through an operation that no
+  compiler can see through, so that the arithmetic that made them is
+  never fused with the arithmetic that reads them into one rounding (a
+  fused multiply-add); `count` is any int32 >= 0 known only at run time
+  (a client's number of examples).
+
+  XLA:CPU lets LLVM make `t + a * b` one fused multiply-add wherever its
+  fusions put both in one loop, and they differ from program to program;
+  `lax.optimization_barrier` does not stop it (XLA:CPU removes barriers
+  before fusing). Each leaf's bits are xor-ed with `count >> 31`, zero
+  for a count >= 0 but not known to be: the values are unchanged, and a
+  sum of the leaves is the same bits in every program that adds them in
+  the same order (the simulated round's and a deployment's fold,
+  `training/fold.py`).
+  """
+  zero = jnp.right_shift(jnp.asarray(count, jnp.int32), 31)
+
+  def one(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return x
+    bits = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+    mask = lax.bitcast_convert_type(zero, jnp.uint32).astype(bits)
+    return lax.bitcast_convert_type(
+      lax.bitcast_convert_type(x, bits) ^ mask, x.dtype
+    )
+
+  return jax.tree.map(one, tree)
 
 
 def sum_rows(tree: PyTree) -> PyTree:

@@ -27,6 +27,7 @@ overwritten as the rounds are trained again.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -137,17 +138,32 @@ def output_shape(experiment: Any, sent: types.Dispatch, state: Any) -> Any:
 
 
 def request_content(
-  sent: types.Dispatch, position: int, client: int, key: jax.Array, r: int
+  sent: types.Dispatch,
+  position: int,
+  client: int,
+  key: jax.Array,
+  r: int,
+  lane: tuple[int, int] = (0, 0),
 ) -> RecordDict:
   """Request k of a round: the shared part, row `position` of the
-  per-client part, the client's key (its data) and its id and round."""
+  per-client part, the client's key (its data), its id and round, and
+  where the simulated round would train it (`fold.Layout.lane`: the
+  width of its vmapped group and its place there, `(0, 0)` alone)."""
   row = jax.tree.map(lambda x: x[position], sent.per_client)
+  width, place = lane
   return RecordDict(
     {
       'shared': codec.encode(sent.shared),
       'row': codec.encode(row),
       'key': codec.encode(jax.random.key_data(key)),
-      'meta': ConfigRecord({'client': int(client), 'round': int(r)}),
+      'meta': ConfigRecord(
+        {
+          'client': int(client),
+          'round': int(r),
+          'width': int(width),
+          'lane': int(place),
+        }
+      ),
     }
   )
 
@@ -217,8 +233,8 @@ def train(
     client_state = load_client_state(
       state_folder, client, r, _initial_row(experiment.state)
     )
-  update = jax.jit(experiment.algorithm.client_update)
-  output, new_state = update(
+  width, lane = _lane(meta, experiment.config.server.clients_per_round)
+  output, new_state = _update(experiment.algorithm.client_update, width)(
     shared,
     row,
     client_state,
@@ -226,9 +242,50 @@ def train(
     jnp.int32(client),
     jax.random.wrap_key_data(key_data),
   )
+  if width:  # the client's lane of its group's outputs
+    output, new_state = jax.tree.map(lambda x: x[lane], (output, new_state))
   if engine.has_clients(experiment.state):
     save_client_state(state_folder, client, r, new_state)
   return RecordDict({'output': codec.encode(output)})
+
+
+def _lane(meta: Any, clients_per_round: int) -> tuple[int, int]:
+  """A request's `(width, lane)`: 0 <= width <= K, 0 <= lane < width
+  (lane 0 where width is 0)."""
+  width, lane = int(meta.get('width', 0)), int(meta.get('lane', 0))
+  if not (0 <= width <= clients_per_round and 0 <= lane < max(width, 1)):
+    raise RequestError(
+      f'a request to train in lane {lane} of a group of {width} '
+      f'(a round has {clients_per_round} clients)'
+    )
+  return width, lane
+
+
+@functools.lru_cache(maxsize=8)
+def _update(client_update: Any, width: int) -> Any:
+  """`update(shared, row, state, data, client, key)`, jit-compiled: the
+  client's update alone (`width` 0), or a vmapped group of `width`
+  copies of it (outputs `[width, ...]`), the program the simulated round
+  runs it in (`streaming.groups`): a vmapped program rounds its own way,
+  and each lane's numbers depend on its own inputs only. (The lane is
+  taken from the outputs after the program: a slice inside it could be
+  moved into the training by XLA.)"""
+  if width == 0:
+    return jax.jit(client_update)
+
+  def grouped(shared, row, state, data, client, key):
+    def copies(x):
+      return jnp.broadcast_to(x, (width, *jnp.shape(x)))
+
+    rows, states, clients, keys = jax.tree.map(
+      copies, (row, state, client, key)
+    )
+    out = jax.vmap(lambda p, s, c, k: client_update(shared, p, s, data, c, k))(
+      rows, states, clients, keys
+    )
+    return out
+
+  return jax.jit(grouped)
 
 
 RUN = 'run'  # the record of a packed message that names the run

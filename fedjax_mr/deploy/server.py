@@ -193,9 +193,11 @@ def make_round(
   split = jax.jit(functools.partial(engine.client_keys, clients_per_round=k))
   summed = algorithm.contribution is not None
   # Compiled once a run, not once a round.
-  folds = None
+  folds = place = None
   if summed:
     folds = fold.programs(algorithm.contribution, experiment.mesh)
+  else:
+    place = fold.placer(experiment.mesh)
   aggregate = jax.jit(
     algorithm.aggregate
     if summed
@@ -214,21 +216,25 @@ def make_round(
     r = int(jax.device_get(state.round))
     template = node_lib.output_shape(experiment, sent, state)
     read = _reader(template, weights_of(experiment, template))
+    sizes = round_data.sizes[ids]
+    if summed:
+      sums = fold.Fold(folds, template, sizes, chunk)
+      layout = sums.layout
+    else:
+      layout = place(sizes, chunk, False)
     requests = [
       Request(
         p,
         c,
         node_of(c, num_nodes),
-        node_lib.request_content(sent, p, c, client_keys[p], r),
+        node_lib.request_content(sent, p, c, client_keys[p], r, layout.lane(p)),
       )
       for p, c in enumerate(at)
     ]
+    replies = _replies(transport, requests, read, timeout, log, r)
     if summed:
-      replies = _replies(transport, requests, read, timeout, log, r)
-      sums = fold.Fold(folds, template, round_data.sizes[ids], chunk)
       outputs, failed = _collect_sums(replies, requests, r, sums)
     else:
-      replies = _replies(transport, requests, read, timeout, log, r)
       stacked, failed = _collect(replies, requests, r)
       outputs = _stacked_outputs(algorithm, sent, stacked, template)
     server_state, server_metrics = aggregate(

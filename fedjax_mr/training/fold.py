@@ -5,15 +5,17 @@ on other machines.
 The simulated round (`engine.make_round_fn`) sums the contributions of
 its K clients in an order set by its placement. Over D devices the
 clients take the slots `placement.slots` gives them (filled up with
-empty clients to a multiple of D); each device adds its clients in groups
-of `chunk` (`streaming.stream_clients`: a group's contributions summed,
-then added to the device's running sum; a shorter last group after the
-others; masked where the round fills or shards), and the D sums are
-added over the mesh (`placement.sum_over_devices`). Float addition is not
-associative, and XLA:CPU may compute `total + n_k * w_k` as one fused
-multiply-add when both are in one program: a fold equals the round only
-if it adds in the same order, with each contribution computed in the
-program that adds it, as the round's step does.
+empty clients to a multiple of D); each device adds its clients in the
+groups of `streaming.groups` (a group's contributions summed, then added
+to the device's running sum; masked where the round fills or shards),
+and the D sums are added over the mesh (`placement.sum_over_devices`).
+Float addition is not associative: a fold equals the round because it
+adds in the same order (`Layout`), each contribution computed by the
+same function (`streaming.contribute`), which keeps XLA from fusing a
+contribution's products into the additions (one rounding where the
+round's program would make two, or the other way: `types.unfused`).
+Where the round trains a client in a vmapped group, its node trains it
+in a group of the same width and lane (`Layout.lane`; deploy/node.py).
 
 `Fold(programs, template, sizes, chunk)` takes the clients' outputs as
 they arrive, in any order, adds each group as soon as it is complete and
@@ -34,6 +36,7 @@ import numpy as np
 
 from fedjax_mr.core import types
 from fedjax_mr.training import placement
+from fedjax_mr.training import streaming
 
 
 class Programs(NamedTuple):
@@ -45,7 +48,7 @@ class Programs(NamedTuple):
       runs one client at a time.
     add_group: `add_group(total, outputs, ok, masked)`, a step that runs
       a group of clients (outputs stacked).
-    slots: `slots(sizes)`, `placement.slots` over the mesh's devices.
+    place: `placer(mesh)`.
     across: `across(totals)`, the devices' sums (stacked) added over the
       mesh; None on one device.
     shards: D, the mesh's devices.
@@ -54,7 +57,7 @@ class Programs(NamedTuple):
   contribution: Callable
   add_one: Callable
   add_group: Callable
-  slots: Callable
+  place: Callable[..., Layout]
   across: Callable | None
   shards: int
 
@@ -69,11 +72,7 @@ def programs(
   """The programs of the folds of a run whose round would run over
   `mesh`."""
 
-  def one(output, ok, masked):
-    part = contribution(output)
-    if masked:
-      part = jax.tree.map(lambda c: jnp.where(ok, c, jnp.zeros_like(c)), part)
-    return part
+  one = functools.partial(streaming.contribute, contribution)
 
   @functools.partial(jax.jit, static_argnames='masked')
   def add_one(total, output, ok, masked):
@@ -89,24 +88,78 @@ def programs(
     contribution,
     add_one,
     add_group,
-    jax.jit(functools.partial(placement.slots, num_shards=shards)),
+    placer(mesh),
     placement.sum_over_devices(mesh) if shards > 1 else None,
     shards,
   )
 
 
-class _Device:
-  """One device's running sum: its slots' clients in groups of `chunk`,
-  added in order once each group is complete."""
+class Layout:
+  """Where a round's K clients run in the simulated round of the same
+  config: each device's groups (`streaming.groups`), as arrays of
+  sampling positions (>= K: an empty client that fills the client axis
+  up over the devices), and whether each group runs vmapped.
 
-  def __init__(self, slots: np.ndarray, chunk: int, total: Any):
-    n = len(slots)
-    chunk = max(1, min(int(chunk), n))
-    full = n // chunk * chunk
-    self.groups = [slots[i : i + chunk] for i in range(0, full, chunk)]
-    if full < n:
-      self.groups.append(slots[full:])
-    self.vmapped = chunk > 1  # a group of one client is vmapped too
+  Args:
+    perm: `[K']` the round's slots (`placement.slots`; `arange(K)` on one
+      device).
+    k: K.
+    shards: D.
+    chunk: the round's `client_chunk`.
+    summed: whether the round sums its clients' contributions.
+  """
+
+  def __init__(self, perm, k: int, shards: int, chunk: int, summed: bool):
+    self.k = k
+    per = len(perm) // shards
+    self.devices = [
+      [
+        (np.asarray(perm[d * per + g.start : d * per + g.stop]), g.vmapped)
+        for g in streaming.groups(per, chunk, summed)
+      ]
+      for d in range(shards)
+    ]
+    self._lanes = {}
+    for d, device in enumerate(self.devices):
+      for positions, vmapped in device:
+        for lane, position in enumerate(positions):
+          if position < k:
+            width = len(positions) if vmapped else 0
+            self._lanes[int(position)] = (d, width, lane)
+
+  def device_of(self, position: int) -> int:
+    """The device that runs the client at `position`."""
+    return self._lanes[position][0]
+
+  def lane(self, position: int) -> tuple[int, int]:
+    """`(width, lane)` of the client at `position`: the width of its
+    vmapped group and its place there, or `(0, 0)` where it runs
+    alone."""
+    return self._lanes[position][1:]
+
+
+def placer(mesh: jax.sharding.Mesh) -> Callable[..., Layout]:
+  """`place(sizes, chunk, summed)`: the `Layout` of a round over `mesh`
+  whose sampled clients have `sizes` (`[K]`, in sampling order)."""
+  shards = int(mesh.devices.size)
+  slots = jax.jit(functools.partial(placement.slots, num_shards=shards))
+
+  def place(sizes, chunk: int, summed: bool) -> Layout:
+    k = len(sizes)
+    perm = np.arange(k)
+    if shards > 1:
+      perm = np.asarray(jax.device_get(slots(jnp.asarray(sizes))))
+    return Layout(perm, k, shards, chunk, summed)
+
+  return place
+
+
+class _Device:
+  """One device's running sum: its groups, added in order once each is
+  complete."""
+
+  def __init__(self, groups: list[tuple[np.ndarray, bool]], total: Any):
+    self.groups = groups
     self.total = total
     self.next = 0  # the first group not yet added
 
@@ -125,7 +178,7 @@ class Fold:
 
   def __init__(self, programs: Programs, template: Any, sizes, chunk: int):
     self.p = programs
-    self.k = k = len(sizes)
+    self.k = len(sizes)
     self.zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), template)
     total = jax.tree.map(
       jnp.asarray,
@@ -134,18 +187,8 @@ class Fold:
         jax.eval_shape(programs.contribution, template),
       ),
     )
-    if programs.shards > 1:
-      perm = np.asarray(jax.device_get(programs.slots(jnp.asarray(sizes))))
-    else:
-      perm = np.arange(k)
-    per = len(perm) // programs.shards
-    self.devices = [
-      _Device(perm[d * per : (d + 1) * per], chunk, total)
-      for d in range(programs.shards)
-    ]
-    self.device_of = {
-      int(position): j // per for j, position in enumerate(perm) if position < k
-    }
+    self.layout = programs.place(sizes, chunk, True)
+    self.devices = [_Device(g, total) for g in self.layout.devices]
     self.seen: set[int] = set()
     self.waiting: dict[int, Any] = {}  # position -> output (None: failed)
 
@@ -156,22 +199,22 @@ class Fold:
       raise ValueError(f'position {position} is put twice or is not one')
     self.seen.add(position)
     self.waiting[position] = output
-    device = self.devices[self.device_of[position]]
+    device = self.devices[self.layout.device_of(position)]
     while device.next < len(device.groups):
-      group = device.groups[device.next]
+      group, vmapped = device.groups[device.next]
       if any(p < self.k and p not in self.waiting for p in group):
         return
       device.next += 1
-      self._add(device, group)
+      self._add(device, group, vmapped)
 
-  def _add(self, device: _Device, group: np.ndarray) -> None:
+  def _add(self, device: _Device, group: np.ndarray, vmapped: bool) -> None:
     outputs = [self.waiting.pop(p) if p < self.k else None for p in group]
     ok = np.asarray([o is not None for o in outputs])
     # The round masks every contribution when it shards (filling clients
     # add zeros), else none; a failed client's is masked here too.
     masked = self.p.shards > 1 or not ok.all()
     filled = [self.zeros if o is None else o for o in outputs]
-    if device.vmapped:
+    if vmapped:
       device.total = self.p.add_group(
         device.total, _stack(filled), ok, masked=masked
       )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 from typing import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,17 +18,82 @@ from jax import lax
 from fedjax_mr.core import types
 
 
-def map_clients(fn: Callable, xs: Any, chunk: int) -> Any:
-  """Maps `fn` over the leading axis of `xs` (a tuple of trees).
+class Group(NamedTuple):
+  """A group of a device's clients run in one program (`groups`).
 
-  `chunk` = 1 runs the clients one after another (`lax.map`); `chunk` ≥ K
-  vmaps all of them; in between, vmapped chunks of `chunk` clients run one
-  after another.
+  Attributes:
+    start: its first client, an index of the device's clients.
+    stop: one past its last.
+    vmapped: its clients run vmapped (a group of one too), not as one
+      client's program.
+  """
+
+  start: int
+  stop: int
+  vmapped: bool
+
+
+def groups(n: int, chunk: int, summed: bool) -> list[Group]:
+  """How a device runs its `n` clients with `client_chunk` = `chunk`:
+  its groups, in order, each one program (`stream_clients` when
+  `summed`, else `map_clients`).
+
+  Groups of `chunk` clients (all `n` in one where `chunk` >= `n`), then a
+  shorter group of the rest, run vmapped; `chunk` = 1 runs each client
+  alone, as does `chunk` > 1 on a device of one client when `summed`.
+  A client's numbers depend on its group's width and its place in it
+  (a vmapped program rounds as it will), not on the other clients there:
+  a deployment trains each client where the simulation would
+  (`fold.Layout`).
+  """
+  if n < 1 or chunk < 1:
+    raise ValueError(f'n and chunk must be >= 1, got n={n}, chunk={chunk}')
+  vmapped = (min(chunk, n) if summed else chunk) > 1
+  width = min(chunk, n) if vmapped else 1
+  full = n // width * width
+  out = [Group(i, i + width, vmapped) for i in range(0, full, width)]
+  if full < n:
+    out.append(Group(full, n, True))
+  return out
+
+
+def map_clients(fn: Callable, xs: Any, chunk: int) -> Any:
+  """Maps `fn` over the leading axis of `xs` (a tuple of trees), in the
+  `groups` of `chunk`: `chunk` = 1 runs the clients one after another
+  (`lax.map`); `chunk` >= K vmaps all of them; in between, vmapped chunks
+  of `chunk` clients run one after another, then the rest vmapped.
   """
   k = jax.tree.leaves(xs)[0].shape[0]
-  if chunk >= k:
+  spans = groups(k, chunk, summed=False)
+  if not spans[0].vmapped:
+    return lax.map(lambda a: fn(*a), xs)
+  if len(spans) == 1:
     return jax.vmap(fn)(*xs)
-  return lax.map(lambda a: fn(*a), xs, batch_size=chunk if chunk > 1 else None)
+  return lax.map(lambda a: fn(*a), xs, batch_size=spans[0].stop)
+
+
+def contribute(
+  contribution: Callable[[types.ClientOutput], Any],
+  output: types.ClientOutput,
+  ok: jax.Array,
+  masked: bool,
+) -> Any:
+  """One client's contribution to its round's sums: `contribution(output)`,
+  zeros where `ok` is False when `masked`, and materialized (an
+  optimization barrier) before any sum reads it.
+
+  The barrier keeps XLA from fusing the arithmetic that makes a
+  contribution into the additions that sum it (at a program's flags
+  XLA:CPU makes `total + n * w` one fused multiply-add, rounded once,
+  where the fusions allow it, and they differ from program to program):
+  the sums are then the same bits in every program that adds the same
+  contributions in the same order, the round's and a deployment's fold
+  (`training/fold.py`).
+  """
+  part = contribution(output)
+  if masked:
+    part = jax.tree.map(lambda c: jnp.where(ok, c, jnp.zeros_like(c)), part)
+  return types.unfused(part, output.num_examples)
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -44,8 +110,8 @@ def stream_clients(
   """Runs `fn` over the leading axis of `xs` (as `map_clients`) and sums
   the clients' contributions as they finish.
 
-  Clients run in vmapped chunks of `chunk` (1: one after another), the
-  chunks one after another (`lax.scan`) with the running sum carried:
+  Clients run in the `groups` of `chunk` (1: one after another), the
+  groups one after another (`lax.scan`) with the running sum carried:
   memory holds one chunk of trained models and the sum, never all K.
 
   Args:
@@ -61,16 +127,15 @@ def stream_clients(
     (`[K]` each, in the order of `xs`), and their new states `[K, ...]`.
   """
   k = jax.tree.leaves(xs)[0].shape[0]
-  chunk = max(1, min(int(chunk), k))
+  spans = groups(k, int(chunk), summed=True)
+  chunk = spans[0].stop  # the groups' width; a last one may be shorter
   masked = valid is not None
   if not masked:
     valid = jnp.ones((k,), bool)  # carried along, never read
 
   def one(x, ok):
     out, state = fn(*x)
-    part = contribution(out)
-    if masked:
-      part = jax.tree.map(lambda c: jnp.where(ok, c, jnp.zeros_like(c)), part)
+    part = contribute(contribution, out, ok, masked)
     scalars = (out.num_examples, out.loss, out.num_steps)
     return part, scalars, state
 
@@ -85,7 +150,8 @@ def stream_clients(
       lambda a: a[start:stop].reshape(rows, -1, *a.shape[1:]), tree
     )
 
-  full, rest = divmod(k, chunk)
+  full = sum(g.stop - g.start == chunk for g in spans)
+  rest = k - full * chunk
   shape = jax.eval_shape(
     group, jax.tree.map(lambda a: a[:chunk], xs), valid[:chunk]
   )

@@ -6,6 +6,7 @@ import pytest
 from fedjax_mr.core import tree
 from fedjax_mr.core import types
 from tests import helpers
+from tests import xla_flags
 
 
 def test_pairwise_cosine_hand_values():
@@ -108,3 +109,47 @@ def test_sum_clients_adds_rows_on_the_cpu_and_reduces_elsewhere(monkeypatch):
   np.testing.assert_array_equal(types.sum_clients(m), types.sum_rows(m))
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
   np.testing.assert_array_equal(types.sum_clients(m), m.sum(axis=0))
+
+
+def test_unfused_changes_no_bit():
+  x = jnp.array(
+    [0.0, -0.0, 1.5, -3.25e-39, jnp.inf, -jnp.inf, jnp.nan], jnp.float32
+  )
+  tree_in = {
+    'f32': x,
+    'bf16': x.astype(jnp.bfloat16),
+    'f16': x.astype(jnp.float16),
+    'i32': jnp.array([-5, 0, 7], jnp.int32),
+    'b': jnp.array([True, False]),
+  }
+  got = jax.jit(types.unfused)(tree_in, jnp.int32(12))
+  for name, leaf in tree_in.items():
+    assert got[name].dtype == leaf.dtype, name
+    np.testing.assert_array_equal(
+      np.asarray(got[name]).view(np.uint8),
+      np.asarray(leaf).view(np.uint8),
+      err_msg=name,
+    )
+
+
+def test_unfused_products_are_rounded_before_a_program_adds_them():
+  # t + n * w rounded twice, as numpy does, where XLA:CPU at a program's
+  # optimization level (not the suite's -O0) may fuse the two into one
+  # multiply-add rounded once: 3 * fl(1/3) - 1 is 0 in two roundings and
+  # 2^-25-ish in one. Each lane a slightly different w.
+  t = -jnp.ones(64, jnp.float32)
+  n = jnp.full(64, 3.0, jnp.float32)
+  w = np.float32(1 / 3) * (1 + np.arange(64, dtype=np.float32) * 1e-7)
+  want = np.float32(3.0) * w + np.float32(-1.0)
+
+  def add(t, n, w, count):
+    return t + types.unfused(n * w, count)
+
+  compiled = jax.jit(
+    add,
+    compiler_options={
+      'xla_backend_optimization_level': 3,
+      **xla_flags.PROGRAM_EMITTERS,
+    },
+  )
+  np.testing.assert_array_equal(compiled(t, n, w, jnp.int32(9)), want)

@@ -165,20 +165,25 @@ def differing(cases, folder) -> dict[str, list[str]]:
 
 def test_two_rounds_equal_the_programs_as_programs_compile(tmp_path):
   # At the suite's LLVM -O0 (tests/xla_flags.py) XLA:CPU makes no fused
-  # multiply-add; at a program's level it makes FedAvg's total + n_k * w_k
-  # one, so the fold must add each contribution in one program with it,
-  # as the simulation's step does (`training/fold.py`). With the
-  # contribution computed apart and added after, FedAvg's leaves differed
-  # here (2 of 2, Intel Xeon) while the in-process tests passed.
-  # Each kind of sum on both devices, one round (the sums of round 1 are
-  # what round 2 starts from); SCAFFOLD two (its controls). (FedMR sums
-  # nothing; chunk 3 adds groups as chunk 2 does: both in process above.)
+  # multiply-add and a vmapped client rounds as one alone; at a program's
+  # level it makes FedAvg's total + n_k * w_k one where its fusions allow
+  # (so each contribution passes `types.unfused` before it is summed),
+  # and a client of a vmapped group gets other bits than alone (so a
+  # node trains it in its group's program, `node._update`). Without
+  # either, FedAvg's and FedMR's leaves and the clients' losses differed
+  # here (AMD EPYC) while the in-process tests passed.
+  # Each kind of contribution, one round (the sums of round 1 are what
+  # round 2 starts from); SCAFFOLD two (its controls). Chunk 2 over 2
+  # devices: a vmapped group and a group of one each; FedMR at chunk 3
+  # on one device: groups of 3 and 2 (chunk 3 over 2 devices is in
+  # process above).
   cases = [
     ('fedavg', 1, 1, 1),
-    ('fedavg', 2, 1, 1),
+    ('fedavg', 2, 2, 1),
     ('scaffold', 2, 2, 2),
     ('fedexp', 2, 2, 1),
     ('fedmut', 2, 2, 1),
+    ('fedmr', 1, 3, 1),
   ]
   env = dict(os.environ)
   env['XLA_FLAGS'] = xla_flags.program_flags(env.get('XLA_FLAGS', ''))
@@ -197,30 +202,21 @@ def test_two_rounds_equal_the_programs_as_programs_compile(tmp_path):
   )
   assert done.returncode == 0, done.stderr[-2000:]
   got = json.loads(done.stdout.splitlines()[-1])
-  assert sorted(got) == sorted('-'.join(map(str, c)) for c in cases)
-  for (algorithm, devices, chunk, _), differ in zip(cases, got.values()):
-    if chunk == 1:
-      assert differ == [], (algorithm, devices, differ)
-    else:
-      # Not yet equal (issue 73): a chunk's clients train vmapped in the
-      # simulation and one by one on the nodes, and at a program's flags
-      # XLA:CPU sums a vmapped client's losses in another order (its
-      # model and every other metric are equal: AMD EPYC, two rounds,
-      # FedAvg at chunk 3 and FedMR at chunk 2 differed in round 2's
-      # client_loss; docs/results/deploy/placement_chunks.txt).
-      names = {d.split(' ', 2)[2] for d in differ}
-      assert names <= {'client_loss', 'train_loss'}, (algorithm, differ)
+  assert got == {'-'.join(map(str, c)): [] for c in cases}
 
 
 def _summed(chunk, outputs, order, devices=1):
   """The engine's fold (`training/fold.py`) of `outputs` (None: failed)
   put in `order`, as a round over `devices` devices with `client_chunk`
   `chunk` sums them; the clients all of one size."""
-  template = {
-    'n': jax.ShapeDtypeStruct((), np.float32),
-    'x': jax.ShapeDtypeStruct((1,), np.float32),
-  }
-  contribution = lambda o: {'x': o['n'] * o['x']}  # noqa: E731
+  scalar = jax.ShapeDtypeStruct((), np.int32)
+  template = types.ClientOutput(
+    {'x': jax.ShapeDtypeStruct((1,), np.float32)},
+    scalar,
+    jax.ShapeDtypeStruct((), np.float32),
+    scalar,
+  )
+  contribution = lambda o: {'x': o.loss * o.variables['x']}  # noqa: E731
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ('clients',))
   programs = fold.programs(contribution, mesh)
   sizes = np.full(len(outputs), 5, np.int32)
@@ -228,7 +224,12 @@ def _summed(chunk, outputs, order, devices=1):
   for p in order:
     x = outputs[p]
     if x is not None:
-      x = {'n': np.float32(1), 'x': np.asarray([x], np.float32)}
+      x = types.ClientOutput(
+        {'x': np.asarray([x], np.float32)},
+        np.int32(5),
+        np.float32(1),
+        np.int32(1),
+      )
     sums.put(p, x)
   assert not sums.waiting
   return float(np.asarray(sums.total()['x'])[0])
@@ -445,6 +446,23 @@ def test_node_refuses_a_client_it_does_not_serve(experiment):
   )
   content = node.request_content(sent, 0, 1, jax.random.key(0), 0)
   with pytest.raises(node.RequestError, match='not served by node 0'):
+    node.train(experiment, content, 0, NODES)
+
+
+@pytest.mark.parametrize('lane', [(4, 0), (2, 2), (-1, 0), (0, 1), (2, -1)])
+def test_node_refuses_a_lane_outside_the_round(experiment, lane):
+  # A round of 3 clients trains a client alone (0, 0) or in lane l < w of
+  # a vmapped group of w <= 3: a wider group is work the round never
+  # asks for.
+  sent = engine.next_dispatch(
+    experiment.algorithm,
+    experiment.state,
+    experiment.data,
+    experiment.key,
+    3,
+  )
+  content = node.request_content(sent, 0, 0, jax.random.key(0), 0, lane)
+  with pytest.raises(node.RequestError, match='a request to train in lane'):
     node.train(experiment, content, 0, NODES)
 
 

@@ -258,3 +258,33 @@ def test_streamed_round_holds_a_chunk_not_k_models():
   assert temp(64, fedmut.fedmut) - temp(16, fedmut.fedmut) <= (
     0.1 * 48 * model_bytes
   )
+
+
+@pytest.mark.parametrize(
+  'n, chunk, summed, want',
+  [
+    (
+      5,
+      1,
+      True,
+      [
+        (0, 1, False),
+        (1, 2, False),
+        (2, 3, False),
+        (3, 4, False),
+        (4, 5, False),
+      ],
+    ),
+    (5, 2, True, [(0, 2, True), (2, 4, True), (4, 5, True)]),
+    (5, 3, False, [(0, 3, True), (3, 5, True)]),
+    (4, 8, True, [(0, 4, True)]),
+    # One client: alone when summed (`stream_clients`), vmapped in a group
+    # of one when stacked (`map_clients`).
+    (1, 2, True, [(0, 1, False)]),
+    (1, 2, False, [(0, 1, True)]),
+  ],
+)
+def test_groups_are_the_programs_clients_run_in(n, chunk, summed, want):
+  assert streaming.groups(n, chunk, summed) == [
+    streaming.Group(*g) for g in want
+  ]
