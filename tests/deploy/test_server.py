@@ -2,6 +2,7 @@
 work through `node.train`, replies in any order, failures and malformed
 replies (no Flower here; tests/deploy/test_deploy_program.py runs it)."""
 
+import functools
 import json
 import os
 import subprocess
@@ -32,7 +33,7 @@ NODES = 2
 pytestmark = pytest.mark.slow
 
 
-def _experiment(algorithm, clients=6, k=3, chunk=1, devices=1):
+def _experiment(algorithm, clients=6, k=3, chunk=1, devices=1, **flags):
   return adapter.setup(
     config_lib.ExperimentConfig.from_flat(
       algorithm=algorithm,
@@ -44,6 +45,7 @@ def _experiment(algorithm, clients=6, k=3, chunk=1, devices=1):
       client_chunk=chunk,
       num_devices=devices,
       seed=5,
+      **flags,
     )
   )
 
@@ -120,14 +122,16 @@ PLACEMENTS = [
 ]
 
 
-def _differences(algorithm, devices, chunk, folder, rounds=2) -> list[str]:
-  """What differs between `rounds` deployed rounds (replies in reverse order,
-  the nodes keeping client state in `folder`) and the rounds
+def _differences(
+  algorithm, devices, chunk, folder, rounds=2, arrival='reverse'
+) -> list[str]:
+  """What differs between `rounds` deployed rounds (replies in `arrival`'s
+  order, the nodes keeping client state in `folder`) and the rounds
   `experiments.run` compiles for the same config (its mesh, its chunk):
   the server state's leaves and the metrics, by name."""
   experiment = _experiment(algorithm, 7, 5, chunk, devices)
   assert experiment.mesh.devices.size == devices
-  local = LocalWithState(experiment, folder)
+  local = LocalWithState(experiment, folder, arrival)
   deployed = server.make_round(experiment, chunk, local, NODES)
   simulated = experiment_lib._compile_round(experiment, chunk)
   state = experiment.state
@@ -151,7 +155,11 @@ def _differences(algorithm, devices, chunk, folder, rounds=2) -> list[str]:
 def test_two_rounds_equal_the_suites_programs_at_every_placement(
   algorithm, devices, chunk, tmp_path
 ):
-  assert _differences(algorithm, devices, chunk, str(tmp_path)) == []
+  # Each placement its own order of arrival (the sums depend on order).
+  arrival = sorted(ARRIVALS)[PLACEMENTS.index((algorithm, devices, chunk)) % 3]
+  assert (
+    _differences(algorithm, devices, chunk, str(tmp_path), 2, arrival) == []
+  )
 
 
 def differing(cases, folder) -> dict[str, list[str]]:
@@ -487,18 +495,104 @@ def test_node_refuses_a_request_of_another_shape(experiment):
     node.train(experiment, content, 0, NODES)
 
 
-class LocalWithState(Local):
-  """`Local`, the nodes keeping their clients' state in `folder`."""
+# Orders in which replies arrive, as positions of a round's K requests.
+ARRIVALS = {
+  'reverse': lambda k: list(range(k))[::-1],
+  'forward': lambda k: list(range(k)),
+  # The odd positions first, then the even ones from the last: no group of
+  # 2 or 3 is complete until its last reply arrives out of turn.
+  'interleaved': lambda k: list(range(1, k, 2)) + list(range(0, k, 2))[::-1],
+}
 
-  def __init__(self, experiment, folder):
+
+class LocalWithState(Local):
+  """`Local`, the nodes keeping their clients' state in `folder`, the
+  replies arriving in `ARRIVALS[arrival]`'s order; the replies of the
+  positions in `lost` never arrive (`None`: a failed client's)."""
+
+  def __init__(self, experiment, folder, arrival='reverse', lost=()):
     super().__init__(experiment)
     self.folder = folder
+    self.arrival = ARRIVALS[arrival]
+    self.lost = set(lost)
+    self.replies = {}  # position -> the latest round's reply
 
   def exchange(self, requests, timeout):
-    for r in reversed(requests):
+    for p in self.arrival(len(requests)):
+      r = requests[p]
       folder = f'{self.folder}/node{r.node}'
       reply = node.train(self.experiment, r.content, r.node, NODES, folder)
-      yield r.position, reply
+      self.replies[p] = reply
+      yield p, None if p in self.lost else reply
+
+
+# A failed client at each place of its group, in round 2: with chunk 3
+# the first, middle and last of the group of 3 and the last of the group
+# of 2; with chunk 1 the first and the last client.
+FAILURES = [
+  ('fedavg', 1, (0, 4)),
+  ('fedavg', 3, (0, 1, 2, 4)),
+  ('fedmr', 1, (0, 4)),
+  ('fedmr', 3, (0, 1, 2, 4)),
+]
+
+
+@pytest.mark.parametrize('algorithm, chunk, positions', FAILURES)
+def test_a_failed_client_anywhere_is_left_out_of_its_round(
+  algorithm, chunk, positions, tmp_path
+):
+  # FedAvg with the plain mean: a failed client's zeros, if summed, would
+  # weigh as much as a trained model. FedMR needs K models: the failed
+  # client's slot holds the model it was sent, no other.
+  experiment = _experiment(algorithm, 7, 5, chunk, weighting='uniform')
+  algo = experiment.algorithm
+  local = LocalWithState(experiment, str(tmp_path), 'interleaved')
+  step = server.make_round(experiment, chunk, local, NODES, log=lambda _: 0)
+  first, _ = step(experiment.state, experiment.data, experiment.key)
+  sent = engine.next_dispatch(algo, first, experiment.data, experiment.key, 5)
+  template = node.output_shape(experiment, sent, first)
+  k_aggregate = engine.round_keys(experiment.key, first.round)[3]
+  aggregate = jax.jit(functools.partial(types.aggregate_stacked, algo))
+  for p in positions:
+    local.lost = {p}
+    state, metrics = step(first, experiment.data, experiment.key)
+    ids = np.asarray(metrics['client_ids'])
+    assert [int(i) for i in metrics['failed_clients']] == [ids[p]], p
+    outputs = [node.read_reply(local.replies[q], template) for q in range(5)]
+    assert [int(n) for n in metrics['client_examples']] == [
+      0 if q == p else int(o.num_examples) for q, o in enumerate(outputs)
+    ]
+    if algo.contribution is not None:
+      # The plain mean of the other four models (float64, any order).
+      for path, got in jax.tree_util.tree_leaves_with_path(state.server.params):
+        others = [
+          np.asarray(_at(o.variables, path), np.float64)
+          for q, o in enumerate(outputs)
+          if q != p
+        ]
+        np.testing.assert_allclose(
+          got, np.mean(others, axis=0), rtol=1e-5, atol=1e-7
+        )
+      continue
+    # The model client p was sent, in its slot, zero examples and steps.
+    row = jax.tree.map(lambda x: np.asarray(x[p]), sent.per_client)
+    outputs[p] = jax.tree.map(
+      lambda s: np.zeros(s.shape, s.dtype), template
+    )._replace(variables=row)
+    want, _ = aggregate(
+      first.server, node_stack(outputs), ids, first.round, k_aggregate
+    )
+    _assert_equal(state.server, want)
+
+
+def _at(tree, path):
+  for entry in path:
+    tree = tree[entry.key]
+  return tree
+
+
+def node_stack(outputs):
+  return jax.tree.map(lambda *xs: np.stack(xs), *outputs)
 
 
 def test_scaffold_control_variates_live_on_the_nodes(tmp_path):
