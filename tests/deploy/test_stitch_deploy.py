@@ -50,16 +50,22 @@ ENERGY = stitch_server.EnergyModel(
 class Nodes:
   """The transport: each node's requests packed into one message, served
   by `stitch_node.serve` (its replies passed through `change`, a node in
-  `dead` answering nothing)."""
+  `dead` answering nothing), the replies arriving node by node or, with
+  `backwards`, all of them in the reverse of that order."""
 
-  def __init__(self, pool, dead=(), change=None):
+  def __init__(self, pool, dead=(), change=None, backwards=False):
     self.held = [
       adapter.StitchNode(pool, CONFIG, _fleet(), NUM_CLIENTS, batch_fn)
       for _ in range(NODES)
     ]
     self.dead, self.change, self.messages = set(dead), change, 0
+    self.backwards = backwards
 
   def exchange(self, requests, timeout):
+    replies = list(self._replies(requests, timeout))
+    yield from reversed(replies) if self.backwards else replies
+
+  def _replies(self, requests, timeout):
     del timeout
     by_node = {}
     for r in requests:
@@ -116,9 +122,12 @@ def simulated():
   return pool, _run(pool, federated.LocalClients(pool, batch_fn))
 
 
-def test_the_deployed_run_is_the_simulation_bit_for_bit(simulated):
+@pytest.mark.parametrize('backwards', [False, True])
+def test_the_deployed_run_is_the_simulation_bit_for_bit(simulated, backwards):
+  # Replies node by node, or backwards: the sums (scores, statistics) in
+  # the sampled order either way.
   pool, sim = simulated
-  clients = _deployed(pool)
+  clients = _deployed(pool, backwards=backwards)
   dep = _run(pool, clients)
   assert dep.round == sim.round > 1 and dep.finished
   # Every log entry: clients, weights, ranks, choices and their votes,
