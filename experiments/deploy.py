@@ -10,7 +10,8 @@ TLS from a certificate authority it makes and Flower's node
 authentication, and runs the experiment of `experiments.run`'s flags over
 them: the server samples, dispatches and aggregates, each node trains its
 clients, and the workdir holds what `experiments.run` writes (the same
-metrics rows at any --num_devices with --client_chunk=1). Re-running with the
+metrics rows and final model, bit for bit, at any --num_devices and
+--client_chunk). Re-running with the
 same `--workdir` resumes. Every process it starts is stopped when it ends,
 fails, is interrupted or killed. The federation's files (certificates,
 Flower's home, logs) are in `<workdir>/flower`. Installed, the program is
