@@ -2,8 +2,9 @@
 stitching, in JAX.
 
 Subpackages, by layer (each imports only the layers below it): `core`
-(interfaces, tree helpers, errors, files); `data`, `models` and `energy`
-(host-only Jetson energy tools; never imports jax); `training` (local
+(interfaces, tree helpers, errors, files); `data`, `models`, `energy`
+(host-only Jetson energy tools; never imports jax) and `privacy` (the
+clip and noise of differential privacy, its accountant); `training` (local
 training, optimizers, the round engine); `algorithms` (one module per
 algorithm) and `stitch` (FedStitch); `runtime` (what a run keeps and
 where it runs: checkpoints, metrics files, figures of them, TensorBoard,
@@ -33,6 +34,7 @@ _SUBPACKAGES = (
   'energy',
   'models',
   'pipeline',
+  'privacy',
   'runtime',
   'stitch',
   'training',

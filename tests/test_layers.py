@@ -12,6 +12,8 @@ LAYERS = {
   'data': 1,
   'models': 1,
   'energy': 1,
+  # Differential privacy of a round's sum: the engine's fold applies it.
+  'privacy': 1,
   'training': 2,
   'algorithms': 3,
   'stitch': 3,

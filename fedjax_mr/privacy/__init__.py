@@ -1,0 +1,33 @@
+"""Privacy of a round's sum: user-level differential privacy (`dp`: the
+clip of a client's update, the noise of the sum, adaptive clipping) and
+its accounting (`accounting`: ε by `dp-accounting`).
+
+Below the training layer: the engine's fold applies these functions; they
+import only `core` (and the accountant, host code, `dp-accounting`).
+"""
+
+from fedjax_mr.privacy import accounting as accounting
+from fedjax_mr.privacy import dp as dp
+from fedjax_mr.privacy.accounting import Accountant as Accountant
+from fedjax_mr.privacy.accounting import default_delta as default_delta
+from fedjax_mr.privacy.dp import clip as clip
+from fedjax_mr.privacy.dp import global_norm as global_norm
+from fedjax_mr.privacy.dp import next_clip_norm as next_clip_norm
+from fedjax_mr.privacy.dp import noise as noise
+from fedjax_mr.privacy.dp import noised_fraction as noised_fraction
+from fedjax_mr.privacy.dp import (
+  update_noise_multiplier as update_noise_multiplier,
+)
+
+__all__ = [
+  'Accountant',
+  'accounting',
+  'clip',
+  'default_delta',
+  'dp',
+  'global_norm',
+  'next_clip_norm',
+  'noise',
+  'noised_fraction',
+  'update_noise_multiplier',
+]
