@@ -83,7 +83,11 @@ class Data:
   """The dataset and the clients' classes of it."""
 
   dataset: str = _field('fashion_mnist', 'Dataset.')
-  data_dir: str | None = _field(None, 'Dataset folder.', run_only=True)
+  data_dir: str = _field(
+    '',
+    "Dataset folder, as experiments.run's (empty: the dataset's default).",
+    run_only=True,
+  )
   classes: str = _field(
     '',
     "The clients' task: these classes only, e.g. 5-9 (relabelled 0..n-1); "

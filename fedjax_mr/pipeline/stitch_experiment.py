@@ -139,7 +139,7 @@ class Setup(NamedTuple):
 def load_dataset(data: config_lib.Data) -> tuple[Any, Any]:
   """`(dataset, classes)`: the dataset, with `classes` only if set."""
   try:
-    return datasets.load_task(data.dataset, data.data_dir, data.classes)
+    return datasets.load_task(data.dataset, data.data_dir or None, data.classes)
   except errors.ArgumentError as e:
     raise checks.data_error(e) from None
 
