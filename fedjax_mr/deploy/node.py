@@ -10,8 +10,10 @@ message holding each client's reply under the same position (`serve`).
 The node rebuilds the run's experiment from its config
 (the same `setup` as `experiments.run`: its data, partition, model and
 algorithm), decodes the request against the algorithm's dispatch shapes,
-runs `algorithm.client_update` jit-compiled on its own copy of the data
-and replies the `ClientOutput` (`train`). The server decodes the reply
+runs `algorithm.client_update` jit-compiled on its own copy of the data,
+in the program the simulated round runs the client in (alone, or in its
+lane of a vmapped group of copies of it: `_update`), and replies the
+`ClientOutput` (`train`). The server decodes the reply
 against the output's shape (`read_reply`).
 
 Per-client state (SCAFFOLD's control variate c_i) lives on the node that

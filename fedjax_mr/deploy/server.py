@@ -9,8 +9,9 @@ functions and the engine's keys, in the engine's order:
 1. `engine.make_sample_fn`: the K ids; `engine.round_keys`: the dispatch,
    client and aggregation keys; `engine.client_keys`: client k's key;
 2. `algorithm.dispatch`; request k holds the shared part, row k of the
-   per-client part, the client's id and key, and goes to the node that
-   serves the client (`node_of`);
+   per-client part, the client's id and key and where the simulated
+   round trains it (`fold.Layout.lane`: alone, or in lane l of a vmapped
+   group of w), and goes to the node that serves the client (`node_of`);
 3. each reply is decoded against the `ClientOutput` that the client's
    update returns (`codec.decode`: tree, shapes, dtypes, size, finite
    values) before anything reads it, and its weights against what the

@@ -79,16 +79,15 @@ def contribute(
   masked: bool,
 ) -> Any:
   """One client's contribution to its round's sums: `contribution(output)`,
-  zeros where `ok` is False when `masked`, and materialized (an
-  optimization barrier) before any sum reads it.
+  zeros where `ok` is False when `masked`, passed through `types.unfused`
+  (keyed by the client's example count) before any sum reads it.
 
-  The barrier keeps XLA from fusing the arithmetic that makes a
-  contribution into the additions that sum it (at a program's flags
-  XLA:CPU makes `total + n * w` one fused multiply-add, rounded once,
-  where the fusions allow it, and they differ from program to program):
-  the sums are then the same bits in every program that adds the same
-  contributions in the same order, the round's and a deployment's fold
-  (`training/fold.py`).
+  So XLA never fuses the arithmetic that makes a contribution into the
+  additions that sum it (at a program's flags XLA:CPU makes `total + n *
+  w` one fused multiply-add, rounded once, where its fusions allow, and
+  they differ from program to program): the sums are the same bits in
+  every program that adds the same contributions in the same order, the
+  round's and a deployment's fold (`training/fold.py`).
   """
   part = contribution(output)
   if masked:
