@@ -29,11 +29,13 @@ def silent():
 class _Refuses(http.server.BaseHTTPRequestHandler):
   def do_POST(self):  # noqa: N802 (http.server's name)
     self.rfile.read(int(self.headers.get('content-length', 0)))
+    # Seen before the answer goes: the client may read the 401 and the
+    # test look at `seen` before this thread runs again.
+    self.server.seen.append(self.headers.get('Authorization'))
     self.send_response(401)
     self.send_header('WWW-Authenticate', 'Bearer')
     self.send_header('content-length', '0')
     self.end_headers()
-    self.server.seen.append(self.headers.get('Authorization'))
 
   def log_message(self, *args):
     pass
