@@ -579,7 +579,7 @@ def test_a_failed_client_anywhere_is_left_out_of_its_round(
       lambda s: np.zeros(s.shape, s.dtype), template
     )._replace(variables=row)
     want, _ = aggregate(
-      first.server, node_stack(outputs), ids, first.round, k_aggregate
+      first.server, _stacked(outputs), ids, first.round, k_aggregate
     )
     _assert_equal(state.server, want)
 
@@ -590,7 +590,7 @@ def _at(tree, path):
   return tree
 
 
-def node_stack(outputs):
+def _stacked(outputs):
   return jax.tree.map(lambda *xs: np.stack(xs), *outputs)
 
 
