@@ -29,25 +29,7 @@ echo "date: $(date -u +%FT%TZ)"
 BASE="--flagfile=experiments/configs/default.flags --num_devices=1 --client_chunk=1"
 
 compare_runs() {  # simulated deployed
-  $PY - "$1" "$2" <<'EOF'
-import json, sys
-import jax, numpy as np
-from fedjax_mr.pipeline import experiment
-TIMES = {'round_time_s', 'eval_time_s', 'elapsed_s'}
-def rows(d, name):
-  with open(f'{d}/{name}') as f:
-    return [{k: v for k, v in json.loads(l).items() if k not in TIMES} for l in f]
-a, b = sys.argv[1:]
-same = {n: rows(a, n) == rows(b, n) for n in ('metrics.jsonl', 'clients.jsonl')}
-ra, rb = experiment.load_run(a), experiment.load_run(b)
-la, lb = jax.tree.leaves(ra.state.server), jax.tree.leaves(rb.state.server)
-differ = sum(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
-last = rows(b, 'metrics.jsonl')[-1]
-print(f'  rows equal: {same}; final model: {differ} of {len(la)} leaves '
-      f'differ; rounds {ra.round} and {rb.round}')
-print(f"  last row: train_loss {last['train_loss']!r}, test_accuracy "
-      f"{last['test_accuracy']!r}, test_loss {last['test_loss']!r}")
-EOF
+  $PY docs/results/deploy/compare_runs.py equality "$1" "$2"
 }
 
 for alg in fedavg fedmr fedmut scaffold; do

@@ -24,29 +24,7 @@ BASE="--partition=iid --num_clients=12 --clients_per_round=3 --local_epochs=1"
 BASE="$BASE --eval_every=1 --seed=3 --rounds=2"
 
 compare_runs() {  # simulated deployed
-  $PY - "$1" "$2" <<'PYEOF'
-import json, sys
-import jax, numpy as np
-from fedjax_mr.pipeline import experiment
-TIMES = {'round_time_s', 'eval_time_s', 'elapsed_s'}
-def rows(d, name):
-  with open(f'{d}/{name}') as f:
-    return [{k: v for k, v in json.loads(l).items() if k not in TIMES} for l in f]
-a, b = sys.argv[1:]
-for n in ('metrics.jsonl', 'clients.jsonl'):
-  x, y = rows(a, n), rows(b, n)
-  bad = sorted({k for r, s in zip(x, y) for k in r if r[k] != s.get(k)})
-  print(f'  {n}: {len(x)} and {len(y)} rows, equal {x == y}'
-        + ('' if x == y else f'; fields that differ: {bad}'))
-ra, rb = experiment.load_run(a), experiment.load_run(b)
-la, lb = jax.tree.leaves(ra.state.server), jax.tree.leaves(rb.state.server)
-differ = sum(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
-last = rows(b, 'metrics.jsonl')[-1]
-print(f'  final model: {differ} of {len(la)} leaves differ; rounds '
-      f'{ra.round} and {rb.round}')
-print(f"  last row: train_loss {last['train_loss']!r}, test_accuracy "
-      f"{last['test_accuracy']!r}")
-PYEOF
+  $PY docs/results/deploy/compare_runs.py placement "$1" "$2"
 }
 
 pair() {  # name, flags

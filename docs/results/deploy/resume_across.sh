@@ -28,35 +28,7 @@ echo "commit: $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- fedjax_mr 
 echo "date: $(date -u +%FT%TZ)"
 
 compare() {  # two training workdirs
-  $PY - "$1" "$2" <<'PYEOF'
-import json, sys
-import jax, numpy as np
-from fedjax_mr.pipeline import experiment
-TIMES = {'round_time_s', 'eval_time_s', 'elapsed_s'}
-def rows(d, name):
-  with open(f'{d}/{name}') as f:
-    return [{k: v for k, v in json.loads(l).items() if k not in TIMES} for l in f]
-a, b = sys.argv[1:]
-for n in ('metrics.jsonl', 'clients.jsonl'):
-  x, y = rows(a, n), rows(b, n)
-  same = [r == s for r, s in zip(x, y)]
-  bad = sorted({k for r, s in zip(x, y) for k in r if r[k] != s.get(k)})
-  print(f'    {n}: {len(x)} and {len(y)} rows, equal by round {same}'
-        + ('' if all(same) else f'; fields that differ: {bad}'))
-ra, rb = experiment.load_run(a), experiment.load_run(b)
-la, lb = jax.tree.leaves(ra.state), jax.tree.leaves(rb.state)
-differ = sum(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
-worst = max(
-  (float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-   for x, y in zip(la, lb)
-   if np.issubdtype(np.asarray(x).dtype, np.floating) and np.asarray(x).size),
-  default=0.0)
-print(f'    final state: {differ} of {len(la)} leaves differ, the largest '
-      f'|difference| {worst:.3g}; rounds {ra.round} and {rb.round}')
-print('    test_accuracy by round:',
-      [r['test_accuracy'] for r in rows(a, 'metrics.jsonl')], 'and',
-      [r['test_accuracy'] for r in rows(b, 'metrics.jsonl')])
-PYEOF
+  $PY docs/results/deploy/compare_runs.py resume "$1" "$2"
 }
 
 BASE="--partition=iid --num_clients=12 --clients_per_round=3 --local_epochs=1"
