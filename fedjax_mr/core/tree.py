@@ -19,10 +19,11 @@ def broadcast(tree: types.PyTree, k: int) -> types.PyTree:
 def weighted_mean(
   client_tree: types.PyTree, weights: jax.Array | None = None
 ) -> types.PyTree:
-  """Mean over the leading client axis, Σ_k w_k x_k / Σ_k w_k, added one
-  client after another (`types.sum_rows`, the products kept apart from
-  the additions by `types.unfused`): the same bits in every program that
-  computes it, a round's or a deployed server's.
+  """Mean over the leading client axis, Σ_k w_k x_k / Σ_k w_k, summed as
+  the engine sums clients (`types.sum_clients`: one client after another
+  on the CPU), the products kept apart from the additions by
+  `types.unfused`: the same bits in every program that computes it, a
+  round's or a deployed server's.
 
   Args:
     client_tree: leaves `[K, ...]`.
@@ -35,7 +36,7 @@ def weighted_mean(
   k = jax.tree.leaves(client_tree)[0].shape[0]
   if weights is None:
     return jax.tree.map(
-      lambda x: (types.sum_rows(x.astype(jnp.float32)) / k).astype(x.dtype),
+      lambda x: (types.sum_clients(x.astype(jnp.float32)) / k).astype(x.dtype),
       client_tree,
     )
   if not jnp.issubdtype(weights.dtype, jnp.integer):
@@ -46,7 +47,7 @@ def weighted_mean(
   def mean(x):
     shaped = w.reshape((-1,) + (1,) * (x.ndim - 1))
     parts = types.unfused(shaped * x.astype(jnp.float32), weights[0])
-    return (types.sum_rows(parts) / total).astype(x.dtype)
+    return (types.sum_clients(parts) / total).astype(x.dtype)
 
   return jax.tree.map(mean, client_tree)
 
