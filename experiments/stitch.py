@@ -12,8 +12,18 @@ energy configurations chosen, the rounds run of at most (`--max_depth` − 1)
 × `--rounds_per_selection`, the time elapsed and an ETA that bounds the
 rounds left) and writes, under `--workdir`:
 
-* `log.jsonl`: one line per round (participants, their selection times,
-  pool sizes, ranks, weight summary, selections);
+* `config.json`, `metrics.jsonl`, `clients.jsonl`, `checkpoints/`: the
+  records of every run (`experiments.run` writes the same): the flags
+  that define the run, one metrics row per round (numbered as the state
+  after it: participants, their selection times, pool sizes, ranks,
+  weight summary, selections), one row of the participants and their
+  energy records, and a checkpoint of the run state after every round (the
+  newest two kept), each bound to the rows before it. A re-run with the
+  same flags resumes from the newest intact one (other flags are refused;
+  a damaged row or checkpoint rolls the run back); a workdir of an earlier
+  version, whose state is in `state.npz`, resumes from that state;
+* `log.jsonl`: the metrics rows as the analysis programs read them (one
+  line per round, rounds from 0, without the energy records);
 * `energy.jsonl`: one line per round from the clients' local energy
   coordinators (FedStitch §IV-D), which run in the loop: the server's
   deadline and, per participant, the chosen DVFS configuration, predicted
@@ -33,10 +43,8 @@ rounds left) and writes, under `--workdir`:
   `experiments.run --partition=file --partition_file=...` (with the same
   `--classes`): the training baselines learn from exactly these clients;
 * `networks.npz`: the stitched networks (block paths + stitch matrices;
-  `fedjax_mr.stitch.state.read_document` reads it);
-* `state.npz`: the run state after the last round and the flags that
-  define the run (a re-run with the same flags resumes; other flags are
-  refused). Neither file is a pickle: nothing is ever unpickled.
+  `fedjax_mr.stitch.state.read_document` reads it). Neither it nor a
+  checkpoint is a pickle: nothing is ever unpickled.
 
 Every flag is a field of `fedjax_mr.pipeline.stitch_config.StitchConfig`
 (`--help` lists them by concern, a line each; `--helpfull` gives each

@@ -128,7 +128,13 @@ def test_stitch_runs_evaluates_and_resumes(
   assert results['energy']['coordinated_energy_j'] == pytest.approx(
     sum(e['energy_j'] for e in records)
   )
-  # A re-run resumes from state.npz: same networks, no new rounds.
+  # The records of every run: a row per round, a checkpoint per round.
+  rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  assert [r['round'] for r in rows] == [r['round'] + 1 for r in rounds]
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == sorted(
+    str(len(rounds) - k) for k in (0, 1)
+  )
+  # A re-run resumes from its checkpoint: same networks, no new rounds.
   again = _run(*args)
   assert again.returncode == 0, again.stderr
   assert 'round ' not in again.stdout.split('stitched networks')[0]
@@ -140,15 +146,15 @@ def test_stitch_runs_evaluates_and_resumes(
     n['round'] for n in nets
   )
   assert identity['seed'] == 0 and identity['num_clients'] == 6
-  # Another setting on the same workdir is refused in one line, and the
-  # state is untouched.
-  state = (tmp_path / 'state.npz').read_bytes()
+  # Another setting on the same workdir is refused in one line, and
+  # nothing in it is written.
+  before = _files(tmp_path)
   other = _run(*args, '--partition=iid')
   assert other.returncode == 2
   assert other.stderr.count('\n') == 1 and "--partition='dirichlet'" in (
     other.stderr
   )
-  assert (tmp_path / 'state.npz').read_bytes() == state
+  assert _files(tmp_path) == before
   # A pickle left by an older version is never loaded.
   old = tmp_path / 'old'
   old.mkdir()
@@ -164,6 +170,29 @@ def test_stitch_runs_evaluates_and_resumes(
 STITCH_RECORDING = os.path.join(
   os.path.dirname(__file__), 'pipeline', 'regression', 'fedstitch.json'
 )
+
+
+def _files(folder) -> dict[str, bytes]:
+  """Every file under `folder` by its path there, with its bytes (but
+  the lock's, which names the last process that asked for it)."""
+  return {
+    str(p.relative_to(folder)): p.read_bytes()
+    for p in sorted(folder.rglob('*'))
+    if p.is_file() and p.name != '.lock'
+  }
+
+
+def _state_document(workdir) -> bytes:
+  """The state document of the newest checkpoint of a FedStitch workdir
+  (what state.npz held before runs kept their states in checkpoints)."""
+  from fedjax_mr.runtime import checkpoint
+
+  ckpt = checkpoint.Checkpointer(str(workdir))
+  try:
+    found = ckpt.find(None)
+  finally:
+    ckpt.close()
+  return found.state[state_lib.CHECKPOINT_ENTRY].tobytes()
 
 
 def _timeless(value):
@@ -184,9 +213,12 @@ def _timeless(value):
 
 def stitch_recording(workdir) -> dict:
   """What a FedStitch workdir's bits are: results.json, log.jsonl,
-  energy.jsonl and the JSON documents of its state and networks files
-  without times, and the SHA-256 of every array of those files."""
+  energy.jsonl and the JSON documents of its final state (its newest
+  checkpoint's, recorded under the name of the file that held it before,
+  state.npz) and networks file without times, and the SHA-256 of every
+  array of those documents."""
   import hashlib
+  import io
 
   import numpy as np
 
@@ -194,8 +226,10 @@ def stitch_recording(workdir) -> dict:
     return [json.loads(x) for x in open(os.path.join(workdir, name))]
 
   arrays, documents = {}, {}
-  for name in ('state.npz', 'networks.npz'):
-    with np.load(os.path.join(workdir, name), allow_pickle=False) as z:
+  with open(os.path.join(workdir, 'networks.npz'), 'rb') as f:
+    held = {'state.npz': _state_document(workdir), 'networks.npz': f.read()}
+  for name, data in held.items():
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
       for key in sorted(z.files):
         a = np.ascontiguousarray(z[key])
         if key == '__document__':  # JSON, holding the rounds' times

@@ -11,7 +11,8 @@ checkpoint it kept, the global model is restored (checked against its
 digest), cut into blocks exactly as a pool model is (`blocks.split`), and
 the same probe (`network.accuracies`) reads the output of every block but
 the end one, on the same reference and test examples
-(`stitch_experiment.public_examples`, `knn_examples`, `test_examples`).
+(`stitch_experiment.public_examples`, `evaluation.knn_examples`,
+`evaluation.test_examples`).
 
 The trunk, so, is the input of a network's end block, its classifier
 unit: for the small CNNs the flattened output of the last convolution
@@ -46,6 +47,7 @@ from fedjax_mr.models import model as model_lib
 from fedjax_mr.models import multi_exit
 from fedjax_mr.pipeline import build
 from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import evaluation
 from fedjax_mr.pipeline import experiment
 from fedjax_mr.pipeline import stitch_config
 from fedjax_mr.pipeline import stitch_experiment
@@ -152,9 +154,9 @@ def probe_data(
       + (f', `classes={config.data.classes}`' if config.data.classes else '')
       + '): the probe is fitted on them'
     )
-  evaluation = stitch_config.Evaluation(knn_reference=knn_reference)
-  x_ref, y_ref = stitch_experiment.knn_examples(evaluation, ds, public, [])
-  x_test, y_test = stitch_experiment.test_examples(evaluation, ds)
+  settings = stitch_config.Evaluation(knn_reference=knn_reference)
+  x_ref, y_ref = evaluation.knn_examples(settings, ds, public, [])
+  x_test, y_test = evaluation.test_examples(settings, ds)
   return ProbeData(x_ref, y_ref, x_test, y_test, ds.scale, ds.shift)
 
 

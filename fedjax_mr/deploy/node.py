@@ -3,10 +3,11 @@ out.
 
 A request (`request_content`) holds the dispatch's shared part, the
 client's row of its per-client part, the client's key and, as config, its
-id, the round and the width and lane of its group. A node gets one message a round holding the requests of
-all its clients of the round (`pack`: each request's records under its
-position in the sampled order, plus the run's config), and replies one
-message holding each client's reply under the same position (`serve`).
+id, the round and the width and lane of its group. A node gets one message
+a round holding the requests of all its clients of the round (`pack`: each
+request's records under its position in the sampled order, plus the run's
+config), and replies one message holding each client's reply under the
+same position (`serve`).
 The node rebuilds the run's experiment from its config
 (the same `setup` as `experiments.run`: its data, partition, model and
 algorithm), decodes the request against the algorithm's dispatch shapes,

@@ -3,11 +3,16 @@
 Every `eval_every` rounds (and after the last) the global model, the one
 the algorithm evaluates (`types.evaluated_model`); for the algorithms that
 keep K different models (`config.multi_model`), every `local_eval_every`
-rounds each of the K models the next round dispatches.
+rounds each of the K models the next round dispatches. A FedStitch run
+evaluates at its end every stitched network, every pool model and the
+"Local" baseline (`make_evaluate`, `evaluate_networks`, `local_baseline`;
+`s` there is `stitch_experiment.Setup`).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 from typing import Callable
 from typing import NamedTuple
@@ -19,7 +24,12 @@ from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.pipeline import build
 from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import progress
+from fedjax_mr.pipeline import stitch_config
 from fedjax_mr.runtime import distributed
+from fedjax_mr.stitch import federated
+from fedjax_mr.stitch import network
+from fedjax_mr.stitch import state as state_lib
 from fedjax_mr.training import engine
 from fedjax_mr.training import evaluation
 from fedjax_mr.training import host_round
@@ -111,3 +121,135 @@ def evaluate_round(
     clients_row['local_accuracy'] = [float(a) for a in local]
     evaluated = True
   return evaluated
+
+
+# --- FedStitch ----------------------------------------------------------------
+
+
+def _say(line: str) -> None:
+  print(line, flush=True)
+
+
+def knn_examples(
+  evaluation: stitch_config.Evaluation,
+  ds: Any,
+  public: np.ndarray,
+  parts: list[np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(x, y)`: the labelled examples a kNN probe is fitted on, the first
+  `knn_reference` public examples (client 0's without a public split)."""
+  ref = public[: evaluation.knn_reference] if len(public) else parts[0]
+  return ds.x_train[ref], ds.y_train[ref]
+
+
+def test_examples(
+  evaluation: stitch_config.Evaluation, ds: Any
+) -> tuple[np.ndarray, np.ndarray]:
+  """`(x, y)`: the test examples networks are evaluated on, the first
+  `eval_examples` (0: all) of the clients' classes."""
+  n_eval = evaluation.eval_examples or len(ds.y_test)
+  return ds.x_test[:n_eval], ds.y_test[:n_eval]
+
+
+def make_evaluate(s: Any) -> Callable[[network.Network], dict]:
+  """`net → {'head' and/or 'knn': accuracy}` on the test set (its first
+  `eval_examples`), as `eval` and `knn_at` say."""
+  e, ds = s.config.evaluation, s.ds
+  x_test, y_test = test_examples(e, ds)
+  x_ref, y_ref = knn_examples(e, ds, s.public, s.parts)
+
+  def evaluate(net):
+    knn = e.mode != 'head'
+    trunk = knn and e.knn_at == 'trunk' and net.finished
+    acc = network.accuracies(
+      net,
+      x_test,
+      y_test,
+      scale=ds.scale,
+      shift=ds.shift,
+      head=e.mode in ('head', 'both'),
+      knn_reference=(x_ref, y_ref) if knn and not trunk else None,
+      label_map=s.label_map,
+    )
+    if trunk:  # the features its end block starts from
+      acc.update(
+        network.accuracies(
+          network.trunk(net),
+          x_test,
+          y_test,
+          scale=ds.scale,
+          shift=ds.shift,
+          head=False,
+          knn_reference=(x_ref, y_ref),
+        )
+      )
+    return acc
+
+  return evaluate
+
+
+def eval_key(evaluation: stitch_config.Evaluation) -> str:
+  """The accuracy networks are ranked by: the head's, else the kNN's."""
+  return 'head' if evaluation.mode in ('head', 'both') else 'knn'
+
+
+def evaluate_networks(
+  s: Any, state: state_lib.State, evaluate, log: Callable[[str], None] = _say
+) -> list[dict[str, Any]]:
+  """Every finished network's accuracy, best first; the networks (paths
+  and stitches, never a pickle) go to networks.npz."""
+  nets = []
+  for fin in state.finished:
+    acc = evaluate(fin.net)
+    nets.append(
+      {
+        'path': fin.net.describe(),
+        'depth': fin.net.depth,
+        'round': fin.round,
+        'share': fin.share,
+        **acc,
+      }
+    )
+    log(
+      f'{fin.net.describe()}: '
+      + ', '.join(f'{k} {100 * v:.2f} %' for k, v in acc.items())
+    )
+  key = eval_key(s.config.evaluation)
+  nets.sort(key=lambda n: -n[key])
+  state_lib.write_document(
+    os.path.join(s.config.run.workdir, 'networks.npz'),
+    state_lib.to_host(state)['finished'],
+    stitch_config.identity(s.config, [m.id for m in s.models]),
+  )
+  return nets
+
+
+def local_baseline(
+  s: Any,
+  clients: federated.Clients,
+  evaluate,
+  log: Callable[[str], None] = _say,
+  clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any] | None:
+  """The "Local" baseline: `local_clients` clients (drawn by the seed)
+  each stitching alone; the best accuracy each finds, logged with the time
+  by `clock` (seconds)."""
+  config = s.config
+  n, count = config.partition.num_clients, config.evaluation.local_clients
+  if count <= 0:
+    return None
+  rng = np.random.default_rng([config.run.seed, 99])
+  who = sorted(int(c) for c in rng.choice(n, count, replace=False))
+  local_cfg = stitch_config.library_config(config)._replace(clients_per_round=1)
+  local = {'clients': who, 'best': []}
+  t0 = clock()
+  for i, c in enumerate(who, 1):
+    st = federated.run(
+      s.pool, None, n, local_cfg, population=[c], clients=clients
+    )
+    accs = [evaluate(f.net)[eval_key(config.evaluation)] for f in st.finished]
+    best = max(accs) if accs else float('nan')
+    local['best'].append(best)
+    log(progress.stitch_local_line(i, who, best, len(accs), clock() - t0))
+  local['mean_best'] = float(np.nanmean(local['best']))
+  return local

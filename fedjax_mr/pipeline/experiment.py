@@ -10,6 +10,9 @@ it; the rounds after it are recomputed identically (every round's key is
 `fold_in(key, round)`). Ctrl-C or SIGTERM writes the current round's row
 and checkpoints that round on the way out, so no finished round is lost
 and no round's row is skipped (`resume`). `load_run` reads a run back.
+`drive` is that loop alone, the one host loop of every run: FedStitch runs
+(`stitch_experiment`) go through it too, with their own round, rows and
+checkpointed state.
 """
 
 from __future__ import annotations
@@ -301,7 +304,14 @@ def _run(
     resume.announce(workdir, start, before, mapping, log)
   else:
     start = 0
-  rows = records.Records(config, workdir, start, primary, log)
+  rows = records.Records(
+    workdir,
+    start,
+    primary,
+    log,
+    tensorboard=config.run.tensorboard,
+    curve=lambda history: records.plot_curve(config, history, workdir),
+  )
   progress.announce(experiment, state, mapping, log)
   round_fn = (make_round or _compile_round)(experiment, mapping['client_chunk'])
   loop = _Loop(
@@ -311,42 +321,103 @@ def _run(
     progress.Timer(start, config.run.rounds),
     log,
   )
+  run = Drive(
+    rounds=config.run.rounds,
+    every=config.run.checkpoint_every,
+    step=lambda state, r: round_fn(state, experiment.data, experiment.key),
+    record=functools.partial(_record, loop),
+    save=lambda r, state: ckpt.save(r, state, {**meta, **rows.binding()}),
+    rows=rows,
+    log=log,
+    on_round=on_round,
+  )
+  try:
+    state = drive(state, start, run)
+  except KeyboardInterrupt:
+    ckpt.close()
+    raise
+  ckpt.close()
+  _finish(loop, workdir, primary)
+  return Result(state=state, history=rows.history, workdir=workdir)
+
+
+class Drive(NamedTuple):
+  """A run as the host loop (`drive`) sees it, training or FedStitch.
+
+  Attributes:
+    rounds: the last round.
+    every: checkpoints every `every` rounds (0: never) and after the last.
+    step: `step(state, r) -> (state, metrics)` runs round r.
+    record: `record(state, saved_round, r, metrics, t0) -> row` writes
+      round r's rows (`rows.write`) and logs its line (the round began at
+      `t0`, `time.perf_counter()`; the last checkpoint is `saved_round`'s).
+    save: `save(r, state)` checkpoints the state after round r with the
+      rows' digest (`rows.binding()`).
+    rows: the run's records.
+    log: where notes go.
+    on_round: called with (round, metrics row) after each round is logged
+      and checkpointed, or None.
+    done: `done(state)`: the run ends before `rounds` (FedStitch: no
+      network left), or None.
+  """
+
+  rounds: int
+  every: int
+  step: Callable[[Any, int], tuple[Any, Any]]
+  record: Callable[..., dict[str, Any]]
+  save: Callable[[int, Any], None]
+  rows: records.Records
+  log: Callable[[str], None]
+  on_round: Callable[[int, dict[str, Any]], None] | None = None
+  done: Callable[[Any], bool] | None = None
+
+
+def drive(state: Any, start: int, run: Drive) -> Any:
+  """The host loop, one for training runs and FedStitch runs: rounds
+  `start + 1 ..` `run.rounds` (until `run.done`), each one's rows written
+  and its state checkpointed when due; the state after the last.
+
+  Ctrl-C or SIGTERM (`resume.TerminationAsInterrupt`) writes the current
+  round's rows and checkpoints that round on the way out
+  (`resume.finish_interrupted`) and raises `KeyboardInterrupt`; a full
+  disk raises `StorageError` naming the round the run resumes after.
+  """
   saved_round = start
   pending = None  # the round whose rows are not written: (r, metrics, t0)
-  with resume.TerminationAsInterrupt(), resume.InterruptAnnounced(log):
+  with resume.TerminationAsInterrupt(), resume.InterruptAnnounced(run.log):
     try:
-      for r in range(start + 1, config.run.rounds + 1):
+      for r in range(start + 1, run.rounds + 1):
+        if run.done is not None and run.done(state):
+          break
         t0 = time.perf_counter()
-        state, metrics = round_fn(state, experiment.data, experiment.key)
+        state, metrics = run.step(state, r)
         pending = (r, metrics, t0)
-        row = _record(loop, state, saved_round, *pending)
+        row = run.record(state, saved_round, *pending)
         pending = None
-        if evaluation.due(config.run.checkpoint_every, r, config.run.rounds):
+        if evaluation.due(run.every, r, run.rounds) or (
+          run.done is not None and run.done(state)
+        ):
           with resume.SignalsDeferred():
-            ckpt.save(r, state, {**meta, **rows.binding()})
+            run.save(r, state)
             saved_round = r
-        if on_round is not None:
-          on_round(r, row)
+        if run.on_round is not None:
+          run.on_round(r, row)
     except (OSError, errors.StorageError) as e:
       raise resume.storage_error(e, saved_round) from None
     except KeyboardInterrupt:
       resume.finish_interrupted(
         pending=pending[0] if pending else None,
-        finish=lambda: _record(loop, state, saved_round, *pending),
-        rows=rows,
+        finish=lambda: run.record(state, saved_round, *pending),
+        rows=run.rows,
         state=state,
         saved_round=saved_round,
-        ckpt=ckpt,
-        meta=meta,
-        log=log,
+        save=run.save,
+        log=run.log,
       )
-      ckpt.close()
       raise
     finally:
-      rows.close()
-  ckpt.close()
-  _finish(loop, workdir, primary)
-  return Result(state=state, history=rows.history, workdir=workdir)
+      run.rows.close()
+  return state
 
 
 def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:

@@ -189,18 +189,26 @@ def write_run_files(
   partition: dict[str, Any] | None,
   data: Mapping[str, Any] | None = None,
 ) -> None:
-  """Writes config.json (the config, the fingerprint of the `data` loaded
+  """Writes config.json (`write_config`: the config and the fingerprint
+  of the `data` loaded) and partition.json."""
+  saved = config.to_dict()
+  if data is not None:
+    saved[DATA_KEY] = dict(data)
+  write_config(workdir, saved, resumed)
+  if partition is not None:
+    partition_lib.save_summary(os.path.join(workdir, PARTITION_FILE), partition)
+
+
+def write_config(workdir: str, saved: Mapping[str, Any], resumed: bool) -> None:
+  """Writes config.json of any kind of run: `saved` (what defines the run)
   and one provenance record per process that ran or, `resumed`, resumed
-  the run) and partition.json."""
+  the run."""
   config_path = os.path.join(workdir, CONFIG_FILE)
   records = _provenance_records(config_path) if resumed else []
   records.append(provenance.collect())
-  saved = {**config.to_dict(), PROVENANCE_KEY: records}
-  if data is not None:
-    saved[DATA_KEY] = dict(data)
-  metrics_io.write_json(config_path, saved, indent=2)
-  if partition is not None:
-    partition_lib.save_summary(os.path.join(workdir, PARTITION_FILE), partition)
+  metrics_io.write_json(
+    config_path, {**saved, PROVENANCE_KEY: records}, indent=2
+  )
 
 
 def _provenance_records(config_path: str) -> list[dict[str, Any]]:
@@ -263,15 +271,19 @@ class Records:
 
   def __init__(
     self,
-    config: config_lib.ExperimentConfig,
     workdir: str,
     start: int,
     primary: bool,
     log: Callable[[str], None],
+    *,
+    tensorboard: bool = False,
+    curve: Callable[[list[dict[str, Any]]], None] | None = None,
   ):
     """Opens the records of a run that starts after round `start`; the
-    primary process drops the rows past it (a resumed run's)."""
-    self._config, self._workdir = config, workdir
+    primary process drops the rows past it (a resumed run's). With
+    `tensorboard`, each metrics row goes to TensorBoard's events too;
+    `curve(rows)` plots the rows of a diverged run."""
+    self._workdir, self._tensorboard, self._curve = workdir, tensorboard, curve
     self._start, self._primary = start, primary
     self.metrics_path = os.path.join(workdir, METRICS_FILE)
     self._clients_path = os.path.join(workdir, CLIENTS_FILE)
@@ -331,7 +343,8 @@ class Records:
     self._write_clients_row(clients_row)
     metrics_io.append(self.metrics_path, row)
     self._write_events(row)
-    plot_curve(self._config, [*self.history, row], self._workdir)
+    if self._curve is not None:
+      self._curve([*self.history, row])
 
   def _write_clients_row(self, clients_row: dict[str, Any]) -> None:
     # Once per round, also when an interrupt lands between this row and
@@ -341,7 +354,7 @@ class Records:
       self._clients_written = clients_row['round']
 
   def _write_events(self, row: dict[str, Any]) -> None:
-    if not (self._primary and self._config.run.tensorboard):
+    if not (self._primary and self._tensorboard):
       return
     if self._events is None:
       # A resumed run's file makes TensorBoard drop the rounds it redoes.

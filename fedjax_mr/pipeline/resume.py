@@ -40,8 +40,10 @@ from fedjax_mr.training import engine
 Log = Callable[[str], None]
 
 
+# Where damaged checkpoints are moved (`checkpoint.Checkpointer.settle`).
+DAMAGED_FOLDER = 'checkpoints_damaged'
 # The folders a run writes in its workdir (besides checkpoint.FOLDER).
-_OWN_FOLDERS = ('checkpoints_damaged', 'tensorboard')
+_OWN_FOLDERS = (DAMAGED_FOLDER, 'tensorboard')
 
 
 def check_workdir(config: config_lib.ExperimentConfig, workdir: str) -> None:
@@ -123,20 +125,56 @@ def restore(
   if primary and os.path.exists(config_path):
     checks.check_resumable(config, config_path)
     _check_data(config, workdir, records.saved_data(config_path), data)
+
+  def accept(step: int, metadata: Mapping[str, Any], resumed: bool) -> None:
+    _check_checkpoint(config, workdir, step, metadata, data)
+    if resumed:
+      _check_rounds(config, workdir, step)
+
+  return restore_checkpoint(
+    workdir, state, config.run.keep_checkpoints, log, primary, accept
+  )
+
+
+def restore_checkpoint(
+  workdir: str,
+  like: Any,
+  keep: int,
+  log: Log,
+  primary: bool,
+  accept: Callable[[int, Mapping[str, Any], bool], None],
+) -> tuple[checkpoint.Checkpointer | None, int | None, Any]:
+  """`restore` of any kind of run (training or FedStitch): the newest
+  intact checkpoint of `workdir` at or before its last intact record row,
+  bound to the rows the records hold (`bound_to`); the damaged ones moved
+  aside and those past the intact rows deleted, after the checks.
+
+  Args:
+    workdir: the run's folder.
+    like: the state's layout (None: each checkpoint's own, as saved).
+    keep: how many checkpoints the run keeps.
+    log: where notes go.
+    primary: whether this process writes the workdir (moves, deletes).
+    accept: `accept(round, metadata, resumed)` raises `ConfigError` for
+      a checkpoint of another run: the one resumed from (`resumed`) and
+      each one past the intact rows (deleted when this run's).
+
+  Returns:
+    (checkpointer or None, rounds done or None, state): see `restore`.
+  """
   intact, why = records.intact_rounds(workdir)
   folder = os.path.join(workdir, checkpoint.FOLDER)
   if not os.path.isdir(folder) or not _steps(folder):
     _starts_over(folder, intact, log)
-    return None, None, state
-  ckpt = checkpoint.Checkpointer(workdir, keep=config.run.keep_checkpoints)
+    return None, None, like
+  ckpt = checkpoint.Checkpointer(workdir, keep=keep)
   check = bound_to(records.rows_digests(workdir))
-  found = ckpt.find(state, at_most=intact, check=check)
+  found = ckpt.find(like, at_most=intact, check=check)
   ckpt.check_found(found)
   start = found.round
   if start is not None:
-    _check_checkpoint(config, workdir, start, found.metadata, data)
-    _check_rounds(config, workdir, start)
-  found = _strays_aside(config, workdir, ckpt, found, data)
+    accept(start, found.metadata, True)
+  found = _strays_aside(ckpt, found, accept)
   ckpt.settle(found, log, move_aside=primary)
   if found.later:
     log(
@@ -200,17 +238,15 @@ def bound_to(
 
 
 def _strays_aside(
-  config: config_lib.ExperimentConfig,
-  workdir: str,
   ckpt: checkpoint.Checkpointer,
   found: checkpoint.Found,
-  data: Mapping[str, Any] | None,
+  accept: Callable[[int, Mapping[str, Any], bool], None],
 ) -> checkpoint.Found:
   """`found` with the checkpoints past the intact rows sorted: this run's
-  (its config, its round) are deleted as before (their rounds are
-  recomputed); a folder that holds no checkpoint of its round (empty, or
-  a copy of another round's) is moved aside as damaged, not deleted, and
-  one of another config is refused (not touched)."""
+  (`accept`ed: its config, its round) are deleted as before (their rounds
+  are recomputed); a folder that holds no checkpoint of its round (empty,
+  or a copy of another round's) is moved aside as damaged, not deleted,
+  and one of another config is refused (not touched)."""
   later, strays = [], []
   for step in found.later:
     saved = ckpt.round_of(step)
@@ -220,7 +256,7 @@ def _strays_aside(
       strays.append((step, f"the folder holds {held}, not round {step}'s"))
       continue
     # Deleted below: it must be this run's.
-    _check_checkpoint(config, workdir, step, metadata, data)
+    accept(step, metadata, False)
     later.append(step)
   return found._replace(later=later, damaged=found.damaged + strays)
 
@@ -324,10 +360,9 @@ def finish_interrupted(
   pending: int | None,
   finish: Callable[[], Any],
   rows: records.Records,
-  state: engine.RoundState,
+  state: Any,
   saved_round: int,
-  ckpt: checkpoint.Checkpointer,
-  meta: Mapping[str, Any],
+  save: Callable[[int, Any], None],
   log: Callable[[str], None],
 ) -> None:
   """What an interrupted run does on its way out: finish the rows of round
@@ -346,8 +381,8 @@ def finish_interrupted(
     state: the current state (deleted if the interrupt landed while a
       round consumed it).
     saved_round: the round of the last checkpoint.
-    ckpt: the run's checkpointer.
-    meta: what each checkpoint keeps beside the state.
+    save: `save(round, state)` checkpoints `state`, the state after
+      `round` rounds, with what the records hold up to it.
     log: where notes go.
   """
   if pending is not None and rows.written < pending and alive(state):
@@ -362,7 +397,7 @@ def finish_interrupted(
   if alive(state) and written > saved_round and int(state.round) == written:
     # A second interrupt waits for this save (and then ends the run).
     with SignalsDeferred():
-      ckpt.save(written, state, {**meta, **rows.binding()})
+      save(written, state)
       log(f'interrupted: saved a checkpoint after round {written}')
 
 

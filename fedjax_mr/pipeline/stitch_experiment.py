@@ -1,18 +1,24 @@
 """One FedStitch experiment: data, pool, clients, the run, its records.
 
 `stitch_and_evaluate(config)` validates a `StitchConfig`, loads the dataset
-and the pool, partitions the clients' examples, runs FedStitch
-(`fedjax_mr.stitch.federated.run`, resuming `state.npz` in the workdir)
-with the clients' energy coordinators in the loop, evaluates every
-stitched network, every pool model and the "Local" baseline, and writes
-under `config.run.workdir`: log.jsonl, energy.jsonl, results.json,
-partition.json, client_indices.json, networks.npz and state.npz (see
-experiments/stitch.py for what each holds). Every message names the
-config field (in backticks) that the program turns into its flag.
+and the pool, partitions the clients' examples, runs FedStitch's rounds
+(`fedjax_mr.stitch.federated.run_round`) in the host loop of every run
+(`experiment.drive`: the workdir's lock, config.json, metrics.jsonl and
+clients.jsonl with their digests, a checkpoint after every round, resume
+from the newest intact one, roll back past a damaged row) with the
+clients' energy coordinators in the loop, evaluates every stitched
+network, every pool model and the "Local" baseline (`evaluation`), and
+writes under `config.run.workdir` besides the records: log.jsonl,
+energy.jsonl, results.json, partition.json, client_indices.json and
+networks.npz (see experiments/stitch.py for what each holds). A
+workdir of an earlier version (its state in state.npz) resumes from it.
+Every message names the config field (in backticks) that the program
+turns into its flag.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -23,7 +29,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_mr import energy
+from fedjax_mr import energy as energy_lib
 from fedjax_mr.core import errors
 from fedjax_mr.core import files
 from fedjax_mr.core import jsonfile
@@ -33,9 +39,13 @@ from fedjax_mr.data import partition
 from fedjax_mr.energy import fleet
 from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import energy_report
+from fedjax_mr.pipeline import evaluation
+from fedjax_mr.pipeline import experiment
 from fedjax_mr.pipeline import progress
+from fedjax_mr.pipeline import records
 from fedjax_mr.pipeline import resume
 from fedjax_mr.pipeline import stitch_config as config_lib
+from fedjax_mr.runtime import checkpoint
 from fedjax_mr.stitch import federated
 from fedjax_mr.stitch import label_maps
 from fedjax_mr.stitch import network
@@ -43,8 +53,11 @@ from fedjax_mr.stitch import pool as pool_lib
 from fedjax_mr.stitch import state as state_lib
 from fedjax_mr.stitch import torchvision_import
 
+# Where a FedStitch run of an earlier version kept its state (imported).
 STATE_FILE = 'state.npz'
 CLIENTS_FILE = 'client_indices.json'
+# What a run reports besides its records (experiments/stitch.py).
+REPORT_FILES = ('log.jsonl', 'energy.jsonl', 'results.json', 'networks.npz')
 
 Log = Callable[[str], None]
 
@@ -93,7 +106,8 @@ def check_workdir(workdir: str) -> None:
   workdir_lib.check_free(workdir)
   workdir_lib.check_entries(
     workdir,
-    files=(STATE_FILE, CLIENTS_FILE, 'partition.json', 'results.json'),
+    files=(*records.OWN_FILES, *REPORT_FILES, CLIENTS_FILE, STATE_FILE),
+    folders=(checkpoint.FOLDER, resume.DAMAGED_FOLDER),
   )
   old_state = os.path.join(workdir, 'state.pkl')
   if os.path.exists(old_state):
@@ -237,27 +251,6 @@ def public_examples(
   return public, private
 
 
-def knn_examples(
-  evaluation: config_lib.Evaluation,
-  ds: Any,
-  public: np.ndarray,
-  parts: list[np.ndarray],
-) -> tuple[np.ndarray, np.ndarray]:
-  """`(x, y)`: the labelled examples a kNN probe is fitted on, the first
-  `knn_reference` public examples (client 0's without a public split)."""
-  ref = public[: evaluation.knn_reference] if len(public) else parts[0]
-  return ds.x_train[ref], ds.y_train[ref]
-
-
-def test_examples(
-  evaluation: config_lib.Evaluation, ds: Any
-) -> tuple[np.ndarray, np.ndarray]:
-  """`(x, y)`: the test examples networks are evaluated on, the first
-  `eval_examples` (0: all) of the clients' classes."""
-  n_eval = evaluation.eval_examples or len(ds.y_test)
-  return ds.x_test[:n_eval], ds.y_test[:n_eval]
-
-
 def client_examples(
   config: config_lib.StitchConfig, ds: Any
 ) -> tuple[list[np.ndarray], np.ndarray]:
@@ -364,90 +357,201 @@ def make_batch_fn(s: Setup) -> federated.BatchFn:
   return batch_fn
 
 
-def make_evaluate(s: Setup) -> Callable[[network.Network], dict]:
-  """`net → {'head' and/or 'knn': accuracy}` on the test set (its first
-  `eval_examples`), as `eval` and `knn_at` say."""
-  e, ds = s.config.evaluation, s.ds
-  x_test, y_test = test_examples(e, ds)
-  x_ref, y_ref = knn_examples(e, ds, s.public, s.parts)
-
-  def evaluate(net):
-    knn = e.mode != 'head'
-    trunk = knn and e.knn_at == 'trunk' and net.finished
-    acc = network.accuracies(
-      net,
-      x_test,
-      y_test,
-      scale=ds.scale,
-      shift=ds.shift,
-      head=e.mode in ('head', 'both'),
-      knn_reference=(x_ref, y_ref) if knn and not trunk else None,
-      label_map=s.label_map,
-    )
-    if trunk:  # the features its end block starts from
-      acc.update(
-        network.accuracies(
-          network.trunk(net),
-          x_test,
-          y_test,
-          scale=ds.scale,
-          shift=ds.shift,
-          head=False,
-          knn_reference=(x_ref, y_ref),
-        )
-      )
-    return acc
-
-  return evaluate
-
-
 # --- The run and its records -------------------------------------------------
+
+
+class Opened(NamedTuple):
+  """A FedStitch run's workdir opened for its rounds (`open_run`).
+
+  Attributes:
+    ckpt: its checkpointer.
+    start: the rounds done.
+    state: the state after them.
+    imported: whether that state came from a state.npz of an earlier
+      version (its rows and a checkpoint are written first).
+    identity: what defines the run (`stitch_config.identity`).
+  """
+
+  ckpt: checkpoint.Checkpointer
+  start: int
+  state: state_lib.State
+  imported: bool
+  identity: dict
 
 
 def run_stitching(
   s: Setup,
   clients: federated.Clients,
+  opened: Opened,
   log: Log = _log_default,
   clock: Callable[[], float] = time.perf_counter,
 ) -> state_lib.State:
-  """FedStitch over every client (resuming the workdir's state), their
-  work done by `clients` (`federated.LocalClients` on this host), the
-  coordinators in the loop, each round's lines timed by `clock` (seconds);
-  then log.jsonl and energy.jsonl."""
+  """FedStitch over every client, their work done by `clients`
+  (`federated.LocalClients` on this host), the coordinators in the loop,
+  from the rounds `opened` holds: the host loop of every run
+  (`experiment.drive`), each round's rows in metrics.jsonl and
+  clients.jsonl and its state checkpointed; each round's lines timed by
+  `clock` (seconds). Then the reports log.jsonl and energy.jsonl."""
   config = s.config
-  workdir = config.run.workdir
-  saved = []  # the rounds this process finished (each saved when done)
-  limit = federated.round_limit(config_lib.library_config(config))
+  ckpt, start, state = opened.ckpt, opened.start, opened.state
+  lib = config_lib.library_config(config)
+  rows = records.Records(
+    config.run.workdir, 0 if opened.imported else start, True, log
+  )
+
+  def save(r, state):
+    tree = state_lib.to_checkpoint(state, opened.identity)
+    ckpt.save(r, tree, {IDENTITY_KEY: opened.identity, **rows.binding()})
+
+  if opened.imported:  # a state.npz of an earlier version: rows, state
+    for entry in state.log:
+      rows.write(*state_lib.rows_of(entry))
+    save(start, state)
+  limit = federated.round_limit(lib)
   t0 = clock()
 
-  def on_round(state):
-    saved.append(state.log[-1]['round'])
-    pace = progress.Pace(clock() - t0, len(saved), limit)
-    for line in progress.stitch_round_lines(state.log[-1], pace):
+  def record(state, saved_round, r, entry, t_round):
+    del saved_round, t_round
+    row, clients_row = state_lib.rows_of(entry)
+    rows.write(row, clients_row)
+    pace = progress.Pace(clock() - t0, r - start, limit)
+    for line in progress.stitch_round_lines(entry, pace):
       log(line)
+    return row
 
-  try:
-    state = federated.run(
+  def step(state, r):
+    del r
+    state = federated.run_round(
       s.pool,
-      None,
-      config.partition.num_clients,
-      config_lib.library_config(config),
-      state_path=os.path.join(workdir, STATE_FILE),
-      identity=config_lib.identity(config, [m.id for m in s.models]),
-      on_round=on_round,
+      state,
+      clients,
+      lib,
+      population=list(range(config.partition.num_clients)),
       energy=s.coordinators,
-      clients=clients,
     )
-  except energy.EnergyError as e:  # e.g. the kernel refused a clock
+    return state, state.log[-1]
+
+  run = experiment.Drive(
+    rounds=limit,
+    every=1,
+    step=step,
+    record=record,
+    save=save,
+    rows=rows,
+    log=log,
+    done=lambda state: not state.live,
+  )
+  try:
+    with s.coordinators or contextlib.nullcontext():
+      state = experiment.drive(state, start, run)
+  except energy_lib.EnergyError as e:  # e.g. the kernel refused a clock
     raise errors.UserError(
       f'`energy_backend={config.energy.backend}`: {e}'
     ) from None
   except KeyboardInterrupt:
-    # The state file is replaced whole after each round, so the one there
-    # is complete; the interrupted round is recomputed identically.
-    if saved:
-      log(f'interrupted: {STATE_FILE} holds the state after round {saved[-1]}')
+    # Every round is checkpointed when done; the one interrupted is
+    # recomputed identically. Rounds named as the round lines name them
+    # (from 0): checkpoint r holds the state after round r - 1.
+    if saved := ckpt.latest_round():
+      log(
+        f'interrupted: {checkpoint.FOLDER}/{saved} holds the state after '
+        f'round {saved - 1}'
+      )
     raise
+  finally:
+    ckpt.close()
+  _write_reports(config.run.workdir, state)
+  return state
+
+
+# A FedStitch checkpoint's metadata key: the identity of its run.
+IDENTITY_KEY = 'identity'
+
+
+def open_run(s: Setup, log: Log = _log_default) -> Opened:
+  """The run's workdir opened for its rounds: the newest intact checkpoint
+  (`resume.restore_checkpoint`), else (`imported`) a state.npz of an
+  earlier version, else round 0; config.json written, after the checks.
+
+  Raises:
+    UserError: config.json, a checkpoint or state.npz of another run.
+  """
+  workdir = s.config.run.workdir
+  identity = config_lib.identity(s.config, [m.id for m in s.models])
+  folder = os.path.join(workdir, checkpoint.FOLDER)
+  config_path = os.path.join(workdir, records.CONFIG_FILE)
+  if os.path.exists(config_path):
+    _check_identity(_saved_identity(config_path), identity, config_path)
+
+  def accept(step, metadata, resumed):
+    del resumed
+    where = f'the checkpoint after round {step} in {folder}'
+    _check_identity(metadata.get(IDENTITY_KEY), identity, where)
+
+  ckpt, start, tree = resume.restore_checkpoint(
+    workdir, None, _KEEP, log, True, accept
+  )
+  imported = False
+  if start is not None:
+    where = os.path.join(folder, str(start))
+    state = state_lib.from_checkpoint(tree, s.pool, identity, where)
+  elif os.path.exists(old := os.path.join(workdir, STATE_FILE)):
+    state = state_lib.load_state(old, s.pool, identity)
+    start, imported = state.round, True
+    log(
+      f'{old}: the state of an earlier version (state format '
+      f'{state_lib.STATE_VERSION}) after round {start}: resumed; from now '
+      f'on the run keeps its rows in {records.METRICS_FILE} and '
+      f'{records.CLIENTS_FILE}, its states in {checkpoint.FOLDER}/'
+    )
+  else:
+    num_clients = s.config.partition.num_clients
+    state, start = state_lib.init_state(s.pool, num_clients), 0
+  os.makedirs(workdir, exist_ok=True)
+  records.write_config(
+    workdir, {**s.config.flat(), IDENTITY_KEY: identity}, bool(start)
+  )
+  if ckpt is None:
+    ckpt = checkpoint.Checkpointer(workdir, keep=_KEEP)
+  return Opened(ckpt, start, state, imported, identity)
+
+
+# The checkpoints a FedStitch run keeps.
+_KEEP = 2
+
+
+def _saved_identity(config_path: str) -> Any:
+  try:
+    saved = jsonfile.load(config_path, checks.MAX_CONFIG_BYTES)
+  except jsonfile.JsonFileError as e:
+    raise errors.ConfigError(
+      f'`workdir`: cannot read {errors.clip(config_path)}: {e.reason}'
+    ) from None
+  return saved.get(IDENTITY_KEY) if isinstance(saved, dict) else None
+
+
+def _check_identity(saved: Any, identity: dict, where: str) -> None:
+  """Refuses a run saved (`saved`, its identity, read from `where`) with
+  another config than `identity`, naming the flags that differ."""
+  if saved == identity:
+    return
+  if isinstance(saved, dict):
+    diffs = [
+      f'`{k}={saved.get(k)!r}` there, {identity.get(k)!r} here'
+      for k in sorted(set(saved) | set(identity))
+      if saved.get(k) != identity.get(k)
+    ]
+  else:
+    diffs = ['not a FedStitch run']
+  raise errors.ConfigError(
+    f'{where} holds a run of a different config ({"; ".join(diffs)}); '
+    'pass another `workdir` or the same flags'
+  )
+
+
+def _write_reports(workdir: str, state: state_lib.State) -> None:
+  """log.jsonl (the rounds' log entries without their energy records) and
+  energy.jsonl (one per round), from the state's log."""
   files.write_atomic(
     os.path.join(workdir, 'log.jsonl'),
     lambda f: f.writelines(
@@ -458,77 +562,11 @@ def run_stitching(
   files.write_atomic(
     os.path.join(workdir, 'energy.jsonl'),
     lambda f: f.writelines(
-      json.dumps({'round': e['round'], **e['energy']}) + '\n' for e in state.log
+      json.dumps({'round': e['round'], **e['energy']}) + '\n'
+      for e in state.log
+      if 'energy' in e  # a run without coordinators (a library caller's)
     ),
   )
-  return state
-
-
-def eval_key(evaluation: config_lib.Evaluation) -> str:
-  """The accuracy networks are ranked by: the head's, else the kNN's."""
-  return 'head' if evaluation.mode in ('head', 'both') else 'knn'
-
-
-def evaluate_networks(
-  s: Setup, state: state_lib.State, evaluate, log: Log = _log_default
-) -> list[dict[str, Any]]:
-  """Every finished network's accuracy, best first; the networks (paths
-  and stitches, never a pickle) go to networks.npz."""
-  nets = []
-  for fin in state.finished:
-    acc = evaluate(fin.net)
-    nets.append(
-      {
-        'path': fin.net.describe(),
-        'depth': fin.net.depth,
-        'round': fin.round,
-        'share': fin.share,
-        **acc,
-      }
-    )
-    log(
-      f'{fin.net.describe()}: '
-      + ', '.join(f'{k} {100 * v:.2f} %' for k, v in acc.items())
-    )
-  key = eval_key(s.config.evaluation)
-  nets.sort(key=lambda n: -n[key])
-  state_lib.write_document(
-    os.path.join(s.config.run.workdir, 'networks.npz'),
-    state_lib.to_host(state)['finished'],
-    config_lib.identity(s.config, [m.id for m in s.models]),
-  )
-  return nets
-
-
-def local_baseline(
-  s: Setup,
-  clients: federated.Clients,
-  evaluate,
-  log: Log = _log_default,
-  clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, Any] | None:
-  """The "Local" baseline: `local_clients` clients (drawn by the seed)
-  each stitching alone; the best accuracy each finds, logged with the time
-  by `clock` (seconds)."""
-  config = s.config
-  n, count = config.partition.num_clients, config.evaluation.local_clients
-  if count <= 0:
-    return None
-  rng = np.random.default_rng([config.run.seed, 99])
-  who = sorted(int(c) for c in rng.choice(n, count, replace=False))
-  local_cfg = config_lib.library_config(config)._replace(clients_per_round=1)
-  local = {'clients': who, 'best': []}
-  t0 = clock()
-  for i, c in enumerate(who, 1):
-    st = federated.run(
-      s.pool, None, n, local_cfg, population=[c], clients=clients
-    )
-    accs = [evaluate(f.net)[eval_key(config.evaluation)] for f in st.finished]
-    best = max(accs) if accs else float('nan')
-    local['best'].append(best)
-    log(progress.stitch_local_line(i, who, best, len(accs), clock() - t0))
-  local['mean_best'] = float(np.nanmean(local['best']))
-  return local
 
 
 def _peak_mib() -> float:
@@ -623,25 +661,26 @@ def _stitch_and_evaluate(
     clients = federated.LocalClients(s.pool, make_batch_fn(s))
   else:
     clients = deployed(s)
-  evaluate = make_evaluate(s)
+  evaluate = evaluation.make_evaluate(s)
   workdir = config.run.workdir
   with workdir_lib.acquire(workdir):  # one writer per workdir
+    opened = open_run(s, log)
     # The clients' training examples, for experiments.run's
     # `partition=file`: the training baselines learn from the same clients.
     partition.save_file(os.path.join(workdir, CLIENTS_FILE), s.parts)
     # Per client: size and examples per class (experiments.run's summary).
     partition.save_summary(
-      os.path.join(workdir, 'partition.json'),
+      os.path.join(workdir, records.PARTITION_FILE),
       partition.summary(s.parts, s.ds.y_train, s.ds.num_classes),
     )
-    state = run_stitching(s, clients, log)
-    nets = evaluate_networks(s, state, evaluate, log)
+    state = run_stitching(s, clients, opened, log)
+    nets = evaluation.evaluate_networks(s, state, evaluate, log)
     pool_acc = {
       # A pool model is its own blocks, with nothing between them.
       m.id: evaluate(network.Network(tuple(chain), (None,) * len(chain)))
       for m, chain in zip(s.models, s.chains)
     }
-    local = local_baseline(s, clients, evaluate, log)
+    local = evaluation.local_baseline(s, clients, evaluate, log)
     results = make_results(s, state, nets, pool_acc, local)
     files.write_atomic(
       os.path.join(workdir, 'results.json'),
@@ -650,7 +689,7 @@ def _stitch_and_evaluate(
   writes = sum(
     len(c.get('writes', ())) for r in state.log for c in r['energy']['clients']
   )
-  key = eval_key(config.evaluation)
+  key = evaluation.eval_key(config.evaluation)
   for line in progress.stitch_summary_lines(results, key, writes):
     log(line)
   return results

@@ -504,13 +504,15 @@ class Checkpointer:
 
   def restore(self, round_index: int, like: Any) -> Any:
     """Restores the checkpoint `round_index` into the structure of `like`
-    (not verified: see `restore_verified`)."""
+    (None: the structure saved, as numpy arrays; not verified: see
+    `restore_verified`)."""
     _ignore_closed_loop_callbacks()
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    args = ocp.args.StandardRestore()
+    if like is not None:
+      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+      args = ocp.args.StandardRestore(abstract)
     with _OrbaxErrorsQuiet(logging.WARNING):
-      return self._manager.restore(
-        int(round_index), args=ocp.args.StandardRestore(abstract)
-      )
+      return self._manager.restore(int(round_index), args=args)
 
   def restore_verified(
     self, round_index: int, like: Any

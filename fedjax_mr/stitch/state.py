@@ -220,10 +220,9 @@ def _decode(value: Any, arrays: Any) -> Any:
   return value
 
 
-def write_document(path: str, payload: Any, identity: Any = None) -> None:
-  """Writes `payload` (plain Python, numpy arrays, tuples) and the run's
-  `identity` (JSON-able) as a versioned .npz, atomically (a temporary
-  file, then a rename)."""
+def document(payload: Any, identity: Any = None) -> bytes:
+  """`payload` (plain Python, numpy arrays, tuples) and the run's
+  `identity` (JSON-able) as the bytes of a versioned .npz."""
   arrays: dict[str, np.ndarray] = {}
   doc = {
     'format': STATE_FORMAT,
@@ -233,7 +232,16 @@ def write_document(path: str, payload: Any, identity: Any = None) -> None:
   }
   text = json.dumps(doc).encode('utf-8')
   arrays[STATE_ENTRY] = np.frombuffer(text, np.uint8)
-  files.write_atomic(path, lambda f: np.savez(f, **arrays), binary=True)
+  out = io.BytesIO()
+  np.savez(out, **arrays)
+  return out.getvalue()
+
+
+def write_document(path: str, payload: Any, identity: Any = None) -> None:
+  """Writes `document(payload, identity)` to `path`, atomically (a
+  temporary file, then a rename)."""
+  data = document(payload, identity)
+  files.write_atomic(path, lambda f: f.write(data), binary=True)
 
 
 def read_document(path: str) -> tuple[Any, Any]:
@@ -246,29 +254,43 @@ def read_document(path: str) -> tuple[Any, Any]:
   try:
     with open(path, 'rb') as f:
       data = f.read()
+  except OSError as e:
+    raise StateFileError(f'{path} does not read: {e.strerror or e}') from None
+  return parse_document(data, path)
+
+
+def parse_document(data: bytes, where: str) -> tuple[Any, Any]:
+  """`(payload, identity)` of `document`'s bytes `data` (read from
+  `where`, which messages name).
+
+  Raises:
+    StateFileError: not such a document (damaged, another format or
+      version).
+  """
+  try:
     with np.load(io.BytesIO(data), allow_pickle=False) as npz:
       arrays = {k: npz[k] for k in npz.files}
     if STATE_ENTRY not in arrays:
-      raise StateFileError(f'{path} is not a FedStitch state file')
+      raise StateFileError(f'{where} is not a FedStitch state file')
     doc = json.loads(arrays.pop(STATE_ENTRY).tobytes().decode('utf-8'))
   except StateFileError:
     raise
   except Exception as e:  # noqa: BLE001 (zip, numpy, JSON, unicode, ...)
     raise StateFileError(
-      f'{path} is not a readable FedStitch state file '
+      f'{where} is not a readable FedStitch state file '
       f'({type(e).__name__}: {" ".join(str(e).split())[:120]})'
     ) from None
   if not isinstance(doc, dict) or doc.get('format') != STATE_FORMAT:
-    raise StateFileError(f'{path} is not a FedStitch state file')
+    raise StateFileError(f'{where} is not a FedStitch state file')
   if doc.get('version') != STATE_VERSION:
     raise StateFileError(
-      f'{path} has state format version {doc.get("version")!r}; this '
+      f'{where} has state format version {doc.get("version")!r}; this '
       f'version of fedjax_mr reads version {STATE_VERSION}'
     )
   try:
     return _decode(doc['payload'], arrays), doc.get('identity')
   except KeyError as e:
-    raise StateFileError(f'{path} refers to a missing array {e}') from None
+    raise StateFileError(f'{where} refers to a missing array {e}') from None
 
 
 def save_state(path: str, state: State, identity: Any = None) -> None:
@@ -284,7 +306,20 @@ def load_state(path: str, pool: pool_lib.Pool, identity: Any = None) -> State:
     StateFileError: an unreadable file, or (with `identity`) a state saved
       by a run of another identity (the differing keys are named).
   """
-  payload, saved = read_document(path)
+  return state_of(read_document(path), pool, identity, path)
+
+
+def state_of(
+  read: tuple[Any, Any], pool: pool_lib.Pool, identity: Any, where: str
+) -> State:
+  """The state of a document's `(payload, identity)` (`parse_document`;
+  read from `where`), refused if saved by a run of another `identity`
+  (None: not checked).
+
+  Raises:
+    StateFileError: another run's, or a state that does not fit `pool`.
+  """
+  payload, saved = read
   if identity is not None and saved != identity:
     if isinstance(saved, dict) and isinstance(identity, dict):
       keys = sorted(set(saved) | set(identity))
@@ -296,12 +331,60 @@ def load_state(path: str, pool: pool_lib.Pool, identity: Any = None) -> State:
     else:
       diffs = ['another run']
     raise StateFileError(
-      f'{path} holds a run of a different config ({"; ".join(diffs)}); '
+      f'{where} holds a run of a different config ({"; ".join(diffs)}); '
       'pass another `workdir` or the same flags'
     )
   try:
     return _from_host(pool, payload)
   except (KeyError, TypeError, ValueError) as e:
     raise StateFileError(
-      f'{path} does not fit this pool ({type(e).__name__}: {e})'
+      f'{where} does not fit this pool ({type(e).__name__}: {e})'
     ) from None
+
+
+# A checkpoint of a run's state (`fedjax_mr.runtime.checkpoint`): the
+# bytes of its document (`document`) as one array, so that a state of any
+# shape (networks added, dropped, finished) saves and restores whole.
+CHECKPOINT_ENTRY = 'document'
+
+
+def to_checkpoint(state: State, identity: Any = None) -> dict[str, np.ndarray]:
+  """The tree a checkpoint of `state` holds: `{CHECKPOINT_ENTRY: bytes}`
+  of its document with the run's `identity`."""
+  data = document(to_host(state), identity)
+  return {CHECKPOINT_ENTRY: np.frombuffer(data, np.uint8)}
+
+
+def from_checkpoint(
+  tree: Any, pool: pool_lib.Pool, identity: Any, where: str
+) -> State:
+  """The state of a checkpoint's tree (`to_checkpoint`; read from
+  `where`), refused if saved by a run of another `identity`.
+
+  Raises:
+    StateFileError: not such a tree, another run's, or a state that does
+      not fit `pool`.
+  """
+  entry = tree.get(CHECKPOINT_ENTRY) if isinstance(tree, dict) else None
+  if entry is None:
+    raise StateFileError(f'{where} holds no FedStitch state')
+  data = np.ascontiguousarray(entry, np.uint8).tobytes()
+  return state_of(parse_document(data, where), pool, identity, where)
+
+
+def rows_of(entry: dict) -> tuple[dict, dict]:
+  """A round's log entry as the run's two record rows: the metrics row
+  (the entry, its energy record left out, numbered as the state after it:
+  `round` + 1) and the clients row (each participant's id and time; the
+  energy record of the round, if any)."""
+  r = entry['round'] + 1
+  row = {'round': r}
+  row.update((k, v) for k, v in entry.items() if k not in ('round', 'energy'))
+  clients = [
+    {'id': c, 'time_s': t}
+    for c, t in zip(entry['clients'], entry['client_time_s'])
+  ]
+  clients_row = {'round': r, 'clients': clients}
+  if 'energy' in entry:
+    clients_row['energy'] = entry['energy']
+  return row, clients_row

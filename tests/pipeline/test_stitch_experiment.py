@@ -3,16 +3,22 @@ configurations) and the Local baseline's lines, on hand-made entries and a
 fake clock."""
 
 import json
+import os
 import types
 
 import numpy as np
 import pytest
 
 from fedjax_mr.core import errors
+from fedjax_mr.pipeline import evaluation
 from fedjax_mr.pipeline import progress
 from fedjax_mr.pipeline import stitch_config
 from fedjax_mr.pipeline import stitch_experiment
+from fedjax_mr.runtime import checkpoint
 from fedjax_mr.stitch import federated
+from fedjax_mr.stitch import pool as pool_lib
+from fedjax_mr.stitch import state as state_lib
+from tests.stitch import common
 
 Pace = progress.Pace
 
@@ -21,6 +27,7 @@ def _entry(r, configs=('table2_3_MAXN',) * 3, deadline_s=None):
   """A log entry of round `r` (from 0) with one client per config."""
   return {
     'round': r,
+    'clients': [0, 1, 2],
     'depth': 3,
     'pool_sizes': [7, 5],
     'client_time_s': [0.5, 0.25, 1.0],
@@ -105,26 +112,44 @@ def _clock(*times):
   return iter(times).__next__
 
 
-def test_a_resumed_run_times_only_the_rounds_it_ran(tmp_path, monkeypatch):
-  def resumed_run(pool, batch_fn, num_clients, config, *, on_round, **kw):
-    del pool, batch_fn, num_clients, config, kw
-    log = tuple(_entry(r) for r in range(10))  # before the resume
-    for r in (10, 11):
-      log += (_entry(r),)
-      on_round(types.SimpleNamespace(log=log))
-    return types.SimpleNamespace(log=log)
+def _fake_rounds(monkeypatch, stop_at=None, end_at=None):
+  """`federated.run_round` replaced: round r adds `_entry(r)` to the log;
+  interrupted before round `stop_at` (from 0), no network left after
+  round `end_at`."""
 
-  monkeypatch.setattr(federated, 'run', resumed_run)
-  lines = []
+  def run_round(pool, state, clients, config, *, population, energy):
+    del pool, clients, config, population, energy
+    r = state.round
+    if r == stop_at:
+      raise KeyboardInterrupt
+    live = () if r + 1 == end_at else state.live
+    return state._replace(round=r + 1, live=live, log=state.log + (_entry(r),))
+
+  monkeypatch.setattr(federated, 'run_round', run_round)
+
+
+def test_a_resumed_run_times_only_the_rounds_it_ran(tmp_path, monkeypatch):
   s = _setup(tmp_path, max_depth=5, rounds_per_selection=5)  # ≤ 20 rounds
+  s = s._replace(pool=common.fake_pool())
+  _fake_rounds(monkeypatch, stop_at=10)
+  with pytest.raises(KeyboardInterrupt):
+    opened = stitch_experiment.open_run(s, print)
+    stitch_experiment.run_stitching(s, None, opened, print)
+  _fake_rounds(monkeypatch, end_at=12)
+  lines = []
+  opened = stitch_experiment.open_run(s, lines.append)
+  assert opened.start == 10 and len(opened.state.log) == 10
   stitch_experiment.run_stitching(
-    s, None, lines.append, _clock(100.0, 112.0, 120.0)
+    s, None, opened, lines.append, _clock(100.0, 112.0, 120.0)
   )
   rounds = [x.split(' | ', 1)[1] for x in lines if x.startswith('round')]
   assert rounds == [
     '11/≤20 rounds | elapsed 12.0s | 0.08 rounds/s | ETA ≤ 108s',
     '12/≤20 rounds | elapsed 20.0s | 0.10 rounds/s | ETA ≤ 80s',
   ]
+  # The records hold every round once, numbered as the state after it.
+  rows = [json.loads(x) for x in open(tmp_path / 'metrics.jsonl')]
+  assert [r['round'] for r in rows] == list(range(1, 13))
   # The files keep every client's configuration.
   energy = (tmp_path / 'energy.jsonl').read_text().splitlines()
   assert len(energy) == 12
@@ -144,7 +169,7 @@ def test_local_lines_count_the_searches_and_time_them(tmp_path, monkeypatch):
   monkeypatch.setattr(federated, 'run', alone)
   lines = []
   s = _setup(tmp_path, num_clients=40, local_clients=2)
-  local = stitch_experiment.local_baseline(
+  local = evaluation.local_baseline(
     s,
     None,
     lambda net: {'head': (0.5, 0.866, 0.7)[net]},
@@ -179,3 +204,144 @@ def test_public_indices_outside_the_dataset_are_one_line(tmp_path):
       f'`pool`: {tmp_path}/public.json holds {what}; `dataset=fashion_mnist` '
       'has 5 training examples'
     )
+
+
+# --- The host loop of every run, on a small real search ----------------------
+
+_ZOO = ('cnn_mnist', 'cnn_femnist', 'cnn_cifar')
+
+
+def _batch(client, round_):
+  rng = np.random.default_rng([client, round_])
+  return rng.uniform(0, 1, (8, 28, 28, 1)).astype(np.float32)
+
+
+def _real_setup(workdir):
+  """A FedStitch run of 3 random-weight models' blocks over 6 clients,
+  3 a round (≤ 4 rounds), without data or energy coordinators."""
+  config = stitch_config.StitchConfig.from_flat(
+    workdir=str(workdir),
+    num_clients=6,
+    clients_per_round=3,
+    batch_size=8,
+    top_k=2,
+    epsilon=0.3,
+    rounds_per_selection=2,
+    num_selections=2,
+    max_depth=3,
+  )
+  pool = pool_lib.make_pool([common.chain(n) for n in _ZOO])
+  models = [types.SimpleNamespace(id=n) for n in _ZOO]
+  s = stitch_experiment.Setup(
+    config, None, None, models, None, pool, None, None, None, None
+  )
+  return s, federated.LocalClients(pool, _batch)
+
+
+def _stitched(workdir, log=print):
+  s, clients = _real_setup(workdir)
+  opened = stitch_experiment.open_run(s, log)
+  return stitch_experiment.run_stitching(s, clients, opened, log)
+
+
+def _timeless_rows(workdir, name):
+  rows = [json.loads(x) for x in open(workdir / name)]
+  for row in rows:
+    for key in ('round_time_s', 'client_time_s'):
+      row.pop(key, None)
+    for client in row.get('clients', ()):
+      if isinstance(client, dict):
+        client.pop('time_s', None)
+  return rows
+
+
+def _same_run(a, b):
+  """Two FedStitch workdirs hold the same run: their final states'
+  documents (times left out) and their records."""
+  docs = []
+  for workdir in (a, b):
+    ckpt = checkpoint.Checkpointer(str(workdir))
+    try:
+      found = ckpt.find(None)
+    finally:
+      ckpt.close()
+    payload, identity = state_lib.parse_document(
+      found.state[state_lib.CHECKPOINT_ENTRY].tobytes(), str(workdir)
+    )
+    for entry in payload['log']:
+      del entry['round_time_s'], entry['client_time_s']
+    docs.append((found.round, payload, identity))
+  (ra, pa, ia), (rb, pb, ib) = docs
+  assert ra == rb and ia == ib
+  assert json.dumps(pa, default=np.ndarray.tolist) == json.dumps(
+    pb, default=np.ndarray.tolist
+  )
+  for name in ('metrics.jsonl', 'clients.jsonl'):
+    assert _timeless_rows(a, name) == _timeless_rows(b, name)
+
+
+@pytest.fixture(scope='module')
+def whole(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('whole')
+  state = _stitched(workdir)
+  assert state.round >= 3 and state.finished and not state.live
+  return workdir
+
+
+def test_a_workdir_of_an_earlier_version_resumes_from_its_state_npz(
+  whole, tmp_path
+):
+  s, clients = _real_setup(tmp_path)
+  identity = stitch_config.identity(s.config, list(_ZOO))
+  old = federated.run(
+    s.pool,
+    _batch,
+    6,
+    stitch_config.library_config(s.config),
+    state_path=str(tmp_path / 'state.npz'),
+    identity=identity,
+    max_rounds=2,
+  )
+  assert old.round == 2
+  kept = (tmp_path / 'state.npz').read_bytes()
+  lines = []
+  opened = stitch_experiment.open_run(s, lines.append)
+  assert opened.imported and opened.start == 2
+  assert 'state format 1) after round 2: resumed' in lines[0]
+  stitch_experiment.run_stitching(s, clients, opened, lines.append)
+  _same_run(tmp_path, whole)
+  assert (tmp_path / 'state.npz').read_bytes() == kept
+  # Of another run: refused in one line, nothing written.
+  other = tmp_path / 'other'
+  other.mkdir()
+  (other / 'state.npz').write_bytes(kept)
+  s, _ = _real_setup(other)
+  s = s._replace(config=s.config.replace(top_k=3))
+  with pytest.raises(state_lib.StateFileError, match='`top_k=2` there, 3'):
+    stitch_experiment.open_run(s, print)
+  assert sorted(os.listdir(other)) == ['state.npz']
+
+
+def test_a_cut_row_rolls_the_run_back_and_it_ends_the_same(whole, tmp_path):
+  _stitched(tmp_path)
+  rows = (tmp_path / 'metrics.jsonl').read_text().splitlines(keepends=True)
+  # The last row cut mid-way: rounds from there on are recomputed from the
+  # checkpoint before it (the newer one is deleted).
+  (tmp_path / 'metrics.jsonl').write_text(''.join(rows[:-1]) + rows[-1][:9])
+  lines = []
+  _stitched(tmp_path, lines.append)
+  assert any(
+    'are recomputed, from the checkpoint after round' in x for x in lines
+  )
+  assert sum(x.startswith('round') for x in lines) == 1
+  _same_run(tmp_path, whole)
+
+
+def test_another_config_is_refused_before_anything_is_written(whole):
+  s, _ = _real_setup(whole)
+  s = s._replace(config=s.config.replace(epsilon=0.5))
+  before = {p: p.read_bytes() for p in whole.rglob('*') if p.is_file()}
+  with pytest.raises(errors.ConfigError, match='`epsilon=0.3` there, 0.5'):
+    stitch_experiment.open_run(s, print)
+  after = {p: p.read_bytes() for p in whole.rglob('*') if p.is_file()}
+  assert after == before
