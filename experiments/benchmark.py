@@ -41,9 +41,9 @@ _DEFINE = {
   'str': flags.DEFINE_string,
 }
 for _f in bench.flag_fields():
-  if _f.metadata['choices']:
+  if bench.choices(_f):
     flags.DEFINE_enum(
-      _f.name, _f.default, _f.metadata['choices'], _f.metadata['help']
+      _f.name, _f.default, bench.choices(_f), _f.metadata['help']
     )
   elif _f.name == 'client_chunks':
     flags.DEFINE_list(_f.name, [], _f.metadata['help'])

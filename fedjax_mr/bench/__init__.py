@@ -11,6 +11,7 @@ from fedjax_mr.bench.report import Figures
 from fedjax_mr.bench.report import Report
 from fedjax_mr.bench.runs import dataset_fields
 from fedjax_mr.bench.setting import Setting
+from fedjax_mr.bench.setting import choices
 from fedjax_mr.bench.setting import flag_fields
 from fedjax_mr.bench.setting import synthetic
 
@@ -22,6 +23,7 @@ __all__ = [
   'TorchLoop',
   'TorchLoopFactory',
   'check',
+  'choices',
   'dataset_fields',
   'flag_fields',
   'measure',

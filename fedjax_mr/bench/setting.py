@@ -1,4 +1,10 @@
-"""What a benchmark times: one frozen `Setting`, checked once by `check`."""
+"""What a benchmark times: one frozen `Setting`, checked once by `check`.
+
+Its flags are flat. Those that mean what the training program's mean
+(the dataset, the model, N, K, E, B, the devices, the algorithm, the test
+batch) are the training config's fields, defined there once
+(`config_tree.shared`); `choices` gives each field's values.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +12,16 @@ import dataclasses
 from typing import Any
 from typing import Mapping
 
+from fedjax_mr.core import config_tree
 from fedjax_mr.core import errors
 from fedjax_mr.data import datasets
 from fedjax_mr.data import partition
+from fedjax_mr.pipeline import config as config_lib
 
 SIZES = ('equal', 'dirichlet', 'range')
+
+
+_shared = config_tree.shared
 
 
 def _field(default: Any, help_text: str, choices=None):
@@ -23,13 +34,13 @@ def _field(default: Any, help_text: str, choices=None):
 class Setting:
   """A benchmark setting (see each field's help)."""
 
-  dataset: str = _field('fashion_mnist', 'Dataset.')
-  data_dir: str = _field('', 'Dataset folder (as the training program).')
-  model: str = _field('cnn_mnist', 'Model.')
-  num_clients: int = _field(100, 'Clients N.')
-  clients_per_round: int = _field(10, 'Clients per round K.')
-  local_epochs: int = _field(5, 'Local epochs E.')
-  batch_size: int = _field(50, 'Batch size B.')
+  dataset: str = _shared(config_lib.Data, 'dataset')
+  data_dir: str = _shared(config_lib.Data, 'data_dir')
+  model: str = _shared(config_lib.ModelChoice, 'name')
+  num_clients: int = _shared(config_lib.Partition, 'num_clients')
+  clients_per_round: int = _shared(config_lib.Server, 'clients_per_round')
+  local_epochs: int = _shared(config_lib.Local, 'local_epochs')
+  batch_size: int = _shared(config_lib.Local, 'batch_size')
   sizes: str = _field(
     'equal',
     'Client sizes: equal shares, Dirichlet(alpha) label skew, or sizes '
@@ -77,17 +88,15 @@ class Setting:
     'setting.',
   )
   alpha: float = _field(0.1, 'Dirichlet α for sizes=dirichlet.')
-  num_devices: int = _field(
-    1,
-    'Devices the client axis is sharded over (0: every device; as the '
-    'training program).',
+  num_devices: int = _shared(
+    config_lib.Devices,
+    'num_devices',
+    default=1,
+    why='the plain PyTorch loop it compares with runs on one device '
+    '(matrix: both).',
   )
-  client_chunk: int = _field(
-    0,
-    '0: 1 on CPU (8 for models of at most 1,000 parameters), all on '
-    'accelerators up to 1,000 a device.',
-  )
-  host_devices: int = _field(0, 'XLA host devices (0: auto).')
+  client_chunk: int = _shared(config_lib.Devices, 'client_chunk')
+  host_devices: int = _shared(config_lib.Devices, 'host_devices')
   rounds: int = _field(5, 'Timed rounds (after one warm-up).')
   matrix: bool = _field(False, '1 and all devices × equal and Dirichlet sizes.')
   pytorch: bool = _field(
@@ -103,18 +112,14 @@ class Setting:
   threads: int = _field(
     0, 'PyTorch intra-op threads on the CPU (0: all cores; at most the cores).'
   )
-  algorithm: str = _field(
-    'fedavg', 'Algorithm to time (a name of the registry).'
-  )
+  algorithm: str = _shared(config_lib.AlgorithmChoice, 'name')
   eval_every: int = _field(
     10,
     'Evaluation share: one evaluation (as a training run evaluates, for '
     'FedMR-type algorithms with its local evaluations too) per this many '
     'rounds.',
   )
-  eval_batch_size: int = _field(
-    500, 'Test batch size (as the training program).'
-  )
+  eval_batch_size: int = _shared(config_lib.Evaluation, 'eval_batch_size')
   # Fields of the experiment config: the dataset's (Synthetic's α and β)
   # and the timed algorithm's hyper-parameters (FedAvg beside it has none).
   dataset_options: Mapping[str, Any] = dataclasses.field(
@@ -123,6 +128,11 @@ class Setting:
   algorithm_options: Mapping[str, Any] = dataclasses.field(
     default_factory=dict, metadata={'flag': False}
   )
+
+
+def choices(field: dataclasses.Field) -> tuple[str, ...] | None:
+  """The values `field` allows, or None (any)."""
+  return config_lib.choices(field)
 
 
 def flag_fields() -> tuple[dataclasses.Field, ...]:

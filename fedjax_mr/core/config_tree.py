@@ -6,7 +6,10 @@ parts (`part`), one per concern; a part holds fields (`field`) and maybe
 parts of its own. Each field has a flat name, unique in the tree: its
 `flag` metadata, else its own name. The programs' flags, config.json and
 the tests speak in those names; `fields` lists them in the tree's order,
-`flat` reads a config by them and `replaced` builds one from them. Plain
+`flat` reads a config by them and `replaced` builds one from them. A part
+shared by several configs is defined once and composed by each (a config
+whose own part differs subclasses it, a flat config takes its fields by
+`shared`); where a default differs, its help says why. Plain
 Python: nothing here reads a file or imports jax.
 """
 
@@ -32,6 +35,42 @@ def field(
   metadata = {'help': help_text, 'choices': choices, 'run_only': run_only}
   if flag:
     metadata['flag'] = flag
+  return dataclasses.field(default=default, metadata=metadata)
+
+
+def shared(
+  kind: type,
+  name: str,
+  *,
+  default: Any = dataclasses.MISSING,
+  choices: Any = None,
+  why: str = '',
+) -> Any:
+  """Field `name` of the part `kind`, defined there once, in another
+  config (a subclass of the part, or a flat config such as the
+  benchmark's): the same default, help, choices and flat name; or another
+  `default` or fewer `choices`, whose reason `why` ends the help.
+
+  Raises:
+    ValueError: `kind` has no field `name`; another default or choices
+      without `why`.
+  """
+  found = {f.name: f for f in dataclasses.fields(kind)}.get(name)
+  if found is None:
+    raise ValueError(f'name: {kind.__name__} has no field {name!r}')
+  metadata = dict(found.metadata)
+  changed = []
+  if default is not dataclasses.MISSING:
+    changed.append(f'default {default!r}')
+  else:
+    default = found.default
+  if choices is not None:
+    changed.append(f'only {", ".join(choices)}')
+    metadata['choices'] = tuple(choices)
+  if changed and not why:
+    raise ValueError(f'why: {" and ".join(changed)} of {name!r} need a reason')
+  if changed:
+    metadata['help'] = f'{metadata["help"]} Here {" and ".join(changed)}: {why}'
   return dataclasses.field(default=default, metadata=metadata)
 
 

@@ -5,7 +5,11 @@ concern.
 (how a client trains), `server` (K, weights, server optimizer),
 `algorithm` (the name and the algorithm's own `Hparams`), `run`,
 `evaluation`, `energy` and `devices` (with its `processes`). A consumer
-takes the part it reads.
+takes the part it reads. The parts every program shares are defined here
+once: `Data`, `Partition` and `Run` (extended for training by
+`TrainingData`, `TrainingPartition`, `TrainingRun`; FedStitch's config
+composes them, `stitch_config`) and `Devices` (whose fields the
+benchmark's flat `Setting` takes, `config_tree.shared`).
 
 Every field is an absl flag of `experiments/run.py` under the flat name
 its metadata gives (`flag`, else its own: `lr`; `partition` for
@@ -87,7 +91,9 @@ def _input_kinds(dataset: str, model_name: str) -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Data:
-  """The dataset: which one, where it is read from, which of its classes."""
+  """The dataset: which one, where it is read from, which of its classes.
+  Shared: every program's config composes it (`TrainingData` adds what
+  training reads of some datasets)."""
 
   dataset: str = _field('fashion_mnist', 'Dataset name.', choices='datasets')
   data_dir: str = _field(
@@ -101,11 +107,18 @@ class Data:
   )
   classes: str = _field(
     '',
-    'Learn these classes only, e.g. 5-9 or 0,2,4 (relabelled 0..n-1 in '
-    'this order): the clients hold, and the test set has, examples of '
-    'these classes alone (a transfer setting beside the classes of '
-    'experiments.stitch). Empty: every class.',
+    'These classes only, e.g. 5-9 or 0,2,4 (relabelled 0..n-1 in this '
+    'order): the clients hold, and the test set has, examples of these '
+    'classes alone. With a FedStitch pool trained on other classes '
+    '(pretrain_zoo classes), a transfer setting, evaluated by eval=knn. '
+    'Empty: every class.',
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingData(Data):
+  """`Data`, and what the training programs read of some datasets."""
+
   cifar100_labels: str = _field(
     'fine',
     'cifar100 only: fine (100 classes, as the papers) or coarse (the 20 '
@@ -134,7 +147,9 @@ class Data:
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-  """How the training set is split among the clients."""
+  """How the training set is split among the clients. Shared: every
+  program's config composes it (`TrainingPartition` adds the partitions
+  of a file; FedStitch's allows fewer and another alpha, saying why)."""
 
   kind: str = _field(
     'dirichlet',
@@ -153,9 +168,6 @@ class Partition:
   alpha: float = _field(
     0.1, 'Dirichlet concentration (partition=dirichlet, dirichlet_equal).'
   )
-  min_client_size: int = _field(
-    10, 'Minimum examples per client (partition=dirichlet).'
-  )
   shards_per_client: int = _field(
     2,
     'partition=shards: shards per client s. The training set, sorted by '
@@ -166,6 +178,16 @@ class Partition:
     'multiple of the shard size, else at most 2s (when every class fills a '
     'shard); fewer when it draws two shards of one class. The FedAvg paper: '
     's=2.',
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingPartition(Partition):
+  """`Partition`, and what the training programs add: a smallest client
+  and the partition of a file."""
+
+  min_client_size: int = _field(
+    10, 'Minimum examples per client (partition=dirichlet).'
   )
   file: str = _field(
     '',
@@ -280,21 +302,17 @@ class Server:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """How long the run is, its seed, and what it keeps."""
+  """The run's seed, its folder and what it keeps there. Shared: every
+  program that writes a workdir composes it (`TrainingRun` adds how long
+  a training run is and how often it checkpoints)."""
 
-  rounds: int = _field(20, 'Total number of rounds.', run_only=True)
   seed: int = _field(0, 'Seed of the partition, the init and every round.')
   workdir: str = _field(
     '',
-    'Output folder (metrics, checkpoints, plots); a run there resumes. '
+    'Output folder (records, checkpoints, plots); a run there resumes. '
     'Default: runs/<algorithm>-<dataset>-<model>-<partition>-s<seed> '
     '(<partition>: e.g. dirichlet0.1, shards2, file-<sha256[:8]>; for '
     'dataset=synthetic alpha<a>_beta<b>).',
-    run_only=True,
-  )
-  checkpoint_every: int = _field(
-    5,
-    'Save a checkpoint every this many rounds (0: only at the end).',
     run_only=True,
   )
   keep_checkpoints: int = _field(
@@ -304,6 +322,19 @@ class Run:
     True,
     'Also write the metrics rows as TensorBoard event files to '
     '<workdir>/tensorboard (for TensorBoard, whose logdir is <workdir>).',
+    run_only=True,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingRun(Run):
+  """`Run`, and how long a training run is and how often it
+  checkpoints."""
+
+  rounds: int = _field(20, 'Total number of rounds.', run_only=True)
+  checkpoint_every: int = _field(
+    5,
+    'Save a checkpoint every this many rounds (0: only at the end).',
     run_only=True,
   )
 
@@ -479,13 +510,13 @@ class ExperimentConfig:
   """One federated training experiment: a part per concern (see the module
   docstring and each field's help)."""
 
-  data: Data = _part(Data)
-  partition: Partition = _part(Partition)
+  data: TrainingData = _part(TrainingData)
+  partition: TrainingPartition = _part(TrainingPartition)
   model: ModelChoice = _part(ModelChoice)
   local: Local = _part(Local)
   server: Server = _part(Server)
   algorithm: AlgorithmChoice = _part(AlgorithmChoice)
-  run: Run = _part(Run)
+  run: TrainingRun = _part(TrainingRun)
   evaluation: Evaluation = _part(Evaluation)
   energy: Energy = _part(Energy)
   devices: Devices = _part(Devices)

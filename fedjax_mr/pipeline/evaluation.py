@@ -5,8 +5,9 @@ the algorithm evaluates (`types.evaluated_model`); for the algorithms that
 keep K different models (`config.multi_model`), every `local_eval_every`
 rounds each of the K models the next round dispatches. A FedStitch run
 evaluates at its end every stitched network, every pool model and the
-"Local" baseline (`make_evaluate`, `evaluate_networks`, `local_baseline`;
-`s` there is `stitch_experiment.Setup`).
+"Local" baseline (`make_evaluate`, `evaluate_networks`, `local_baseline`)
+and reports them in results.json (`make_results`; `s` there is
+`stitch_experiment.Setup`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
+from fedjax_mr.energy import fleet
 from fedjax_mr.pipeline import build
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import progress
@@ -253,3 +255,58 @@ def local_baseline(
     log(progress.stitch_local_line(i, who, best, len(accs), clock() - t0))
   local['mean_best'] = float(np.nanmean(local['best']))
   return local
+
+
+def _peak_mib() -> float:
+  with open('/proc/self/status') as f:
+    for line in f:
+      if line.startswith('VmHWM:'):
+        return int(line.split()[1]) / 1024
+  return 0.0
+
+
+def plain(o):
+  """JSON for numpy scalars and arrays."""
+  if isinstance(o, (np.generic, np.ndarray)):
+    return o.tolist()
+  raise TypeError(f'{type(o).__name__} is not JSON serializable')
+
+
+def make_results(
+  s: Any,
+  state: state_lib.State,
+  nets: list[dict[str, Any]],
+  pool_acc: dict[str, dict],
+  local: dict[str, Any] | None,
+) -> dict[str, Any]:
+  """What results.json holds."""
+  config, rounds = s.config, state.log
+  e = config.energy
+  energy_summary = {
+    'backend': e.backend,
+    'devices': e.mix if e.backend == 'simulated' else e.profile,
+    **fleet.summarize([e['energy'] for e in rounds]),
+  }
+  return {
+    'config': stitch_config.library_config(config)._asdict(),
+    'partition': config.partition.kind,
+    'dirichlet_alpha': config.partition.alpha,
+    'eval': config.evaluation.mode,
+    'knn_at': config.evaluation.knn_at,
+    'pool_blocks': len(s.pool.blocks),
+    'pool_models': pool_acc,
+    'networks': nets,
+    'best': nets[0] if nets else None,
+    'local': local,
+    'rounds': len(rounds),
+    # Over every round of the run, also those before a resume.
+    'run_seconds': sum(e.get('round_time_s', 0.0) for e in rounds),
+    'selection_seconds_per_round': [sum(e['client_time_s']) for e in rounds],
+    'pool_sizes': [e['pool_sizes'] for e in rounds],
+    'selection_seconds_total': float(
+      sum(sum(e['client_time_s']) for e in rounds)
+    ),
+    'final_weights': rounds[-1]['weights'] if rounds else None,
+    'energy': energy_summary,
+    'peak_host_mib': _peak_mib(),
+  }

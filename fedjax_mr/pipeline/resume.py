@@ -43,7 +43,7 @@ Log = Callable[[str], None]
 # Where damaged checkpoints are moved (`checkpoint.Checkpointer.settle`).
 DAMAGED_FOLDER = 'checkpoints_damaged'
 # The folders a run writes in its workdir (besides checkpoint.FOLDER).
-_OWN_FOLDERS = (DAMAGED_FOLDER, 'tensorboard')
+OWN_FOLDERS = (DAMAGED_FOLDER, 'tensorboard')
 
 
 def check_workdir(config: config_lib.ExperimentConfig, workdir: str) -> None:
@@ -69,7 +69,7 @@ def check_entries(workdir: str) -> None:
   workdir_lib.check_entries(
     workdir,
     files=records.OWN_FILES,
-    folders=(checkpoint.FOLDER, *_OWN_FOLDERS),
+    folders=(checkpoint.FOLDER, *OWN_FOLDERS),
   )
   folder = os.path.join(workdir, checkpoint.FOLDER)
   if os.path.isdir(folder):

@@ -78,44 +78,29 @@ class Pool:
     object.__setattr__(self, 'pool_models', tuple(self.pool_models))
 
 
-@dataclasses.dataclass(frozen=True)
-class Data:
-  """The dataset and the clients' classes of it."""
-
-  dataset: str = _field('fashion_mnist', 'Dataset.')
-  data_dir: str = _field(
-    '',
-    "Dataset folder, as experiments.run's (empty: the dataset's default).",
-    run_only=True,
-  )
-  classes: str = _field(
-    '',
-    "The clients' task: these classes only, e.g. 5-9 (relabelled 0..n-1); "
-    'with a pool trained on other classes (pretrain_zoo classes) a '
-    'transfer setting, evaluated by eval=knn. Empty: all.',
-  )
+# The dataset and the clients' classes of it: the part every program
+# shares.
+Data = config_lib.Data
 
 
 @dataclasses.dataclass(frozen=True)
-class Partition:
-  """The clients and how the examples are split among them."""
+class Partition(config_lib.Partition):
+  """The clients and how the examples are split among them: the shared
+  part, with FedStitch's partitions and alpha."""
 
-  num_clients: int = _field(100, 'Clients N.')
-  kind: str = _field(
-    'dirichlet',
-    'Client partition: iid; dirichlet (each class split over the clients by '
-    'Dir(alpha), as experiments.run); dirichlet_equal (equal-size clients, '
-    "each with class proportions from Dir(alpha): FedStitch's non-IID "
-    'setting, and the one that stays non-empty with few classes); shards '
-    '(the label-sorted shards of experiments.run, shards_per_client: a '
-    "client holds few classes; FedStitch's Fig. 2).",
+  kind: str = config_tree.shared(
+    config_lib.Partition,
+    'kind',
     choices=PARTITIONS,
-    flag='partition',
+    why="FedStitch's clients hold the examples outside the pool's public "
+    'split, drawn by one of these.',
   )
-  alpha: float = _field(
-    1.0, 'Dirichlet concentration (partition=dirichlet or dirichlet_equal).'
+  alpha: float = config_tree.shared(
+    config_lib.Partition,
+    'alpha',
+    default=1.0,
+    why="FedStitch's non-IID setting, Dir(1) per client (its Table I).",
   )
-  shards_per_client: int = _field(2, 'partition=shards: shards per client.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,11 +157,15 @@ class Stitching:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-  """The seed and the output folder."""
+class Run(config_lib.Run):
+  """The seed, the output folder and what it keeps: the shared part."""
 
-  seed: int = _field(0, 'Seed.')
-  workdir: str = _field('runs/stitch', 'Output folder.', run_only=True)
+  workdir: str = config_tree.shared(
+    config_lib.Run,
+    'workdir',
+    default='runs/stitch',
+    why='a FedStitch run has no algorithm or model to name its folder by.',
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +294,7 @@ def fields() -> tuple[config_tree.FlagField, ...]:
 
 def choices(field: Any) -> tuple[str, ...] | None:
   """The values `field` allows, or None (any)."""
-  return field.metadata['choices']
+  return config_lib.choices(field)
 
 
 def library_config(config: StitchConfig) -> stitch_config.Config:
@@ -334,11 +323,17 @@ def identity(config: StitchConfig, pool_models: Sequence[str]) -> dict:
   """What defines the run (saved with its state, checked on resume): the
   fields that are not `run_only`, by flag, and the pool's models by id."""
   flat, applies = config.flat(), _where_they_apply(config)
-  out = {
-    f.name: flat[f.name]
+  names = [
+    f.name
     for f in _FIELDS
     if not f.metadata['run_only'] and f.name not in applies
-  }
+  ]
+  # In the order earlier versions saved them (a state's document keeps its
+  # bytes): `num_clients` before `partition`, as FedStitch's own partition
+  # part had them before it composed the shared one.
+  names.remove('num_clients')
+  names.insert(names.index('partition'), 'num_clients')
+  out = {name: flat[name] for name in names}
   # Stored under the field's earlier name: workdirs keep resuming.
   out['dirichlet_alpha'] = out.pop('alpha')
   out['pool_models'] = list(pool_models)
@@ -368,6 +363,10 @@ def _check_run(config: StitchConfig) -> None:
   checks.check_clients_per_round(k, n)
   checks.check_seed('seed', config.run.seed)
   rules = [
+    (
+      config.run.keep_checkpoints >= 1,
+      f'`keep_checkpoints` must be ≥ 1, got {config.run.keep_checkpoints}',
+    ),
     (
       e.eval_examples >= 0,
       f'`eval_examples` must be ≥ 0 (0: all), got {e.eval_examples}',

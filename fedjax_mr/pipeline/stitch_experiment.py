@@ -107,7 +107,7 @@ def check_workdir(workdir: str) -> None:
   workdir_lib.check_entries(
     workdir,
     files=(*records.OWN_FILES, *REPORT_FILES, CLIENTS_FILE, STATE_FILE),
-    folders=(checkpoint.FOLDER, resume.DAMAGED_FOLDER),
+    folders=(checkpoint.FOLDER, *resume.OWN_FOLDERS),
   )
   old_state = os.path.join(workdir, 'state.pkl')
   if os.path.exists(old_state):
@@ -396,7 +396,11 @@ def run_stitching(
   ckpt, start, state = opened.ckpt, opened.start, opened.state
   lib = config_lib.library_config(config)
   rows = records.Records(
-    config.run.workdir, 0 if opened.imported else start, True, log
+    config.run.workdir,
+    0 if opened.imported else start,
+    True,
+    log,
+    tensorboard=config.run.tensorboard,
   )
 
   def save(r, state):
@@ -408,29 +412,7 @@ def run_stitching(
       rows.write(*state_lib.rows_of(entry))
     save(start, state)
   limit = federated.round_limit(lib)
-  t0 = clock()
-
-  def record(state, saved_round, r, entry, t_round):
-    del saved_round, t_round
-    row, clients_row = state_lib.rows_of(entry)
-    rows.write(row, clients_row)
-    pace = progress.Pace(clock() - t0, r - start, limit)
-    for line in progress.stitch_round_lines(entry, pace):
-      log(line)
-    return row
-
-  def step(state, r):
-    del r
-    state = federated.run_round(
-      s.pool,
-      state,
-      clients,
-      lib,
-      population=list(range(config.partition.num_clients)),
-      energy=s.coordinators,
-    )
-    return state, state.log[-1]
-
+  step, record = _round_fns(s, clients, rows, start, log, clock)
   run = experiment.Drive(
     rounds=limit,
     every=1,
@@ -464,6 +446,47 @@ def run_stitching(
   return state
 
 
+def _round_fns(
+  s: Setup,
+  clients: federated.Clients,
+  rows: records.Records,
+  start: int,
+  log: Log,
+  clock: Callable[[], float],
+) -> tuple[Callable, Callable]:
+  """`(step, record)` of `experiment.Drive` for a FedStitch run resumed
+  after round `start`: a round of `federated.run_round`, its log entry
+  written as the run's rows (`state.rows_of`) and its lines logged with
+  the pace of the rounds this process ran (by `clock`)."""
+  config = s.config
+  lib = config_lib.library_config(config)
+  limit = federated.round_limit(lib)
+  t0 = clock()
+
+  def step(state, r):
+    del r
+    state = federated.run_round(
+      s.pool,
+      state,
+      clients,
+      lib,
+      population=list(range(config.partition.num_clients)),
+      energy=s.coordinators,
+    )
+    return state, state.log[-1]
+
+  def record(state, saved_round, r, entry, t_round):
+    del state, saved_round, t_round
+    row, clients_row = state_lib.rows_of(entry)
+    rows.write(row, clients_row)
+    pace = progress.Pace(clock() - t0, r - start, limit)
+    for line in progress.stitch_round_lines(entry, pace):
+      log(line)
+    return row
+
+  return step, record
+
+
 # A FedStitch checkpoint's metadata key: the identity of its run.
 IDENTITY_KEY = 'identity'
 
@@ -489,7 +512,7 @@ def open_run(s: Setup, log: Log = _log_default) -> Opened:
     _check_identity(metadata.get(IDENTITY_KEY), identity, where)
 
   ckpt, start, tree = resume.restore_checkpoint(
-    workdir, None, _KEEP, log, True, accept
+    workdir, None, s.config.run.keep_checkpoints, log, True, accept
   )
   imported = False
   if start is not None:
@@ -512,12 +535,8 @@ def open_run(s: Setup, log: Log = _log_default) -> Opened:
     workdir, {**s.config.flat(), IDENTITY_KEY: identity}, bool(start)
   )
   if ckpt is None:
-    ckpt = checkpoint.Checkpointer(workdir, keep=_KEEP)
+    ckpt = checkpoint.Checkpointer(workdir, keep=s.config.run.keep_checkpoints)
   return Opened(ckpt, start, state, imported, identity)
-
-
-# The checkpoints a FedStitch run keeps.
-_KEEP = 2
 
 
 def _saved_identity(config_path: str) -> Any:
@@ -567,61 +586,6 @@ def _write_reports(workdir: str, state: state_lib.State) -> None:
       if 'energy' in e  # a run without coordinators (a library caller's)
     ),
   )
-
-
-def _peak_mib() -> float:
-  with open('/proc/self/status') as f:
-    for line in f:
-      if line.startswith('VmHWM:'):
-        return int(line.split()[1]) / 1024
-  return 0.0
-
-
-def _plain(o):
-  """JSON for numpy scalars and arrays."""
-  if isinstance(o, (np.generic, np.ndarray)):
-    return o.tolist()
-  raise TypeError(f'{type(o).__name__} is not JSON serializable')
-
-
-def make_results(
-  s: Setup,
-  state: state_lib.State,
-  nets: list[dict[str, Any]],
-  pool_acc: dict[str, dict],
-  local: dict[str, Any] | None,
-) -> dict[str, Any]:
-  """What results.json holds."""
-  config, rounds = s.config, state.log
-  e = config.energy
-  energy_summary = {
-    'backend': e.backend,
-    'devices': e.mix if e.backend == 'simulated' else e.profile,
-    **fleet.summarize([e['energy'] for e in rounds]),
-  }
-  return {
-    'config': config_lib.library_config(config)._asdict(),
-    'partition': config.partition.kind,
-    'dirichlet_alpha': config.partition.alpha,
-    'eval': config.evaluation.mode,
-    'knn_at': config.evaluation.knn_at,
-    'pool_blocks': len(s.pool.blocks),
-    'pool_models': pool_acc,
-    'networks': nets,
-    'best': nets[0] if nets else None,
-    'local': local,
-    'rounds': len(rounds),
-    # Over every round of the run, also those before a resume.
-    'run_seconds': sum(e.get('round_time_s', 0.0) for e in rounds),
-    'selection_seconds_per_round': [sum(e['client_time_s']) for e in rounds],
-    'pool_sizes': [e['pool_sizes'] for e in rounds],
-    'selection_seconds_total': float(
-      sum(sum(e['client_time_s']) for e in rounds)
-    ),
-    'final_weights': rounds[-1]['weights'] if rounds else None,
-    'energy': energy_summary,
-    'peak_host_mib': _peak_mib(),
-  }
 
 
 def stitch_and_evaluate(
@@ -681,10 +645,10 @@ def _stitch_and_evaluate(
       for m, chain in zip(s.models, s.chains)
     }
     local = evaluation.local_baseline(s, clients, evaluate, log)
-    results = make_results(s, state, nets, pool_acc, local)
+    results = evaluation.make_results(s, state, nets, pool_acc, local)
     files.write_atomic(
       os.path.join(workdir, 'results.json'),
-      lambda f: json.dump(results, f, indent=1, default=_plain),
+      lambda f: json.dump(results, f, indent=1, default=evaluation.plain),
     )
   writes = sum(
     len(c.get('writes', ())) for r in state.log for c in r['energy']['clients']

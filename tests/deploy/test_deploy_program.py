@@ -306,6 +306,11 @@ def test_deployed_fedstitch_equals_experiments_stitch(
   assert _stitch_rows(deployed, 'energy.jsonl') == _stitch_rows(
     simulated, 'energy.jsonl'
   )
+  # The records of every run: the same rows, a checkpoint of each round.
+  rows = _stitch_rows(deployed, 'metrics.jsonl')
+  assert rows == _stitch_rows(simulated, 'metrics.jsonl')
+  assert [r['round'] for r in rows] == [1, 2]
+  assert sorted(os.listdir(os.path.join(deployed, 'checkpoints'))) == ['1', '2']
   results = []
   for workdir in (simulated, deployed):
     with open(os.path.join(workdir, 'results.json')) as f:

@@ -6,6 +6,7 @@ import pytest
 
 from fedjax_mr.core import errors
 from fedjax_mr.energy import fleet
+from fedjax_mr.pipeline import config as training_config
 from fedjax_mr.pipeline import stitch_config as config_lib
 from fedjax_mr.stitch import cka
 from fedjax_mr.stitch import config as stitch_config
@@ -24,6 +25,10 @@ def test_the_choices_are_the_librarys():
   }
   assert choices == {
     'cuts': units.CUT_STYLES,
+    # The dataset's names, as the training program's (one definition).
+    'dataset': training_config.choices(
+      training_config.Data.__dataclass_fields__['dataset']
+    ),
     'partition': config_lib.PARTITIONS,
     'aggregation': stitch_config.AGGREGATIONS,
     'view': cka.VIEWS,
@@ -165,6 +170,29 @@ def test_the_flat_names_are_those_of_earlier_versions():
     'eval knn_reference knn_at eval_examples label_map classes '
     'local_clients energy_backend energy_mix energy_profile '
     'energy_sysfs_root energy_ms_per_score workdir'.split()
+    # The shared run part's, which the host loop of every run honours.
+    + ['keep_checkpoints', 'tensorboard']
+  )
+
+
+def test_the_shared_parts_are_the_training_configs_own():
+  # Defined once: the same fields (help, choices, flat names), FedStitch's
+  # other defaults and fewer partitions with their reasons in the help.
+  train = {f.name: f for f in training_config.base_fields()}
+  for f in config_lib.fields():
+    if f.path[0] not in ('data', 'partition', 'run'):
+      continue
+    assert f.name in train, f.name
+    if f.name in ('alpha', 'partition', 'workdir'):
+      assert f.metadata['help'].startswith(train[f.name].metadata['help'])
+      assert 'Here ' in f.metadata['help'], f.name
+    else:
+      assert f.metadata == train[f.name].metadata, f.name
+      assert f.default == train[f.name].default, f.name
+  assert Config().partition.alpha == 1.0
+  assert (
+    'Table I'
+    in config_lib.Partition.__dataclass_fields__['alpha'].metadata['help']
   )
 
 
