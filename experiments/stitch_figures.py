@@ -18,7 +18,8 @@ the other programs, and only `memory` compiles (never runs) models.
 entries separated by ';' (a column is a setting, e.g. iid and noniid), or
 `label:path` (one column, 'run'), or the path of a JSON file
 `{"label": {"column": "path"}}`. A workdir is recognised by its files:
-FedStitch (experiments.stitch: log.jsonl, results.json, state.npz), a
+FedStitch (experiments.stitch: config.json with its identity, log.jsonl,
+results.json; state.npz in a workdir of an earlier version), a
 training run (experiments.run: metrics.jsonl, config.json) or a pool model
 (experiments.pretrain_zoo: <pool>/<model>/meta.json).
 
@@ -104,7 +105,7 @@ the transfer setting):
 * `rank_vs_classes` (Fig. 2): one FedStitch run; per number of classes a
   client holds: the cross-validated rank of its uploaded blocks in the
   other participants' CKA scores (log.jsonl 'ranks', 1 best; by depth),
-  its learned weight after the last round (state.npz) and, with
+  its learned weight after the last round (its final state) and, with
   --local_clients, the accuracy of the network it stitches alone. The
   clients' classes come from the run's partition.json (per-client label
   histograms, as experiments.run writes it), or `--partition_summary`.

@@ -10,8 +10,10 @@ DEST, records only (no checkpoints, networks or weights):
   round's train loss is non-finite (the run diverged and stopped for
   good): metrics.jsonl, config.json, and probe.json where experiments.probe
   wrote one;
-* a FedStitch run (experiments.stitch) once it wrote results.json:
-  results.json, log.jsonl, energy.jsonl, partition.json;
+* a FedStitch run (experiments.stitch; its config.json holds the run's
+  `identity`, or, of an earlier version, it has a state.npz) once it wrote
+  results.json: results.json, log.jsonl, energy.jsonl, partition.json, and
+  the records config.json, metrics.jsonl, clients.jsonl where it has them;
 * a pool model (experiments.pretrain_zoo): meta.json.
 
 `experiments.compare --summarize_only --workdir=<DEST column>` and
@@ -27,7 +29,15 @@ import shutil
 import sys
 
 TRAINING = ('metrics.jsonl', 'config.json', 'probe.json')
-STITCH = ('results.json', 'log.jsonl', 'energy.jsonl', 'partition.json')
+STITCH = (
+  'results.json',
+  'log.jsonl',
+  'energy.jsonl',
+  'partition.json',
+  'config.json',
+  'metrics.jsonl',
+  'clients.jsonl',
+)
 
 
 def _last_row(path):
@@ -42,15 +52,20 @@ def _last_row(path):
 def kind(folder):
   """('training' | 'stitch' | 'pool_model', finished) or None."""
   has = set(os.listdir(folder))
-  if {'config.json', 'metrics.jsonl'} <= has:
+  config = {}
+  if 'config.json' in has:
     with open(os.path.join(folder, 'config.json')) as f:
-      rounds = json.load(f).get('rounds')
+      config = json.load(f)
+  if 'identity' in config or (
+    'log.jsonl' in has and ('state.npz' in has or 'results.json' in has)
+  ):
+    return 'stitch', 'results.json' in has
+  if {'config.json', 'metrics.jsonl'} <= has:
+    rounds = config.get('rounds')
     last = _last_row(os.path.join(folder, 'metrics.jsonl'))
     diverged = not math.isfinite(last.get('train_loss', 0.0))
     done = rounds is not None and last.get('round', 0) >= rounds
     return 'training', done or diverged
-  if 'log.jsonl' in has and ('state.npz' in has or 'results.json' in has):
-    return 'stitch', 'results.json' in has
   if 'meta.json' in has:
     return 'pool_model', True
   return None

@@ -56,3 +56,32 @@ def test_finished_and_diverged_runs_are_copied_unfinished_ones_not(
   ]
   rows = (dest / 'fedmut' / 's0' / 'metrics.jsonl').read_text().splitlines()
   assert len(rows) == 2
+
+
+def test_fedstitch_runs_of_both_formats_are_copied_when_finished(
+  archive, tmp_path, capsys
+):
+  src, dest = tmp_path / 'runs', tmp_path / 'kept'
+  records = ('config.json', 'metrics.jsonl', 'clients.jsonl')
+  reports = ('log.jsonl', 'energy.jsonl', 'partition.json')
+  for name, files in (
+    ('now', records + reports + ('results.json',)),
+    ('running', records),  # no reports before its end
+    ('earlier', ('state.npz', 'results.json') + reports),
+  ):
+    folder = src / name
+    os.makedirs(folder / 'checkpoints')
+    for f in files:
+      text = '{"identity": {"seed": 0}}' if f == 'config.json' else '{}'
+      (folder / f).write_text(text)
+  archive.main(str(src), str(dest))
+  assert 'unfinished, left out: running' in capsys.readouterr().out
+  kept = sorted(
+    os.path.relpath(os.path.join(d, f), dest)
+    for d, _, files in os.walk(dest)
+    for f in files
+  )
+  assert kept == sorted(
+    [f'now/{f}' for f in records + reports + ('results.json',)]
+    + [f'earlier/{f}' for f in reports + ('results.json',)]
+  )

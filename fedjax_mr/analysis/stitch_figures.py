@@ -15,8 +15,10 @@ Three kinds of folder are read, never written:
   round: participants `clients`, their cross-validated `ranks`, `depth`,
   `pool_sizes`, `client_time_s`, `round_time_s`), `results.json` (written
   once the run has finished: every stitched network with its accuracy and
-  the round it was finished in, the "Local" baseline), `state.npz` (the
-  clients' learned weights and the run's flags) and, where the run wrote
+  the round it was finished in, the "Local" baseline), its final state
+  (the clients' learned weights and the run's flags: the newest
+  checkpoint's, or state.npz of a workdir of an earlier version) and,
+  where the run wrote
   one, `partition.json` (per-client label histograms, as experiments.run
   writes it);
 * a training workdir (`experiments.run`): `metrics.jsonl`,

@@ -8,12 +8,15 @@ Stitching Pre-trained blocks", Shichen Zhan, Yebo Wu, Chunlin Tian, Yan
 Zhao, Li Li (2024).
 
 Three kinds of folder are read, never written: a FedStitch workdir
-(`experiments.stitch`: log.jsonl, results.json, state.npz,
-partition.json), a training workdir (`experiments.run`: metrics.jsonl,
-config.json and, once experiments.probe has read it, probe.json) and a
-pool model folder (`experiments.pretrain_zoo`: meta.json). Host-only
-Python and numpy. The figures are in `stitch_figures`, the client memory
-measurement in `stitch_memory`.
+(`experiments.stitch`: config.json with its identity, log.jsonl,
+results.json, partition.json and its state in checkpoints/, or in
+state.npz for a workdir of an earlier version), a training workdir
+(`experiments.run`: metrics.jsonl, config.json and, once experiments.probe
+has read it, probe.json) and a pool model folder
+(`experiments.pretrain_zoo`: meta.json). Host-only Python and numpy (a
+FedStitch state's checkpoint is read with orbax, imported then). The
+figures are in `stitch_figures`, the client memory measurement in
+`stitch_memory`.
 """
 
 from __future__ import annotations
@@ -142,6 +145,13 @@ def kind_of(path: str) -> str | None:
   has = lambda name: os.path.exists(os.path.join(path, name))  # noqa: E731
   if has('meta.json'):
     return 'pool_model'
+  # A FedStitch run's config.json holds its identity (a training run's
+  # does not); one of an earlier version has no config.json.
+  config = (
+    _json(os.path.join(path, 'config.json')) if has('config.json') else {}
+  )
+  if 'identity' in config:
+    return 'stitch'
   if has('metrics.jsonl') or has('config.json'):
     return 'run'
   if has('state.npz') or has('log.jsonl') or has('results.json'):
@@ -199,10 +209,25 @@ def eval_key(results: Mapping[str, Any]) -> str:
 
 
 def stitch_state(path: str) -> tuple[dict, dict] | None:
-  """`(payload, identity)` of a stitch workdir's state.npz, or None."""
+  """`(payload, identity)` of a stitch workdir's final state: its newest
+  intact checkpoint's document (nothing is written or moved), else, of a
+  workdir of an earlier version, its state.npz; None without either."""
+  from fedjax_mr.runtime import checkpoint
   from fedjax_mr.stitch import state as state_lib
 
   file = os.path.join(path, 'state.npz')
+  folder = os.path.join(path, checkpoint.FOLDER)
+  if os.path.isdir(folder):
+    ckpt = checkpoint.Checkpointer(path)
+    try:
+      found = ckpt.find(None)
+    finally:
+      ckpt.close()
+    if found.round is not None:
+      data = found.state[state_lib.CHECKPOINT_ENTRY].tobytes()
+      where = os.path.join(folder, str(found.round))
+      payload, identity = state_lib.parse_document(data, where)
+      return payload, identity or {}
   if not os.path.exists(file):
     return None
   payload, identity = state_lib.read_document(file)
@@ -211,7 +236,7 @@ def stitch_state(path: str) -> tuple[dict, dict] | None:
 
 def stitch_setting(path: str, name: str) -> Any:
   """The value of flag `name` a stitch run was made with (results.json's
-  config, else state.npz's flags), or None."""
+  config, else its state's flags), or None."""
   res = stitch_results(path)
   if res and name in (res.get('config') or {}):
     return res['config'][name]

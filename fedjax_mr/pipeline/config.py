@@ -310,7 +310,8 @@ class Run:
   workdir: str = _field(
     '',
     'Output folder (records, checkpoints, plots); a run there resumes. '
-    'Default: runs/<algorithm>-<dataset>-<model>-<partition>-s<seed> '
+    'Empty, for experiments.run: '
+    'runs/<algorithm>-<dataset>-<model>-<partition>-s<seed> '
     '(<partition>: e.g. dirichlet0.1, shards2, file-<sha256[:8]>; for '
     'dataset=synthetic alpha<a>_beta<b>).',
     run_only=True,

@@ -162,3 +162,30 @@ def test_bad_settings_name_their_field_and_write_nothing(runs, tmp_path):
       stitch_paper.make(stitch_paper.Setting(**kwargs))
     assert str(e.value).startswith(start), (kwargs, str(e.value))
     assert not os.path.exists(out), kwargs
+
+
+def test_a_fedstitch_workdir_of_the_one_format_is_read_as_one(tmp_path):
+  # config.json holds the run's identity (so it is no training run) and
+  # the final state is the newest checkpoint's document; nothing written.
+  from fedjax_mr.analysis import stitch_tables
+  from fedjax_mr.runtime import checkpoint
+  from fedjax_mr.stitch import state as state_lib
+  from tests.stitch import common
+
+  identity = {'seed': 3, 'num_clients': 4}
+  (tmp_path / 'config.json').write_text(json.dumps({'identity': identity}))
+  (tmp_path / 'metrics.jsonl').write_text('{"round": 1}\n')
+  state = state_lib.init_state(common.fake_pool(), 4)._replace(round=1)
+  ckpt = checkpoint.Checkpointer(str(tmp_path))
+  ckpt.save(1, state_lib.to_checkpoint(state, identity), {})
+  ckpt.close()
+  before = sorted(p for p in tmp_path.rglob('*'))
+  assert stitch_tables.kind_of(str(tmp_path)) == 'stitch'
+  payload, saved = stitch_tables.stitch_state(str(tmp_path))
+  assert payload['round'] == 1 and len(payload['live']) == 3
+  assert saved == identity
+  assert stitch_tables.stitch_setting(str(tmp_path), 'seed') == 3
+  assert sorted(p for p in tmp_path.rglob('*')) == before
+  # A training run's config.json has no identity.
+  (tmp_path / 'config.json').write_text('{"rounds": 3}')
+  assert stitch_tables.kind_of(str(tmp_path)) == 'run'

@@ -172,3 +172,33 @@ def test_without_torch_it_says_so():
 def test_a_bad_setting_is_refused_naming_its_field(change, says):
   with pytest.raises(errors.UserError, match=says):
     bench.check(bench.Setting(**change))
+
+
+def test_the_settings_shared_flags_are_the_training_programs():
+  # Defined once in the training config: the same help, choices and
+  # default; num_devices's other default gives its reason.
+  import dataclasses
+
+  from fedjax_mr.pipeline import config as config_lib
+
+  train = {f.name: f for f in config_lib.base_fields()}
+  shared = [
+    f for f in dataclasses.fields(bench.Setting) if 'run_only' in f.metadata
+  ]
+  assert sorted(f.name for f in shared) == sorted(
+    'dataset data_dir model num_clients clients_per_round local_epochs '
+    'batch_size num_devices client_chunk host_devices algorithm '
+    'eval_batch_size'.split()
+  )
+  for f in shared:
+    if f.name == 'num_devices':
+      assert (
+        f.default == 1
+        and 'Here default 1: the plain PyTorch' in (f.metadata['help'])
+      )
+      continue
+    assert f.metadata == train[f.name].metadata, f.name
+    assert f.default == train[f.name].default, f.name
+  assert bench.choices(
+    {f.name: f for f in shared}['algorithm']
+  ) == config_lib.choices(train['algorithm'])
