@@ -284,7 +284,8 @@ def test_run_help_lists_the_flags_by_concern_and_leaves_the_rest_to_helpfull():
     ('Partition', 'partition=dirichlet'),
     ('Local training', 'local_epochs=5'),
     ('Server', 'clients_per_round=10'),
-    ('Run and records', 'rounds=20'),
+    # The fields shared with every program's run part come first.
+    ('Run and records', 'seed=0'),
     ('Processes (multi-host)', 'coordinator_address='),
   ]:
     assert f'\n{heading}:\n  --{first}  ' in out, heading
