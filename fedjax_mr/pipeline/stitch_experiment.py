@@ -523,7 +523,8 @@ def open_run(s: Setup, log: Log = _log_default) -> Opened:
     start, imported = state.round, True
     log(
       f'{old}: the state of an earlier version (state format '
-      f'{state_lib.STATE_VERSION}) after round {start}: resumed; from now '
+      f'{state_lib.STATE_VERSION}) after round {start - 1} (rounds counted '
+      f'from 0 as the round lines count them): resumed; from now '
       f'on the run keeps its rows in {records.METRICS_FILE} and '
       f'{records.CLIENTS_FILE}, its states in {checkpoint.FOLDER}/'
     )

@@ -307,7 +307,7 @@ def test_a_workdir_of_an_earlier_version_resumes_from_its_state_npz(
   lines = []
   opened = stitch_experiment.open_run(s, lines.append)
   assert opened.imported and opened.start == 2
-  assert 'state format 1) after round 2: resumed' in lines[0]
+  assert 'state format 1) after round 1 (rounds counted' in lines[0]
   stitch_experiment.run_stitching(s, clients, opened, lines.append)
   _same_run(tmp_path, whole)
   assert (tmp_path / 'state.npz').read_bytes() == kept

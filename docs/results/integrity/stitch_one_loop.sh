@@ -34,7 +34,7 @@ STITCH="--pool=$V/pool --num_clients=6 --clients_per_round=3"
 STITCH="$STITCH --rounds_per_selection=2 --batch_size=32 --eval_examples=200"
 STITCH="$STITCH --local_clients=1"
 
-cut() {  # cut <dir to run in> <workdir>: SIGTERM after the second round
+stop_early() {  # stop_early <dir to run in> <workdir>: SIGTERM after the second round
   (cd "$1" && exec $PY -u -m experiments.stitch $STITCH --workdir=$2 \
     > $2.log 2>&1) &
   local pid=$!
@@ -43,7 +43,7 @@ cut() {  # cut <dir to run in> <workdir>: SIGTERM after the second round
   done
   kill -TERM $pid 2>/dev/null
   wait $pid
-  echo "  stopped by SIGTERM: exit $?; $(grep -o 'interrupted: .*' $2.log | head -1)"
+  echo "  stopped by SIGTERM: exit $?; $(grep -o 'interrupted: .* holds the state after round [0-9]*' $2.log | head -1)"
 }
 
 (cd "$V/old" && $PY -m experiments.stitch $STITCH --workdir=$V/old_whole \
@@ -55,15 +55,15 @@ echo "== 1. $OLD against this commit"
 $PY docs/results/integrity/stitch_runs.py $V/old_whole $V/new_whole
 
 echo "== 2. a $OLD workdir resumed by this commit"
-cut "$V/old" $V/old_cut
+stop_early "$V/old" $V/old_cut
 ls $V/old_cut | tr '\n' ' ' | sed 's/^/  files: /'; echo
 $PY -m experiments.stitch $STITCH --workdir=$V/old_cut > $V/old_cut_resumed.log 2>&1
-echo "  resumed: exit $?; $(grep -o 'state format.*resumed' $V/old_cut_resumed.log)"
+echo "  resumed: exit $?; $(grep -o 'state format.*: resumed' $V/old_cut_resumed.log)"
 echo "  first round line: $(grep -m1 '^round' $V/old_cut_resumed.log | cut -c1-12)"
 $PY docs/results/integrity/stitch_runs.py $V/old_cut $V/new_whole records
 
 echo "== 3. this commit stopped and resumed"
-cut "$PWD" $V/new_cut
+stop_early "$PWD" $V/new_cut
 $PY -m experiments.stitch $STITCH --workdir=$V/new_cut > $V/new_cut_resumed.log 2>&1
 echo "  resumed: exit $?; $(grep -m1 '^resuming\|^round' $V/new_cut_resumed.log | cut -c1-40)"
 $PY docs/results/integrity/stitch_runs.py $V/new_cut $V/new_whole records
