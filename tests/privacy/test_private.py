@@ -1,0 +1,112 @@
+"""DP-FedAvg around an algorithm (`privacy.private`): the reduction to the
+plain round, the clip of each client's update, the noise of the sum, and
+the algorithms it refuses."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_mr.algorithms import fedavg
+from fedjax_mr.algorithms import fedmut
+from fedjax_mr.algorithms import scaffold
+from fedjax_mr.core import types
+from fedjax_mr.privacy import dp
+from fedjax_mr.privacy import private
+from fedjax_mr.training import engine
+from tests import helpers
+from tests.algorithms import contract
+
+
+def _setting():
+  model = helpers.linear_bn_model()
+  data, _ = helpers.toy_data([5, 9, 3, 12, 7, 4])
+  return model, data, contract.local_training(model)
+
+
+def _rounds(algorithm, model, data, rounds=2):
+  fn = helpers.program_jit(engine.make_round_fn(algorithm, clients_per_round=4))
+  state = engine.init_state(algorithm, model.init(jax.random.key(0)))
+  for _ in range(rounds):
+    state, _ = fn(state, data, jax.random.key(4))
+  return jax.device_get(state)
+
+
+@pytest.mark.parametrize('build', ['fedavg', 'fedmut'])
+def test_no_noise_and_no_clip_is_the_plain_unweighted_round(build):
+  model, data, local = _setting()
+  make = {
+    'fedavg': lambda: fedavg.fedavg(local, 4, weighted=False),
+    'fedmut': lambda: fedmut.fedmut(local, 4, weighted=False),
+  }[build]
+  plain = _rounds(make(), model, data)
+  wrapped = _rounds(private.private(make(), math.inf, 0.0), model, data)
+  helpers.tree_equal(wrapped, plain)
+
+
+def test_each_upload_is_the_sent_model_plus_the_clipped_update():
+  model, data, local = _setting()
+  algorithm = fedavg.fedavg(local, 4, weighted=False)
+  clip = 0.05
+  wrapped = private.private(algorithm, clip, 0.0)
+  start = model.init(jax.random.key(0))
+  state = algorithm.init(start)
+  sent = algorithm.dispatch(state, jnp.arange(4), 0, jax.random.key(1))
+  args = (sent.shared, (), (), data, jnp.int32(1), jax.random.key(2))
+  plain, _ = jax.jit(algorithm.client_update)(*args)
+  clipped, _ = jax.jit(wrapped.client_update)(*args)
+  delta = jax.tree.map(lambda t, s: t - s, plain.variables, start)
+  norm = float(dp.global_norm(delta))
+  assert norm > clip  # the clip applies
+  got = jax.tree.map(lambda t, s: t - s, clipped.variables, start)
+  helpers.assert_close(float(dp.global_norm(got)), clip, rtol=1e-5)
+  # In the update's direction, scaled by C / |Δ|.
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(delta)):
+    helpers.assert_close(a, b * (clip / norm), rtol=1e-4, atol=1e-7)
+  # The scalars are the client's own.
+  assert int(clipped.num_examples) == int(plain.num_examples)
+
+
+def test_the_sums_noise_has_standard_deviation_z_times_c():
+  # The aggregate of one round over a fixed sum: the mean moves by noise of
+  # standard deviation z C / K per element (K = 4 clients of weight 1).
+  model, _, local = _setting()
+  algorithm = fedavg.fedavg(local, 4, weighted=False)
+  z, clip = 1.5, 0.2
+  wrapped = private.private(algorithm, clip, z)
+  variables = model.init(jax.random.key(0))
+  state = algorithm.init(variables)
+  total = {
+    'weight': jnp.float32(4),
+    'models': jax.tree.map(lambda v: 4 * v, variables),
+  }
+  sums = types.Sums(
+    total, jnp.ones(4, jnp.int32), jnp.zeros(4), jnp.ones(4, jnp.int32)
+  )
+  draws = []
+  for seed in range(60):
+    new, _ = wrapped.aggregate(
+      state, sums, jnp.arange(4), 0, jax.random.key(seed)
+    )
+    moved = jax.tree.map(lambda a, b: a - b, new.params, variables)
+    draws.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(moved)]))
+  draws = np.concatenate(draws)
+  # 60 draws of 75 elements: the sample deviation within 5 % (its own
+  # relative error is about 1 / sqrt(2 * 4500) = 1 %).
+  assert abs(draws.std() / (z * clip / 4) - 1) < 0.05
+  assert abs(draws.mean()) < 3 * z * clip / 4 / math.sqrt(draws.size)
+
+
+def test_algorithms_it_does_not_wrap_are_refused_with_the_reason():
+  model, _, local = _setting()
+  variables = model.init(jax.random.key(0))
+  private.check(fedavg.fedavg(local, 4, weighted=False), variables)
+  private.check(fedmut.fedmut(local, 4, weighted=False), variables)
+  with pytest.raises(ValueError, match="not FedAvg's mean of models"):
+    private.check(scaffold.scaffold(local, 4, 6), variables)
+  with pytest.raises(ValueError, match='needs a finite clip_norm'):
+    private.private(fedavg.fedavg(local, 4), math.inf, 1.0)
+  with pytest.raises(ValueError, match='clip_norm must be > 0'):
+    private.private(fedavg.fedavg(local, 4), 0.0, 1.0)
