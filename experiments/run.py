@@ -46,6 +46,7 @@ _HEADINGS = {
   'local': 'Local training',
   'server': 'Server',
   'algorithm': 'Algorithm (its own flags: --helpfull)',
+  'privacy': 'Privacy (user-level DP of the sum)',
   'run': 'Run and records',
   'evaluation': 'Evaluation',
   'energy': 'Energy (simulated devices)',

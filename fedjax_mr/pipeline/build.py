@@ -13,6 +13,7 @@ Each raises `ConfigError` naming the config field at fault.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from typing import Any
 from typing import NamedTuple
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_mr import privacy
 from fedjax_mr.core import errors
 from fedjax_mr.core import types
 from fedjax_mr.data import client_data as client_data_lib
@@ -32,6 +34,7 @@ from fedjax_mr.models import model as model_lib
 from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import registry
+from fedjax_mr.privacy import private
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
 from fedjax_mr.training import host_round
@@ -342,9 +345,95 @@ def build_algorithm(
   )
   try:
     hp = checks.hparams(config) if hparams is None else hparams
-    return entry.factory(setting, hp)
+    algorithm = entry.factory(setting, hp)
   except errors.ArgumentError as e:
     raise checks.as_config_error(config.algorithm.name, e) from None
+  return private_algorithm(config, algorithm, variables)
+
+
+def check_privacy(config: config_lib.ExperimentConfig) -> None:
+  """The privacy part's values (`Privacy`): a clip norm >= 0 (0: no DP),
+  noise only with a clip, δ in (0, 1) or 0, a target ε only with noise,
+  and every client weighing 1.
+
+  Raises:
+    ConfigError: naming the field.
+  """
+  p, n = config.privacy, config.partition.num_clients
+  rules = [
+    (
+      p.clip >= 0 and math.isfinite(p.clip),
+      f'`dp_clip` must be a finite norm >= 0 (0: no DP), got {p.clip}',
+    ),
+    (
+      p.noise_multiplier >= 0 and math.isfinite(p.noise_multiplier),
+      f'`dp_noise_multiplier` must be >= 0, got {p.noise_multiplier}',
+    ),
+    (
+      p.clip > 0 or p.noise_multiplier == 0,
+      '`dp_noise_multiplier` needs '
+      '`dp_clip` > 0: the noise is proportional to the clip norm',
+    ),
+    (
+      0 <= p.delta < 1,
+      f'`dp_delta` must be in [0, 1) (0: 1 / N^1.1 = '
+      f'{privacy.default_delta(n):.3g}), got {p.delta}',
+    ),
+    (
+      p.target_epsilon >= 0,
+      f'`dp_target_epsilon` must be >= 0 (0: none), got {p.target_epsilon}',
+    ),
+    (
+      p.target_epsilon == 0 or p.noise_multiplier > 0,
+      '`dp_target_epsilon` '
+      'needs `dp_noise_multiplier` > 0 (without noise epsilon is infinite)',
+    ),
+    (
+      p.clip == 0 or config.server.weighting != 'examples',
+      '`weighting='
+      'examples` cannot go with `dp_clip`: DP weighs every client 1 (a '
+      "weight by examples would let a client's data move the sum further)",
+    ),
+  ]
+  for ok, message in rules:
+    if not ok:
+      raise errors.ConfigError(message)
+
+
+def private_algorithm(
+  config: config_lib.ExperimentConfig,
+  algorithm: types.Algorithm,
+  variables: types.Variables,
+) -> types.Algorithm:
+  """`algorithm` with DP-FedAvg (`privacy.private`) where `dp_clip` is
+  set; refused in one line naming `algorithm` where it does not apply."""
+  check_privacy(config)
+  p = config.privacy
+  if p.clip == 0:
+    return algorithm
+  try:
+    private.check(algorithm, variables)
+  except ValueError as e:
+    reason = str(e).removeprefix('algorithm: ')
+    raise errors.ConfigError(
+      f'`algorithm={config.algorithm.name}` cannot run with `dp_clip`: {reason}'
+    ) from None
+  return private.private(algorithm, p.clip, p.noise_multiplier, p.per_layer)
+
+
+def accountant(
+  config: config_lib.ExperimentConfig,
+) -> privacy.Accountant | None:
+  """The run's privacy accountant (`dp_clip` set), else None."""
+  p, n = config.privacy, config.partition.num_clients
+  if p.clip == 0:
+    return None
+  return privacy.Accountant(
+    p.noise_multiplier,
+    n,
+    config.server.clients_per_round,
+    p.delta or privacy.default_delta(n),
+  )
 
 
 def pretrained_variables(

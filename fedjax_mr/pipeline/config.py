@@ -1,9 +1,9 @@
 """The configuration of one experiment: a tree of frozen parts, one per
 concern.
 
-`ExperimentConfig` holds ten parts: `data`, `partition`, `model`, `local`
-(how a client trains), `server` (K, weights, server optimizer),
-`algorithm` (the name and the algorithm's own `Hparams`), `run`,
+`ExperimentConfig` holds eleven parts: `data`, `partition`, `model`,
+`local` (how a client trains), `server` (K, weights, server optimizer),
+`algorithm` (the name and the algorithm's own `Hparams`), `privacy`, `run`,
 `evaluation`, `energy` and `devices` (with its `processes`). A consumer
 takes the part it reads. The parts every program shares are defined here
 once: `Data`, `Partition` and `Run` (extended for training by
@@ -466,6 +466,42 @@ class Devices:
 
 
 @dataclasses.dataclass(frozen=True)
+class Privacy:
+  """User-level differential privacy of the round's sum (DP-FedAvg,
+  `fedjax_mr.privacy.private`), and its accounting."""
+
+  clip: float = _field(
+    0.0,
+    "DP: clip each client's update (trained minus sent model) to this L2 "
+    'norm C, weigh every client 1, and noise the sum; 0: no DP.',
+    flag='dp_clip',
+  )
+  noise_multiplier: float = _field(
+    0.0,
+    'DP: the Gaussian noise added to the sum of the clipped updates has '
+    'standard deviation this times dp_clip (0: none, epsilon infinite).',
+    flag='dp_noise_multiplier',
+  )
+  per_layer: bool = _field(
+    False,
+    'DP: clip each layer (leaf) to dp_clip / sqrt(L) instead of the whole '
+    'update to dp_clip.',
+    flag='dp_per_layer',
+  )
+  delta: float = _field(
+    0.0,
+    'DP: the delta of the epsilon reported each round; 0: 1 / N^1.1.',
+    flag='dp_delta',
+  )
+  target_epsilon: float = _field(
+    0.0,
+    'DP: stop before the round whose epsilon would exceed this; 0: none.',
+    run_only=True,
+    flag='dp_target_epsilon',
+  )
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmChoice:
   """The federated algorithm and its own hyper-parameters.
 
@@ -517,6 +553,7 @@ class ExperimentConfig:
   local: Local = _part(Local)
   server: Server = _part(Server)
   algorithm: AlgorithmChoice = _part(AlgorithmChoice)
+  privacy: Privacy = _part(Privacy)
   run: TrainingRun = _part(TrainingRun)
   evaluation: Evaluation = _part(Evaluation)
   energy: Energy = _part(Energy)

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import jax
 
+from fedjax_mr import privacy
 from fedjax_mr.core import errors
 from fedjax_mr.core import jsonfile
 from fedjax_mr.core import tree
@@ -314,15 +315,18 @@ def _run(
   )
   progress.announce(experiment, state, mapping, log)
   round_fn = (make_round or _compile_round)(experiment, mapping['client_chunk'])
+  accountant = build.accountant(config)
+  last = _last_round(config, accountant, log)
   loop = _Loop(
-    experiment,
+    experiment._replace(config=config.replace(rounds=last)),
     evaluation.make_evaluators(experiment),
     rows,
-    progress.Timer(start, config.run.rounds),
+    progress.Timer(start, last),
     log,
+    accountant,
   )
   run = Drive(
-    rounds=config.run.rounds,
+    rounds=last,
     every=config.run.checkpoint_every,
     step=lambda state, r: round_fn(state, experiment.data, experiment.key),
     record=functools.partial(_record, loop),
@@ -458,13 +462,35 @@ def _compile_round(experiment: build.Experiment, chunk: int) -> Callable:
 
 
 class _Loop(NamedTuple):
-  """What the host loop keeps from round to round."""
+  """What the host loop keeps from round to round (`experiment.config`'s
+  `rounds`: the last round this run reaches)."""
 
   experiment: build.Experiment
   evaluators: evaluation.Evaluators
   rows: records.Records
   timer: progress.Timer
   log: Callable[[str], None]
+  accountant: privacy.Accountant | None = None
+
+
+def _last_round(
+  config: config_lib.ExperimentConfig,
+  accountant: privacy.Accountant | None,
+  log: Callable[[str], None],
+) -> int:
+  """`rounds`, or the last round whose ε stays within `dp_target_epsilon`
+  (said in one line where that stops the run sooner)."""
+  rounds, target = config.run.rounds, config.privacy.target_epsilon
+  if accountant is None or not target:
+    return rounds
+  last = accountant.rounds_within(target, rounds)
+  if last < rounds:
+    log(
+      f'privacy: ε after round {last + 1} would be '
+      f'{accountant.epsilon(last + 1):.3g} > dp_target_epsilon={target} '
+      f'(δ = {accountant.delta:.3g}): the run stops after round {last}'
+    )
+  return last
 
 
 def _record(
@@ -488,6 +514,8 @@ def _record(
   # the host); evaluation is timed apart in 'eval_time_s'.
   round_s = time.perf_counter() - t0
   row, clients_row = records.round_rows(r, metrics)
+  if loop.accountant is not None:
+    row['dp_epsilon'] = loop.accountant.epsilon(r)
   if not math.isfinite(row['train_loss']):
     loop.rows.write_diverged(row, clients_row)
     raise errors.NonFiniteError(

@@ -78,6 +78,15 @@ def announce(
   note = distributed.reproducibility_note(platform, num_devices)
   if note:
     log(note)
+  p = config.privacy
+  if p.clip:
+    log(
+      f'privacy: DP-FedAvg, each update clipped to {p.clip:g}'
+      + (' (per layer)' if p.per_layer else '')
+      + f', noise {p.noise_multiplier:g} × {p.clip:g} on the sum, every '
+      'client weighing 1; ε each round for δ = '
+      + (f'{p.delta:g}' if p.delta else '1/N^1.1')
+    )
 
 
 def _placement(experiment: build.Experiment) -> str:
@@ -157,6 +166,8 @@ class Timer:
         f" | next round's {k} models: mean test acc "
         f'{row["local_accuracy_mean"]:.4f}'
       )
+    if 'dp_epsilon' in row:
+      acc += f' | ε {row["dp_epsilon"]:.3g}'
     return (
       f'round {r}/{self.total} | train loss {row["train_loss"]:.4f}{acc} | '
       f'elapsed {self.elapsed:.1f}s | {self.rate():.2f} rounds/s | '

@@ -1,6 +1,7 @@
 """Privacy of a round's sum: user-level differential privacy (`dp`: the
-clip of a client's update, the noise of the sum, adaptive clipping) and
-its accounting (`accounting`: ε by `dp-accounting`).
+clip of a client's update, the noise of the sum, adaptive clipping;
+`private`: DP-FedAvg around an algorithm) and its accounting
+(`accounting`: ε by `dp-accounting`).
 
 Below the training layer: the engine's fold applies these functions; they
 import only `core` (and the accountant, host code, `dp-accounting`).
@@ -8,6 +9,7 @@ import only `core` (and the accountant, host code, `dp-accounting`).
 
 from fedjax_mr.privacy import accounting as accounting
 from fedjax_mr.privacy import dp as dp
+from fedjax_mr.privacy import private as private
 from fedjax_mr.privacy.accounting import Accountant as Accountant
 from fedjax_mr.privacy.accounting import default_delta as default_delta
 from fedjax_mr.privacy.dp import clip as clip
@@ -29,5 +31,6 @@ __all__ = [
   'next_clip_norm',
   'noise',
   'noised_fraction',
+  'private',
   'update_noise_multiplier',
 ]

@@ -94,28 +94,30 @@ def _contribution(output: types.ClientOutput) -> dict[str, Any]:
 
 def check(algorithm: types.Algorithm, variables: types.Variables) -> None:
   """Raises `ValueError` naming `algorithm` where DP-FedAvg does not apply
-  to it: no `contribution` (its server reads the K models, not their
-  sum), another contribution than FedAvg's mean of models (SCAFFOLD's
-  controls, FedExP's norms: not wrapped here), or its own sampler (one
-  the accountant cannot model)."""
-  if algorithm.contribution is None:
-    raise ValueError(
-      'algorithm: its server reads every client model, not their sum; '
-      'central DP of a sum does not apply'
-    )
+  to it: its own sampler (one the accountant cannot model), no
+  `contribution` (its server reads the K models, not their sum), or
+  another contribution than FedAvg's mean of models (SCAFFOLD's controls,
+  FedExP's norms: not wrapped here)."""
   if algorithm.sampler is not None:
     raise ValueError(
       'algorithm: it samples its clients itself; the accountant models K '
       'clients drawn uniformly without replacement'
+    )
+  if algorithm.contribution is None:
+    raise ValueError(
+      'algorithm: its server reads every client model, not their sum (the '
+      'FedMR family sends models made of them back to the clients); '
+      'central DP of a sum does not protect them'
     )
   output = types.ClientOutput(
     variables, jnp.int32(1), jnp.float32(0), jnp.int32(1)
   )
   shape = jax.eval_shape(algorithm.contribution, output)
   if not isinstance(shape, dict) or set(shape) != {'weight', 'models'}:
+    parts = sorted(shape) if isinstance(shape, dict) else type(shape).__name__
     raise ValueError(
-      "algorithm: its contribution is not FedAvg's mean of models "
-      f'({type(shape).__name__}); DP-FedAvg does not wrap it'
+      "algorithm: its contribution is not FedAvg's mean of models (it sums "
+      f'{parts}); DP-FedAvg does not wrap it'
     )
   k = algorithm.clients_per_round or 1
 

@@ -124,13 +124,13 @@ PLACEMENTS = [
 
 
 def _differences(
-  algorithm, devices, chunk, folder, rounds=2, arrival='reverse'
+  algorithm, devices, chunk, folder, rounds=2, arrival='reverse', **flags
 ) -> list[str]:
   """What differs between `rounds` deployed rounds (replies in `arrival`'s
   order, the nodes keeping client state in `folder`) and the rounds
-  `experiments.run` compiles for the same config (its mesh, its chunk):
-  the server state's leaves and the metrics, by name."""
-  experiment = _experiment(algorithm, 7, 5, chunk, devices)
+  `experiments.run` compiles for the same config (its mesh, its chunk;
+  other `flags`): the server state's leaves and the metrics, by name."""
+  experiment = _experiment(algorithm, 7, 5, chunk, devices, **flags)
   assert experiment.mesh.devices.size == devices
   local = LocalWithState(experiment, folder, arrival)
   deployed = server.make_round(experiment, chunk, local, NODES)
@@ -161,6 +161,14 @@ def test_two_rounds_equal_the_suites_programs_at_every_placement(
   assert (
     _differences(algorithm, devices, chunk, str(tmp_path), 2, arrival) == []
   )
+
+
+@pytest.mark.parametrize('algorithm', ['fedavg', 'fedmut'])
+def test_a_private_round_deployed_equals_the_simulated_one(algorithm, tmp_path):
+  # DP-FedAvg: the nodes clip, the server noises the folded sum from the
+  # round's key; a clip small enough to bind every client.
+  dp = {'dp_clip': 0.05, 'dp_noise_multiplier': 1.1}
+  assert _differences(algorithm, 2, 2, str(tmp_path), 2, **dp) == []
 
 
 def differing(cases, folder) -> dict[str, list[str]]:

@@ -318,7 +318,8 @@ def _parts(kind, path=()):
 
 def test_the_config_is_a_tree_of_small_frozen_parts():
   nodes = list(_parts(config_lib.ExperimentConfig))
-  assert len(nodes) == 12  # the config, its ten parts, devices' processes
+  # The config, its eleven parts (privacy the newest), devices' processes.
+  assert len(nodes) == 13
   for path, kind in nodes:
     assert dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen
     assert len(dataclasses.fields(kind)) <= 10, path
