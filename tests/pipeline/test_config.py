@@ -322,7 +322,9 @@ def test_the_config_is_a_tree_of_small_frozen_parts():
   assert len(nodes) == 13
   for path, kind in nodes:
     assert dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen
-    assert len(dataclasses.fields(kind)) <= 10, path
+    # A part holds few fields; the root one part per concern (the issue
+    # that added privacy asked for a part of its own).
+    assert len(dataclasses.fields(kind)) <= (10 if path else 11), path
     assert '__getattr__' not in vars(kind), path
   cfg = config_lib.ExperimentConfig()
   with pytest.raises(dataclasses.FrozenInstanceError):
