@@ -339,6 +339,8 @@ def _scaffold(
     init_client_state=init_client_state,
     clients_per_round=k,
     contribution=lambda output: contribution(output, weighted),
+    # The model beside the server control (what DP clips the update from).
+    client_model=lambda shared, row: shared[0],
   )
 
 

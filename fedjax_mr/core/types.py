@@ -144,10 +144,12 @@ class Algorithm(NamedTuple):
       the round holds a few models, not K. None: `aggregate` receives
       the K stacked outputs.
     client_model: optional, `client_model(shared, per_client_k) ->
-      variables`: the model client k starts from, where the dispatch sends
-      less than the model itself (FedMut: the global models once and each
-      client's mutation coefficients). None: row k of `per_client` is the
-      model. See `dispatched_models`.
+      variables`: the model client k starts from, where the dispatch's
+      parts are not the model itself (FedMut: the global models once and
+      each client's mutation coefficients; SCAFFOLD: the model beside the
+      server control). None: row k of `per_client` is the model, or the
+      shared part where there is no per-client part. See
+      `dispatched_models`.
   """
 
   init: Callable[[Variables], Any]

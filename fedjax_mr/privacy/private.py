@@ -4,19 +4,22 @@ round's sum noised, the rest of the algorithm as it is.
 `private(algorithm, clip_norm, noise_multiplier)` wraps an algorithm whose
 server reads the clients' mean model (its `contribution` is FedAvg's:
 `{'weight', 'models'}`: FedAvg and the FedOpt optimizers, FedProx, MOON,
-FedASAM, FedMut). Client k's update Δ_k, its trained model minus the one
-it was sent (`start_model`), is clipped to L2 norm C (`dp.clip`, over the
-whole update or per layer) on the client, which uploads the sent model
-plus the clipped update; each client weighs 1 (example counts would make
-a client's influence depend on its data); the server adds N(0, (zC)²) to
-every element of the models' sum (`dp.noise`, its key folded from the
-round's) before the algorithm's own aggregate divides it by the number
-of clients (K in a simulated round; in a deployed round with failed
+FedASAM, FedMut) and maybe their mean control delta beside it (SCAFFOLD's
+`'controls'`). Client k's update Δ_k, its trained model minus the one it
+was sent (`start_model`) together with its further uploads (SCAFFOLD's
+control delta), is clipped to L2 norm C (`dp.clip`, over the whole update
+or per layer) on the client, which uploads the sent model plus the clipped
+model update (and the clipped control delta; it keeps its own control as it
+computed it); each client weighs 1 (example counts would make a client's
+influence depend on its data); the server adds N(0, (zC)²) to every element
+of the models' sum (and of the control deltas') (`dp.noise`, its key folded
+from the round's) before the algorithm's own aggregate divides it by the
+number of clients (K in a simulated round; in a deployed round with failed
 clients, those that answered: a count the server sees, which does not
-depend on any client's data). Replacing one client's data moves the sum
-by at most 2C (the sent models depend on a client's place in the round,
-not on its data), so a round is the Gaussian mechanism of multiplier z/2
-under the replace-one relation (`accounting.Accountant`).
+depend on any client's data). Replacing one client's data moves the sum by
+at most 2C (the sent models depend on a client's place in the round, not on
+its data), so a round is the Gaussian mechanism of multiplier z/2 under the
+replace-one relation (`accounting.Accountant`).
 
 With z = 0 and C = inf nothing is clipped or noised: the wrapped round is
 the plain unweighted round, bit for bit (a client's model is its trained
@@ -55,41 +58,65 @@ def start_model(
   return shared
 
 
-def _clipped_model(
+def _clipped(
   start: types.Variables,
-  trained: types.Variables,
+  output: types.ClientOutput,
   clip_norm: float,
   per_layer: bool,
-) -> types.Variables:
-  """The sent model plus the clipped update (`dp.clip`), the trained
-  model itself in every leaf that no factor below 1 scales."""
-  delta = jax.tree.map(
-    lambda t, s: t.astype(jnp.float32) - s.astype(jnp.float32), trained, start
-  )
-  clipped, norm = dp.clip(delta, clip_norm, per_layer)
-  if per_layer:
-    leaves = len(jax.tree.leaves(delta))
-    bound = clip_norm / math.sqrt(leaves)
-    scaled = jax.tree.map(lambda d: dp.global_norm(d) > bound, delta)
-  else:
-    scaled = jax.tree.map(lambda d: norm > clip_norm, delta)
-  return jax.tree.map(
-    lambda t, s, c, yes: jnp.where(
-      yes, (s.astype(jnp.float32) + c).astype(t.dtype), t
+) -> types.ClientOutput:
+  """`output` with its update clipped (`dp.clip`): the model's change from
+  `start` and its further uploads (`extra`: SCAFFOLD's control delta)
+  together; a leaf that no factor below 1 scales is kept as trained."""
+  update = (
+    jax.tree.map(
+      lambda t, s: t.astype(jnp.float32) - s.astype(jnp.float32),
+      output.variables,
+      start,
     ),
-    trained,
-    start,
-    clipped,
-    scaled,
+    jax.tree.map(lambda e: e.astype(jnp.float32), output.extra),
   )
+  clipped, norm = dp.clip(update, clip_norm, per_layer)
+  if per_layer:
+    bound = clip_norm / math.sqrt(len(jax.tree.leaves(update)))
+    scaled = jax.tree.map(lambda d: dp.global_norm(d) > bound, update)
+  else:
+    scaled = jax.tree.map(lambda d: norm > clip_norm, update)
+
+  def kept(trained, value, yes):
+    return jnp.where(yes, value.astype(trained.dtype), trained)
+
+  variables = jax.tree.map(
+    lambda t, s, c, yes: kept(t, s.astype(jnp.float32) + c, yes),
+    output.variables,
+    start,
+    clipped[0],
+    scaled[0],
+  )
+  extra = jax.tree.map(kept, output.extra, clipped[1], scaled[1])
+  return output._replace(variables=variables, extra=extra)
 
 
-def _contribution(output: types.ClientOutput) -> dict[str, Any]:
-  """FedAvg's unweighted part of the mean: weight 1 and the model."""
-  return {
-    'weight': jnp.float32(1),
-    'models': jax.tree.map(lambda x: x.astype(jnp.float32), output.variables),
+# The sums a wrapped algorithm's server may read: FedAvg's mean of models,
+# and SCAFFOLD's control deltas beside it (each linear in the update).
+_SUMS = ({'weight', 'models'}, {'weight', 'models', 'controls'})
+
+
+def _contribution(output: types.ClientOutput, controls: bool) -> dict:
+  """An unweighted part of the sums: weight 1, the model and, with
+  `controls`, the further uploads (as FedAvg's and SCAFFOLD's unweighted
+  contributions, the same operations)."""
+  one = jnp.float32(1)
+  part = {
+    'weight': one,
+    'models': jax.tree.map(
+      lambda x: one * x.astype(jnp.float32), output.variables
+    ),
   }
+  if controls:
+    part['controls'] = jax.tree.map(
+      lambda d: d.astype(jnp.float32), output.extra
+    )
+  return part
 
 
 def check(algorithm: types.Algorithm, variables: types.Variables) -> None:
@@ -109,15 +136,24 @@ def check(algorithm: types.Algorithm, variables: types.Variables) -> None:
       'FedMR family sends models made of them back to the clients); '
       'central DP of a sum does not protect them'
     )
-  output = types.ClientOutput(
-    variables, jnp.int32(1), jnp.float32(0), jnp.int32(1)
-  )
-  shape = jax.eval_shape(algorithm.contribution, output)
-  if not isinstance(shape, dict) or set(shape) != {'weight', 'models'}:
+  shape = None
+  # What a client uploads beside its model: nothing, a tree like the
+  # model's (SCAFFOLD's control delta) or a number (FedExP's norm).
+  for extra in ((), variables, jnp.float32(0)):
+    output = types.ClientOutput(
+      variables, jnp.int32(1), jnp.float32(0), jnp.int32(1), extra
+    )
+    try:
+      shape = jax.eval_shape(algorithm.contribution, output)
+      break
+    except (TypeError, ValueError):
+      continue
+  if not isinstance(shape, dict) or set(shape) not in _SUMS:
     parts = sorted(shape) if isinstance(shape, dict) else type(shape).__name__
     raise ValueError(
-      "algorithm: its contribution is not FedAvg's mean of models (it sums "
-      f'{parts}); DP-FedAvg does not wrap it'
+      "algorithm: its server reads other sums than FedAvg's mean of models "
+      f"and SCAFFOLD's control deltas ({parts}); DP-FedAvg does not wrap "
+      'them'
     )
   k = algorithm.clients_per_round or 1
 
@@ -165,24 +201,26 @@ def private(
   stddev = float(noise_multiplier) * float(clip_norm)
   inner = algorithm
 
+  def contribution(output):
+    controls = 'controls' in jax.eval_shape(inner.contribution, output)
+    return _contribution(output, controls)
+
   def client_update(shared, per_client_k, client_state_k, data, cid, key):
     output, state = inner.client_update(
       shared, per_client_k, client_state_k, data, cid, key
     )
     start = start_model(inner, shared, per_client_k)
-    variables = _clipped_model(start, output.variables, clip_norm, per_layer)
-    return output._replace(variables=variables), state
+    return _clipped(start, output, clip_norm, per_layer), state
 
   def aggregate(state, sums, client_ids, round_index, key):
     if stddev > 0:
-      noised = dp.noise(
-        sums.total['models'], jax.random.fold_in(key, NOISE_KEY), stddev
-      )
-      sums = sums._replace(total={**sums.total, 'models': noised})
+      summed = {k: v for k, v in sums.total.items() if k != 'weight'}
+      noised = dp.noise(summed, jax.random.fold_in(key, NOISE_KEY), stddev)
+      sums = sums._replace(total={**sums.total, **noised})
     return inner.aggregate(state, sums, client_ids, round_index, key)
 
   return inner._replace(
     client_update=client_update,
     aggregate=aggregate,
-    contribution=_contribution,
+    contribution=contribution,
   )

@@ -163,7 +163,7 @@ def test_two_rounds_equal_the_suites_programs_at_every_placement(
   )
 
 
-@pytest.mark.parametrize('algorithm', ['fedavg', 'fedmut'])
+@pytest.mark.parametrize('algorithm', ['fedavg', 'fedmut', 'scaffold'])
 def test_a_private_round_deployed_equals_the_simulated_one(algorithm, tmp_path):
   # DP-FedAvg: the nodes clip, the server noises the folded sum from the
   # round's key; a clip small enough to bind every client.

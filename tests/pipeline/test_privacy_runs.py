@@ -80,7 +80,7 @@ def test_the_run_stops_before_the_target_and_resumes_to_the_same(
 def test_what_dp_does_not_apply_to_is_refused_in_one_line(small_fmnist_dir):
   for changes, says in [
     ({'algorithm': 'fedmr'}, 'sends models made of them back'),
-    ({'algorithm': 'scaffold'}, "not FedAvg's mean of models"),
+    ({'algorithm': 'fedexp'}, 'sq_norms'),
     ({'algorithm': 'clusamp'}, 'samples its clients itself'),
     ({'weighting': 'examples'}, 'DP weighs every client 1'),
     ({'dp_clip': 0.0}, '`dp_noise_multiplier` needs `dp_clip` > 0'),

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from fedjax_mr.algorithms import fedavg
+from fedjax_mr.algorithms import fedexp
 from fedjax_mr.algorithms import fedmut
 from fedjax_mr.algorithms import scaffold
 from fedjax_mr.core import types
@@ -28,22 +29,48 @@ def _setting():
 
 def _rounds(algorithm, model, data, rounds=2):
   fn = helpers.program_jit(engine.make_round_fn(algorithm, clients_per_round=4))
-  state = engine.init_state(algorithm, model.init(jax.random.key(0)))
+  state = engine.init_state(algorithm, model.init(jax.random.key(0)), 6)
   for _ in range(rounds):
     state, _ = fn(state, data, jax.random.key(4))
   return jax.device_get(state)
 
 
-@pytest.mark.parametrize('build', ['fedavg', 'fedmut'])
+@pytest.mark.parametrize('build', ['fedavg', 'fedmut', 'scaffold'])
 def test_no_noise_and_no_clip_is_the_plain_unweighted_round(build):
   model, data, local = _setting()
   make = {
     'fedavg': lambda: fedavg.fedavg(local, 4, weighted=False),
     'fedmut': lambda: fedmut.fedmut(local, 4, weighted=False),
+    'scaffold': lambda: scaffold.scaffold(local, 4, 6, weighted=False),
   }[build]
   plain = _rounds(make(), model, data)
   wrapped = _rounds(private.private(make(), math.inf, 0.0), model, data)
   helpers.tree_equal(wrapped, plain)
+
+
+def test_scaffolds_model_and_control_deltas_are_clipped_together():
+  model, data, local = _setting()
+  algorithm = scaffold.scaffold(local, 4, 6, weighted=False)
+  clip = 0.05
+  wrapped = private.private(algorithm, clip, 0.0)
+  state = engine.init_state(algorithm, model.init(jax.random.key(0)), 6)
+  sent = algorithm.dispatch(state.server, jnp.arange(4), 0, jax.random.key(1))
+  control = jax.tree.map(lambda c: c[1], state.clients)
+  args = (sent.shared, (), control, data, jnp.int32(1), jax.random.key(2))
+  plain, kept = jax.jit(algorithm.client_update)(*args)
+  clipped, kept_too = jax.jit(wrapped.client_update)(*args)
+  start = sent.shared[0]
+  both = lambda out: (  # noqa: E731
+    jax.tree.map(lambda t, s: t - s, out.variables, start),
+    out.extra,
+  )
+  norm = float(dp.global_norm(both(plain)))
+  assert norm > clip
+  helpers.assert_close(float(dp.global_norm(both(clipped))), clip, rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(both(clipped)), jax.tree.leaves(both(plain))):
+    helpers.assert_close(a, b * (clip / norm), rtol=1e-3, atol=1e-7)
+  # The client keeps the control it computed.
+  helpers.tree_equal(kept_too, kept)
 
 
 def test_each_upload_is_the_sent_model_plus_the_clipped_update():
@@ -104,8 +131,9 @@ def test_algorithms_it_does_not_wrap_are_refused_with_the_reason():
   variables = model.init(jax.random.key(0))
   private.check(fedavg.fedavg(local, 4, weighted=False), variables)
   private.check(fedmut.fedmut(local, 4, weighted=False), variables)
-  with pytest.raises(ValueError, match="not FedAvg's mean of models"):
-    private.check(scaffold.scaffold(local, 4, 6), variables)
+  private.check(scaffold.scaffold(local, 4, 6), variables)
+  with pytest.raises(ValueError, match=r"other sums .*\['models', 'sq_norms"):
+    private.check(fedexp.fedexp(local, 4), variables)
   with pytest.raises(ValueError, match='needs a finite clip_norm'):
     private.private(fedavg.fedavg(local, 4), math.inf, 1.0)
   with pytest.raises(ValueError, match='clip_norm must be > 0'):
