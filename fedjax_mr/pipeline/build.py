@@ -411,6 +411,13 @@ def private_algorithm(
   p = config.privacy
   if p.clip == 0:
     return algorithm
+  if config_lib.multi_model(config) and algorithm.contribution is None:
+    raise errors.ConfigError(
+      f'`algorithm={config.algorithm.name}` cannot run with `dp_clip`: it '
+      "sends models made of the clients' own back to the clients, so no "
+      'noise on a sum protects them: central user-level DP does not apply '
+      '(nor is local DP offered)'
+    )
   try:
     private.check(algorithm, variables)
   except ValueError as e:

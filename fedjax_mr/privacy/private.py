@@ -132,9 +132,8 @@ def check(algorithm: types.Algorithm, variables: types.Variables) -> None:
     )
   if algorithm.contribution is None:
     raise ValueError(
-      'algorithm: its server reads every client model, not their sum (the '
-      'FedMR family sends models made of them back to the clients); '
-      'central DP of a sum does not protect them'
+      'algorithm: its server reads every client model, not their sum; '
+      'DP-FedAvg protects a sum'
     )
   shape = None
   # What a client uploads beside its model: nothing, a tree like the

@@ -79,7 +79,8 @@ def test_the_run_stops_before_the_target_and_resumes_to_the_same(
 
 def test_what_dp_does_not_apply_to_is_refused_in_one_line(small_fmnist_dir):
   for changes, says in [
-    ({'algorithm': 'fedmr'}, 'sends models made of them back'),
+    ({'algorithm': 'fedmr'}, 'central user-level DP does not apply'),
+    ({'algorithm': 'depthfl'}, 'DP-FedAvg protects a sum'),
     ({'algorithm': 'fedexp'}, 'sq_norms'),
     ({'algorithm': 'clusamp'}, 'samples its clients itself'),
     ({'weighting': 'examples'}, 'DP weighs every client 1'),
