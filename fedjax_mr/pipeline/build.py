@@ -360,6 +360,7 @@ def check_privacy(config: config_lib.ExperimentConfig) -> None:
     ConfigError: naming the field.
   """
   p, n = config.privacy, config.partition.num_clients
+  k = config.server.clients_per_round
   rules = [
     (
       p.clip >= 0 and math.isfinite(p.clip),
@@ -394,6 +395,21 @@ def check_privacy(config: config_lib.ExperimentConfig) -> None:
       'examples` cannot go with `dp_clip`: DP weighs every client 1 (a '
       "weight by examples would let a client's data move the sum further)",
     ),
+    (
+      0 <= p.adaptive_quantile < 1,
+      '`dp_adaptive_quantile` must be in [0, 1) (0: a fixed clip norm), '
+      f'got {p.adaptive_quantile}',
+    ),
+    (
+      not p.adaptive_quantile or p.clip > 0,
+      '`dp_adaptive_quantile` needs `dp_clip` > 0, the first clip norm',
+    ),
+    (
+      not p.adaptive_quantile or p.noise_multiplier < k / 10,
+      '`dp_adaptive_quantile` needs `dp_noise_multiplier` < K / 10 = '
+      f'{k / 10:g}: the count of clients within the clip norm takes noise '
+      'of K / 20, the rest is left for the sum',
+    ),
   ]
   for ok, message in rules:
     if not ok:
@@ -425,6 +441,10 @@ def private_algorithm(
     raise errors.ConfigError(
       f'`algorithm={config.algorithm.name}` cannot run with `dp_clip`: {reason}'
     ) from None
+  if p.adaptive_quantile:
+    return private.adaptive(
+      algorithm, p.clip, p.noise_multiplier, p.adaptive_quantile, p.per_layer
+    )
   return private.private(algorithm, p.clip, p.noise_multiplier, p.per_layer)
 
 

@@ -467,8 +467,7 @@ class Devices:
 
 @dataclasses.dataclass(frozen=True)
 class Privacy:
-  """User-level differential privacy of the round's sum (DP-FedAvg,
-  `fedjax_mr.privacy.private`), and its accounting."""
+  """User-level DP of the round's sum (`fedjax_mr.privacy.private`)."""
 
   clip: float = _field(
     0.0,
@@ -478,20 +477,21 @@ class Privacy:
   )
   noise_multiplier: float = _field(
     0.0,
-    'DP: the Gaussian noise added to the sum of the clipped updates has '
-    'standard deviation this times dp_clip (0: none, epsilon infinite).',
+    'DP: the noise on the sum has standard deviation this times the clip '
+    'norm (0: none, epsilon infinite).',
     flag='dp_noise_multiplier',
   )
   per_layer: bool = _field(
-    False,
-    'DP: clip each layer (leaf) to dp_clip / sqrt(L) instead of the whole '
-    'update to dp_clip.',
-    flag='dp_per_layer',
+    False, 'DP: clip each layer to dp_clip / sqrt(L).', flag='dp_per_layer'
+  )
+  adaptive_quantile: float = _field(
+    0.0,
+    'DP: adapt the clip norm (dp_clip the first) to this quantile of the '
+    'update norms (Andrew et al.); 0: a fixed clip norm.',
+    flag='dp_adaptive_quantile',
   )
   delta: float = _field(
-    0.0,
-    'DP: the delta of the epsilon reported each round; 0: 1 / N^1.1.',
-    flag='dp_delta',
+    0.0, 'DP: delta of the epsilon reported; 0: 1 / N^1.1.', flag='dp_delta'
   )
   target_epsilon: float = _field(
     0.0,

@@ -83,6 +83,11 @@ def announce(
     log(
       f'privacy: DP-FedAvg, each update clipped to {p.clip:g}'
       + (' (per layer)' if p.per_layer else '')
+      + (
+        f' at first, then to the {p.adaptive_quantile:g} quantile of the norms'
+        if p.adaptive_quantile
+        else ''
+      )
       + f', noise {p.noise_multiplier:g} × {p.clip:g} on the sum, every '
       'client weighing 1; ε each round for δ = '
       + (f'{p.delta:g}' if p.delta else '1/N^1.1')

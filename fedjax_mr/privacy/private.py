@@ -32,8 +32,10 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,9 +66,10 @@ def _clipped(
   clip_norm: float,
   per_layer: bool,
 ) -> types.ClientOutput:
-  """`output` with its update clipped (`dp.clip`): the model's change from
-  `start` and its further uploads (`extra`: SCAFFOLD's control delta)
-  together; a leaf that no factor below 1 scales is kept as trained."""
+  """`(output, norm)`: `output` with its update clipped (`dp.clip`): the
+  model's change from `start` and its further uploads (`extra`: SCAFFOLD's
+  control delta) together, a leaf that no factor below 1 scales kept as
+  trained; and the update's norm before."""
   update = (
     jax.tree.map(
       lambda t, s: t.astype(jnp.float32) - s.astype(jnp.float32),
@@ -93,7 +96,7 @@ def _clipped(
     scaled[0],
   )
   extra = jax.tree.map(kept, output.extra, clipped[1], scaled[1])
-  return output._replace(variables=variables, extra=extra)
+  return output._replace(variables=variables, extra=extra), norm
 
 
 # The sums a wrapped algorithm's server may read: FedAvg's mean of models,
@@ -209,7 +212,7 @@ def private(
       shared, per_client_k, client_state_k, data, cid, key
     )
     start = start_model(inner, shared, per_client_k)
-    return _clipped(start, output, clip_norm, per_layer), state
+    return _clipped(start, output, clip_norm, per_layer)[0], state
 
   def aggregate(state, sums, client_ids, round_index, key):
     if stddev > 0:
@@ -223,3 +226,150 @@ def private(
     aggregate=aggregate,
     contribution=contribution,
   )
+
+
+# Folded into the round's key for the noise of the count of clients whose
+# update was within the clip norm (adaptive clipping).
+COUNT_KEY = 0x6462
+
+
+class AdaptiveState(NamedTuple):
+  """The state of an algorithm wrapped by `adaptive`: the algorithm's own
+  and the clip norm the next round's clients clip to.
+
+  Attributes:
+    inner: the wrapped algorithm's state.
+    clip_norm: float32 scalar, C of the next round.
+  """
+
+  inner: Any
+  clip_norm: jax.Array
+
+  @property
+  def params(self) -> types.Variables:
+    return self.inner.params
+
+
+def adaptive(
+  algorithm: types.Algorithm,
+  clip_norm: float,
+  noise_multiplier: float,
+  quantile: float,
+  per_layer: bool = False,
+  learning_rate: float = 0.2,
+  count_stddev: float | None = None,
+) -> types.Algorithm:
+  """`private` with the clip norm adapting to a quantile of the updates'
+  norms (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private
+  Learning with Adaptive Clipping", NeurIPS 2021): each round's clients
+  clip to the C the dispatch sends them and report whether their update's
+  norm was at most C; the server noises that count (standard deviation
+  σ_b, `dp.noised_fraction`), steps C toward the `quantile` γ
+  geometrically (`dp.next_clip_norm`, rate η = `learning_rate`), and noises
+  the sum with multiplier z_Δ = `dp.update_noise_multiplier(z, σ_b)`, so
+  that a round costs what one Gaussian of multiplier z costs (the
+  accountant's z). σ_b defaults to K / 20 (their choice). Metrics:
+  'dp_clip_norm', the C of the round.
+
+  Args:
+    algorithm: one that `check` accepts, with its `clients_per_round`.
+    clip_norm: the first round's C > 0.
+    noise_multiplier: z >= 0 (0: neither sum nor count noised).
+    quantile: γ in [0, 1].
+    per_layer: as `private`'s.
+    learning_rate: η > 0.
+    count_stddev: σ_b (> z / 2 with noise); None: K / 20.
+
+  Returns:
+    The wrapped `Algorithm`, its state an `AdaptiveState`.
+  """
+  if not 0 < clip_norm < math.inf:
+    raise ValueError(f'clip_norm must be finite and > 0, got {clip_norm}')
+  if not 0 <= quantile <= 1:
+    raise ValueError(f'quantile must be in [0, 1], got {quantile}')
+  if not learning_rate > 0:
+    raise ValueError(f'learning_rate must be > 0, got {learning_rate}')
+  inner = algorithm
+  k = inner.clients_per_round
+  if not k:
+    raise ValueError('algorithm: its clients_per_round is needed')
+  sigma_b = k / 20 if count_stddev is None else float(count_stddev)
+  z = float(noise_multiplier)
+  z_update = dp.update_noise_multiplier(z, sigma_b) if z > 0 else 0.0
+
+  def init(variables):
+    return AdaptiveState(inner.init(variables), jnp.float32(clip_norm))
+
+  def dispatch(state, client_ids, round_index, key):
+    sent = inner.dispatch(state.inner, client_ids, round_index, key)
+    return sent._replace(shared=(sent.shared, state.clip_norm))
+
+  def client_model(shared, per_client_k):
+    return start_model(inner, shared[0], per_client_k)
+
+  def aggregate(state, sums, client_ids, round_index, key):
+    clip = state.clip_norm
+    sums, fraction = _noised_adaptive(sums, key, k, z_update, clip, sigma_b)
+    new, metrics = inner.aggregate(
+      state.inner, sums, client_ids, round_index, key
+    )
+    step = dp.next_clip_norm(clip, fraction, quantile, learning_rate)
+    return AdaptiveState(new, step), {**metrics, 'dp_clip_norm': clip}
+
+  return inner._replace(
+    init=init,
+    dispatch=dispatch,
+    client_update=functools.partial(_adaptive_update, inner, per_layer),
+    aggregate=aggregate,
+    contribution=functools.partial(_adaptive_contribution, inner),
+    client_model=client_model,
+  )
+
+
+def _adaptive_update(
+  inner, per_layer, shared, per_client_k, client_state_k, data, cid, key
+):
+  """`adaptive`'s client: trains as `inner`'s, clips to the dispatched C,
+  and uploads, beside its own further uploads, whether its update's norm
+  was at most C (1.0 or 0.0)."""
+  own, clip = shared
+  output, state = inner.client_update(
+    own, per_client_k, client_state_k, data, cid, key
+  )
+  start = start_model(inner, own, per_client_k)
+  clipped, norm = _clipped(start, output, clip, per_layer)
+  below = (norm <= clip).astype(jnp.float32)
+  return clipped._replace(extra=(clipped.extra, below)), state
+
+
+def _adaptive_contribution(inner, output: types.ClientOutput) -> dict:
+  """`_contribution` of an `_adaptive_update` upload, and its report."""
+  own, below = output.extra
+  output = output._replace(extra=own)
+  controls = 'controls' in jax.eval_shape(inner.contribution, output)
+  return {**_contribution(output, controls), 'below': below}
+
+
+def _noised_adaptive(
+  sums: types.Sums,
+  key: jax.Array,
+  k: int,
+  z_update: float,
+  clip: jax.Array,
+  count_stddev: float,
+) -> tuple[types.Sums, jax.Array]:
+  """`(sums, fraction)`: the sums without the count of reports, each noised
+  by z_update · `clip`, and the fraction of the `k` clients that were
+  within the clip norm, noised by `count_stddev`; nothing noised where
+  `z_update` is 0."""
+  total = dict(sums.total)
+  below = total.pop('below')
+  if not z_update:
+    return sums._replace(total=total), below / k
+  summed = {name: v for name, v in total.items() if name != 'weight'}
+  noise_key = jax.random.fold_in(key, NOISE_KEY)
+  total.update(dp.noise(summed, noise_key, z_update * clip))
+  fraction = dp.noised_fraction(
+    below, k, jax.random.fold_in(key, COUNT_KEY), count_stddev
+  )
+  return sums._replace(total=total), fraction

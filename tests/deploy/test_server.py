@@ -163,11 +163,21 @@ def test_two_rounds_equal_the_suites_programs_at_every_placement(
   )
 
 
-@pytest.mark.parametrize('algorithm', ['fedavg', 'fedmut', 'scaffold'])
-def test_a_private_round_deployed_equals_the_simulated_one(algorithm, tmp_path):
+@pytest.mark.parametrize(
+  'algorithm, quantile',
+  [('fedavg', 0.0), ('fedmut', 0.0), ('scaffold', 0.0), ('fedavg', 0.5)],
+)
+def test_a_private_round_deployed_equals_the_simulated_one(
+  algorithm, quantile, tmp_path
+):
   # DP-FedAvg: the nodes clip, the server noises the folded sum from the
-  # round's key; a clip small enough to bind every client.
-  dp = {'dp_clip': 0.05, 'dp_noise_multiplier': 1.1}
+  # round's key; a clip small enough to bind every client; with a quantile
+  # the clip norm travels in the dispatch and adapts.
+  dp = {
+    'dp_clip': 0.05,
+    'dp_noise_multiplier': 0.3,
+    'dp_adaptive_quantile': quantile,
+  }
   assert _differences(algorithm, 2, 2, str(tmp_path), 2, **dp) == []
 
 

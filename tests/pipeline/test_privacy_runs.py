@@ -89,3 +89,28 @@ def test_what_dp_does_not_apply_to_is_refused_in_one_line(small_fmnist_dir):
   ]:
     with pytest.raises(errors.ConfigError, match=says):
       experiment.setup(_dp(small_fmnist_dir, **changes))
+
+
+def test_an_adaptive_clip_norm_is_in_the_rows_and_resumes(
+  small_fmnist_dir, tmp_path
+):
+  config = _dp(
+    small_fmnist_dir,
+    dp_adaptive_quantile=0.5,
+    dp_noise_multiplier=0.3,
+    rounds=2,
+  )
+  whole = experiment.train_and_evaluate(config, str(tmp_path / 'a'), log=print)
+  rows = _rows(tmp_path / 'a')
+  # Round 1 clips to dp_clip; round 2 to the norm the first step made.
+  assert rows[0]['dp_clip_norm'] == pytest.approx(0.5)
+  assert rows[1]['dp_clip_norm'] != rows[0]['dp_clip_norm']
+  assert float(whole.state.server.clip_norm) not in (
+    rows[0]['dp_clip_norm'],
+    rows[1]['dp_clip_norm'],
+  )
+  experiment.train_and_evaluate(
+    config.replace(rounds=1), str(tmp_path / 'b'), log=print
+  )
+  again = experiment.train_and_evaluate(config, str(tmp_path / 'b'), log=print)
+  helpers.tree_equal(again.state.server, whole.state.server)

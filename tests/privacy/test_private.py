@@ -138,3 +138,54 @@ def test_algorithms_it_does_not_wrap_are_refused_with_the_reason():
     private.private(fedavg.fedavg(local, 4), math.inf, 1.0)
   with pytest.raises(ValueError, match='clip_norm must be > 0'):
     private.private(fedavg.fedavg(local, 4), 0.0, 1.0)
+
+
+def test_adaptive_clipping_steps_toward_the_quantile_by_hand():
+  # z = 0: no noise; the next C is C exp(-eta (b - gamma)), b the fraction
+  # of the round's clients whose update norm was at most C.
+  model, data, local = _setting()
+  algorithm = fedavg.fedavg(local, 4, weighted=False)
+  clip, gamma, eta = 1.0, 0.8, 0.2
+  wrapped = private.adaptive(algorithm, clip, 0.0, gamma, learning_rate=eta)
+  variables = model.init(jax.random.key(0))
+  state = engine.init_state(wrapped, variables)
+  fn = helpers.program_jit(engine.make_round_fn(wrapped, clients_per_round=4))
+  new, metrics = fn(state, data, jax.random.key(4))
+  assert float(metrics['dp_clip_norm']) == np.float32(clip)
+  # The round's clients, as the engine samples and keys them.
+  ids = jax.jit(engine.make_sample_fn(wrapped, 4))(
+    state, data, jax.random.key(4)
+  )
+  k_clients = engine.round_keys(jax.random.key(4), state.round)[2]
+  keys = engine.client_keys(k_clients, 4)
+  sent = algorithm.dispatch(algorithm.init(variables), ids, 0, None)
+  norms = []
+  for cid, key in zip(ids, keys):
+    out, _ = jax.jit(algorithm.client_update)(
+      sent.shared, (), (), data, cid, key
+    )
+    delta = jax.tree.map(lambda t, s: t - s, out.variables, variables)
+    norms.append(float(dp.global_norm(delta)))
+  below = np.mean([n <= clip for n in norms])
+  assert 0 < below < 1, norms  # the step's direction is seen
+  want = clip * np.exp(-eta * (below - gamma))
+  helpers.assert_close(float(new.server.clip_norm), want, rtol=1e-6)
+  # The model is FedAvg's of the clipped updates.
+  plain = private.private(algorithm, clip, 0.0)
+  other, _ = helpers.program_jit(
+    engine.make_round_fn(plain, clients_per_round=4)
+  )(engine.init_state(plain, variables), data, jax.random.key(4))
+  helpers.tree_equal(new.server.params, other.server.params)
+
+
+def test_adaptive_noise_costs_what_one_gaussian_of_z_costs():
+  # Two Gaussians, on the sum (z_update C) and on the count (sigma_b):
+  # z_update^-2 + (2 sigma_b)^-2 = z^-2.
+  model, _, local = _setting()
+  z, sigma_b = 1.0, 4 / 20
+  with pytest.raises(ValueError, match='count_stddev must be above'):
+    private.adaptive(fedavg.fedavg(local, 4), 0.5, z, 0.5)  # 2 sigma_b < z
+  private.adaptive(fedavg.fedavg(local, 4), 0.5, z, 0.5, count_stddev=2.0)
+  del sigma_b
+  z_update = dp.update_noise_multiplier(z, 2.0)
+  assert z_update**-2 + 4.0**-2 == pytest.approx(z**-2)
