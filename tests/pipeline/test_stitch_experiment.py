@@ -19,6 +19,7 @@ from fedjax_mr.stitch import federated
 from fedjax_mr.stitch import pool as pool_lib
 from fedjax_mr.stitch import state as state_lib
 from tests.stitch import common
+from tests.stitch import test_federated as federated_tests
 
 Pace = progress.Pace
 
@@ -208,27 +209,31 @@ def test_public_indices_outside_the_dataset_are_one_line(tmp_path):
 
 # --- The host loop of every run, on a small real search ----------------------
 
-_ZOO = ('cnn_mnist', 'cnn_femnist', 'cnn_cifar')
-
-
-def _batch(client, round_):
-  rng = np.random.default_rng([client, round_])
-  return rng.uniform(0, 1, (8, 28, 28, 1)).astype(np.float32)
+# The library's test run (tests/stitch/test_federated.py), as a program's.
+_ZOO = federated_tests._ZOO
+_batch = federated_tests.batch_fn
 
 
 def _real_setup(workdir):
-  """A FedStitch run of 3 random-weight models' blocks over 6 clients,
-  3 a round (≤ 4 rounds), without data or energy coordinators."""
+  """The library's test run of 3 random-weight models' blocks over 6
+  clients, 3 a round (≤ 4 rounds), without data or energy coordinators."""
+  lib = federated_tests.CONFIG
   config = stitch_config.StitchConfig.from_flat(
     workdir=str(workdir),
-    num_clients=6,
-    clients_per_round=3,
-    batch_size=8,
-    top_k=2,
-    epsilon=0.3,
-    rounds_per_selection=2,
-    num_selections=2,
-    max_depth=3,
+    num_clients=federated_tests.NUM_CLIENTS,
+    **{
+      name: getattr(lib, name)
+      for name in (
+        'clients_per_round',
+        'batch_size',
+        'top_k',
+        'epsilon',
+        'rounds_per_selection',
+        'num_selections',
+        'max_depth',
+        'seed',
+      )
+    },
   )
   pool = pool_lib.make_pool([common.chain(n) for n in _ZOO])
   models = [types.SimpleNamespace(id=n) for n in _ZOO]
