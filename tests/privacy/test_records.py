@@ -1,0 +1,67 @@
+"""The numbers of the privacy page, recomputed from their records
+(docs/results/privacy/: each run's metrics.jsonl and config.json, the
+cost of a round in cost.txt)."""
+
+import json
+import os
+import re
+
+from fedjax_mr import privacy
+from fedjax_mr.runtime import metrics_io
+from tests import docs_text
+from tests import test_readme_records as readme_records
+
+RECORDS = os.path.join(docs_text.REPO, 'docs', 'results', 'privacy')
+PAGE = 'docs/howto/privacy.md'
+TABLE = '| algorithm | no DP |'
+SETTINGS = {
+  'no DP': 'none',
+  'clip alone (ε = ∞)': 'inf',
+  'ε = 8': '8',
+  'ε = 2': '2',
+}
+ALGORITHMS = {'FedAvg': 'fedavg', 'FedMut': 'fedmut', 'SCAFFOLD': 'scaffold'}
+
+
+def _run(algorithm, setting):
+  folder = os.path.join(RECORDS, algorithm, f'eps_{setting}')
+  rows = metrics_io.read(os.path.join(folder, 'metrics.jsonl'))
+  with open(os.path.join(folder, 'config.json')) as f:
+    return rows, json.load(f)
+
+
+def _cell(algorithm, setting):
+  """A table cell: the final test accuracy and, under DP with noise, the
+  final ε as the accountant gives it for the run's config."""
+  rows, config = _run(algorithm, setting)
+  last = rows[-1]
+  assert last['round'] == config['rounds'] == 200
+  text = f'{100 * last["test_accuracy"]:.2f} %'
+  if setting in ('8', '2'):
+    n, k = config['num_clients'], config['clients_per_round']
+    acct = privacy.Accountant(
+      config['dp_noise_multiplier'], n, k, privacy.default_delta(n)
+    )
+    assert last['dp_epsilon'] == acct.epsilon(200)
+    assert last['dp_epsilon'] <= float(setting)
+    text += f' (ε {last["dp_epsilon"]:.2f})'
+  return text
+
+
+def test_the_accuracy_table_is_its_records():
+  table = readme_records._table(docs_text.read(PAGE), TABLE)
+  header, body = table[0], table[1:]
+  assert header == ['algorithm', *SETTINGS]
+  assert [row[0] for row in body] == list(ALGORITHMS)
+  for row in body:
+    for cell, setting in zip(row[1:], SETTINGS.values()):
+      assert cell == _cell(ALGORITHMS[row[0]], setting), (row[0], setting)
+
+
+def test_the_cost_line_is_its_record():
+  text = docs_text.read(PAGE)
+  with open(os.path.join(RECORDS, 'cost.txt')) as f:
+    record = f.read()
+  for algorithm in ALGORITHMS.values():
+    line = re.search(rf'^{algorithm}: .*$', record, re.M)[0]
+    assert f'`{line}`' in text, line
