@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import dp_accounting
+import numpy as np
 from dp_accounting import rdp
 
 
@@ -66,6 +67,7 @@ class Accountant:
     self.num_clients = int(num_clients)
     self.clients_per_round = int(clients_per_round)
     self.delta = float(delta)
+    self._one = None  # a round's RDP accountant, made when first needed
 
   def event(self, rounds: int) -> dp_accounting.DpEvent:
     """The `DpEvent` of `rounds` rounds."""
@@ -84,11 +86,18 @@ class Accountant:
       return 0.0
     if self.noise_multiplier == 0:
       return math.inf
-    accountant = rdp.RdpAccountant(
-      neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+    if self._one is None:
+      # A round's RDP, once (0.2 s on a CPU): T rounds compose to T times
+      # it, as the accountant composes `event(T)` itself.
+      self._one = rdp.RdpAccountant(
+        neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE
+      )
+      self._one.compose(self.event(1))
+    orders, one = self._one.orders, np.asarray(self._one.rdp)
+    eps, _ = rdp.rdp_privacy_accountant.compute_epsilon(
+      orders, int(rounds) * one, self.delta
     )
-    accountant.compose(self.event(rounds))
-    return float(accountant.get_epsilon(self.delta))
+    return float(eps)
 
   def rounds_within(self, target_epsilon: float, limit: int) -> int:
     """The most rounds, at most `limit`, whose ε is at most
