@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../../.."
 PY=${PYTHON:-.venv/bin/python}
 COMMON="--num_clients=10000 --clients_per_round=100 --partition=iid"
 COMMON="$COMMON --local_epochs=5 --batch_size=10 --rounds=200"
-COMMON="$COMMON --eval_every=10 --checkpoint_every=50 --seed=0"
+COMMON="$COMMON --eval_every=10 --local_eval_every=0 --checkpoint_every=50 --seed=0"
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs; commit $(git rev-parse --short HEAD)"
 ALGORITHMS=${ALGORITHMS:-fedavg fedmut scaffold}
 for alg in $ALGORITHMS; do
