@@ -32,9 +32,17 @@ def _run(algorithm, setting):
 
 def _cell(algorithm, setting):
   """A table cell: the final test accuracy and, under DP with noise, the
-  final ε as the accountant gives it for the run's config."""
+  final ε as the accountant gives it for the run's config; for a run
+  that diverged, the round and its last evaluation before."""
   rows, config = _run(algorithm, setting)
   last = rows[-1]
+  stopped = metrics_io.diverged_at(rows)
+  if stopped is not None:
+    evaluated = [r for r in rows if 'test_accuracy' in r][-1]
+    return (
+      f'diverged at round {stopped} ({100 * evaluated["test_accuracy"]:.2f} '
+      f'% at round {evaluated["round"]})'
+    )
   assert last['round'] == config['rounds'] == 200
   text = f'{100 * last["test_accuracy"]:.2f} %'
   if setting in ('8', '2'):
