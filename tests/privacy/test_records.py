@@ -73,3 +73,36 @@ def test_the_cost_line_is_its_record():
   for algorithm in ALGORITHMS.values():
     line = re.search(rf'^{algorithm}: .*$', record, re.M)[0]
     assert f'`{line}`' in text, line
+
+
+def _accuracy(algorithm, setting):
+  return 100 * _run(algorithm, setting)[0][-1]['test_accuracy']
+
+
+def test_the_prose_numbers_are_the_records():
+  text = ' '.join(docs_text.read(PAGE).split())
+  a = {s: _accuracy('fedavg', s) for s in ('none', 'inf', '8', '2')}
+  assert (
+    f'costs FedAvg {a["none"] - a["inf"]:.1f} points, the noise of ε = 8 '
+    f'another {a["inf"] - a["8"]:.1f} and ε = 2 another {a["8"] - a["2"]:.1f}'
+  ) in text
+  mut = _accuracy('fedmut', 'none') - _accuracy('fedmut', '2')
+  assert (
+    f"FedMut loses {mut:.1f} points in all against FedAvg's "
+    f'{a["none"] - a["2"]:.1f}'
+  ) in text
+  clip = _accuracy('scaffold', 'none') - _accuracy('scaffold', 'inf')
+  rows, _ = _run('scaffold', '2')
+  assert f'{clip:.1f} points to the clip alone' in text
+  assert f'non-finite at round {metrics_io.diverged_at(rows)}' in text
+  with open(os.path.join(RECORDS, 'synthetic_nodp.txt')) as f:
+    final = re.search(r'final test accuracy ([\d.]+)', f.read())[1]
+  assert f'({100 * float(final):.1f} % after 100 rounds' in text
+
+
+def test_the_example_lines_are_the_runs_output():
+  block = docs_text.read(PAGE).split('```text\n', 1)[1].split('```')[0]
+  with open(os.path.join(RECORDS, 'run.log')) as f:
+    log = f.read().splitlines()
+  for line in block.splitlines():
+    assert line in log, line
