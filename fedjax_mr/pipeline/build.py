@@ -5,7 +5,9 @@ The dataset (`load_dataset`), the clients' partition (`make_partition`),
 both as the clients' data and the test set (`load_clients`; generated for
 `dataset=synthetic`), the fingerprint of the data loaded
 (`data_fingerprint`: part of a run's identity), the algorithm from the
-registry (`build_algorithm`) and pretrained starting variables
+registry (`build_algorithm`, wrapped in DP-FedAvg where `dp_clip` is set:
+`private_algorithm`, its accountant `accountant`) and pretrained starting
+variables
 (`pretrained_variables`, the config's `init_from`).
 Each raises `ConfigError` naming the config field at fault.
 """
@@ -354,7 +356,8 @@ def build_algorithm(
 def check_privacy(config: config_lib.ExperimentConfig) -> None:
   """The privacy part's values (`Privacy`): a clip norm >= 0 (0: no DP),
   noise only with a clip, δ in (0, 1) or 0, a target ε only with noise,
-  and every client weighing 1.
+  every client weighing 1, and an adaptive quantile in [0, 1) with a
+  first clip norm and noise below K / 10.
 
   Raises:
     ConfigError: naming the field.

@@ -24,6 +24,8 @@ replace-one relation (`accounting.Accountant`).
 With z = 0 and C = inf nothing is clipped or noised: the wrapped round is
 the plain unweighted round, bit for bit (a client's model is its trained
 model wherever no factor below 1 applies, and no zero noise is added).
+`adaptive` is the same with a clip norm that follows a quantile of the
+updates' norms (Andrew et al., 2021).
 
 References:
   McMahan, Ramage, Talwar, Zhang. "Learning Differentially Private
@@ -65,7 +67,7 @@ def _clipped(
   output: types.ClientOutput,
   clip_norm: float,
   per_layer: bool,
-) -> types.ClientOutput:
+) -> tuple[types.ClientOutput, jax.Array]:
   """`(output, norm)`: `output` with its update clipped (`dp.clip`): the
   model's change from `start` and its further uploads (`extra`: SCAFFOLD's
   control delta) together, a leaf that no factor below 1 scales kept as
@@ -125,9 +127,10 @@ def _contribution(output: types.ClientOutput, controls: bool) -> dict:
 def check(algorithm: types.Algorithm, variables: types.Variables) -> None:
   """Raises `ValueError` naming `algorithm` where DP-FedAvg does not apply
   to it: its own sampler (one the accountant cannot model), no
-  `contribution` (its server reads the K models, not their sum), or
-  another contribution than FedAvg's mean of models (SCAFFOLD's controls,
-  FedExP's norms: not wrapped here)."""
+  `contribution` (its server reads the K models, not their sum), other
+  sums than FedAvg's mean of models and SCAFFOLD's control deltas
+  (FedExP's squared norms), or a dispatch in which the model a client is
+  sent cannot be found (`start_model`)."""
   if algorithm.sampler is not None:
     raise ValueError(
       'algorithm: it samples its clients itself; the accountant models K '
