@@ -114,3 +114,43 @@ def test_an_adaptive_clip_norm_is_in_the_rows_and_resumes(
   )
   again = experiment.train_and_evaluate(config, str(tmp_path / 'b'), log=print)
   helpers.tree_equal(again.state.server, whole.state.server)
+
+
+# The privacy page's table of algorithms, as the builds find it (FedGen
+# and HeteroFL need stored examples: their refusal is tested above for
+# their kind, a server that reads every model, by DepthFL's).
+WRAPPED = {
+  'fedavg',
+  'fedprox',
+  'moon',
+  'fedasam',
+  'fedsam',
+  'fedmut',
+  'scaffold',
+}
+REFUSED = {'fedexp', 'clusamp', 'fedmr', 'fedmr_p', 'indep', 'depthfl'}
+REFUSED |= {'fedepth', 'ft_full'}
+
+
+def test_the_algorithms_dp_wraps_are_the_pages():
+  from fedjax_mr.pipeline import registry
+
+  assert WRAPPED | REFUSED | {'fedgen', 'heterofl', 'ft_part'} == set(
+    registry.names()
+  )
+  for name in sorted(WRAPPED | REFUSED):
+    config = _dp(
+      '',
+      algorithm=name,
+      dataset='synthetic',
+      model='logistic',
+      partition='dirichlet',
+      num_clients=10,
+      clients_per_round=4,
+      dp_noise_multiplier=0.3,
+    )
+    if name in WRAPPED:
+      experiment.setup(config)
+    else:
+      with pytest.raises(errors.ConfigError, match='cannot run with `dp_clip`'):
+        experiment.setup(config)
