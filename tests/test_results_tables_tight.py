@@ -21,6 +21,7 @@ from tests import test_docs_tables as docs_tables
 from tests import test_readme_records as readme_records
 from tests.deploy import test_overhead_record as overhead_record
 from tests.deploy import test_payload_record as payload_record
+from tests.privacy import test_records as privacy_records
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 # A figure: digits (thousands with commas, a decimal part), not inside a
@@ -69,6 +70,7 @@ CASES = [
     **payload_record.TABLES,
     **overhead_record.TABLES,
     **docs_tables.TABLES,
+    **privacy_records.TABLES,
   }.items()
 ]
 
