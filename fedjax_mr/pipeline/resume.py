@@ -40,10 +40,8 @@ from fedjax_mr.training import engine
 Log = Callable[[str], None]
 
 
-# Where damaged checkpoints are moved (`checkpoint.Checkpointer.settle`).
-DAMAGED_FOLDER = 'checkpoints_damaged'
 # The folders a run writes in its workdir (besides checkpoint.FOLDER).
-OWN_FOLDERS = (DAMAGED_FOLDER, 'tensorboard')
+OWN_FOLDERS = (checkpoint.DAMAGED_FOLDER, 'tensorboard')
 
 
 def check_workdir(config: config_lib.ExperimentConfig, workdir: str) -> None:

@@ -35,6 +35,8 @@ from fedjax_mr.core import jsonfile
 
 # The folder of a workdir that holds the checkpoints.
 FOLDER = 'checkpoints'
+# Where `Checkpointer.settle` moves the damaged ones.
+DAMAGED_FOLDER = 'checkpoints_damaged'
 # The largest metadata file read (a run's config, mapping and digests are
 # a few KB).
 MAX_METADATA_BYTES = 16 * 2**20
@@ -413,7 +415,7 @@ class Checkpointer:
   def _damaged_path(self, step: int) -> str:
     root = os.path.dirname(self._folder)
     stamp = time.strftime('%Y%m%d-%H%M%S')
-    return os.path.join(root, 'checkpoints_damaged', f'{step}.{stamp}')
+    return os.path.join(root, DAMAGED_FOLDER, f'{step}.{stamp}')
 
   def save(
     self, round_index: int, state: Any, metadata: dict[str, Any] | None = None
