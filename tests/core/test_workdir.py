@@ -118,7 +118,13 @@ def test_two_runs_on_one_workdir(small_fmnist_dir, tmp_path):
       break
     assert first.poll() is None and time.time() < deadline
     time.sleep(0.2)
-  second = helpers.run_module('experiments.run', *args)
+  # Held stopped while the second one starts: a fast first run could
+  # otherwise finish before the second one asks for the lock.
+  first.send_signal(signal.SIGSTOP)
+  try:
+    second = helpers.run_module('experiments.run', *args)
+  finally:
+    first.send_signal(signal.SIGCONT)
   out, err = first.communicate(timeout=600)
   assert first.returncode == 0, err
   assert second.returncode == 2
