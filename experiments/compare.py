@@ -97,7 +97,7 @@ def main(argv) -> None:
   from fedjax_mr.analysis import compare
   from fedjax_mr.core import workdir as workdir_lib
   from fedjax_mr.pipeline import experiment
-  from fedjax_mr.pipeline import titles
+  from fedjax_mr.pipeline import records
   from fedjax_mr.runtime import distributed
   from fedjax_mr.runtime import provenance
 
@@ -119,7 +119,7 @@ def main(argv) -> None:
     workdir_lib.check_usable(out)
     base = run_flags.flag_values()
     runs = compare.configs(base, variants, seeds, out)
-    title = titles.setting_title(compare.base_config(base))
+    title = records.setting_title(compare.base_config(base))
     if not _SUMMARIZE_ONLY.value:
       first = runs[0][2]
       distributed.initialize_for(first.devices, first.server.clients_per_round)

@@ -74,8 +74,8 @@ def main(argv) -> None:
   from fedjax_mr.analysis import landscape
   from fedjax_mr.core import workdir as workdir_lib
   from fedjax_mr.pipeline import experiment
+  from fedjax_mr.pipeline import records
   from fedjax_mr.pipeline import registry
-  from fedjax_mr.pipeline import titles
   from fedjax_mr.runtime import metrics_io
   from fedjax_mr.runtime import plots
 
@@ -113,7 +113,7 @@ def main(argv) -> None:
     grid = {
       'workdir': os.path.abspath(workdir),
       'algorithm': run.config.algorithm.name,
-      'setting': titles.setting_title(run.config),
+      'setting': records.setting_title(run.config),
       'split': _SPLIT.value,
       **grid,
     }

@@ -29,8 +29,8 @@ from fedjax_mr.core import files
 from fedjax_mr.core import workdir as workdir_lib
 from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import records
 from fedjax_mr.pipeline import registry
-from fedjax_mr.pipeline import titles
 from fedjax_mr.runtime import metrics_io
 from fedjax_mr.runtime import plots
 from fedjax_mr.runtime import provenance
@@ -463,7 +463,7 @@ def run_matrix(
   for i, (name, seed, config) in enumerate(runs):
     left = sum(max(0, c.run.rounds - done(c)) for _, _, c in runs[i:])
     line = f'[{i + 1}/{len(runs)}] {name} seed {seed} in {config.run.workdir}'
-    line += f'; {titles.rounds(left)} left in the matrix'
+    line += f'; {records.rounds(left)} left in the matrix'
     if trained and left:
       pace = (time.monotonic() - start) / trained
       line += f', ETA {_duration(left * pace)} ({pace:.1f} s/round so far)'

@@ -19,7 +19,6 @@ from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.pipeline import build
 from fedjax_mr.pipeline import records
-from fedjax_mr.pipeline import titles
 from fedjax_mr.runtime import checkpoint
 from fedjax_mr.runtime import distributed
 from fedjax_mr.runtime import tensorboard
@@ -58,7 +57,7 @@ def announce(
       f'({num_params:,} parameters), {data.num_clients} clients '
       f'({config.partition.kind}), {config.server.clients_per_round} per '
       'round, '
-      f'{titles.rounds(config.run.rounds)}'
+      f'{records.rounds(config.run.rounds)}'
     )
   unassigned = (experiment.partition or {}).get('unassigned', 0)
   if unassigned:
@@ -132,7 +131,7 @@ def _synthetic_line(experiment: build.Experiment, num_params: int) -> str:
     f'{int(jax.numpy.sum(test.mask)):,} test), {config.model.name} '
     f'({num_params:,} parameters), {config.server.clients_per_round:,} per '
     'round, '
-    f'{titles.rounds(config.run.rounds)}'
+    f'{records.rounds(config.run.rounds)}'
   )
 
 
@@ -182,7 +181,7 @@ class Timer:
   def summary(self, history: list[dict[str, Any]], workdir: str) -> str:
     evals = [r for r in history if 'test_accuracy' in r]
     lines = [
-      f'done: {titles.rounds(self.total)}; this process ran '
+      f'done: {records.rounds(self.total)}; this process ran '
       f'{self.total - self.start} in {self.elapsed:.1f}s'
     ]
     if self.first is not None:

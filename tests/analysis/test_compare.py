@@ -9,7 +9,7 @@ import pytest
 from fedjax_mr.analysis import compare
 from fedjax_mr.core import errors
 from fedjax_mr.pipeline import config as config_lib
-from fedjax_mr.pipeline import titles
+from fedjax_mr.pipeline import records
 from fedjax_mr.runtime import metrics_io
 from tests import helpers
 
@@ -158,16 +158,16 @@ def test_the_matrix_says_how_long_it_has_left(tmp_path):
 def test_the_title_states_the_setting_and_what_differs(tmp_path):
   c = _config(lr=0.05, momentum=0.5, rounds=100)
   # In the names the figures give the dataset, model and partition.
-  assert titles.setting_title(c) == (
+  assert records.setting_title(c) == (
     'Fashion-MNIST, CNN (MNIST), Dir(α = 0.5), K = 4 of 10, E = 1, B = 50, '
     'lr = 0.05, momentum = 0.5, 100 rounds'
   )
   c = _config(partition='iid', weighting='uniform', min_client_size=3, rounds=1)
-  title = titles.setting_title(c)
+  title = records.setting_title(c)
   assert title.startswith('Fashion-MNIST, CNN (MNIST), IID, K = 4 of 10')
   assert ', 1 round, min_client_size=3, weighting=uniform' in title
   c = _config(dataset='synthetic', model='logistic', synthetic_beta=0.5)
-  assert titles.setting_title(c).startswith(
+  assert records.setting_title(c).startswith(
     'Synthetic(α = 1, β = 0.5), logistic regression, K = 4 of 10, E = 1'
   )
 
@@ -177,7 +177,7 @@ def test_every_dataset_and_model_has_a_display_name():
   from fedjax_mr.models import model
 
   assert set(datasets.DISPLAY_NAMES) == set(datasets.NAMES)
-  assert set(titles.MODEL_NAMES) == set(model.NAMES)
+  assert set(records.MODEL_NAMES) == set(model.NAMES)
 
 
 @pytest.mark.parametrize(
