@@ -15,7 +15,6 @@ Each raises `ConfigError` naming the config field at fault.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from typing import Any
 from typing import NamedTuple
@@ -35,8 +34,10 @@ from fedjax_mr.data import synthetic
 from fedjax_mr.models import model as model_lib
 from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import protection
 from fedjax_mr.pipeline import registry
 from fedjax_mr.privacy import private
+from fedjax_mr.privacy import secure
 from fedjax_mr.training import client
 from fedjax_mr.training import engine
 from fedjax_mr.training import host_round
@@ -312,8 +313,11 @@ def build_algorithm(
   model: model_lib.Model,
   variables: types.Variables,
   hparams: Any = None,
+  max_examples: int | None = None,
 ) -> types.Algorithm:
-  """The algorithm named by `config.algorithm.name`, from the registry.
+  """The algorithm named by `config.algorithm.name`, from the registry,
+  wrapped as the privacy part says (`private_algorithm`,
+  `secure_algorithm`).
 
   Args:
     config: the experiment (validated).
@@ -323,6 +327,8 @@ def build_algorithm(
       follow).
     hparams: the algorithm's hyper-parameters as `checks.validate`
       returned them; None: read from `config` (and checked).
+    max_examples: the largest client's number of examples (secure
+      aggregation needs it).
 
   Raises:
     ConfigError: a hyper-parameter that does not fit the model, named by
@@ -350,73 +356,8 @@ def build_algorithm(
     algorithm = entry.factory(setting, hp)
   except errors.ArgumentError as e:
     raise checks.as_config_error(config.algorithm.name, e) from None
-  return private_algorithm(config, algorithm, variables)
-
-
-def check_privacy(config: config_lib.ExperimentConfig) -> None:
-  """The privacy part's values (`Privacy`): a clip norm >= 0 (0: no DP),
-  noise only with a clip, δ in (0, 1) or 0, a target ε only with noise,
-  every client weighing 1, and an adaptive quantile in [0, 1) with a
-  first clip norm and noise below K / 10.
-
-  Raises:
-    ConfigError: naming the field.
-  """
-  p, n = config.privacy, config.partition.num_clients
-  k = config.server.clients_per_round
-  rules = [
-    (
-      p.clip >= 0 and math.isfinite(p.clip),
-      f'`dp_clip` must be a finite norm >= 0 (0: no DP), got {p.clip}',
-    ),
-    (
-      p.noise_multiplier >= 0 and math.isfinite(p.noise_multiplier),
-      f'`dp_noise_multiplier` must be >= 0, got {p.noise_multiplier}',
-    ),
-    (
-      p.clip > 0 or p.noise_multiplier == 0,
-      '`dp_noise_multiplier` needs '
-      '`dp_clip` > 0: the noise is proportional to the clip norm',
-    ),
-    (
-      0 <= p.delta < 1,
-      f'`dp_delta` must be in [0, 1) (0: 1 / N^1.1 = '
-      f'{privacy.default_delta(n):.3g}), got {p.delta}',
-    ),
-    (
-      p.target_epsilon >= 0,
-      f'`dp_target_epsilon` must be >= 0 (0: none), got {p.target_epsilon}',
-    ),
-    (
-      p.target_epsilon == 0 or p.noise_multiplier > 0,
-      '`dp_target_epsilon` '
-      'needs `dp_noise_multiplier` > 0 (without noise epsilon is infinite)',
-    ),
-    (
-      p.clip == 0 or config.server.weighting != 'examples',
-      '`weighting='
-      'examples` cannot go with `dp_clip`: DP weighs every client 1 (a '
-      "weight by examples would let a client's data move the sum further)",
-    ),
-    (
-      0 <= p.adaptive_quantile < 1,
-      '`dp_adaptive_quantile` must be in [0, 1) (0: a fixed clip norm), '
-      f'got {p.adaptive_quantile}',
-    ),
-    (
-      not p.adaptive_quantile or p.clip > 0,
-      '`dp_adaptive_quantile` needs `dp_clip` > 0, the first clip norm',
-    ),
-    (
-      not p.adaptive_quantile or p.noise_multiplier < k / 10,
-      '`dp_adaptive_quantile` needs `dp_noise_multiplier` < K / 10 = '
-      f'{k / 10:g}: the count of clients within the clip norm takes noise '
-      'of K / 20, the rest is left for the sum',
-    ),
-  ]
-  for ok, message in rules:
-    if not ok:
-      raise errors.ConfigError(message)
+  algorithm = private_algorithm(config, algorithm, variables)
+  return secure_algorithm(config, algorithm, variables, max_examples)
 
 
 def private_algorithm(
@@ -426,7 +367,7 @@ def private_algorithm(
 ) -> types.Algorithm:
   """`algorithm` with DP-FedAvg (`privacy.private`) where `dp_clip` is
   set; refused in one line naming `algorithm` where it does not apply."""
-  check_privacy(config)
+  protection.check_privacy(config)
   p = config.privacy
   if p.clip == 0:
     return algorithm
@@ -449,6 +390,46 @@ def private_algorithm(
       algorithm, p.clip, p.noise_multiplier, p.adaptive_quantile, p.per_layer
     )
   return private.private(algorithm, p.clip, p.noise_multiplier, p.per_layer)
+
+
+def secure_algorithm(
+  config: config_lib.ExperimentConfig,
+  algorithm: types.Algorithm,
+  variables: types.Variables,
+  max_examples: int | None,
+) -> types.Algorithm:
+  """`algorithm` with secure aggregation's encoding (`privacy.secure`)
+  where `secure_aggregation` is set; refused in one line naming
+  `algorithm` where it does not apply, or naming `secagg_range` where a
+  weight by examples would not fit in it."""
+  p = config.privacy
+  if not p.secure.enabled:
+    return algorithm
+  if max_examples is None:
+    raise ValueError('max_examples: secure aggregation needs it')
+  name = config.algorithm.name
+  if algorithm.contribution is None:
+    raise errors.ConfigError(
+      f'`algorithm={name}` cannot run with `secure_aggregation`: its '
+      "server builds each client's next model from the clients' own "
+      'models (FedMR recombines them layer by layer), so it reads every '
+      'model, not their sum'
+    )
+  try:
+    secure.check(algorithm, variables)
+  except ValueError as e:
+    reason = str(e).removeprefix('algorithm: ')
+    raise errors.ConfigError(
+      f'`algorithm={name}` cannot run with `secure_aggregation`: {reason}'
+    ) from None
+  weighted = not config_lib.uniform_weights(config) and p.clip == 0
+  if weighted and max_examples > p.secure.range:
+    raise errors.ConfigError(
+      f"`secagg_range={p.secure.range:g}` is below the largest client's "
+      f'{max_examples} examples, its weight in the sum (`weighting` by '
+      'examples): raise it, or weigh clients uniformly'
+    )
+  return secure.secure(algorithm, p.secure.bits, p.secure.range, max_examples)
 
 
 def accountant(

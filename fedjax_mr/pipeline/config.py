@@ -33,6 +33,7 @@ from typing import Mapping
 
 from fedjax_mr.core import config_tree
 from fedjax_mr.core import errors
+from fedjax_mr.pipeline import protection
 from fedjax_mr.pipeline import registry
 from fedjax_mr.training import optimizers
 
@@ -466,42 +467,6 @@ class Devices:
 
 
 @dataclasses.dataclass(frozen=True)
-class Privacy:
-  """User-level DP of the round's sum (`fedjax_mr.privacy.private`)."""
-
-  clip: float = _field(
-    0.0,
-    "DP: clip each client's update (trained minus sent model) to this L2 "
-    'norm C, weigh every client 1, and noise the sum; 0: no DP.',
-    flag='dp_clip',
-  )
-  noise_multiplier: float = _field(
-    0.0,
-    'DP: the noise on the sum has standard deviation this times the clip '
-    'norm (0: none, epsilon infinite).',
-    flag='dp_noise_multiplier',
-  )
-  per_layer: bool = _field(
-    False, 'DP: clip each layer to dp_clip / sqrt(L).', flag='dp_per_layer'
-  )
-  adaptive_quantile: float = _field(
-    0.0,
-    'DP: adapt the clip norm (dp_clip the first) to this quantile of the '
-    'update norms (Andrew et al.); 0: a fixed clip norm.',
-    flag='dp_adaptive_quantile',
-  )
-  delta: float = _field(
-    0.0, 'DP: delta of the epsilon reported; 0: 1 / N^1.1.', flag='dp_delta'
-  )
-  target_epsilon: float = _field(
-    0.0,
-    'DP: stop before the round whose epsilon would exceed this; 0: none.',
-    run_only=True,
-    flag='dp_target_epsilon',
-  )
-
-
-@dataclasses.dataclass(frozen=True)
 class AlgorithmChoice:
   """The federated algorithm and its own hyper-parameters.
 
@@ -553,7 +518,7 @@ class ExperimentConfig:
   local: Local = _part(Local)
   server: Server = _part(Server)
   algorithm: AlgorithmChoice = _part(AlgorithmChoice)
-  privacy: Privacy = _part(Privacy)
+  privacy: protection.Privacy = _part(protection.Privacy)
   run: TrainingRun = _part(TrainingRun)
   evaluation: Evaluation = _part(Evaluation)
   energy: Energy = _part(Energy)

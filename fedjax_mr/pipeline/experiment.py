@@ -115,7 +115,9 @@ def _setup(checked: checks.Checked) -> build.Experiment:
   variables = model.init(jax.random.fold_in(key, _INIT))
   if config.model.init_from:
     variables = build.pretrained_variables(config, model, variables)
-  algorithm = build.build_algorithm(config, model, variables, hparams)
+  algorithm = build.build_algorithm(
+    config, model, variables, hparams, max_examples=int(max(clients.sizes))
+  )
   build.check_round_memory(config, algorithm, variables, mesh)
   # Per-client state stays in host memory; each round moves its K rows.
   state = engine.init_state(

@@ -318,8 +318,9 @@ def _parts(kind, path=()):
 
 def test_the_config_is_a_tree_of_small_frozen_parts():
   nodes = list(_parts(config_lib.ExperimentConfig))
-  # The config, its eleven parts (privacy the newest), devices' processes.
-  assert len(nodes) == 13
+  # The config, its eleven parts (privacy the newest), devices' processes
+  # and privacy's secure aggregation.
+  assert len(nodes) == 14
   for path, kind in nodes:
     assert dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen
     # A part holds few fields; the root one part per concern (the issue

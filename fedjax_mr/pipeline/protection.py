@@ -1,0 +1,207 @@
+"""The privacy of the round's sum, as configured: the config part
+`Privacy` (flags `dp_*`, `secure_aggregation`, `secagg_*`) and its checks
+(`check_privacy`). `build` wraps the algorithm as it says
+(`build.private_algorithm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from fedjax_mr import privacy
+from fedjax_mr.core import config_tree
+from fedjax_mr.core import errors
+
+_field = config_tree.field
+
+
+@dataclasses.dataclass(frozen=True)
+class SecureAggregation:
+  """Secure aggregation of the round's sum (`fedjax_mr.privacy.secure`;
+  deployed, `fedjax_mr.privacy.secagg`)."""
+
+  enabled: bool = _field(
+    False,
+    "Secure aggregation: each client's contribution encoded as integers "
+    'modulo 2^secagg_bits, so that the server reads only their sum (masked '
+    'by SecAgg+ on a deployment; equal bits simulated).',
+    flag='secure_aggregation',
+  )
+  bits: int = _field(
+    32,
+    'Secure aggregation: sums are modulo 2^this (2 to 32).',
+    flag='secagg_bits',
+  )
+  range: float = _field(
+    1e4,
+    "Secure aggregation: each value of a client's contribution is clipped "
+    'to [-this, this] (with weighting by examples, the weight n and n '
+    "times the model's values).",
+    flag='secagg_range',
+  )
+  neighbours: int = _field(
+    0,
+    'Secure aggregation, deployed: each client shares its secrets with '
+    'this many others (SecAgg+; even); 0: with every other client of the '
+    'round (SecAgg).',
+    flag='secagg_neighbours',
+  )
+  threshold: float = _field(
+    2 / 3,
+    "Secure aggregation, deployed: the fraction of a client's neighbours "
+    'whose shares rebuild its secrets (over 1/2, at most 1).',
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Privacy:
+  """The privacy of the round's sum: user-level DP
+  (`fedjax_mr.privacy.private`) and secure aggregation
+  (`fedjax_mr.privacy.secure`, masked on a deployment)."""
+
+  clip: float = _field(
+    0.0,
+    "DP: clip each client's update (trained minus sent model) to this L2 "
+    'norm C, weigh every client 1, and noise the sum; 0: no DP.',
+    flag='dp_clip',
+  )
+  noise_multiplier: float = _field(
+    0.0,
+    'DP: the noise on the sum has standard deviation this times the clip '
+    'norm (0: none, epsilon infinite).',
+    flag='dp_noise_multiplier',
+  )
+  per_layer: bool = _field(
+    False, 'DP: clip each layer to dp_clip / sqrt(L).', flag='dp_per_layer'
+  )
+  adaptive_quantile: float = _field(
+    0.0,
+    'DP: adapt the clip norm (dp_clip the first) to this quantile of the '
+    'update norms (Andrew et al.); 0: a fixed clip norm.',
+    flag='dp_adaptive_quantile',
+  )
+  delta: float = _field(
+    0.0, 'DP: delta of the epsilon reported; 0: 1 / N^1.1.', flag='dp_delta'
+  )
+  target_epsilon: float = _field(
+    0.0,
+    'DP: stop before the round whose epsilon would exceed this; 0: none.',
+    run_only=True,
+    flag='dp_target_epsilon',
+  )
+  secure: SecureAggregation = config_tree.part(SecureAggregation)
+
+
+def check_privacy(config: Any) -> None:
+  """The privacy part's values (`Privacy`): a clip norm >= 0 (0: no DP),
+  noise only with a clip, δ in (0, 1) or 0, a target ε only with noise,
+  every client weighing 1, an adaptive quantile in [0, 1) with a first
+  clip norm and noise below K / 10, and secure aggregation's (`_secure`).
+
+  Raises:
+    ConfigError: naming the field.
+  """
+  p, n = config.privacy, config.partition.num_clients
+  k = config.server.clients_per_round
+  rules = [
+    (
+      p.clip >= 0 and math.isfinite(p.clip),
+      f'`dp_clip` must be a finite norm >= 0 (0: no DP), got {p.clip}',
+    ),
+    (
+      p.noise_multiplier >= 0 and math.isfinite(p.noise_multiplier),
+      f'`dp_noise_multiplier` must be >= 0, got {p.noise_multiplier}',
+    ),
+    (
+      p.clip > 0 or p.noise_multiplier == 0,
+      '`dp_noise_multiplier` needs '
+      '`dp_clip` > 0: the noise is proportional to the clip norm',
+    ),
+    (
+      0 <= p.delta < 1,
+      f'`dp_delta` must be in [0, 1) (0: 1 / N^1.1 = '
+      f'{privacy.default_delta(n):.3g}), got {p.delta}',
+    ),
+    (
+      p.target_epsilon >= 0,
+      f'`dp_target_epsilon` must be >= 0 (0: none), got {p.target_epsilon}',
+    ),
+    (
+      p.target_epsilon == 0 or p.noise_multiplier > 0,
+      '`dp_target_epsilon` '
+      'needs `dp_noise_multiplier` > 0 (without noise epsilon is infinite)',
+    ),
+    (
+      p.clip == 0 or config.server.weighting != 'examples',
+      '`weighting='
+      'examples` cannot go with `dp_clip`: DP weighs every client 1 (a '
+      "weight by examples would let a client's data move the sum further)",
+    ),
+    (
+      0 <= p.adaptive_quantile < 1,
+      '`dp_adaptive_quantile` must be in [0, 1) (0: a fixed clip norm), '
+      f'got {p.adaptive_quantile}',
+    ),
+    (
+      not p.adaptive_quantile or p.clip > 0,
+      '`dp_adaptive_quantile` needs `dp_clip` > 0, the first clip norm',
+    ),
+    (
+      not p.adaptive_quantile or p.noise_multiplier < k / 10,
+      '`dp_adaptive_quantile` needs `dp_noise_multiplier` < K / 10 = '
+      f'{k / 10:g}: the count of clients within the clip norm takes noise '
+      'of K / 20, the rest is left for the sum',
+    ),
+  ]
+  for ok, message in rules + _secure(config):
+    if not ok:
+      raise errors.ConfigError(message)
+
+
+def _secure(config: Any) -> list[tuple[bool, str]]:
+  """Secure aggregation's rules (where it is on): 2 to 32 bits that hold
+  K clients' sum, a finite range, at least two clients, an even number of
+  neighbours below K (0: all), a threshold over 1/2, and no noise yet (the
+  noise is added to the decoded sum, which the server then holds)."""
+  p, s = config.privacy, config.privacy.secure
+  if not s.enabled:
+    return []
+  k = config.server.clients_per_round
+  bits_ok = 2 <= s.bits <= 32
+  return [
+    (bits_ok, f'`secagg_bits` must be in [2, 32], got {s.bits}'),
+    (
+      not bits_ok or 2 ** (s.bits - 1) - 1 >= k,
+      f'`secagg_bits={s.bits}` cannot hold the sum of '
+      f'`clients_per_round={k}` clients: 2^(bits-1) - 1 < K',
+    ),
+    (
+      s.range > 0 and math.isfinite(s.range),
+      f'`secagg_range` must be a finite value > 0, got {s.range}',
+    ),
+    (
+      k >= 2,
+      '`secure_aggregation` needs `clients_per_round` >= 2: the sum of one '
+      "client is that client's",
+    ),
+    (
+      s.neighbours == 0 or (2 <= s.neighbours < k and s.neighbours % 2 == 0),
+      '`secagg_neighbours` must be 0 (every other client) or even, at '
+      f'least 2 and below `clients_per_round={k}`, got '
+      f'{s.neighbours}',
+    ),
+    (
+      0.5 < s.threshold <= 1,
+      '`secagg_threshold` must be over 1/2 (else a server could get both '
+      "kinds of a client's shares) and at most 1, got "
+      f'{s.threshold}',
+    ),
+    (
+      p.noise_multiplier == 0,
+      '`dp_noise_multiplier` > 0 cannot go with `secure_aggregation` yet: '
+      'the noise would be added to the decoded sum, which the server '
+      'would then hold without it',
+    ),
+  ]
