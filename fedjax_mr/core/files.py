@@ -33,10 +33,13 @@ def named(path: str) -> Iterator[None]:
 
 
 def write_atomic(
-  path: str, write: Callable[[IO], None], binary: bool = False
+  path: str,
+  write: Callable[[IO], None],
+  binary: bool = False,
+  mode: int = 0o644,
 ) -> None:
   """Writes `path` whole or not at all: `write(f)` fills a temporary file
-  that then replaces `path`.
+  (created with permissions `mode`) that then replaces `path`.
 
   Raises:
     OSError: the file cannot be written (its `filename` is `path`); `path`
@@ -45,7 +48,7 @@ def write_atomic(
   tmp = f'{path}.tmp.{os.getpid()}'
   try:
     with named(path):
-      with os.fdopen(_create_new(tmp), 'wb' if binary else 'w') as f:
+      with os.fdopen(_create_new(tmp, mode), 'wb' if binary else 'w') as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
@@ -55,16 +58,16 @@ def write_atomic(
       os.remove(tmp)
 
 
-def _create_new(path: str) -> int:
+def _create_new(path: str, mode: int = 0o644) -> int:
   """A descriptor of `path` created anew for writing: a file left there (a
   temporary file of an earlier process of the same pid) is removed first,
   and a symbolic link there is removed, never followed."""
   flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
   try:
-    return os.open(path, flags, 0o644)
+    return os.open(path, flags, mode)
   except FileExistsError:
     os.remove(path)
-    return os.open(path, flags, 0o644)
+    return os.open(path, flags, mode)
 
 
 def append_line(path: str, line: str) -> None:

@@ -24,6 +24,7 @@ from flwr.clientapp import ClientApp
 
 from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import node as node_lib
+from fedjax_mr.deploy import secure_node
 from fedjax_mr.deploy import stitch_node
 
 client_app = ClientApp()
@@ -59,5 +60,10 @@ def train(message: Message, context: Context) -> Message:
     return Message(reply, reply_to=message)
   experiment = adapter.setup(config)
   state = node_lib.run_folder(context.node_config.get('state'), text)
-  reply = node_lib.serve(experiment, message.content, index, num_nodes, state)
+  serve = (
+    secure_node.serve
+    if experiment.config.privacy.secure.enabled
+    else node_lib.serve
+  )
+  reply = serve(experiment, message.content, index, num_nodes, state)
   return Message(reply, reply_to=message)

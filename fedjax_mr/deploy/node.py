@@ -203,7 +203,29 @@ def train(
 ) -> RecordDict:
   """Serves one request on node `node` of `num_nodes`: decodes it against
   the algorithm's dispatch, runs the client's update and returns the
-  reply. An algorithm's per-client state is read from and written to
+  reply (`client_output`, encoded).
+
+  Raises:
+    RequestError: see `output`.
+  """
+  return RecordDict(
+    {
+      'output': codec.encode(
+        client_output(experiment, content, node, num_nodes, state_folder)
+      )
+    }
+  )
+
+
+def client_output(
+  experiment: Any,
+  content: RecordDict,
+  node: int,
+  num_nodes: int,
+  state_folder: str | None = None,
+) -> types.ClientOutput:
+  """The `ClientOutput` of one request on node `node` of `num_nodes`
+  (`train`). An algorithm's per-client state is read from and written to
   `state_folder` (see the module docstring).
 
   Raises:
@@ -237,7 +259,7 @@ def train(
       state_folder, client, r, _initial_row(experiment.state)
     )
   width, lane = _lane(meta, experiment.config.server.clients_per_round)
-  output, new_state = _update(experiment.algorithm.client_update, width)(
+  result, new_state = _update(experiment.algorithm.client_update, width)(
     shared,
     row,
     client_state,
@@ -246,10 +268,10 @@ def train(
     jax.random.wrap_key_data(key_data),
   )
   if width:  # the client's lane of its group's outputs
-    output, new_state = jax.tree.map(lambda x: x[lane], (output, new_state))
+    result, new_state = jax.tree.map(lambda x: x[lane], (result, new_state))
   if engine.has_clients(experiment.state):
     save_client_state(state_folder, client, r, new_state)
-  return RecordDict({'output': codec.encode(output)})
+  return result
 
 
 def _lane(meta: Any, clients_per_round: int) -> tuple[int, int]:
@@ -292,6 +314,8 @@ def _update(client_update: Any, width: int) -> Any:
 
 
 RUN = 'run'  # the record of a packed message that names the run
+# The record that names a secure round's stage (`secure_node`).
+SECURE_STAGE = 'secagg'
 TRAINING, STITCH = adapter.TRAINING, adapter.STITCH  # the kinds of run
 
 
@@ -348,10 +372,15 @@ def serve(
   Raises:
     RequestError: a request this node cannot serve.
   """
+  parts = unpack(content)
+  if any(SECURE_STAGE in part for part in parts.values()):
+    raise RequestError(
+      'a secure aggregation stage in a run without secure aggregation'
+    )
   return pack(
     {
       p: train(experiment, part, node, num_nodes, state_folder)
-      for p, part in sorted(unpack(content).items())
+      for p, part in sorted(parts.items())
     }
   )
 

@@ -182,10 +182,23 @@ def make_round(
   *,
   timeout: float | None = None,
   log: Callable[[str], None] = print,
+  collect: Callable | None = None,
 ) -> Callable:
   """The deployed round of `experiment` (see the module docstring);
   `chunk` is the simulation's `client_chunk` (with the experiment's mesh,
-  the order of the sums)."""
+  the order of the sums). A secure run (`secure_aggregation`) takes its
+  sum from `collect(requests, round, template, weights) -> (Sums, failed
+  client ids)` (`secure_round.make_collect`) instead of the replies in
+  the clear.
+
+  Raises:
+    ValueError: a secure run without `collect`.
+  """
+  if experiment.config.privacy.secure.enabled and collect is None:
+    raise ValueError(
+      'collect: the run aggregates securely; its sum comes from the '
+      'secure protocol, never from the clients in the clear'
+    )
   algorithm = experiment.algorithm
   k = experiment.config.server.clients_per_round
   sample = jax.jit(engine.make_sample_fn(algorithm, k))
@@ -232,10 +245,14 @@ def make_round(
       )
       for p, c in enumerate(at)
     ]
-    replies = _replies(transport, requests, read, timeout, log, r)
-    if summed:
+    if collect is not None:
+      weights = weights_of(experiment, template)
+      outputs, failed = collect(requests, r, template, weights)
+    elif summed:
+      replies = _replies(transport, requests, read, timeout, log, r)
       outputs, failed = _collect_sums(replies, requests, r, sums)
     else:
+      replies = _replies(transport, requests, read, timeout, log, r)
       stacked, failed = _collect(replies, requests, r)
       outputs = _stacked_outputs(algorithm, sent, stacked, template)
     server_state, server_metrics = aggregate(

@@ -1,0 +1,288 @@
+"""The node side of a secure round (SecAgg+, `fedjax_mr.privacy.secagg`):
+each of the node's clients through the protocol's four stages.
+
+A secure round's request for client c holds a `secagg` record: its stage
+(`keys`, `share`, `mask`, `unmask`), the client, the round and the
+attempt (16 random bytes the server draws for each try of a round). The
+client's secrets of the attempt (its seed, its neighbours' public keys,
+the shares it received) are kept between the stages in
+`<state>/secagg/client<c>.json`, readable by the node's user alone
+(0600, in a 0700 folder): Flower runs each message in a new process.
+Stage `keys` starts an attempt (a new seed, whatever was there); each
+other stage must follow the one before it in the same attempt and round,
+once: a replayed, reordered or duplicated stage is refused, and so is a
+second unmasking, since the file is removed once the client has revealed
+its shares.
+
+- `keys`: replies the client's two public keys.
+- `share`: `peers` names each neighbour and its keys; there must be at
+  least t of the configured degree (`min_peers`); replies the encrypted
+  shares for each.
+- `mask`: carries the training request (`node.client_output` runs it,
+  with the secure wrapper's encoded upload as `extra`) and `shares`, the
+  ciphertexts addressed to the client, from neighbours it was told of;
+  each must open; replies the upload masked with the self mask and the
+  pairwise masks of those senders (`secagg.mask_input`) and the client's
+  example and step counts (which the server knows already).
+- `unmask`: names the survivors and the dropped among those senders
+  (disjoint; the survivors at least t - 1 besides the client); replies a
+  share of each (`secagg.reveal`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flwr.app import ConfigRecord
+from flwr.app import RecordDict
+
+from fedjax_mr.core import files
+from fedjax_mr.deploy import codec
+from fedjax_mr.deploy import node as node_lib
+from fedjax_mr.privacy import secagg
+
+SECAGG = node_lib.SECURE_STAGE  # the record that names a request's stage
+ERROR = 'error'  # the record of a refused stage's reply
+STAGES = ('keys', 'share', 'mask', 'unmask')
+ATTEMPT_BYTES = 16
+
+
+def context(round_index: int, attempt: bytes) -> bytes:
+  """What binds an attempt's keys, masks and shares: the round and the
+  attempt's random bytes."""
+  return b'fedjax_mr secagg v1|%d|' % int(round_index) + bytes(attempt)
+
+
+def degree(config: Any, k: int) -> int:
+  """A client's number of neighbours in a round of `k` clients as
+  configured: `secagg_neighbours`, or every other client."""
+  d = int(config.privacy.secure.neighbours)
+  return k - 1 if d == 0 or d >= k - 1 else d
+
+
+def min_peers(config: Any) -> int:
+  """The fewest neighbours a client shares with: t of the configured
+  degree (fewer could not rebuild its secrets in any case)."""
+  s = config.privacy.secure
+  k = config.server.clients_per_round
+  return secagg.threshold(degree(config, k), s.threshold)
+
+
+def _path(folder: str, client: int) -> str:
+  return os.path.join(folder, 'secagg', f'client{int(client)}.json')
+
+
+def _save(folder: str, client: int, kept: dict) -> None:
+  os.makedirs(os.path.join(folder, 'secagg'), mode=0o700, exist_ok=True)
+  for f in (folder, os.path.join(folder, 'secagg')):
+    os.chmod(f, 0o700)
+  text = json.dumps(kept)
+  files.write_atomic(_path(folder, client), lambda f: f.write(text), mode=0o600)
+
+
+def _load(folder: str, client: int, stage: str, meta: dict) -> dict:
+  """The client's kept attempt, which must be at the stage before
+  `stage`, of the same round and attempt."""
+  path = _path(folder, client)
+  try:
+    with open(path) as f:
+      kept = json.load(f)
+  except FileNotFoundError:
+    raise node_lib.RequestError(
+      f'client {client}: stage {stage} of no attempt it is in'
+    ) from None
+  before = STAGES[STAGES.index(stage) - 1]
+  if (
+    kept.get('stage') != before
+    or kept.get('round') != meta['round']
+    or kept.get('attempt') != meta['attempt'].hex()
+  ):
+    raise node_lib.RequestError(
+      f'client {client}: stage {stage} out of turn (it is at '
+      f'{kept.get("stage")} of round {kept.get("round", -1) + 1})'
+    )
+  return kept
+
+
+def _meta(part: RecordDict, num_clients: int) -> dict:
+  record = part[SECAGG]
+  meta = {
+    'stage': str(record['stage']),
+    'client': int(record['client']),
+    'round': int(record['round']),
+    'attempt': bytes(record['attempt']),
+  }
+  if meta['stage'] not in STAGES or len(meta['attempt']) != ATTEMPT_BYTES:
+    raise node_lib.RequestError(f'a malformed {SECAGG} record')
+  if not 0 <= meta['client'] < num_clients:
+    raise node_lib.RequestError(f'client {meta["client"]} does not exist')
+  return meta
+
+
+def _ids(record: Any, num_clients: int, what: str) -> dict[int, bytes]:
+  out = {}
+  for key, value in record.items():
+    if not key.isdigit() or int(key) >= num_clients:
+      raise node_lib.RequestError(f'{what} names no client: {key!r}')
+    out[int(key)] = bytes(value)
+  return out
+
+
+def serve(
+  experiment: Any,
+  content: RecordDict,
+  node: int,
+  num_nodes: int,
+  state_folder: str | None,
+) -> RecordDict:
+  """Serves a packed message of a secure run (`node.pack`): each client's
+  stage with `serve_part`, replied under its position; a stage refused is
+  replied as an `error` record saying why (the server counts the client
+  as failed and logs it). A request without a stage (a plain training
+  request, whose reply would be the client's model in the clear) refuses
+  the whole message.
+
+  Raises:
+    RequestError: a plain request, or a malformed message.
+  """
+  replies = {}
+  for position, part in sorted(node_lib.unpack(content).items()):
+    if SECAGG not in part:
+      raise node_lib.RequestError(
+        'a plain training request in a secure run: this node replies '
+        'masked inputs only'
+      )
+    try:
+      replies[position] = serve_part(
+        experiment, part, node, num_nodes, state_folder
+      )
+    except (node_lib.RequestError, KeyError, TypeError, ValueError) as e:
+      reason = str(e) or type(e).__name__
+      replies[position] = RecordDict(
+        {ERROR: ConfigRecord({'reason': reason[:500]})}
+      )
+  return node_lib.pack(replies)
+
+
+def serve_part(
+  experiment: Any,
+  part: RecordDict,
+  node: int,
+  num_nodes: int,
+  state_folder: str | None,
+) -> RecordDict:
+  """One client's stage of a secure round (module docstring).
+
+  Raises:
+    RequestError: what the stage refuses (its message says why).
+  """
+  n = len(experiment.client_sizes)
+  meta = _meta(part, n)
+  client = meta['client']
+  if client % num_nodes != node:
+    raise node_lib.RequestError(f'client {client} is not served by node {node}')
+  if not state_folder:
+    raise node_lib.RequestError('a node of a secure run needs a state folder')
+  ctx = context(meta['round'], meta['attempt'])
+  stage = meta['stage']
+  if stage == 'keys':
+    seed = secagg.new_seed()
+    c_pk, s_pk = secagg.public_keys(seed)
+    kept = {'stage': 'keys', 'seed': seed.hex()}
+    kept.update(round=meta['round'], attempt=meta['attempt'].hex())
+    _save(state_folder, client, kept)
+    return RecordDict({'keys': ConfigRecord({'c': c_pk, 's': s_pk})})
+  kept = _load(state_folder, client, stage, meta)
+  seed = bytes.fromhex(kept['seed'])
+  try:
+    if stage == 'share':
+      reply = _share(experiment.config, part, kept, seed, client, ctx, n)
+    elif stage == 'mask':
+      where = (node, num_nodes, state_folder)
+      reply = _mask(experiment, part, kept, seed, where, ctx)
+    else:
+      reply = _unmask(experiment.config, part, kept, seed, client, ctx)
+  except secagg.ProtocolError as e:
+    raise node_lib.RequestError(str(e)) from None
+  if stage == 'unmask':
+    os.remove(_path(state_folder, client))
+  else:
+    kept['stage'] = stage
+    _save(state_folder, client, kept)
+  return reply
+
+
+def _share(config, part, kept, seed, client, ctx, n) -> RecordDict:
+  peers = _ids(part['peers'], n, 'peers')
+  if client in peers or any(len(v) != 64 for v in peers.values()):
+    raise node_lib.RequestError(f'client {client}: malformed peers')
+  if len(peers) < min_peers(config):
+    raise node_lib.RequestError(
+      f'client {client}: {len(peers)} neighbours, fewer than the '
+      f'{min_peers(config)} that rebuild its secrets'
+    )
+  t = secagg.threshold(len(peers), config.privacy.secure.threshold)
+  keys = {v: (pk[:32], pk[32:]) for v, pk in peers.items()}
+  out = secagg.share_keys(seed, client, keys, t, ctx)
+  kept['peers'] = {str(v): pk.hex() for v, pk in peers.items()}
+  return RecordDict(
+    {'shares': ConfigRecord({str(v): c for v, c in out.items()})}
+  )
+
+
+def _mask(experiment, part, kept, seed, where, ctx) -> RecordDict:
+  client = int(part[SECAGG]['client'])
+  train = part['meta']
+  if (int(train['client']), int(train['round'])) != (client, kept['round']):
+    raise node_lib.RequestError(
+      f'client {client}: the training request is of another client or round'
+    )
+  peers = {int(v): bytes.fromhex(pk) for v, pk in kept['peers'].items()}
+  got = _ids(part['shares'], len(experiment.client_sizes), 'shares')
+  if not set(got) <= set(peers):
+    raise node_lib.RequestError(
+      f'client {client}: shares from {sorted(set(got) - set(peers))}, '
+      'not its neighbours'
+    )
+  for v, ciphertext in got.items():  # each must open before any mask
+    secagg.open_share(seed, client, v, peers[v][:32], ciphertext, ctx)
+  output = node_lib.client_output(experiment, part, *where)
+  values = np.concatenate(
+    [np.asarray(x, np.uint32).ravel() for x in jax.tree.leaves(output.extra)]
+  )
+  sharers = {v: peers[v][32:] for v in got}
+  bits = experiment.config.privacy.secure.bits
+  masked = secagg.mask_input(seed, client, sharers, values, bits, ctx)
+  kept['shares'] = {str(v): c.hex() for v, c in got.items()}
+  counts = {
+    'num_examples': int(output.num_examples),
+    'num_steps': int(output.num_steps),
+  }
+  return RecordDict(
+    {
+      'masked': codec.encode({'y': masked}),
+      'counts': ConfigRecord(counts),
+    }
+  )
+
+
+def _unmask(config, part, kept, seed, client, ctx) -> RecordDict:
+  survivors = [int(v) for v in part[SECAGG]['survivors']]
+  dropped = [int(v) for v in part[SECAGG]['dropped']]
+  peers = {int(v): bytes.fromhex(pk) for v, pk in kept['peers'].items()}
+  shares = {int(v): bytes.fromhex(c) for v, c in kept['shares'].items()}
+  t = secagg.threshold(len(peers), config.privacy.secure.threshold)
+  if len(set(survivors)) + 1 < t:
+    raise node_lib.RequestError(
+      f'client {client}: {len(set(survivors))} surviving neighbours, the '
+      f'sum would cover fewer than t = {t} clients'
+    )
+  senders = {v: (peers[v][:32], shares[v]) for v in shares}
+  out = secagg.reveal(seed, client, senders, survivors, dropped, ctx)
+  return RecordDict(
+    {'revealed': ConfigRecord({str(v): s for v, s in out.items()})}
+  )
