@@ -16,8 +16,8 @@ its shares.
 
 - `keys`: replies the client's two public keys.
 - `share`: `peers` names each neighbour and its keys; there must be at
-  least t of the configured degree (`min_peers`); replies the encrypted
-  shares for each.
+  least t - 1 of the configured degree (`min_peers`); replies the
+  encrypted shares for each (its own kept).
 - `mask`: carries the training request (`node.client_output` runs it,
   with the secure wrapper's encoded upload as `extra`) and `shares`, the
   ciphertexts addressed to the client, from neighbours it was told of;
@@ -26,7 +26,8 @@ its shares.
   example and step counts (which the server knows already).
 - `unmask`: names the survivors and the dropped among those senders
   (disjoint; the survivors at least t - 1 besides the client); replies a
-  share of each (`secagg.reveal`).
+  share of each and of its own self mask, which it kept
+  (`secagg.reveal`).
 """
 
 from __future__ import annotations
@@ -65,11 +66,12 @@ def degree(config: Any, k: int) -> int:
 
 
 def min_peers(config: Any) -> int:
-  """The fewest neighbours a client shares with: t of the configured
-  degree (fewer could not rebuild its secrets in any case)."""
+  """The fewest neighbours a client shares with: t - 1 of the configured
+  degree (with its own share, t; fewer could not rebuild its secrets in
+  any case)."""
   s = config.privacy.secure
   k = config.server.clients_per_round
-  return secagg.threshold(degree(config, k), s.threshold)
+  return secagg.threshold(degree(config, k), s.threshold) - 1
 
 
 def _path(folder: str, client: int) -> str:
@@ -229,6 +231,7 @@ def _share(config, part, kept, seed, client, ctx, n) -> RecordDict:
   keys = {v: (pk[:32], pk[32:]) for v, pk in peers.items()}
   out = secagg.share_keys(seed, client, keys, t, ctx)
   kept['peers'] = {str(v): pk.hex() for v, pk in peers.items()}
+  kept['own'] = out.pop(client).hex()
   return RecordDict(
     {'shares': ConfigRecord({str(v): c for v, c in out.items()})}
   )
@@ -276,12 +279,14 @@ def _unmask(config, part, kept, seed, client, ctx) -> RecordDict:
   peers = {int(v): bytes.fromhex(pk) for v, pk in kept['peers'].items()}
   shares = {int(v): bytes.fromhex(c) for v, c in kept['shares'].items()}
   t = secagg.threshold(len(peers), config.privacy.secure.threshold)
-  if len(set(survivors)) + 1 < t:
+  if len(set(survivors) - {client}) + 1 < t:
     raise node_lib.RequestError(
       f'client {client}: {len(set(survivors))} surviving neighbours, the '
       f'sum would cover fewer than t = {t} clients'
     )
   senders = {v: (peers[v][:32], shares[v]) for v in shares}
+  own_c_pk = secagg.public_keys(seed)[0]
+  senders[client] = (own_c_pk, bytes.fromhex(kept['own']))
   out = secagg.reveal(seed, client, senders, survivors, dropped, ctx)
   return RecordDict(
     {'revealed': ConfigRecord({str(v): s for v, s in out.items()})}

@@ -245,8 +245,10 @@ class _Attempt:
 
     def read(reply, c):
       got = {int(v): bytes(x) for v, x in reply['revealed'].items()}
-      if set(got) != set(senders[c]):
-        raise codec.ReplyError('its shares are not one for each sender')
+      if set(got) != set(senders[c]) | {c}:
+        raise codec.ReplyError(
+          'its shares are not one for each sender and its own'
+        )
       return got
 
     return dict(self._exchange('unmask', sorted(alive), read, fates))

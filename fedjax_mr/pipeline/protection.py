@@ -50,8 +50,10 @@ class SecureAggregation:
   )
   threshold: float = _field(
     2 / 3,
-    "Secure aggregation, deployed: the fraction of a client's neighbours "
-    'whose shares rebuild its secrets (over 1/2, at most 1).',
+    "Secure aggregation, deployed: the fraction of a client's share "
+    'holders (its neighbours and itself) whose shares rebuild its secrets '
+    '(over 1/2, at most 1).',
+    flag='secagg_threshold',
   )
 
 

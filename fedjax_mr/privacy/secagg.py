@@ -25,6 +25,9 @@ two X25519 keys and the seed of its self mask, by HKDF-SHA256):
    (`reveal`). The server rebuilds each survivor's b_u and each dropped
    client's mask key from t shares and strips their masks (`unmask`).
 
+Each client holds a share of its own secrets too (d + 1 holders), so a
+round whose t clients survive can rebuild every survivor's self mask.
+
 Masks are ChaCha20 key streams (`prg`, from `cryptography`), keyed by
 HKDF of a 256-bit secret with the round's context; no numpy or JAX
 generator is involved. The server needs t of a client's d neighbours to
@@ -152,12 +155,14 @@ def _pair_mask(me: int, other: int, agreed: bytes, n: int, context: bytes):
 
 def threshold(degree: int, fraction: float) -> int:
   """t, the shares that rebuild a secret of a client with `degree`
-  neighbours: ceil(`fraction` · d), and more than d / 2."""
+  neighbours, held by them and by the client (h = d + 1 holders):
+  ceil(`fraction` · h), and more than h / 2."""
   if int(degree) < 1:
     raise ValueError(f'degree must be >= 1, got {degree}')
   if not 0.5 < fraction <= 1:
     raise ValueError(f'fraction must be in (1/2, 1], got {fraction}')
-  return min(int(degree), max(math.ceil(fraction * degree), degree // 2 + 1))
+  h = int(degree) + 1
+  return min(h, max(math.ceil(fraction * h), h // 2 + 1))
 
 
 def neighbours(
@@ -200,17 +205,19 @@ def share_keys(
   context: bytes,
 ) -> dict[int, bytes]:
   """Stage 1: `{v: ciphertext}` for each neighbour v in `peers` (`{v:
-  (c_pk, s_pk)}`): the shares of b_u and of u's mask key held by v
-  (x = v + 1), encrypted for v alone."""
+  (c_pk, s_pk)}`) and for u itself (`me`, kept by the client): the shares
+  of b_u and of u's mask key held by v (x = v + 1), encrypted for v
+  alone; any `t` of the d + 1 rebuild them."""
   if me in peers:
     raise ProtocolError(f'client {me}: named as its own neighbour')
   s = secrets_of(seed)
-  holders = [v + 1 for v in sorted(peers)]
+  everyone = {**peers, me: public_keys(seed)}
+  holders = [v + 1 for v in sorted(everyone)]
   b_shares = shamir.split(s.self_seed, holders, t)
   s_shares = shamir.split(_private(s.s_key), holders, t)
   out = {}
-  for v in sorted(peers):
-    key = _share_key(s.c_key, peers[v][0], v, context)
+  for v in sorted(everyone):
+    key = _share_key(s.c_key, everyone[v][0], v, context)
     nonce = secrets.token_bytes(NONCE_BYTES)
     plain = _PAIR.pack(me, v) + b_shares[v + 1] + s_shares[v + 1]
     out[v] = nonce + AESGCM(key).encrypt(nonce, plain, _aad(context, me, v))
@@ -282,15 +289,17 @@ def reveal(
   dropped: Sequence[int],
   context: bytes,
 ) -> dict[int, bytes]:
-  """Stage 3: `{v: share}` for each sender v in `survivors` (the share of
-  b_v) and in `dropped` (the share of v's mask key); `senders` maps each
+  """Stage 3: `{v: share}` for u itself (it survived: the share of its
+  b_u), for each sender v in `survivors` (the share of b_v) and in
+  `dropped` (the share of v's mask key); `senders` maps u and each
   neighbour whose shares u got to `(c_pk, ciphertext)`.
 
   Raises:
-    ProtocolError: a client named both survivor and dropped, or not one
-      whose shares u got, or shares that do not open.
+    ProtocolError: a client named both survivor and dropped, u named
+      dropped, a client whose shares u did not get, or shares that do not
+      open.
   """
-  alive, gone = set(map(int, survivors)), set(map(int, dropped))
+  alive, gone = set(map(int, survivors)) | {me}, set(map(int, dropped))
   if alive & gone:
     raise ProtocolError(
       f'client {me}: clients {sorted(alive & gone)} named both survived '

@@ -128,3 +128,128 @@ def test_secure_rounds_deployed_equal_the_simulated_bit_for_bit(
   assert np.isnan(metrics['client_loss']).all()
   # Each client's secrets are gone once it revealed its shares.
   assert not list(tmp_path.glob('node*/secagg/*.json'))
+
+
+def _upload_sum(experiment, requests_seen, clients, folder):
+  """The integer sum of `clients`' encoded uploads of round 1, each
+  computed alone (`node.client_output` on a fresh state folder)."""
+  total = None
+  for content in requests_seen:
+    c = int(content['meta']['client'])
+    if c not in clients:
+      continue
+    out = node.client_output(experiment, content, c % NODES, NODES, folder)
+    leaves = [np.asarray(x, np.uint32) for x in jax.tree.leaves(out.extra)]
+    total = leaves if total is None else [a + b for a, b in zip(total, leaves)]
+  return total
+
+
+class Recording(SecureLocal):
+  """`SecureLocal` that keeps each `mask` request's training content."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.training = []
+
+  def exchange(self, requests, timeout):
+    for r in requests:
+      if str(r.content[secure_node.SECAGG]['stage']) == 'mask':
+        self.training.append(r.content)
+    yield from super().exchange(requests, timeout)
+
+
+@pytest.mark.parametrize(
+  'stage, lost, summed, threshold',
+  [
+    # Before its keys, before its shares, before its masked input: out
+    # of the sum; after its masked input (no shares revealed): in it.
+    # K = 5 clients, each shares with 4 and itself: t = 4 at 2/3 (one
+    # may drop), 3 at 0.51 (two may).
+    ('keys', {1}, False, 2 / 3),
+    ('share', {1}, False, 2 / 3),
+    ('mask', {1, 4}, False, 0.51),
+    ('unmask', {1}, True, 2 / 3),
+  ],
+)
+def test_a_round_completes_with_a_client_lost_at_any_stage(
+  stage, lost, summed, threshold, tmp_path
+):
+  experiment = _experiment(clients=7, k=5, secagg_threshold=threshold)
+  ids = None
+  lines = []
+
+  def lose(s, client):
+    return s == stage and client in lost_ids
+
+  # The round's clients are drawn by the engine: lose the clients at
+  # these positions of the sampled order.
+  transport = Recording(experiment, str(tmp_path / 'nodes'), lose=lose)
+  collect = secure_round.make_collect(experiment, transport, log=lines.append)
+  captured = []
+
+  def capturing(requests, r, template, weights):
+    nonlocal ids
+    ids = [q.client for q in requests]
+    lost_ids.update(ids[p] for p in lost)
+    sums, failed = collect(requests, r, template, weights)
+    captured.append(sums)
+    return sums, failed
+
+  lost_ids = set()
+  step = server.make_round(
+    experiment, 2, transport, NODES, collect=capturing, log=lines.append
+  )
+  _, metrics = step(experiment.state, experiment.data, experiment.key)
+  out = set(lost_ids)
+  assert sorted(metrics.get('failed_clients', [])) == (
+    [] if summed else sorted(out)
+  )
+  kept = set(ids) - (set() if summed else out)
+  want = _upload_sum(
+    experiment, transport.training, kept, str(tmp_path / 'alone')
+  )
+  got = [np.asarray(x) for x in jax.tree.leaves(captured[0].total)]
+  bits = experiment.config.privacy.secure.bits
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_array_equal(a, b & np.uint32(2**bits - 1))
+  assert np.isfinite(metrics['train_loss'])
+  assert any(f'secure stage {stage}' in line for line in lines)
+
+
+def test_below_the_threshold_the_round_fails_in_one_line(tmp_path):
+  experiment = _experiment(clients=7, k=5)  # t = 4 of 5 holders
+  lost = set()
+
+  def lose(stage, client):
+    if stage == 'mask' and len(lost) < 2:
+      lost.add(client)
+    return stage == 'mask' and client in lost
+
+  transport = SecureLocal(experiment, str(tmp_path), lose=lose)
+  collect = secure_round.make_collect(experiment, transport, log=print)
+  step = server.make_round(experiment, 2, transport, NODES, collect=collect)
+  with pytest.raises(server.NoClientError) as e:
+    step(experiment.state, experiment.data, experiment.key)
+  assert str(e.value) == (
+    'round 1: secure aggregation needs 4 clients, 3 sent their masked input'
+  )
+
+
+def test_too_few_shares_to_unmask_fail_the_round(tmp_path):
+  experiment = _experiment(clients=7, k=5)
+  # After the masked inputs, three of five reveal nothing: each survivor's
+  # self mask has 2 shares of the 4 it needs.
+  transport = SecureLocal(experiment, str(tmp_path))
+  seen = []
+
+  def lose(stage, client):
+    if stage == 'unmask':
+      seen.append(client)
+      return len(seen) <= 3
+    return False
+
+  transport.lose = lose
+  collect = secure_round.make_collect(experiment, transport, log=print)
+  step = server.make_round(experiment, 2, transport, NODES, collect=collect)
+  with pytest.raises(secure_round.SecureRoundError, match='shares of its self'):
+    step(experiment.state, experiment.data, experiment.key)
