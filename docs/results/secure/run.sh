@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 75's cost of the encoding in accuracy: the README's main job
+# (experiments/configs/default.flags: Fashion-MNIST, Dir(0.1), 100
+# clients, 10 a round, 20 rounds), FedAvg and FedMut, as floats and with
+# --secure_aggregation (the simulated encoding: 32 bits, range 1e4; a
+# deployed secure run equals it bit for bit, tests/deploy).
+# Workdirs under runs/secure (resumable), the records copied to
+# docs/results/secure/ by scripts/archive_runs.py afterwards.
+#
+#   bash docs/results/secure/run.sh > docs/results/secure/run.log 2>&1
+set -u
+cd "$(dirname "$0")/../../.."
+PY=${PYTHON:-.venv/bin/python}
+echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs; commit $(git rev-parse --short HEAD)"
+for alg in fedavg fedmut; do
+  for mode in float secure; do
+    extra=""
+    [ $mode = secure ] && extra="--secure_aggregation"
+    echo "== $alg $mode"
+    $PY -m experiments.run --flagfile=experiments/configs/default.flags \
+      --algorithm=$alg $extra --workdir=runs/secure/$alg/$mode 2>&1 \
+      | grep -E '^(round (1|5|10|15|20)/|done|final|error)'
+  done
+done
