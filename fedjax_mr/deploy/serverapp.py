@@ -41,6 +41,7 @@ from fedjax_mr.core import errors
 from fedjax_mr.core import files
 from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import node as node_lib
+from fedjax_mr.deploy import secure_round
 from fedjax_mr.deploy import server as server_lib
 from fedjax_mr.deploy import stitch_server
 from fedjax_mr.deploy.flower import commands
@@ -294,8 +295,11 @@ def _run(grid: Grid, run_config: Any) -> None:
     return
 
   def make_round(experiment, chunk):
+    collect = None
+    if experiment.config.privacy.secure.enabled:
+      collect = secure_round.make_collect(experiment, transport, timeout)
     return server_lib.make_round(
-      experiment, chunk, transport, num_nodes, timeout=timeout
+      experiment, chunk, transport, num_nodes, timeout=timeout, collect=collect
     )
 
   adapter.train_and_evaluate(

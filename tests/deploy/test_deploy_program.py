@@ -6,11 +6,13 @@ FedAvg's, killed and resumed, in test_deploy_faults.py); a deployed
 FedStitch run (each node holding the block pool and its clients'
 examples) ends with `experiments.stitch`'s own records. One federation
 serves the runs, as a real fleet serves many
-(`launch.run(..., federation=)`), and last a run one of whose nodes is
-killed mid-round and started again; the program's own start of a
-federation is tested in test_deploy_faults.py."""
+(`launch.run(..., federation=)`), then a run one of whose nodes is
+killed mid-round and started again, and last a secure run (SecAgg+) one
+of whose nodes is killed between its masked input and unmasking; the
+program's own start of a federation is tested in test_deploy_faults.py."""
 
 import datetime
+import glob
 import json
 import os
 import re
@@ -380,3 +382,74 @@ def test_a_killed_node_fails_its_clients_and_rejoins(tmp_path, fed):
   rows = _rows(workdir, 'metrics.jsonl')
   assert len(rows) == 3 and 'failed_clients' not in rows[2]
   assert any(c % nodes == 1 for c in rows[2]['client_ids'])
+
+
+def _secret_at(fed, node, client, round_index, stage):
+  """Whether `client`'s secrets on `node` (secure_node's file) are kept
+  at `stage` of round `round_index` (0-based)."""
+  pattern = os.path.join(
+    fed.folder,
+    'nodes',
+    f'node{node}',
+    'run-*',
+    'secagg',
+    f'client{client}.json',
+  )
+  for path in glob.glob(pattern):
+    try:
+      with open(path) as f:
+        kept = json.load(f)
+    except (OSError, ValueError):
+      continue
+    if (kept['round'], kept['stage']) == (round_index, stage):
+      return True
+  return False
+
+
+def test_a_secure_run_with_a_node_killed_before_unmasking_equals_the_simulation(
+  tmp_path, fed
+):
+  """Issue 75: FedAvg with --secure_aggregation; in round 2 (clients 4, 6
+  and 0) node 1 is killed once client 4's masked input is made and
+  before it reveals its shares: its input is in the sum (the two others'
+  shares rebuild every mask, t = 2 of 3), so the run ends with the
+  simulated secure run's bits, and no client failed."""
+  simulated, deployed = tmp_path / 'sim', tmp_path / 'dep'
+  secure = dict(algorithm='fedavg', secure_aggregation=True, secagg_range=100.0)
+  experiment.train_and_evaluate(
+    config(simulated, **secure), str(simulated), log=lambda s: None
+  )
+  lines, failures = [], []
+
+  def deploy():
+    try:
+      launch.run(
+        config(deployed, **secure),
+        NODES,
+        round_timeout=120,
+        federation=fed,
+        log=lines.append,
+      )
+    except BaseException as e:  # noqa: BLE001 - reported below
+      failures.append(e)
+
+  run = threading.Thread(target=deploy)
+  run.start()
+  deadline = time.monotonic() + 600
+  while not _secret_at(fed, 1, 4, 1, 'mask'):
+    assert run.is_alive() and time.monotonic() < deadline, (failures, lines)
+    time.sleep(0.05)
+  # Its reply on its way (the node writes the file, then replies); its
+  # unmasking message takes a new ClientApp process, seconds away.
+  time.sleep(1.0)
+  assert _secret_at(fed, 1, 4, 1, 'mask')  # nothing revealed yet
+  fed.nodes[1].kill()
+  fed.nodes[1].wait()
+  run.join(900)
+  assert not failures, failures
+  assert any(
+    'client 4 failed at secure stage unmask' in line for line in lines
+  ), lines
+  assert_same_run(str(simulated), str(deployed))
+  assert 'failed_clients' not in _rows(deployed, 'metrics.jsonl')[1]
+  # (The module's last test: node 1 stays down.)
