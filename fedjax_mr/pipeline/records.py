@@ -5,9 +5,10 @@ ran or resumed the run; `partition.json` the partition's summary. Each
 round adds one row to `metrics.jsonl` (train loss, examples, steps, the
 algorithm's metrics, the sampled client ids, evaluations and times) and
 one to `clients.jsonl` (each sampled client's id, examples, local steps
-and loss, and the K local models' accuracies when evaluated), and the
-metrics row to the TensorBoard events. `Records` writes each round's rows
-once (also when an interrupt lands between them); a resumed run first
+and loss, null where not a number: a secure round's, a diverged one's;
+and the K local models' accuracies when evaluated), and the metrics row
+to the TensorBoard events. `Records` writes each round's rows once (also
+when an interrupt lands between them); a resumed run first
 drops the rows past its checkpoint, and a row that does not read (or rows
 that end before the newest checkpoint) makes it resume from a checkpoint
 before that row (`intact_rounds`), so that every row is recomputed rather
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from typing import Any
 from typing import Callable
@@ -167,7 +169,7 @@ def round_rows(
   clients_row = {
     'round': r,
     'clients': [
-      {'id': int(i), 'examples': int(n), 'steps': int(t), 'loss': float(x)}
+      {'id': int(i), 'examples': int(n), 'steps': int(t), 'loss': _loss(x)}
       for i, n, t, x in zip(
         metrics['client_ids'],
         metrics['client_examples'],
@@ -385,6 +387,13 @@ def plot_curve(
     os.path.join(workdir, CURVE_FILE),
     title=setting_title(config),
   )
+
+
+def _loss(x: Any) -> float | None:
+  """A client's loss as JSON: null where it is not a number (a secure
+  round's clients keep their losses to the sum; a diverged client)."""
+  x = float(x)
+  return x if math.isfinite(x) else None
 
 
 def _to_json(v: Any) -> Any:

@@ -1,0 +1,103 @@
+"""Secure aggregation as configured (`pipeline.protection`,
+`build.secure_algorithm`): each rule refused in one line naming its flag,
+the algorithms that read every model refused with their reason, and a
+simulated secure run's records."""
+
+import json
+import os
+
+import pytest
+
+from fedjax_mr.core import errors
+from fedjax_mr.pipeline import config as config_lib
+from fedjax_mr.pipeline import experiment
+from fedjax_mr.pipeline import protection
+
+SMALL = dict(
+  dataset='synthetic',
+  model='logistic',
+  num_clients=7,
+  clients_per_round=5,
+  local_epochs=1,
+  rounds=2,
+  eval_every=1,
+  seed=5,
+)
+
+
+def _config(**flags):
+  return config_lib.ExperimentConfig.from_flat(
+    **{**SMALL, 'secure_aggregation': True, **flags}
+  )
+
+
+@pytest.mark.parametrize(
+  'flags, says',
+  [
+    ({'secagg_bits': 33}, '`secagg_bits` must be in [2, 32], got 33'),
+    (
+      {'secagg_bits': 3},
+      '`secagg_bits=3` cannot hold the sum of `clients_per_round=5` clients',
+    ),
+    ({'secagg_range': 0.0}, '`secagg_range` must be a finite value > 0'),
+    ({'secagg_range': float('inf')}, '`secagg_range` must be a finite'),
+    (
+      {'clients_per_round': 1},
+      '`secure_aggregation` needs `clients_per_round` >= 2',
+    ),
+    ({'secagg_neighbours': 3}, '`secagg_neighbours` must be 0'),
+    ({'secagg_neighbours': 5}, '`secagg_neighbours` must be 0'),
+    ({'secagg_threshold': 0.5}, '`secagg_threshold` must be over 1/2'),
+    ({'secagg_threshold': 1.2}, '`secagg_threshold` must be over 1/2'),
+    (
+      {'dp_clip': 1.0, 'dp_noise_multiplier': 0.5, 'weighting': 'uniform'},
+      '`dp_noise_multiplier` > 0 cannot go with `secure_aggregation` yet',
+    ),
+  ],
+)
+def test_each_rule_is_one_line_naming_its_flag(flags, says):
+  with pytest.raises(errors.ConfigError) as e:
+    protection.check_privacy(_config(**flags))
+  assert says in str(e.value) and '\n' not in str(e.value)
+
+
+def test_a_valid_config_passes():
+  protection.check_privacy(_config(secagg_neighbours=2, secagg_bits=16))
+  protection.check_privacy(_config(dp_clip=1.0, weighting='uniform'))
+  protection.check_privacy(config_lib.ExperimentConfig.from_flat(**SMALL))
+
+
+@pytest.mark.parametrize(
+  'algorithm, says',
+  [
+    ('fedmr', 'reads every model, not their sum'),
+    ('indep', 'reads every model, not their sum'),
+  ],
+)
+def test_algorithms_that_read_every_model_are_refused(algorithm, says):
+  with pytest.raises(errors.ConfigError) as e:
+    experiment.setup(_config(algorithm=algorithm))
+  message = str(e.value)
+  assert message.startswith(f'`algorithm={algorithm}` cannot run with')
+  assert says in message
+
+
+def test_a_range_below_the_largest_weight_is_refused():
+  # Synthetic clients hold tens to hundreds of examples; weighted by
+  # them, a range of 5 cannot hold the weight.
+  with pytest.raises(errors.ConfigError) as e:
+    experiment.setup(_config(secagg_range=5.0, weighting='examples'))
+  assert str(e.value).startswith('`secagg_range=5` is below the largest')
+  experiment.setup(_config(secagg_range=5.0, weighting='uniform'))
+
+
+def test_a_simulated_secure_run_records_no_client_loss(tmp_path):
+  config = _config(secagg_range=1000.0, workdir=str(tmp_path))
+  result = experiment.train_and_evaluate(config, str(tmp_path), log=print)
+  rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  assert [r['secagg_clipped'] for r in rows] == [0, 0]
+  assert all(r['train_loss'] > 0 for r in rows)
+  with open(os.path.join(tmp_path, 'clients.jsonl')) as f:
+    clients = [json.loads(line) for line in f]
+  assert all(c['loss'] is None for row in clients for c in row['clients'])
+  assert result.history[-1]['round'] == 2
