@@ -7,7 +7,10 @@ message types, `node` and the config's `setup`), never the server's side
 (`serverapp.py`).
 
 A node's node config names its index (`node-index`), the number of nodes
-(`num-nodes`) and where it keeps its clients' state (`state`); each
+(`num-nodes`), where it keeps its clients' state (`state`) and, in a
+federation with node authentication, its key and the nodes' public keys
+(`signing-key`, `roster`: secure aggregation's keys are signed,
+`secure_node.identity`); each
 `train` message carries the run's config (its text) and kind (a training
 or a FedStitch run), so one federation serves any number of runs and a
 node needs no file of the server's, and holds the requests of all the
@@ -60,10 +63,11 @@ def train(message: Message, context: Context) -> Message:
     return Message(reply, reply_to=message)
   experiment = adapter.setup(config)
   state = node_lib.run_folder(context.node_config.get('state'), text)
-  serve = (
-    secure_node.serve
-    if experiment.config.privacy.secure.enabled
-    else node_lib.serve
-  )
-  reply = serve(experiment, message.content, index, num_nodes, state)
+  if experiment.config.privacy.secure.enabled:
+    who = secure_node.identity(context.node_config)
+    reply = secure_node.serve(
+      experiment, message.content, index, num_nodes, state, who
+    )
+  else:
+    reply = node_lib.serve(experiment, message.content, index, num_nodes, state)
   return Message(reply, reply_to=message)

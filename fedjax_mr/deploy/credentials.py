@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
 import secrets
 import socket
@@ -190,6 +191,19 @@ def make(
     tuple(keys),
     tuple(public),
   )
+
+
+def write_roster(path: str, public_keys: tuple[str, ...]) -> str:
+  """Writes `{index: OpenSSH public key}` of the nodes whose public key
+  files are `public_keys` (node i the i-th) to `path`: what each node
+  checks the others' signatures against (secure aggregation's keys,
+  `deploy.secure_node`); `path`."""
+  listed = {}
+  for i, public in enumerate(public_keys):
+    with open(public) as f:
+      listed[str(i)] = f.read().strip()
+  _write(path, json.dumps(listed, indent=1).encode())
+  return path
 
 
 def write_node_key(private_path: str, public_path: str) -> None:

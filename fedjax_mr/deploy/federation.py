@@ -167,6 +167,7 @@ class Federation:
     self.logs = os.path.join(self.folder, 'logs')
     self.port = None
     self.credentials = None
+    self.roster: str | None = None  # the nodes' public keys (JSON)
     # The operator's token and the SuperExecs' secret (`make_secrets`);
     # attached: the operator's token file given, if any.
     self.secrets: credentials_lib.Secrets | None = None
@@ -341,6 +342,9 @@ class Federation:
       if not self.insecure:
         # In this process, one request a key (`flower/control.py`).
         keys = self.credentials.node_public_keys
+        self.roster = credentials_lib.write_roster(
+          os.path.join(self.folder, 'credentials', 'roster.json'), keys
+        )
         try:
           self.node_ids = [self._control().register(k) for k in keys]
         except control_lib.ControlError as e:
@@ -547,9 +551,16 @@ class Federation:
       command = [sys.executable, '-m', SUPERNODE] + commands.options(
         heartbeat_interval=self.heartbeat_s, poll_interval=self.poll_s
       )
+    node_config = dict(self.node_config(i))
+    if not self.insecure:
+      # Its key signs its clients' secure-aggregation keys; the roster
+      # checks the others' (`secure_node.identity`).
+      node_config['signing-key'] = key or self.credentials.node_keys[i]
+      if self.roster:
+        node_config['roster'] = self.roster
     command += commands.options(
       superlink=self.address,
-      node_config=commands.config_pairs(self.node_config(i)),
+      node_config=commands.config_pairs(node_config),
       port=port or free_port(),
       max_retries=0,
       isolation='process',

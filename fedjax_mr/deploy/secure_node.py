@@ -14,8 +14,12 @@ once: a replayed, reordered or duplicated stage is refused, and so is a
 second unmasking, since the file is removed once the client has revealed
 its shares.
 
-- `keys`: replies the client's two public keys.
-- `share`: `peers` names each neighbour and its keys; there must be at
+- `keys`: replies the client's two public keys, signed by the node's
+  key where it has one (`sign`).
+- `share`: `peers` names each neighbour and its keys (`signatures`, the
+  signatures of their nodes: a node with the federation's roster refuses
+  keys its peer's node did not sign, so a server cannot slip its own keys
+  in, `identity`); there must be at
   least t - 1 of the configured degree (`min_peers`); replies the
   encrypted shares for each (its own kept).
 - `mask`: carries the training request (`node.client_output` runs it,
@@ -35,9 +39,14 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+from typing import NamedTuple
 
 import jax
 import numpy as np
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import ConfigRecord
 from flwr.app import RecordDict
 
@@ -72,6 +81,83 @@ def min_peers(config: Any) -> int:
   s = config.privacy.secure
   k = config.server.clients_per_round
   return secagg.threshold(degree(config, k), s.threshold) - 1
+
+
+class Identity(NamedTuple):
+  """A node's keys for the protocol's public keys: its own signing key
+  (its Flower authentication key) and the federation's roster (every
+  node's public key by index). Either may be None (a node started
+  without them, an insecure federation): then it does not sign, or does
+  not check its peers' signatures."""
+
+  key: Any = None
+  roster: dict[int, Any] | None = None
+
+
+NO_IDENTITY = Identity()
+
+
+def identity(node_config: Any) -> Identity:
+  """The `Identity` a node config names: `signing-key` (a private key
+  file, OpenSSH or PEM) and `roster` (a JSON file `{index: OpenSSH public
+  key}`), each optional."""
+  key = roster = None
+  if node_config.get('signing-key'):
+    with open(str(node_config['signing-key']), 'rb') as f:
+      data = f.read()
+    load = (
+      serialization.load_ssh_private_key
+      if data.startswith(b'-----BEGIN OPENSSH')
+      else serialization.load_pem_private_key
+    )
+    key = load(data, password=None)
+  if node_config.get('roster'):
+    with open(str(node_config['roster'])) as f:
+      listed = json.load(f)
+    roster = {
+      int(i): serialization.load_ssh_public_key(k.encode())
+      for i, k in listed.items()
+    }
+  return Identity(key, roster)
+
+
+def _signed(ctx: bytes, client: int, keys: bytes) -> bytes:
+  return b'fedjax_mr secagg keys|' + ctx + b'|%d|' % int(client) + keys
+
+
+def sign(who: Identity, ctx: bytes, client: int, keys: bytes) -> bytes:
+  """The node's ECDSA (SHA-384) signature of `client`'s public keys of
+  the attempt `ctx` (empty without a key)."""
+  if who.key is None:
+    return b''
+  return who.key.sign(_signed(ctx, client, keys), ec.ECDSA(hashes.SHA384()))
+
+
+def check_signature(
+  who: Identity,
+  num_nodes: int,
+  ctx: bytes,
+  client: int,
+  keys: bytes,
+  sig: bytes,
+) -> None:
+  """Refuses `client`'s keys unless the node that serves it signed them
+  (where `who` holds a roster).
+
+  Raises:
+    RequestError: no signature, or not its node's.
+  """
+  if who.roster is None:
+    return
+  public = who.roster.get(int(client) % num_nodes)
+  try:
+    if public is None:
+      raise InvalidSignature
+    public.verify(sig, _signed(ctx, client, keys), ec.ECDSA(hashes.SHA384()))
+  except (InvalidSignature, ValueError):
+    raise node_lib.RequestError(
+      f'the keys of client {client} are not signed by its node'
+    ) from None
 
 
 def _path(folder: str, client: int) -> str:
@@ -140,9 +226,11 @@ def serve(
   node: int,
   num_nodes: int,
   state_folder: str | None,
+  who: Identity = NO_IDENTITY,
 ) -> RecordDict:
   """Serves a packed message of a secure run (`node.pack`): each client's
-  stage with `serve_part`, replied under its position; a stage refused is
+  stage with `serve_part` (signing and checking keys as `who` allows),
+  replied under its position; a stage refused is
   replied as an `error` record saying why (the server counts the client
   as failed and logs it). A request without a stage (a plain training
   request, whose reply would be the client's model in the clear) refuses
@@ -160,7 +248,7 @@ def serve(
       )
     try:
       replies[position] = serve_part(
-        experiment, part, node, num_nodes, state_folder
+        experiment, part, node, num_nodes, state_folder, who
       )
     except (node_lib.RequestError, KeyError, TypeError, ValueError) as e:
       reason = str(e) or type(e).__name__
@@ -176,8 +264,10 @@ def serve_part(
   node: int,
   num_nodes: int,
   state_folder: str | None,
+  who: Identity = NO_IDENTITY,
 ) -> RecordDict:
-  """One client's stage of a secure round (module docstring).
+  """One client's stage of a secure round (module docstring); `who`
+  signs the client's keys and checks its peers'.
 
   Raises:
     RequestError: what the stage refuses (its message says why).
@@ -197,11 +287,15 @@ def serve_part(
     kept = {'stage': 'keys', 'seed': seed.hex()}
     kept.update(round=meta['round'], attempt=meta['attempt'].hex())
     _save(state_folder, client, kept)
-    return RecordDict({'keys': ConfigRecord({'c': c_pk, 's': s_pk})})
+    sig = sign(who, ctx, client, c_pk + s_pk)
+    return RecordDict(
+      {'keys': ConfigRecord({'c': c_pk, 's': s_pk, 'sig': sig})}
+    )
   kept = _load(state_folder, client, stage, meta)
   seed = bytes.fromhex(kept['seed'])
   try:
     if stage == 'share':
+      _check_peers(part, who, num_nodes, ctx, n)
       reply = _share(experiment.config, part, kept, seed, client, ctx, n)
     elif stage == 'mask':
       where = (node, num_nodes, state_folder)
@@ -216,6 +310,19 @@ def serve_part(
     kept['stage'] = stage
     _save(state_folder, client, kept)
   return reply
+
+
+def _check_peers(part, who, num_nodes, ctx, n) -> None:
+  """Each peer's keys signed by the node that serves it (`check_signature`;
+  `signatures` holds them, by client)."""
+  if who.roster is None:
+    return
+  peers = _ids(part['peers'], n, 'peers')
+  sigs = (
+    _ids(part['signatures'], n, 'signatures') if 'signatures' in part else {}
+  )
+  for v, keys in peers.items():
+    check_signature(who, num_nodes, ctx, v, keys, sigs.get(v, b''))
 
 
 def _share(config, part, kept, seed, client, ctx, n) -> RecordDict:

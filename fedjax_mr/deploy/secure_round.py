@@ -8,7 +8,8 @@ context`) over the transport, four exchanges with the round's clients
 (`secure_node` serves them):
 
 0. `keys`: every client; those whose two 32-byte keys arrive advertised.
-1. `share`: each advertised client gets its neighbours' keys
+1. `share`: each advertised client gets its neighbours' keys (and their
+   nodes' signatures of them, which the nodes check)
    (`secagg.neighbours` over the advertised clients, the attempt's bytes
    as the graph's seed); those whose ciphertexts, one for each neighbour,
    arrive shared.
@@ -50,6 +51,9 @@ from fedjax_mr.deploy import codec
 from fedjax_mr.deploy import secure_node
 from fedjax_mr.deploy import server
 from fedjax_mr.privacy import secagg
+
+# An ECDSA P-384 signature (DER) takes at most 104 bytes.
+MAX_SIGNATURE_BYTES = 256
 
 
 class SecureRoundError(server.NoClientError):
@@ -95,11 +99,15 @@ def _gather(transport, requests, read, timeout, log, r, stage):
     yield position, value
 
 
-def _read_keys(reply, client) -> tuple[bytes, bytes]:
-  c, s = bytes(reply['keys']['c']), bytes(reply['keys']['s'])
+def _read_keys(reply, client) -> tuple[bytes, bytes, bytes]:
+  """`(c_pk, s_pk, its node's signature)`."""
+  keys = reply['keys']
+  c, s, sig = bytes(keys['c']), bytes(keys['s']), bytes(keys.get('sig', b''))
   if len(c) != secagg.KEY_BYTES or len(s) != secagg.KEY_BYTES:
     raise codec.ReplyError('its public keys are not 32 bytes each')
-  return c, s
+  if len(sig) > MAX_SIGNATURE_BYTES:
+    raise codec.ReplyError('its signature is too long')
+  return c, s, sig
 
 
 def make_collect(
@@ -193,8 +201,9 @@ class _Attempt:
     graph = self.graph
 
     def peers(c):
-      pks = {str(v): b''.join(keys[v]) for v in graph[c]}
-      return {'peers': ConfigRecord(pks)}
+      pks = {str(v): keys[v][0] + keys[v][1] for v in graph[c]}
+      sigs = {str(v): keys[v][2] for v in graph[c]}
+      return {'peers': ConfigRecord(pks), 'signatures': ConfigRecord(sigs)}
 
     def read(reply, c):
       got = {int(v): bytes(x) for v, x in reply['shares'].items()}

@@ -7,15 +7,16 @@ import jax
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
-from flwr.app import RecordDict
 
 from fedjax_mr.deploy import adapter
+from fedjax_mr.deploy import credentials
 from fedjax_mr.deploy import node
 from fedjax_mr.deploy import secure_node
 from fedjax_mr.deploy import secure_round
 from fedjax_mr.deploy import server
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment as experiment_lib
+from fedjax_mr.privacy import secagg
 
 NODES = 2
 
@@ -48,9 +49,12 @@ class SecureLocal:
   in reverse order; `lose(stage, client)` True drops that reply, and
   `change(stage, client, reply)` may alter one."""
 
-  def __init__(self, experiment, folder, lose=None, change=None):
+  def __init__(
+    self, experiment, folder, lose=None, change=None, identities=None
+  ):
     self.experiment = experiment
     self.folder = folder
+    self.identities = identities or [secure_node.NO_IDENTITY] * NODES
     self.lose = lose or (lambda stage, client: False)
     self.change = change or (lambda stage, client, reply: reply)
     self.stages = []
@@ -63,7 +67,12 @@ class SecureLocal:
     for n, parts in by_node.items():
       packed = node.pack(parts)
       served = secure_node.serve(
-        self.experiment, packed, n, NODES, f'{self.folder}/node{n}'
+        self.experiment,
+        packed,
+        n,
+        NODES,
+        f'{self.folder}/node{n}',
+        self.identities[n],
       )
       replies.update(node.unpack(served))
     stage = str(requests[0].content[secure_node.SECAGG]['stage'])
@@ -253,3 +262,52 @@ def test_too_few_shares_to_unmask_fail_the_round(tmp_path):
   step = server.make_round(experiment, 2, transport, NODES, collect=collect)
   with pytest.raises(secure_round.SecureRoundError, match='shares of its self'):
     step(experiment.state, experiment.data, experiment.key)
+
+
+def _identities(folder):
+  made = credentials.make(str(folder), NODES)
+  roster = credentials.write_roster(
+    str(folder / 'roster.json'), made.node_public_keys
+  )
+  return [
+    secure_node.identity({'signing-key': made.node_keys[i], 'roster': roster})
+    for i in range(NODES)
+  ]
+
+
+def test_signed_keys_a_round_equals_the_simulated_one(tmp_path):
+  experiment = _experiment()
+  who = _identities(tmp_path / 'credentials')
+  transport = SecureLocal(experiment, str(tmp_path / 'nodes'), identities=who)
+  differ, _ = _rounds(experiment, transport, rounds=1)
+  assert differ == []
+
+
+def test_keys_a_server_slips_in_are_refused_by_every_neighbour(tmp_path):
+  """The server replaces the first client's keys by its own (so that it
+  could open the shares sent to it): the nodes
+  holding the roster find them unsigned by that client's node, and the
+  round cannot go on."""
+  experiment = _experiment()
+  who = _identities(tmp_path / 'credentials')
+  swapped = []
+  mine = secagg.public_keys(secagg.new_seed())
+
+  def change(stage, client, reply):
+    if stage == 'keys' and not swapped:
+      swapped.append(client)
+      sig = reply['keys']['sig']
+      reply['keys'] = ConfigRecord({'c': mine[0], 's': mine[1], 'sig': sig})
+    return reply
+
+  transport = SecureLocal(
+    experiment, str(tmp_path / 'nodes'), change=change, identities=who
+  )
+  lines = []
+  collect = secure_round.make_collect(experiment, transport, log=lines.append)
+  step = server.make_round(experiment, 2, transport, NODES, collect=collect)
+  with pytest.raises(secure_round.SecureRoundError, match='shared their'):
+    step(experiment.state, experiment.data, experiment.key)
+  refused = [line for line in lines if 'not signed by its node' in line]
+  assert len(refused) == 4  # each of the other four clients
+  assert all(f'client {swapped[0]} are not signed' in x for x in refused)
