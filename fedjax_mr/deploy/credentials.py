@@ -4,7 +4,9 @@ locally.
 `make(folder, num_nodes, hosts)` writes a certificate authority, the
 SuperLink's TLS certificate (signed by it, valid for `hosts`) and one
 authentication key pair per SuperNode (EC P-384, OpenSSH format, which
-Flower reads), with `cryptography`, the package flwr depends on.
+Flower reads; each node also signs its clients' secure-aggregation keys
+with it) and the roster of the nodes' public keys (`write_roster`), with
+`cryptography`, the package flwr depends on.
 `make_secrets(folder)` writes the operator's token (the only credential
 the SuperLink's Control API accepts: `flower/superlink.py`) and the SuperExecs'
 shared secret (Flower's `superexec-auth-secret-file` option: a SuperExec
@@ -46,6 +48,8 @@ class Credentials(NamedTuple):
     server_key: its private key (PEM).
     node_keys: `[num_nodes]` private authentication keys (OpenSSH).
     node_public_keys: the matching public keys (OpenSSH), to register.
+    roster: every node's public key by index (`write_roster`), which
+      every node gets to check the others' signatures.
   """
 
   ca_cert: str
@@ -53,6 +57,7 @@ class Credentials(NamedTuple):
   server_key: str
   node_keys: tuple[str, ...]
   node_public_keys: tuple[str, ...]
+  roster: str = ''
 
 
 class Secrets(NamedTuple):
@@ -184,12 +189,14 @@ def make(
     keys.append(os.path.join(folder, f'node{i}.key'))
     public.append(keys[-1] + '.pub')
     write_node_key(keys[-1], public[-1])
+  roster = write_roster(os.path.join(folder, 'roster.json'), tuple(public))
   return Credentials(
     paths['ca.crt'],
     paths['server.crt'],
     paths['server.key'],
     tuple(keys),
     tuple(public),
+    roster,
   )
 
 

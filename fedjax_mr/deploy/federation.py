@@ -167,7 +167,6 @@ class Federation:
     self.logs = os.path.join(self.folder, 'logs')
     self.port = None
     self.credentials = None
-    self.roster: str | None = None  # the nodes' public keys (JSON)
     # The operator's token and the SuperExecs' secret (`make_secrets`);
     # attached: the operator's token file given, if any.
     self.secrets: credentials_lib.Secrets | None = None
@@ -342,9 +341,6 @@ class Federation:
       if not self.insecure:
         # In this process, one request a key (`flower/control.py`).
         keys = self.credentials.node_public_keys
-        self.roster = credentials_lib.write_roster(
-          os.path.join(self.folder, 'credentials', 'roster.json'), keys
-        )
         try:
           self.node_ids = [self._control().register(k) for k in keys]
         except control_lib.ControlError as e:
@@ -556,8 +552,7 @@ class Federation:
       # Its key signs its clients' secure-aggregation keys; the roster
       # checks the others' (`secure_node.identity`).
       node_config['signing-key'] = key or self.credentials.node_keys[i]
-      if self.roster:
-        node_config['roster'] = self.roster
+      node_config['roster'] = self.credentials.roster
     command += commands.options(
       superlink=self.address,
       node_config=commands.config_pairs(node_config),

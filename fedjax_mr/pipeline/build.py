@@ -408,7 +408,7 @@ def secure_algorithm(
   if max_examples is None:
     raise ValueError('max_examples: secure aggregation needs it')
   name = config.algorithm.name
-  if algorithm.contribution is None:
+  if config_lib.multi_model(config) and algorithm.contribution is None:
     raise errors.ConfigError(
       f'`algorithm={name}` cannot run with `secure_aggregation`: its '
       "server builds each client's next model from the clients' own "

@@ -122,6 +122,7 @@ def test_the_fleet_steps_run_as_written(tmp_path):
       device = tmp_path / f'device{i}'
       device.mkdir()
       shutil.copy(server / 'fleet' / 'ca.crt', device)
+      shutil.copy(server / 'fleet' / 'roster.json', device)
       shutil.copy(server / 'fleet' / f'node{i}.key', device)
       port = node_port if i == 0 else federation.free_port()
       background(literal(steps[3], i, port), device)

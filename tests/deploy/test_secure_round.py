@@ -266,11 +266,10 @@ def test_too_few_shares_to_unmask_fail_the_round(tmp_path):
 
 def _identities(folder):
   made = credentials.make(str(folder), NODES)
-  roster = credentials.write_roster(
-    str(folder / 'roster.json'), made.node_public_keys
-  )
   return [
-    secure_node.identity({'signing-key': made.node_keys[i], 'roster': roster})
+    secure_node.identity(
+      {'signing-key': made.node_keys[i], 'roster': made.roster}
+    )
     for i in range(NODES)
   ]
 

@@ -101,3 +101,43 @@ def test_a_simulated_secure_run_records_no_client_loss(tmp_path):
     clients = [json.loads(line) for line in f]
   assert all(c['loss'] is None for row in clients for c in row['clients'])
   assert result.history[-1]['round'] == 2
+
+
+# The privacy page's table of algorithms, secure aggregation's column, as
+# the builds find it (FedGen and HeteroFL need other data or models here:
+# their kind, a server that reads every model, is DepthFL's).
+SECURED = {
+  'fedavg',
+  'fedprox',
+  'moon',
+  'fedasam',
+  'fedsam',
+  'fedmut',
+  'scaffold',
+  'fedexp',
+  'ft_full',
+}
+REFUSED = {'fedmr', 'fedmr_p', 'indep', 'depthfl', 'fedepth', 'clusamp'}
+REFUSED |= {'ft_part'}
+
+
+def test_the_algorithms_secure_aggregation_takes_are_the_pages():
+  from fedjax_mr.pipeline import registry
+
+  assert SECURED | REFUSED | {'fedgen', 'heterofl'} == set(
+    registry.names()
+  )
+  for name in sorted(SECURED | REFUSED):
+    config = _config(
+      algorithm=name,
+      partition='dirichlet',
+      num_clients=10,
+      clients_per_round=4,
+      secagg_range=1000.0,
+      **({'ft_layers': 1} if name == 'ft_part' else {}),
+    )
+    if name in SECURED:
+      experiment.setup(config)
+    else:
+      with pytest.raises(errors.ConfigError, match='cannot run with `secure'):
+        experiment.setup(config)
