@@ -169,11 +169,10 @@ class _Attempt:
     self.senders = {
       c: [v for v in self.graph[c] if v in shares] for c in shares
     }
+    # Every client has the graph's degree: its t is everyone's.
+    t = secagg.threshold(len(self.graph[min(shares)]), self.secure.threshold)
     total, counts = self._mask(shares, template, weights)
     survivors = sorted(counts)
-    t = secagg.threshold(
-      len(self.graph[survivors[0]]) if survivors else 1, self.secure.threshold
-    )
     _enough(len(survivors), t, 'sent their masked input', r)
     revealed = self._unmask(set(survivors))
     dropped = sorted(set(shares) - set(survivors))
