@@ -547,15 +547,9 @@ class Federation:
       command = [sys.executable, '-m', SUPERNODE] + commands.options(
         heartbeat_interval=self.heartbeat_s, poll_interval=self.poll_s
       )
-    node_config = dict(self.node_config(i))
-    if not self.insecure:
-      # Its key signs its clients' secure-aggregation keys; the roster
-      # checks the others' (`secure_node.identity`).
-      node_config['signing-key'] = key or self.credentials.node_keys[i]
-      node_config['roster'] = self.credentials.roster
     command += commands.options(
       superlink=self.address,
-      node_config=commands.config_pairs(node_config),
+      node_config=commands.config_pairs(self.node_config(i)),
       port=port or free_port(),
       max_retries=0,
       isolation='process',

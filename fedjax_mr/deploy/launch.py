@@ -84,14 +84,27 @@ def write_app(folder: str) -> str:
   return folder
 
 
-def node_config(folder: str, nodes: int) -> Callable[[int], dict]:
+def node_config(
+  folder: str, nodes: int, insecure: bool = False
+) -> Callable[[int], dict]:
   """The node config of node i of a local federation in `folder`: its
-  index, the number of nodes and its state folder."""
-  return lambda i: {
-    'node-index': i,
-    'num-nodes': nodes,
-    'state': os.path.join(folder, 'nodes', f'node{i}'),
-  }
+  index, the number of nodes, its state folder and, unless `insecure`,
+  its key (which signs its clients' secure-aggregation keys) and the
+  roster of the nodes' public keys (which checks the others'), as the
+  federation makes them (`credentials.make`)."""
+
+  def config(i: int) -> dict:
+    made = {
+      'node-index': i,
+      'num-nodes': nodes,
+      'state': os.path.join(folder, 'nodes', f'node{i}'),
+    }
+    if not insecure:
+      made['signing-key'] = os.path.join(folder, 'credentials', f'node{i}.key')
+      made['roster'] = os.path.join(folder, 'credentials', 'roster.json')
+    return made
+
+  return config
 
 
 def run(
@@ -309,7 +322,7 @@ def _start(
     fed = federation_lib.Federation(
       folder,
       nodes,
-      node_config(folder, nodes),
+      node_config(folder, nodes, insecure),
       host=host,
       insecure=insecure,
       warm=warm,

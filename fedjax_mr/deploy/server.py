@@ -200,42 +200,26 @@ def make_round(
       'secure protocol, never from the clients in the clear'
     )
   algorithm = experiment.algorithm
-  k = experiment.config.server.clients_per_round
-  sample = jax.jit(engine.make_sample_fn(algorithm, k))
-  dispatch = jax.jit(algorithm.dispatch)
-  keys_of = jax.jit(engine.round_keys)
-  split = jax.jit(functools.partial(engine.client_keys, clients_per_round=k))
   summed = algorithm.contribution is not None
-  # Compiled once a run, not once a round.
-  folds = place = None
-  if summed:
-    folds = fold.programs(algorithm.contribution, experiment.mesh)
-  else:
-    place = fold.placer(experiment.mesh)
-  aggregate = jax.jit(
-    algorithm.aggregate
-    if summed
-    else functools.partial(types.aggregate_stacked, algorithm)
-  )
-  metrics_of = jax.jit(engine.round_metrics)
+  jitted = _programs(experiment)
 
   def step(state, data, key):
     device_state = state.replace(clients=())
     round_data = host_round.round_data(data)
-    ids = sample(device_state, round_data, key)
-    _, k_dispatch, k_clients, k_aggregate = keys_of(key, state.round)
-    sent = dispatch(state.server, ids, state.round, k_dispatch)
-    client_keys = split(k_clients)
+    ids = jitted.sample(device_state, round_data, key)
+    _, k_dispatch, k_clients, k_aggregate = jitted.keys(key, state.round)
+    sent = jitted.dispatch(state.server, ids, state.round, k_dispatch)
+    client_keys = jitted.split(k_clients)
     at = [int(i) for i in np.asarray(jax.device_get(ids))]
     r = int(jax.device_get(state.round))
     template = node_lib.output_shape(experiment, sent, state)
     read = _reader(template, weights_of(experiment, template))
     sizes = round_data.sizes[ids]
     if summed:
-      sums = fold.Fold(folds, template, sizes, chunk)
+      sums = fold.Fold(jitted.folds, template, sizes, chunk)
       layout = sums.layout
     else:
-      layout = place(sizes, chunk, False)
+      layout = jitted.place(sizes, chunk, False)
     requests = [
       Request(
         p,
@@ -255,16 +239,49 @@ def make_round(
       replies = _replies(transport, requests, read, timeout, log, r)
       stacked, failed = _collect(replies, requests, r)
       outputs = _stacked_outputs(algorithm, sent, stacked, template)
-    server_state, server_metrics = aggregate(
+    server_state, server_metrics = jitted.aggregate(
       state.server, outputs, ids, state.round, k_aggregate
     )
-    metrics = {**metrics_of(outputs, ids), **server_metrics}
+    metrics = {**jitted.metrics(outputs, ids), **server_metrics}
     if failed:
       metrics['failed_clients'] = np.asarray(failed, np.int32)
     new_state = state.replace(round=state.round + 1, server=server_state)
     return new_state, metrics
 
   return step
+
+
+class _Programs(NamedTuple):
+  """A run's programs of the deployed round, compiled once a run."""
+
+  sample: Callable
+  dispatch: Callable
+  keys: Callable
+  split: Callable
+  folds: Any  # the fold's programs (summing algorithms), else None
+  place: Any  # the placer of the [K] stack (the others), else None
+  aggregate: Callable
+  metrics: Callable
+
+
+def _programs(experiment: Any) -> _Programs:
+  algorithm = experiment.algorithm
+  k = experiment.config.server.clients_per_round
+  summed = algorithm.contribution is not None
+  return _Programs(
+    jax.jit(engine.make_sample_fn(algorithm, k)),
+    jax.jit(algorithm.dispatch),
+    jax.jit(engine.round_keys),
+    jax.jit(functools.partial(engine.client_keys, clients_per_round=k)),
+    fold.programs(algorithm.contribution, experiment.mesh) if summed else None,
+    None if summed else fold.placer(experiment.mesh),
+    jax.jit(
+      algorithm.aggregate
+      if summed
+      else functools.partial(types.aggregate_stacked, algorithm)
+    ),
+    jax.jit(engine.round_metrics),
+  )
 
 
 def _reader(template: Any, weights: Weights) -> Callable:
