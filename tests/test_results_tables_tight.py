@@ -22,6 +22,7 @@ from tests import test_readme_records as readme_records
 from tests.deploy import test_overhead_record as overhead_record
 from tests.deploy import test_payload_record as payload_record
 from tests.privacy import test_records as privacy_records
+from tests.privacy import test_secure_records as secure_records
 
 REPO = os.path.dirname(os.path.dirname(__file__))
 # A figure: digits (thousands with commas, a decimal part), not inside a
@@ -71,6 +72,7 @@ CASES = [
     **overhead_record.TABLES,
     **docs_tables.TABLES,
     **privacy_records.TABLES,
+    **secure_records.TABLES,
   }.items()
 ]
 

@@ -5,9 +5,10 @@ A secure round's request for client c holds a `secagg` record: its stage
 (`keys`, `share`, `mask`, `unmask`), the client, the round and the
 attempt (16 random bytes the server draws for each try of a round). The
 client's secrets of the attempt (its seed, its neighbours' public keys,
-the shares it received) are kept between the stages in
-`<state>/secagg/client<c>.json`, readable by the node's user alone
-(0600, in a 0700 folder): Flower runs each message in a new process.
+the shares it received) are kept between the stages in the run's state
+folder (`node.run_folder`), as `secagg/client<c>.json`, readable by the
+node's user alone (0600, in a 0700 folder): Flower runs each message in
+a new process.
 Stage `keys` starts an attempt (a new seed, whatever was there); each
 other stage must follow the one before it in the same attempt and round,
 once: a replayed, reordered or duplicated stage is refused, and so is a
@@ -16,12 +17,11 @@ its shares.
 
 - `keys`: replies the client's two public keys, signed by the node's
   key where it has one (`sign`).
-- `share`: `peers` names each neighbour and its keys (`signatures`, the
-  signatures of their nodes: a node with the federation's roster refuses
-  keys its peer's node did not sign, so a server cannot slip its own keys
-  in, `identity`); there must be at
-  least t - 1 of the configured degree (`min_peers`); replies the
-  encrypted shares for each (its own kept).
+- `share`: `peers` names each neighbour and its keys, `signatures` their
+  nodes' signatures (a node with the federation's roster, `identity`,
+  refuses keys its peer's node did not sign, so a server cannot slip its
+  own keys in); at least t - 1 neighbours of the configured degree
+  (`min_peers`); replies the encrypted shares for each (its own kept).
 - `mask`: carries the training request (`node.client_output` runs it,
   with the secure wrapper's encoded upload as `extra`) and `shares`, the
   ciphertexts addressed to the client, from neighbours it was told of;

@@ -124,9 +124,7 @@ REFUSED |= {'ft_part'}
 def test_the_algorithms_secure_aggregation_takes_are_the_pages():
   from fedjax_mr.pipeline import registry
 
-  assert SECURED | REFUSED | {'fedgen', 'heterofl'} == set(
-    registry.names()
-  )
+  assert SECURED | REFUSED | {'fedgen', 'heterofl'} == set(registry.names())
   for name in sorted(SECURED | REFUSED):
     config = _config(
       algorithm=name,
