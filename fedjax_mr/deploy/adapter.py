@@ -55,15 +55,20 @@ def check(config: Config) -> str:
   Raises:
     UserError: a bad field (named), secure recombination (FedMR's
       client-to-client swaps, which a Flower federation could relay only
-      through the server), or the workdir.
+      through the server), an algorithm that DP or secure aggregation
+      refuses (the experiment is set up here to find out, as the server
+      will), or the workdir.
   """
-  config = checks.check(config).config  # the partition file read once
+  checked = checks.check(config)  # the partition file read once
+  config = checked.config
   if config.algorithm.options().get('fedmr_secure_repeats', 0):
     raise errors.ConfigError(
       '`fedmr_secure_repeats` is not deployed: secure recombination swaps '
       'layers between clients, which a Flower federation relays only '
       'through the server, which is what it hides them from'
     )
+  if config.privacy.clip > 0 or config.privacy.secure.enabled:
+    experiment.setup(checked)
   workdir = config.run.workdir or config.default_workdir()
   resume.check_workdir(config, workdir)
   workdir_lib.check_free(workdir)

@@ -75,8 +75,11 @@ def _quiet(line: str) -> None:
   del line
 
 
-def setup(config: config_lib.ExperimentConfig) -> build.Experiment:
-  """Config → data, partition, model, algorithm and initial state.
+def setup(
+  config: config_lib.ExperimentConfig | checks.Checked,
+) -> build.Experiment:
+  """Config (or what `checks.check` returned for it) → data, partition,
+  model, algorithm and initial state.
 
   Writes nothing. Every piece can be replaced before `run` (e.g.
   `setup(config)._replace(algorithm=..., state=engine.init_state(...))`).
@@ -84,6 +87,8 @@ def setup(config: config_lib.ExperimentConfig) -> build.Experiment:
   Raises:
     UserError: bad config or data (the message names the config field).
   """
+  if isinstance(config, checks.Checked):
+    return _setup(config)
   return _setup(checks.check(config))
 
 

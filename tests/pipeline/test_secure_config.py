@@ -139,3 +139,20 @@ def test_the_algorithms_secure_aggregation_takes_are_the_pages():
     else:
       with pytest.raises(errors.ConfigError, match='cannot run with `secure'):
         experiment.setup(config)
+
+
+def test_a_deployed_run_is_refused_before_anything_is_written(tmp_path):
+  """`experiments.deploy` checks the algorithm as the server will build
+  it, before a federation starts (`adapter.check`)."""
+  from fedjax_mr.deploy import adapter
+
+  workdir = tmp_path / 'run'
+  for flags in ({'secure_aggregation': True}, {'dp_clip': 1.0}):
+    config = config_lib.ExperimentConfig.from_flat(
+      **{**SMALL, 'algorithm': 'fedmr', 'workdir': str(workdir), **flags}
+    )
+    with pytest.raises(errors.ConfigError, match='`algorithm=fedmr` cannot'):
+      adapter.check(config)
+    assert not workdir.exists()
+  fine = _config(secagg_range=1000.0, workdir=str(workdir))
+  assert adapter.check(fine) == str(workdir)
