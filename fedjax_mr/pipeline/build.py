@@ -399,9 +399,9 @@ def secure_algorithm(
   max_examples: int | None,
 ) -> types.Algorithm:
   """`algorithm` with secure aggregation's encoding (`privacy.secure`)
-  where `secure_aggregation` is set; refused in one line naming
-  `algorithm` where it does not apply, or naming `secagg_range` where a
-  weight by examples would not fit in it."""
+  where `secure_aggregation` is set, each value within ±`secagg_range`
+  (times the largest client's examples, weighted by examples); refused
+  in one line naming `algorithm` where it does not apply."""
   p = config.privacy
   if not p.secure.enabled:
     return algorithm
@@ -422,14 +422,10 @@ def secure_algorithm(
     raise errors.ConfigError(
       f'`algorithm={name}` cannot run with `secure_aggregation`: {reason}'
     ) from None
+  # A weight by examples scales every value by up to the largest client's.
   weighted = not config_lib.uniform_weights(config) and p.clip == 0
-  if weighted and max_examples > p.secure.range:
-    raise errors.ConfigError(
-      f"`secagg_range={p.secure.range:g}` is below the largest client's "
-      f'{max_examples} examples, its weight in the sum (`weighting` by '
-      'examples): raise it, or weigh clients uniformly'
-    )
-  return secure.secure(algorithm, p.secure.bits, p.secure.range, max_examples)
+  bound = p.secure.range * (max_examples if weighted else 1)
+  return secure.secure(algorithm, p.secure.bits, bound, max_examples)
 
 
 def accountant(

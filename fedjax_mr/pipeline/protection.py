@@ -35,10 +35,10 @@ class SecureAggregation:
     flag='secagg_bits',
   )
   range: float = _field(
-    1e4,
-    "Secure aggregation: each value of a client's contribution is clipped "
-    'to [-this, this] (with weighting by examples, the weight n and n '
-    "times the model's values).",
+    10.0,
+    'Secure aggregation: each value of a model (and of what a client '
+    'uploads beside it) is clipped to [-this, this]; weighted by examples, '
+    "n times them to the largest client's n times this.",
     flag='secagg_range',
   )
   neighbours: int = _field(
@@ -164,9 +164,10 @@ def check_privacy(config: Any) -> None:
 
 def _secure(config: Any) -> list[tuple[bool, str]]:
   """Secure aggregation's rules (where it is on): 2 to 32 bits that hold
-  K clients' sum, a finite range, at least two clients, an even number of
-  neighbours below K (0: all), a threshold over 1/2, and no noise yet (the
-  noise is added to the decoded sum, which the server then holds)."""
+  K clients' sum, a finite range of at least 1, at least two clients, an
+  even number of neighbours below K (0: all), a threshold over 1/2, and
+  no noise yet (the noise would be added to the decoded sum, which the
+  server then holds)."""
   p, s = config.privacy, config.privacy.secure
   if not s.enabled:
     return []
@@ -180,8 +181,9 @@ def _secure(config: Any) -> list[tuple[bool, str]]:
       f'`clients_per_round={k}` clients: 2^(bits-1) - 1 < K',
     ),
     (
-      s.range > 0 and math.isfinite(s.range),
-      f'`secagg_range` must be a finite value > 0, got {s.range}',
+      s.range >= 1 and math.isfinite(s.range),
+      f'`secagg_range` must be finite and at least 1 (a client weighs 1, '
+      f"or its share of the largest client's examples), got {s.range}",
     ),
     (
       k >= 2,

@@ -39,8 +39,8 @@ def _config(**flags):
       {'secagg_bits': 3},
       '`secagg_bits=3` cannot hold the sum of `clients_per_round=5` clients',
     ),
-    ({'secagg_range': 0.0}, '`secagg_range` must be a finite value > 0'),
-    ({'secagg_range': float('inf')}, '`secagg_range` must be a finite'),
+    ({'secagg_range': 0.5}, '`secagg_range` must be finite and at least 1'),
+    ({'secagg_range': float('inf')}, '`secagg_range` must be finite'),
     (
       {'clients_per_round': 1},
       '`secure_aggregation` needs `clients_per_round` >= 2',
@@ -82,13 +82,40 @@ def test_algorithms_that_read_every_model_are_refused(algorithm, says):
   assert says in message
 
 
-def test_a_range_below_the_largest_weight_is_refused():
-  # Synthetic clients hold tens to hundreds of examples; weighted by
-  # them, a range of 5 cannot hold the weight.
-  with pytest.raises(errors.ConfigError) as e:
-    experiment.setup(_config(secagg_range=5.0, weighting='examples'))
-  assert str(e.value).startswith('`secagg_range=5` is below the largest')
-  experiment.setup(_config(secagg_range=5.0, weighting='uniform'))
+def test_the_range_bounds_a_models_values_times_its_weight():
+  """Weighted by examples, the encoding's bound is the range times the
+  largest client's examples (each value is n_k times a model's): at range
+  1 no client is clipped, where a bound of 1 itself clips every client
+  (its weight n_k > 1); weighing every client 1, the range itself."""
+  weighted = experiment.setup(_config(secagg_range=1.0, weighting='examples'))
+  assert min(weighted.client_sizes) > 1
+  _, metrics = _one_round(weighted)
+  assert int(metrics['secagg_clipped']) == 0
+  _, metrics = _one_round(weighted._replace(algorithm=_rebound(weighted, 1.0)))
+  assert int(metrics['secagg_clipped']) == 5
+  uniform = experiment.setup(_config(secagg_range=1.0, weighting='uniform'))
+  _, metrics = _one_round(uniform)
+  assert int(metrics['secagg_clipped']) == 0
+
+
+def _one_round(e):
+  import jax
+
+  from fedjax_mr.training import engine
+
+  step = jax.jit(engine.make_round_fn(e.algorithm, clients_per_round=5))
+  return step(e.state, e.data, e.key)
+
+
+def _rebound(e, bound):
+  """`e`'s algorithm encoded within `bound`."""
+  from fedjax_mr.pipeline import build
+  from fedjax_mr.privacy import secure
+
+  plain = build.build_algorithm(
+    e.config.replace(secure_aggregation=False), e.model, e.state.server.params
+  )
+  return secure.secure(plain, 32, bound, max(e.client_sizes))
 
 
 def test_a_simulated_secure_run_records_no_client_loss(tmp_path):
