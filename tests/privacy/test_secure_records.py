@@ -81,3 +81,24 @@ def test_the_cost_lines_are_their_records():
   lines = set(records.splitlines())
   for line in quoted:
     assert line in lines, line
+
+
+def test_the_first_ranges_cost_is_its_records():
+  """The page's account of the first range (10^4 for every value):
+  range_1e4/ holds those secure runs, and the steps it names."""
+  from fedjax_mr.privacy import fixed_point
+
+  text = ' '.join(docs_text.read(PAGE).split())
+  first = os.path.join(RECORDS, 'range_1e4', 'fedmut_m0.5')
+  gaps = []
+  for seed in (0, 1, 2):
+    name = 'secure' + (f'_s{seed}' if seed else '')
+    rows = metrics_io.read(os.path.join(first, name, 'metrics.jsonl'))
+    gaps.append(
+      100 * rows[-1]['test_accuracy'] - _accuracy('fedmut_m0.5', 'float', seed)
+    )
+  assert f'uniformly weighted FedMut {-sum(gaps) / 3:.1f} point' in text
+  levels = fixed_point.levels(32, 10)
+  assert f'{1e4 / levels:.1e}' == '4.7e-05'
+  assert f'{10 / levels:.1e}' == '4.7e-08'
+  assert '4.7 · 10⁻⁵ apart' in text and '4.7 · 10⁻⁸ apart' in text
