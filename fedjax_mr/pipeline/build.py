@@ -378,18 +378,24 @@ def private_algorithm(
       'noise on a sum protects them: central user-level DP does not apply '
       '(nor is local DP offered)'
     )
-  try:
-    private.check(algorithm, variables)
-  except ValueError as e:
-    reason = str(e).removeprefix('algorithm: ')
-    raise errors.ConfigError(
-      f'`algorithm={config.algorithm.name}` cannot run with `dp_clip`: {reason}'
-    ) from None
+  _check_wraps(private.check, algorithm, variables, config, 'dp_clip')
   if p.adaptive_quantile:
     return private.adaptive(
       algorithm, p.clip, p.noise_multiplier, p.adaptive_quantile, p.per_layer
     )
   return private.private(algorithm, p.clip, p.noise_multiplier, p.per_layer)
+
+
+def _check_wraps(check, algorithm, variables, config, flag: str) -> None:
+  """`check(algorithm, variables)`'s refusal as one line naming
+  `algorithm` and `flag`."""
+  try:
+    check(algorithm, variables)
+  except ValueError as e:
+    reason = str(e).removeprefix('algorithm: ')
+    raise errors.ConfigError(
+      f'`algorithm={config.algorithm.name}` cannot run with `{flag}`: {reason}'
+    ) from None
 
 
 def secure_algorithm(
@@ -415,13 +421,7 @@ def secure_algorithm(
       'models (FedMR recombines them layer by layer), so it reads every '
       'model, not their sum'
     )
-  try:
-    secure.check(algorithm, variables)
-  except ValueError as e:
-    reason = str(e).removeprefix('algorithm: ')
-    raise errors.ConfigError(
-      f'`algorithm={name}` cannot run with `secure_aggregation`: {reason}'
-    ) from None
+  _check_wraps(secure.check, algorithm, variables, config, 'secure_aggregation')
   # A weight by examples scales every value by up to the largest client's.
   weighted = not config_lib.uniform_weights(config) and p.clip == 0
   bound = p.secure.range * (max_examples if weighted else 1)

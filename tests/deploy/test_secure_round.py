@@ -8,15 +8,14 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
-from fedjax_mr.deploy import adapter
 from fedjax_mr.deploy import credentials
 from fedjax_mr.deploy import node
 from fedjax_mr.deploy import secure_node
 from fedjax_mr.deploy import secure_round
 from fedjax_mr.deploy import server
-from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import experiment as experiment_lib
 from fedjax_mr.privacy import secagg
+from tests.deploy import test_server
 
 NODES = 2
 
@@ -25,22 +24,10 @@ pytestmark = pytest.mark.slow
 
 
 def _experiment(algorithm='fedavg', clients=7, k=5, chunk=2, devices=2, **f):
+  """test_server's small synthetic experiment, aggregated securely."""
   flags = dict(secure_aggregation=True, secagg_range=100.0)
   flags.update(f)
-  return adapter.setup(
-    config_lib.ExperimentConfig.from_flat(
-      algorithm=algorithm,
-      dataset='synthetic',
-      model='logistic',
-      num_clients=clients,
-      clients_per_round=k,
-      local_epochs=1,
-      client_chunk=chunk,
-      num_devices=devices,
-      seed=5,
-      **flags,
-    )
-  )
+  return test_server._experiment(algorithm, clients, k, chunk, devices, **flags)
 
 
 class SecureLocal:
