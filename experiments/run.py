@@ -47,6 +47,7 @@ _HEADINGS = {
   'server': 'Server',
   'algorithm': 'Algorithm (its own flags: --helpfull)',
   'privacy': 'Privacy (user-level DP of the sum)',
+  'privacy.secure': 'Secure aggregation (the server reads only the sum)',
   'run': 'Run and records',
   'evaluation': 'Evaluation',
   'energy': 'Energy (simulated devices)',

@@ -126,6 +126,8 @@ NOT_MEASUREMENTS = [
   ('docs/energy.md', '| module | what it does |'),
   ('docs/howto/experiments.md', '| flagfile | setting |'),
   ('docs/howto/gpu.md', '| # | item | what it prints |'),
+  # Defaults (tests/pipeline/test_secure_config.py reads them).
+  ('docs/howto/secure-aggregation.md', '| flag | default | meaning |'),
   ('docs/results/README.md', '| folder | what | made by |'),
   ('docs/results/scale.md', '| algorithm | the server needs | streamed |'),
 ]

@@ -183,3 +183,23 @@ def test_a_deployed_run_is_refused_before_anything_is_written(tmp_path):
     assert not workdir.exists()
   fine = _config(secagg_range=1000.0, workdir=str(workdir))
   assert adapter.check(fine) == str(workdir)
+
+
+def test_the_pages_flag_table_holds_the_defaults():
+  from tests import docs_text
+  from tests import test_readme_records as readme_records
+
+  table = readme_records._table(
+    docs_text.read('docs/howto/secure-aggregation.md'), '| flag | default |'
+  )
+  fields = {f.name: f for f in config_lib.base_fields()}
+  shown = {row[0].strip('`').lstrip('-'): row[1] for row in table[1:]}
+  assert set(shown) == {n for n in fields if n.startswith(('secagg', 'secure'))}
+  for name, default in shown.items():
+    value = fields[name].default
+    if isinstance(value, bool):
+      assert default == str(value).lower(), name
+    elif name == 'secagg_threshold':
+      assert default == '2/3' and value == 2 / 3
+    else:
+      assert float(default) == value, name
