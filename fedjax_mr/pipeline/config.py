@@ -3,7 +3,8 @@ concern.
 
 `ExperimentConfig` holds eleven parts: `data`, `partition`, `model`,
 `local` (how a client trains), `server` (K, weights, server optimizer),
-`algorithm` (the name and the algorithm's own `Hparams`), `privacy`, `run`,
+`algorithm` (the name and the algorithm's own `Hparams`), `privacy`
+(defined in `protection`, with its secure-aggregation part), `run`,
 `evaluation`, `energy` and `devices` (with its `processes`). A consumer
 takes the part it reads. The parts every program shares are defined here
 once: `Data`, `Partition` and `Run` (extended for training by

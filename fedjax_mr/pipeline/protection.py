@@ -1,7 +1,7 @@
 """The privacy of the round's sum, as configured: the config part
 `Privacy` (flags `dp_*`, `secure_aggregation`, `secagg_*`) and its checks
 (`check_privacy`). `build` wraps the algorithm as it says
-(`build.private_algorithm`).
+(`build.private_algorithm`, `build.secure_algorithm`).
 """
 
 from __future__ import annotations
