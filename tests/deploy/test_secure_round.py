@@ -13,7 +13,6 @@ from fedjax_mr.deploy import node
 from fedjax_mr.deploy import secure_node
 from fedjax_mr.deploy import secure_round
 from fedjax_mr.deploy import server
-from fedjax_mr.pipeline import experiment as experiment_lib
 from fedjax_mr.privacy import secagg
 from tests.deploy import test_server
 
@@ -72,33 +71,15 @@ class SecureLocal:
 
 
 def _rounds(experiment, transport, rounds=2, log=print):
-  """`(differences, last metrics)`: what differs between `rounds`
-  deployed secure rounds and the ones `experiments.run` compiles (the
-  server state's leaves and the metrics, by name)."""
+  """`(differences, last metrics)` of `rounds` deployed secure rounds
+  against the ones `experiments.run` compiles
+  (`test_server.compare_rounds`)."""
   collect = secure_round.make_collect(experiment, transport, log=log)
   chunk = experiment.config.devices.client_chunk
   deployed = server.make_round(
     experiment, chunk, transport, NODES, collect=collect, log=log
   )
-  simulated = experiment_lib._compile_round(experiment, chunk)
-  state = experiment.state
-  want = jax.tree.map(lambda x: np.array(x, copy=True), state)  # donated
-  differ = []
-  for r in range(rounds):
-    state, metrics = deployed(state, experiment.data, experiment.key)
-    want, want_metrics = simulated(want, experiment.data, experiment.key)
-    leaves = jax.tree_util.tree_leaves_with_path(state.server)
-    for (path, x), y in zip(leaves, jax.tree.leaves(want.server), strict=True):
-      if not np.array_equal(np.asarray(x), np.asarray(y)):
-        differ.append(f'round {r + 1} {jax.tree_util.keystr(path)}')
-    for name in sorted(set(metrics) | set(want_metrics)):
-      if name not in metrics or name not in want_metrics:
-        differ.append(f'round {r + 1} {name} in one only')
-      elif not np.array_equal(
-        metrics[name], want_metrics[name], equal_nan=True
-      ):
-        differ.append(f'round {r + 1} {name}')
-  return differ, metrics
+  return test_server.compare_rounds(experiment, deployed, chunk, rounds)
 
 
 @pytest.mark.parametrize(

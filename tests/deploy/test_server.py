@@ -129,11 +129,19 @@ def _differences(
   """What differs between `rounds` deployed rounds (replies in `arrival`'s
   order, the nodes keeping client state in `folder`) and the rounds
   `experiments.run` compiles for the same config (its mesh, its chunk;
-  other `flags`): the server state's leaves and the metrics, by name."""
+  other `flags`): `compare_rounds`'s."""
   experiment = _experiment(algorithm, 7, 5, chunk, devices, **flags)
   assert experiment.mesh.devices.size == devices
   local = LocalWithState(experiment, folder, arrival)
   deployed = server.make_round(experiment, chunk, local, NODES)
+  return compare_rounds(experiment, deployed, chunk, rounds)[0]
+
+
+def compare_rounds(experiment, deployed, chunk, rounds):
+  """`(differences, last metrics)`: what differs between `rounds` of
+  `deployed` and of the round `experiments.run` compiles for
+  `experiment` and `chunk`: the server state's leaves and the metrics
+  (NaN equal to NaN), by name."""
   simulated = experiment_lib._compile_round(experiment, chunk)
   state = experiment.state
   want = jax.tree.map(lambda x: np.array(x, copy=True), state)  # donated
@@ -147,9 +155,10 @@ def _differences(
         differ.append(f'round {r + 1} {jax.tree_util.keystr(path)}')
     assert sorted(metrics) == sorted(want_metrics)
     for name in sorted(metrics):
-      if not np.array_equal(metrics[name], want_metrics[name]):
+      a, b = metrics[name], want_metrics[name]
+      if not np.array_equal(a, b, equal_nan=True):
         differ.append(f'round {r + 1} {name}')
-  return differ
+  return differ, metrics
 
 
 @pytest.mark.parametrize('algorithm, devices, chunk', PLACEMENTS)
