@@ -1,7 +1,11 @@
 """Privacy of a round's sum: user-level differential privacy (`dp`: the
 clip of a client's update, the noise of the sum, adaptive clipping;
 `private`: DP-FedAvg around an algorithm) and its accounting
-(`accounting`: ε by `dp-accounting`).
+(`accounting`: ε by `dp-accounting`); secure aggregation (`secure`: the
+integer encoding around an algorithm, `fixed_point`). The deployed
+protocol, SecAgg+ (`fedjax_mr.privacy.secagg`, with its secret sharing
+`shamir`), is host code that needs `cryptography` (which the `deploy`
+extra brings with flwr): imported by its module's name, not here.
 
 Below the training layer: the engine's fold applies these functions; they
 import only `core` (and the accountant, host code, `dp-accounting`).
@@ -9,7 +13,9 @@ import only `core` (and the accountant, host code, `dp-accounting`).
 
 from fedjax_mr.privacy import accounting as accounting
 from fedjax_mr.privacy import dp as dp
+from fedjax_mr.privacy import fixed_point as fixed_point
 from fedjax_mr.privacy import private as private
+from fedjax_mr.privacy import secure as secure
 from fedjax_mr.privacy.accounting import Accountant as Accountant
 from fedjax_mr.privacy.accounting import default_delta as default_delta
 from fedjax_mr.privacy.dp import clip as clip
@@ -27,10 +33,12 @@ __all__ = [
   'clip',
   'default_delta',
   'dp',
+  'fixed_point',
   'global_norm',
   'next_clip_norm',
   'noise',
   'noised_fraction',
   'private',
+  'secure',
   'update_noise_multiplier',
 ]
