@@ -18,12 +18,14 @@ its metadata gives (`flag`, else its own: `lr`; `partition` for
 `experiments.compare`'s variants use those names:
 `ExperimentConfig.from_flat(algorithm='fedprox', fedprox_mu=0.1)`,
 `config.flat()`, `config.replace(rounds=5)`. The algorithms' flags come
-from the registry. Fields marked `run_only` may change when a run resumes;
-the others define the run. Nothing here reads a file: `checks.check`
-fills `partition_sha256` where a run starts (`with_file_digest` alone,
-for a config that is not checked yet). The checks are in
-`fedjax_mr.pipeline.checks`; their errors name flags in backticks, which
-the programs render as their flags (`experiments.cli.render`).
+from the registry. Fields marked `run_only` may change when a run resumes,
+and so may the flags of a privacy feature that is off
+(`protection.inactive_flags`); the others define the run. Nothing here
+reads a file: `checks.check` fills `partition_sha256` where a run starts
+(`with_file_digest` alone, for a config that is not checked yet). The
+checks are in `fedjax_mr.pipeline.checks`; their errors name flags in
+backticks, which the programs render as their flags
+(`experiments.cli.render`).
 """
 
 from __future__ import annotations
@@ -554,11 +556,14 @@ class ExperimentConfig:
     return _build(ExperimentConfig(), {**flat, **values})
 
   def identity(self) -> dict[str, Any]:
-    """What defines the run: all but the `run_only` fields, by flag."""
+    """What defines the run: all but the `run_only` fields and the flags
+    of a privacy feature that is off (`protection.inactive_flags`), by
+    flag."""
+    inactive = set(protection.inactive_flags(self.privacy))
     out = {
       f.name: _get(self, f.path)
       for f in base_fields()
-      if not f.metadata['run_only']
+      if not f.metadata['run_only'] and f.name not in inactive
     }
     out.update(self.algorithm.options())
     return out

@@ -96,6 +96,27 @@ class Privacy:
   secure: SecureAggregation = config_tree.part(SecureAggregation)
 
 
+# The flags that say nothing where their feature is off (a run without DP,
+# a run without secure aggregation): they do not define such a run.
+_DP_ONLY = ('dp_noise_multiplier', 'dp_per_layer', 'dp_adaptive_quantile')
+_DP_ONLY += ('dp_delta',)
+_SECURE_ONLY = ('secagg_bits', 'secagg_range', 'secagg_neighbours')
+_SECURE_ONLY += ('secagg_threshold',)
+
+
+def inactive_flags(privacy: Privacy) -> tuple[str, ...]:
+  """The flags of `privacy` whose feature is off: DP's beside `dp_clip`
+  when it is 0, secure aggregation's beside `secure_aggregation` when it
+  is off. They are left out of a run's identity, so that a run without
+  the feature resumes whatever they hold."""
+  out: tuple[str, ...] = ()
+  if privacy.clip == 0:
+    out += _DP_ONLY
+  if not privacy.secure.enabled:
+    out += _SECURE_ONLY
+  return out
+
+
 def check_privacy(config: Any) -> None:
   """The privacy part's values (`Privacy`): a clip norm >= 0 (0: no DP),
   noise only with a clip, δ in (0, 1) or 0, a target ε only with noise,

@@ -203,3 +203,25 @@ def test_the_pages_flag_table_holds_the_defaults():
       assert default == '2/3' and value == 2 / 3
     else:
       assert float(default) == value, name
+
+
+def test_a_features_flags_define_a_run_only_where_it_is_on():
+  """A run without secure aggregation (or without DP) resumes whatever
+  secure aggregation's (DP's) other flags hold; with it, they define the
+  run."""
+  from fedjax_mr.pipeline import checks
+
+  plain = config_lib.ExperimentConfig.from_flat(**SMALL)
+  saved = plain.replace(secagg_range=1e4, dp_delta=1e-3, dp_per_layer=True)
+  assert checks.config_diffs(plain, saved.to_dict()) == []
+  secure = _config(secagg_range=10.0)
+  diffs = checks.config_diffs(secure, _config(secagg_range=1e4).to_dict())
+  assert diffs == ['`secagg_range=10000.0` there, 10.0 here']
+  diffs = checks.config_diffs(secure, saved.to_dict())
+  assert diffs == [
+    '`secure_aggregation=False` there, True here',
+    '`secagg_range=10000.0` there, 10.0 here',
+  ]
+  private = plain.replace(dp_clip=1.0, weighting='uniform')
+  diffs = checks.config_diffs(private, private.replace(dp_delta=1e-3).to_dict())
+  assert diffs == ['`dp_delta=0.001` there, 0.0 here']
