@@ -8,11 +8,11 @@ context`) over the transport, four exchanges with the round's clients
 (`secure_node` serves them):
 
 0. `keys`: every client; those whose two 32-byte keys arrive advertised.
-1. `share`: each advertised client gets its neighbours' keys (and their
-   nodes' signatures of them, which the nodes check)
-   (`secagg.neighbours` over the advertised clients, the attempt's bytes
-   as the graph's seed); those whose ciphertexts, one for each neighbour,
-   arrive shared.
+1. `share`: each advertised client gets its neighbours' keys and their
+   nodes' signatures of them, which the nodes check (`secagg.neighbours`
+   over the advertised clients, the attempt's bytes as the graph's
+   seed); those whose ciphertexts, one for each neighbour, arrive
+   shared.
 2. `mask`: each sharing client gets its training request and the
    ciphertexts addressed to it by sharing neighbours; its masked upload
    (one uint32 vector of the upload's size) is added to the running sum
@@ -26,9 +26,9 @@ context`) over the transport, four exchanges with the round's clients
 A client that fails a stage (no reply in `timeout`, a reply refused, or
 its node's refusal, each logged in one line) is out of the later stages;
 one that fails the last still counts, since its masked upload is in the
-sum: the sum is that of exactly the survivors. Where fewer than t + 1
-clients advertise or share, fewer than t survive, or a secret lacks t
-shares, the round fails (`SecureRoundError`, one line: the run stops,
+sum: the sum is that of exactly the survivors. Where fewer than t
+clients (t of the configured degree) advertise or share, fewer than t
+survive, or a secret lacks t shares, the round fails (`SecureRoundError`, one line: the run stops,
 its checkpoints kept, and resumes from the last one when started
 again). The clients' losses stay NaN: the secure wrapper's upload holds
 them, summed.
