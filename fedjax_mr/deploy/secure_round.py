@@ -28,10 +28,10 @@ its node's refusal, each logged in one line) is out of the later stages;
 one that fails the last still counts, since its masked upload is in the
 sum: the sum is that of exactly the survivors. Where fewer than t
 clients (t of the configured degree) advertise or share, fewer than t
-survive, or a secret lacks t shares, the round fails (`SecureRoundError`, one line: the run stops,
-its checkpoints kept, and resumes from the last one when started
-again). The clients' losses stay NaN: the secure wrapper's upload holds
-them, summed.
+survive, or a secret lacks t shares, the round fails
+(`SecureRoundError`, one line: the run stops, its checkpoints kept, and
+resumes from the last one when started again). The clients' losses stay
+NaN: the secure wrapper's upload holds them, summed.
 """
 
 from __future__ import annotations
