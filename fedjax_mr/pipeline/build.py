@@ -36,6 +36,7 @@ from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import protection
 from fedjax_mr.pipeline import registry
+from fedjax_mr.privacy import distributed_dp
 from fedjax_mr.privacy import private
 from fedjax_mr.privacy import secure
 from fedjax_mr.training import client
@@ -65,6 +66,7 @@ class Experiment(NamedTuple):
     data_fingerprint: `data_fingerprint` of the data loaded (kept in
       config.json and each checkpoint; a resume on other data is
       refused), or None (not checked).
+    accountant: the run's privacy accountant (`accountant`), or None.
   """
 
   config: config_lib.ExperimentConfig
@@ -78,6 +80,7 @@ class Experiment(NamedTuple):
   client_sizes: list[int]
   partition: dict[str, Any] | None = None
   data_fingerprint: dict[str, Any] | None = None
+  accountant: privacy.Accountant | None = None
 
 
 class Clients(NamedTuple):
@@ -315,9 +318,9 @@ def build_algorithm(
   hparams: Any = None,
   max_examples: int | None = None,
 ) -> types.Algorithm:
-  """The algorithm named by `config.algorithm.name`, from the registry,
-  wrapped as the privacy part says (`private_algorithm`,
-  `secure_algorithm`).
+  """The algorithm named by `config.algorithm.name`, from the registry
+  (`registry_algorithm`), wrapped as the privacy part says
+  (`protected`).
 
   Args:
     config: the experiment (validated).
@@ -334,6 +337,18 @@ def build_algorithm(
     ConfigError: a hyper-parameter that does not fit the model, named by
       its config field.
   """
+  algorithm = registry_algorithm(config, model, variables, hparams)
+  return protected(config, algorithm, variables, max_examples)
+
+
+def registry_algorithm(
+  config: config_lib.ExperimentConfig,
+  model: model_lib.Model,
+  variables: types.Variables,
+  hparams: Any = None,
+) -> types.Algorithm:
+  """The algorithm named by `config.algorithm.name`, from the registry, as
+  its factory builds it (`build_algorithm`'s arguments)."""
   local = client.LocalTraining(
     model,
     checks.client_optimizer(config),
@@ -356,6 +371,22 @@ def build_algorithm(
     algorithm = entry.factory(setting, hp)
   except errors.ArgumentError as e:
     raise checks.as_config_error(config.algorithm.name, e) from None
+  return algorithm
+
+
+def protected(
+  config: config_lib.ExperimentConfig,
+  algorithm: types.Algorithm,
+  variables: types.Variables,
+  max_examples: int | None,
+) -> types.Algorithm:
+  """`algorithm` wrapped as the privacy part says: DP-FedAvg
+  (`private_algorithm`), secure aggregation's encoding
+  (`secure_algorithm`), or both with the noise drawn by the clients
+  (`distributed_algorithm`, where noise goes with secure aggregation)."""
+  protection.check_privacy(config)
+  if protection.distributed(config.privacy):
+    return distributed_algorithm(config, algorithm, variables)
   algorithm = private_algorithm(config, algorithm, variables)
   return secure_algorithm(config, algorithm, variables, max_examples)
 
@@ -430,17 +461,79 @@ def secure_algorithm(
 
 def accountant(
   config: config_lib.ExperimentConfig,
+  algorithm: types.Algorithm | None = None,
+  variables: types.Variables | None = None,
 ) -> privacy.Accountant | None:
-  """The run's privacy accountant (`dp_clip` set), else None."""
+  """The run's privacy accountant (`dp_clip` set), else None: the
+  Gaussian's, or with noise and secure aggregation the Skellam
+  mechanism's (`privacy.SkellamAccountant`), which needs the algorithm
+  as the registry builds it (`registry_algorithm`) and the model."""
   p, n = config.privacy, config.partition.num_clients
   if p.clip == 0:
     return None
-  return privacy.Accountant(
-    p.noise_multiplier,
-    n,
+  k, delta = (
     config.server.clients_per_round,
     p.delta or privacy.default_delta(n),
   )
+  if not protection.distributed(p):
+    return privacy.Accountant(p.noise_multiplier, n, k, delta)
+  if algorithm is None or variables is None:
+    raise ValueError('algorithm, variables: distributed DP needs them')
+  cal = calibration(config, algorithm, variables)
+  return privacy.SkellamAccountant(
+    p.noise_multiplier, n, k, delta, cal.bound, cal.dim
+  )
+
+
+def calibration(
+  config: config_lib.ExperimentConfig,
+  algorithm: types.Algorithm,
+  variables: types.Variables,
+) -> distributed_dp.Calibration:
+  """The integers of distributed DP (`distributed_dp.calibrate`) for
+  `algorithm` (the registry's) and the model `variables`.
+
+  Raises:
+    ConfigError: too few `secagg_bits` for them.
+  """
+  p, s = config.privacy, config.privacy.secure
+  k = config.server.clients_per_round
+  try:
+    return distributed_dp.calibrate(
+      distributed_dp.dimension(algorithm, variables),
+      p.clip,
+      p.noise_multiplier,
+      k,
+      distributed_dp.min_clients(k, s.threshold),
+      s.bits,
+      s.range,
+    )
+  except ValueError as e:
+    raise errors.ConfigError(
+      f'`secagg_bits={s.bits}` is too few for distributed DP: {e}; more '
+      'bits, a smaller `secagg_range` or fewer clients a round'
+    ) from None
+
+
+def distributed_algorithm(
+  config: config_lib.ExperimentConfig,
+  algorithm: types.Algorithm,
+  variables: types.Variables,
+) -> types.Algorithm:
+  """`algorithm` with distributed DP over secure aggregation
+  (`distributed_dp.distributed`); refused in one line naming `algorithm`
+  where DP-FedAvg or secure aggregation does not apply to it."""
+  name = config.algorithm.name
+  if config_lib.multi_model(config) and algorithm.contribution is None:
+    raise errors.ConfigError(
+      f'`algorithm={name}` cannot run with `dp_clip` and '
+      '`secure_aggregation`: its server reads every client model, not '
+      'their sum'
+    )
+  _check_wraps(private.check, algorithm, variables, config, 'dp_clip')
+  _check_wraps(secure.check, algorithm, variables, config, 'secure_aggregation')
+  cal = calibration(config, algorithm, variables)
+  return distributed_dp.distributed(algorithm, cal, config.privacy.per_layer)
 
 
 def pretrained_variables(

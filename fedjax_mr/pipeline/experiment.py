@@ -40,6 +40,7 @@ from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import energy_report
 from fedjax_mr.pipeline import evaluation
 from fedjax_mr.pipeline import progress
+from fedjax_mr.pipeline import protection
 from fedjax_mr.pipeline import records
 from fedjax_mr.pipeline import registry
 from fedjax_mr.pipeline import resume
@@ -100,6 +101,8 @@ def _setup(checked: checks.Checked) -> build.Experiment:
     mesh = distributed.mesh_for(config.devices, config.server.clients_per_round)
   except errors.ArgumentError as e:
     raise checks.value_error(config, e) from None
+  if protection.distributed(config.privacy):
+    mesh = _one_cpu_device(mesh)
   clients = build.load_clients(config, checked.partition)
   model = model_lib.get(
     config.model.name,
@@ -120,8 +123,9 @@ def _setup(checked: checks.Checked) -> build.Experiment:
   variables = model.init(jax.random.fold_in(key, _INIT))
   if config.model.init_from:
     variables = build.pretrained_variables(config, model, variables)
-  algorithm = build.build_algorithm(
-    config, model, variables, hparams, max_examples=int(max(clients.sizes))
+  base = build.registry_algorithm(config, model, variables, hparams)
+  algorithm = build.protected(
+    config, base, variables, max_examples=int(max(clients.sizes))
   )
   build.check_round_memory(config, algorithm, variables, mesh)
   # Per-client state stays in host memory; each round moves its K rows.
@@ -152,7 +156,30 @@ def _setup(checked: checks.Checked) -> build.Experiment:
     client_sizes=clients.sizes.tolist(),
     partition=clients.partition,
     data_fingerprint=clients.fingerprint,
+    accountant=build.accountant(config, base, variables),
   )
+
+
+def _one_cpu_device(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  """`mesh`, or one device of it where it is several CPU devices:
+  distributed DP's clients draw their noise on the host from inside the
+  round (`jax.pure_callback`), whose arguments JAX first puts on CPU
+  device 0; a callback from another CPU device of the same program then
+  waits for device 0, which waits for it (a deadlock). Accelerators run
+  the program, not CPU device 0, and keep their mesh.
+
+  Raises:
+    ConfigError: several processes of CPU devices.
+  """
+  if mesh.devices.size == 1 or mesh.devices.flat[0].platform != 'cpu':
+    return mesh
+  if jax.process_count() > 1:
+    raise errors.ConfigError(
+      '`secure_aggregation` with `dp_noise_multiplier` > 0 runs on one CPU '
+      'device (its clients draw their noise on the host, from inside the '
+      'round); run one process'
+    )
+  return distributed.make_mesh(1)
 
 
 def train_and_evaluate(
@@ -322,7 +349,7 @@ def _run(
   )
   progress.announce(experiment, state, mapping, log)
   round_fn = (make_round or _compile_round)(experiment, mapping['client_chunk'])
-  accountant = build.accountant(config)
+  accountant = experiment.accountant or build.accountant(config)
   last = _last_round(config, accountant, log)
   loop = _Loop(
     experiment._replace(config=config.replace(rounds=last)),
@@ -523,7 +550,11 @@ def _record(
   row, clients_row = records.round_rows(r, metrics)
   if loop.accountant is not None:
     row['dp_epsilon'] = loop.accountant.epsilon(r)
-  if not math.isfinite(row['train_loss']):
+  if protection.distributed(config.privacy):
+    # Its clients upload no loss (a sum without noise): null, not a
+    # divergence (its clipped updates stay finite).
+    row['train_loss'] = None
+  elif not math.isfinite(row['train_loss']):
     loop.rows.write_diverged(row, clients_row)
     raise errors.NonFiniteError(
       f'non-finite train loss ({row["train_loss"]}) at round {r}; '

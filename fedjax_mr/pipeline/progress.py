@@ -18,7 +18,9 @@ import numpy as np
 from fedjax_mr.data import client_data as client_data_lib
 from fedjax_mr.data import datasets
 from fedjax_mr.pipeline import build
+from fedjax_mr.pipeline import protection
 from fedjax_mr.pipeline import records
+from fedjax_mr.privacy import distributed_dp
 from fedjax_mr.runtime import checkpoint
 from fedjax_mr.runtime import distributed
 from fedjax_mr.runtime import tensorboard
@@ -78,7 +80,21 @@ def announce(
   if note:
     log(note)
   p = config.privacy
-  if p.clip:
+  acc = experiment.accountant
+  if protection.distributed(p) and acc is not None:
+    k = config.server.clients_per_round
+    m = distributed_dp.min_clients(k, p.secure.threshold)
+    log(
+      f'privacy: distributed DP over secure aggregation, each update '
+      f'clipped to {p.clip:g}'
+      + (' (per layer)' if p.per_layer else '')
+      + f', each client adding Skellam noise so that any {m} of the {k} '
+      f'summed carry {p.noise_multiplier:g} × the clip norm (B = '
+      f'{acc.bound:,.1f} integer units, d = {acc.dim:,}); every client '
+      'weighing 1, no train loss; ε each round for δ = '
+      + (f'{p.delta:g}' if p.delta else '1/N^1.1')
+    )
+  elif p.clip:
     log(
       f'privacy: DP-FedAvg, each update clipped to {p.clip:g}'
       + (' (per layer)' if p.per_layer else '')
@@ -172,8 +188,11 @@ class Timer:
       )
     if 'dp_epsilon' in row:
       acc += f' | ε {row["dp_epsilon"]:.3g}'
+    loss = row['train_loss']
+    # NaN where the clients upload none (distributed DP).
+    loss = f'{loss:.4f}' if loss is not None and loss == loss else 'n/a'
     return (
-      f'round {r}/{self.total} | train loss {row["train_loss"]:.4f}{acc} | '
+      f'round {r}/{self.total} | train loss {loss}{acc} | '
       f'elapsed {self.elapsed:.1f}s | {self.rate():.2f} rounds/s | '
       f'ETA {eta:.0f}s'
     )

@@ -183,12 +183,19 @@ def check_privacy(config: Any) -> None:
       raise errors.ConfigError(message)
 
 
+def distributed(privacy_part: Privacy) -> bool:
+  """Whether the run is distributed DP (`privacy.distributed_dp`): noise
+  with secure aggregation, drawn by the clients."""
+  p = privacy_part
+  return p.clip > 0 and p.noise_multiplier > 0 and p.secure.enabled
+
+
 def _secure(config: Any) -> list[tuple[bool, str]]:
   """Secure aggregation's rules (where it is on): 2 to 32 bits that hold
   K clients' sum, a finite range of at least 1, at least two clients, an
   even number of neighbours below K (0: all), a threshold over 1/2, and
-  no noise yet (the noise would be added to the decoded sum, which the
-  server then holds)."""
+  with noise a fixed clip norm (the bits' fit with the noise is
+  `build.calibration`'s, which knows the model)."""
   p, s = config.privacy, config.privacy.secure
   if not s.enabled:
     return []
@@ -224,9 +231,10 @@ def _secure(config: Any) -> list[tuple[bool, str]]:
       f'{s.threshold}',
     ),
     (
-      p.noise_multiplier == 0,
-      '`dp_noise_multiplier` > 0 cannot go with `secure_aggregation` yet: '
-      'the noise would be added to the decoded sum, which the server '
-      'would then hold without it',
+      p.noise_multiplier == 0 or not p.adaptive_quantile,
+      '`dp_adaptive_quantile` cannot go with `secure_aggregation` and '
+      '`dp_noise_multiplier` > 0: the clients draw the noise in integer '
+      'units set from `dp_clip` before the run, and the count of clients '
+      'within the clip norm would be a sum without noise',
     ),
   ]

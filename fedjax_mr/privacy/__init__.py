@@ -12,11 +12,16 @@ import only `core` (and the accountant, host code, `dp-accounting`).
 """
 
 from fedjax_mr.privacy import accounting as accounting
+from fedjax_mr.privacy import distributed_dp as distributed_dp
 from fedjax_mr.privacy import dp as dp
 from fedjax_mr.privacy import fixed_point as fixed_point
 from fedjax_mr.privacy import private as private
 from fedjax_mr.privacy import secure as secure
+from fedjax_mr.privacy import skellam as skellam
 from fedjax_mr.privacy.accounting import Accountant as Accountant
+from fedjax_mr.privacy.accounting import (
+  SkellamAccountant as SkellamAccountant,
+)
 from fedjax_mr.privacy.accounting import default_delta as default_delta
 from fedjax_mr.privacy.dp import clip as clip
 from fedjax_mr.privacy.dp import global_norm as global_norm
@@ -29,9 +34,11 @@ from fedjax_mr.privacy.dp import (
 
 __all__ = [
   'Accountant',
+  'SkellamAccountant',
   'accounting',
   'clip',
   'default_delta',
+  'distributed_dp',
   'dp',
   'fixed_point',
   'global_norm',
@@ -40,5 +47,6 @@ __all__ = [
   'noised_fraction',
   'private',
   'secure',
+  'skellam',
   'update_noise_multiplier',
 ]

@@ -153,7 +153,9 @@ def truncate(path: str, max_round: int) -> tuple[list[dict[str, Any]], str]:
 
 def diverged_at(rows: Sequence[Mapping[str, Any]]) -> int | None:
   """The round whose train loss was non-finite (a run stops there and
-  writes that round's row last), or None."""
-  if rows and not math.isfinite(rows[-1]['train_loss']):
+  writes that round's row last), or None. A null train loss (a run
+  whose clients upload none) is not a divergence."""
+  loss = rows[-1]['train_loss'] if rows else None
+  if loss is not None and not math.isfinite(loss):
     return int(rows[-1]['round'])
   return None
