@@ -19,9 +19,7 @@ from fedjax_mr.privacy import private as private
 from fedjax_mr.privacy import secure as secure
 from fedjax_mr.privacy import skellam as skellam
 from fedjax_mr.privacy.accounting import Accountant as Accountant
-from fedjax_mr.privacy.accounting import (
-  SkellamAccountant as SkellamAccountant,
-)
+from fedjax_mr.privacy.accounting import SkellamAccountant as SkellamAccountant
 from fedjax_mr.privacy.accounting import default_delta as default_delta
 from fedjax_mr.privacy.dp import clip as clip
 from fedjax_mr.privacy.dp import global_norm as global_norm
