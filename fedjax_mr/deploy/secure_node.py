@@ -53,6 +53,7 @@ from flwr.app import RecordDict
 from fedjax_mr.core import files
 from fedjax_mr.deploy import codec
 from fedjax_mr.deploy import node as node_lib
+from fedjax_mr.privacy import distributed_dp
 from fedjax_mr.privacy import secagg
 
 SECAGG = node_lib.SECURE_STAGE  # the record that names a request's stage
@@ -162,6 +163,39 @@ def check_signature(
 
 def _path(folder: str, client: int) -> str:
   return os.path.join(folder, 'secagg', f'client{int(client)}.json')
+
+
+NOISE_SECRET = 'noise.key'  # the node's secret of its DP noise (secagg/)
+
+
+def noise_secret(folder: str) -> bytes:
+  """The node's 32 random bytes in `<folder>/secagg/noise.key` (0600 in a
+  0700 folder), made on first use: with a client's key, the seed of its
+  distributed DP noise (`distributed_dp.node_secret`), which the server
+  (which made the key) cannot draw again. Kept for the run: a round the
+  server runs again draws the same noise, not a fresh draw to average.
+
+  Raises:
+    RequestError: a secret file that is not 32 bytes or is open to others.
+  """
+  here = os.path.join(folder, 'secagg')
+  os.makedirs(here, mode=0o700, exist_ok=True)
+  os.chmod(here, 0o700)
+  path = os.path.join(here, NOISE_SECRET)
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+  except FileExistsError:
+    pass
+  else:
+    with os.fdopen(fd, 'wb') as f:
+      f.write(os.urandom(32))
+  if os.stat(path).st_mode & 0o077:
+    raise node_lib.RequestError(f'{path} is open to others: chmod 600 it')
+  with open(path, 'rb') as f:
+    secret = f.read()
+  if len(secret) != 32:
+    raise node_lib.RequestError(f'{path} does not hold 32 bytes')
+  return secret
 
 
 def _save(folder: str, client: int, kept: dict) -> None:
@@ -360,7 +394,9 @@ def _mask(experiment, part, kept, seed, where, ctx) -> RecordDict:
     )
   for v, ciphertext in got.items():  # each must open before any mask
     secagg.open_share(seed, client, v, peers[v][:32], ciphertext, ctx)
-  output = node_lib.client_output(experiment, part, *where)
+  secret = noise_secret(where[2])
+  with distributed_dp.node_secret(lambda c: secret):
+    output = node_lib.client_output(experiment, part, *where)
   values = np.concatenate(
     [np.asarray(x, np.uint32).ravel() for x in jax.tree.leaves(output.extra)]
   )

@@ -50,6 +50,8 @@ from fedjax_mr.core import types
 from fedjax_mr.deploy import codec
 from fedjax_mr.deploy import secure_node
 from fedjax_mr.deploy import server
+from fedjax_mr.pipeline import protection
+from fedjax_mr.privacy import distributed_dp
 from fedjax_mr.privacy import secagg
 
 # An ECDSA P-384 signature (DER) takes at most 104 bytes.
@@ -133,6 +135,12 @@ class _Attempt:
     self.secure = config.privacy.secure
     self.degree = secure_node.degree(config, config.server.clients_per_round)
     self.need = secure_node.min_peers(config)
+    k = config.server.clients_per_round
+    self.noised = (
+      distributed_dp.min_clients(k, self.secure.threshold)
+      if protection.distributed(config.privacy)
+      else 0
+    )
     self.transport, self.timeout, self.log = transport, timeout, log
     self.attempt = secrets.token_bytes(secure_node.ATTEMPT_BYTES)
 
@@ -174,6 +182,8 @@ class _Attempt:
     total, counts = self._mask(shares, template, weights)
     survivors = sorted(counts)
     _enough(len(survivors), t, 'sent their masked input', r)
+    if self.noised:  # fewer would carry less noise than accounted
+      _enough(len(survivors), self.noised, 'sent their noised input', r)
     revealed = self._unmask(set(survivors))
     dropped = sorted(set(shares) - set(survivors))
     s_pks = {c: keys[c][1] for c in keys}

@@ -317,6 +317,7 @@ def build_algorithm(
   variables: types.Variables,
   hparams: Any = None,
   max_examples: int | None = None,
+  data: Any = None,
 ) -> types.Algorithm:
   """The algorithm named by `config.algorithm.name`, from the registry
   (`registry_algorithm`), wrapped as the privacy part says
@@ -332,13 +333,14 @@ def build_algorithm(
       returned them; None: read from `config` (and checked).
     max_examples: the largest client's number of examples (secure
       aggregation needs it).
+    data: the clients' training data (distributed DP needs its shapes).
 
   Raises:
     ConfigError: a hyper-parameter that does not fit the model, named by
       its config field.
   """
   algorithm = registry_algorithm(config, model, variables, hparams)
-  return protected(config, algorithm, variables, max_examples)
+  return protected(config, algorithm, variables, max_examples, data)
 
 
 def registry_algorithm(
@@ -379,6 +381,7 @@ def protected(
   algorithm: types.Algorithm,
   variables: types.Variables,
   max_examples: int | None,
+  data: Any = None,
 ) -> types.Algorithm:
   """`algorithm` wrapped as the privacy part says: DP-FedAvg
   (`private_algorithm`), secure aggregation's encoding
@@ -386,7 +389,7 @@ def protected(
   (`distributed_algorithm`, where noise goes with secure aggregation)."""
   protection.check_privacy(config)
   if protection.distributed(config.privacy):
-    return distributed_algorithm(config, algorithm, variables)
+    return distributed_algorithm(config, algorithm, variables, data)
   algorithm = private_algorithm(config, algorithm, variables)
   return secure_algorithm(config, algorithm, variables, max_examples)
 
@@ -463,11 +466,13 @@ def accountant(
   config: config_lib.ExperimentConfig,
   algorithm: types.Algorithm | None = None,
   variables: types.Variables | None = None,
+  data: Any = None,
 ) -> privacy.Accountant | None:
   """The run's privacy accountant (`dp_clip` set), else None: the
   Gaussian's, or with noise and secure aggregation the Skellam
   mechanism's (`privacy.SkellamAccountant`), which needs the algorithm
-  as the registry builds it (`registry_algorithm`) and the model."""
+  as the registry builds it (`registry_algorithm`), the model and the
+  clients' data."""
   p, n = config.privacy, config.partition.num_clients
   if p.clip == 0:
     return None
@@ -477,9 +482,9 @@ def accountant(
   )
   if not protection.distributed(p):
     return privacy.Accountant(p.noise_multiplier, n, k, delta)
-  if algorithm is None or variables is None:
-    raise ValueError('algorithm, variables: distributed DP needs them')
-  cal = calibration(config, algorithm, variables)
+  if algorithm is None or variables is None or data is None:
+    raise ValueError('algorithm, variables, data: distributed DP needs them')
+  cal = calibration(config, algorithm, variables, data)
   return privacy.SkellamAccountant(
     p.noise_multiplier, n, k, delta, cal.bound, cal.dim
   )
@@ -489,9 +494,11 @@ def calibration(
   config: config_lib.ExperimentConfig,
   algorithm: types.Algorithm,
   variables: types.Variables,
+  data: Any,
 ) -> distributed_dp.Calibration:
   """The integers of distributed DP (`distributed_dp.calibrate`) for
-  `algorithm` (the registry's) and the model `variables`.
+  `algorithm` (the registry's), the model `variables` and the clients'
+  `data`.
 
   Raises:
     ConfigError: too few `secagg_bits` for them.
@@ -500,7 +507,7 @@ def calibration(
   k = config.server.clients_per_round
   try:
     return distributed_dp.calibrate(
-      distributed_dp.dimension(algorithm, variables),
+      distributed_dp.dimension(algorithm, variables, data),
       p.clip,
       p.noise_multiplier,
       k,
@@ -519,6 +526,7 @@ def distributed_algorithm(
   config: config_lib.ExperimentConfig,
   algorithm: types.Algorithm,
   variables: types.Variables,
+  data: Any,
 ) -> types.Algorithm:
   """`algorithm` with distributed DP over secure aggregation
   (`distributed_dp.distributed`); refused in one line naming `algorithm`
@@ -532,7 +540,9 @@ def distributed_algorithm(
     )
   _check_wraps(private.check, algorithm, variables, config, 'dp_clip')
   _check_wraps(secure.check, algorithm, variables, config, 'secure_aggregation')
-  cal = calibration(config, algorithm, variables)
+  if data is None:
+    raise ValueError("data: distributed DP needs the clients' data")
+  cal = calibration(config, algorithm, variables, data)
   return distributed_dp.distributed(algorithm, cal, config.privacy.per_layer)
 
 

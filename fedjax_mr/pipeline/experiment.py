@@ -125,7 +125,7 @@ def _setup(checked: checks.Checked) -> build.Experiment:
     variables = build.pretrained_variables(config, model, variables)
   base = build.registry_algorithm(config, model, variables, hparams)
   algorithm = build.protected(
-    config, base, variables, max_examples=int(max(clients.sizes))
+    config, base, variables, int(max(clients.sizes)), clients.data
   )
   build.check_round_memory(config, algorithm, variables, mesh)
   # Per-client state stays in host memory; each round moves its K rows.
@@ -156,7 +156,7 @@ def _setup(checked: checks.Checked) -> build.Experiment:
     client_sizes=clients.sizes.tolist(),
     partition=clients.partition,
     data_fingerprint=clients.fingerprint,
-    accountant=build.accountant(config, base, variables),
+    accountant=build.accountant(config, base, variables, clients.data),
   )
 
 

@@ -252,22 +252,39 @@ def _sent_codes(start, calibration: Calibration, key) -> tuple[Any, Any]:
   return jax.tree.unflatten(treedef, out), beyond
 
 
-def dimension(algorithm: types.Algorithm, variables: types.Variables) -> int:
+def dimension(
+  algorithm: types.Algorithm, variables: types.Variables, data: Any
+) -> int:
   """d: the values of an update of `algorithm` (one that `private.check`
-  accepts) for a model like `variables`: the model's, and as many again
-  where it uploads a control delta (SCAFFOLD)."""
-  size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(variables))
-  return size * (2 if _controls(algorithm, variables) else 1)
-
-
-def _controls(algorithm, variables) -> bool:
-  output = types.ClientOutput(
-    variables, jnp.int32(1), jnp.float32(0), jnp.int32(1), variables
+  accepts) for a model like `variables` and clients' `data` (shapes
+  only, nothing trained): its model's and its further uploads' (SCAFFOLD's
+  control delta)."""
+  k = algorithm.clients_per_round or 1
+  state = jax.eval_shape(algorithm.init, variables)
+  sent = jax.eval_shape(
+    algorithm.dispatch,
+    state,
+    jnp.zeros((k,), jnp.int32),
+    jnp.int32(0),
+    jax.random.key(0),
   )
-  try:
-    return 'controls' in jax.eval_shape(algorithm.contribution, output)
-  except (TypeError, ValueError):
-    return False
+  row = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), sent.per_client
+  )
+  client_state = ()
+  if algorithm.init_client_state is not None:
+    client_state = jax.eval_shape(algorithm.init_client_state, variables)
+  out, _ = jax.eval_shape(
+    algorithm.client_update,
+    sent.shared,
+    row,
+    client_state,
+    data,
+    jnp.int32(0),
+    jax.random.key(0),
+  )
+  leaves = jax.tree.leaves((out.variables, out.extra))
+  return sum(int(np.prod(x.shape)) for x in leaves)
 
 
 def distributed(
@@ -281,7 +298,7 @@ def distributed(
   Args:
     algorithm: one that `private.check` accepts, with its
       `clients_per_round` K = `calibration.clients_per_round`.
-    calibration: `calibrate`'s, for d = `dimension(algorithm, model)`.
+    calibration: `calibrate`'s, for d = `dimension(algorithm, ...)`.
     per_layer: clip each leaf of the update to C / √L (`dp.clip`).
 
   Returns:

@@ -50,8 +50,14 @@ def _config(**flags):
     ({'secagg_threshold': 0.5}, '`secagg_threshold` must be over 1/2'),
     ({'secagg_threshold': 1.2}, '`secagg_threshold` must be over 1/2'),
     (
-      {'dp_clip': 1.0, 'dp_noise_multiplier': 0.5, 'weighting': 'uniform'},
-      '`dp_noise_multiplier` > 0 cannot go with `secure_aggregation` yet',
+      {
+        'dp_clip': 1.0,
+        'dp_noise_multiplier': 0.3,
+        'dp_adaptive_quantile': 0.5,
+        'weighting': 'uniform',
+      },
+      '`dp_adaptive_quantile` cannot go with `secure_aggregation` and '
+      '`dp_noise_multiplier` > 0',
     ),
   ],
 )
