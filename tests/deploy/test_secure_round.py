@@ -13,6 +13,7 @@ from fedjax_mr.deploy import node
 from fedjax_mr.deploy import secure_node
 from fedjax_mr.deploy import secure_round
 from fedjax_mr.deploy import server
+from fedjax_mr.privacy import distributed_dp
 from fedjax_mr.privacy import secagg
 from tests.deploy import test_server
 
@@ -278,3 +279,74 @@ def test_keys_a_server_slips_in_are_refused_by_every_neighbour(tmp_path):
   refused = [line for line in lines if 'not signed by its node' in line]
   assert len(refused) == 4  # each of the other four clients
   assert all(f'client {swapped[0]} are not signed' in x for x in refused)
+
+
+# Distributed DP: each node noises its clients' integers with its secret.
+
+NOISED = dict(dp_clip=0.5, dp_noise_multiplier=0.8, weighting='uniform')
+
+
+def _node_secrets(folder):
+  """Each node's noise secret, written where the node keeps it."""
+  made = []
+  for n in range(NODES):
+    here = folder / f'node{n}' / 'secagg'
+    here.mkdir(parents=True, mode=0o700)
+    secret = bytes([n + 1]) * 32
+    (here / secure_node.NOISE_SECRET).write_bytes(secret)
+    (here / secure_node.NOISE_SECRET).chmod(0o600)
+    made.append(secret)
+  return made
+
+
+@pytest.mark.parametrize('algorithm', ['fedavg', 'scaffold'])
+def test_noised_rounds_deployed_equal_the_simulated_given_the_secrets(
+  algorithm, tmp_path
+):
+  """The simulation holding the nodes' secrets gives the deployed rounds'
+  bits; without them (as the server) it cannot: the noise differs."""
+  experiment = _experiment(algorithm, devices=1, chunk=2, **NOISED)
+  held = _node_secrets(tmp_path)
+  transport = SecureLocal(experiment, str(tmp_path))
+  with distributed_dp.node_secret(lambda c: held[c % NODES]):
+    differ, metrics = _rounds(experiment, transport)
+  assert differ == []
+  assert int(metrics['dp_clients']) == 5 and np.isnan(metrics['train_loss'])
+  blind, _ = _rounds(experiment, SecureLocal(experiment, str(tmp_path)), 1)
+  assert blind  # the server's own simulation is not the deployed round
+
+
+def test_a_node_makes_its_secret_once_and_keeps_it_private(tmp_path):
+  first = secure_node.noise_secret(str(tmp_path))
+  assert len(first) == 32 and secure_node.noise_secret(str(tmp_path)) == first
+  path = tmp_path / 'secagg' / secure_node.NOISE_SECRET
+  assert path.stat().st_mode & 0o777 == 0o600
+  path.chmod(0o644)
+  with pytest.raises(node.RequestError, match='open to others'):
+    secure_node.noise_secret(str(tmp_path))
+  assert secure_node.noise_secret(str(tmp_path / 'other')) != first
+
+
+def test_fewer_noised_inputs_than_accounted_fail_the_round(tmp_path):
+  """SecAgg+ with 2 neighbours at 0.51 unmasks with 2 of 3 holders, but
+  the accountant counts on the noise of 3 of the 5 clients: a round with
+  2 masked inputs fails in one line before anything is unmasked."""
+  experiment = _experiment(
+    devices=1, secagg_neighbours=2, secagg_threshold=0.51, **NOISED
+  )
+  lost = set()
+
+  def lose(stage, client):
+    if stage == 'mask' and len(lost) < 3:
+      lost.add(client)
+    return stage == 'mask' and client in lost
+
+  transport = SecureLocal(experiment, str(tmp_path), lose=lose)
+  collect = secure_round.make_collect(experiment, transport, log=print)
+  step = server.make_round(experiment, 2, transport, NODES, collect=collect)
+  with pytest.raises(server.NoClientError) as e:
+    step(experiment.state, experiment.data, experiment.key)
+  assert str(e.value) == (
+    'round 1: secure aggregation needs 3 clients, 2 sent their noised input'
+  )
+  assert 'unmask' not in transport.stages
