@@ -350,3 +350,14 @@ def test_fewer_noised_inputs_than_accounted_fail_the_round(tmp_path):
     'round 1: secure aggregation needs 3 clients, 2 sent their noised input'
   )
   assert 'unmask' not in transport.stages
+
+
+def test_with_secagg_the_nodes_count_is_the_noises():
+  """A SecAgg node refuses to reveal shares below t of its K - 1 peers
+  and itself: that t is the m the accountant counts on, so the noise
+  floor does not rest on the server's count."""
+  for k in (2, 3, 5, 10, 100):
+    for fraction in (0.51, 2 / 3, 0.9, 1.0):
+      assert secagg.threshold(k - 1, fraction) == (
+        distributed_dp.min_clients(k, fraction)
+      )

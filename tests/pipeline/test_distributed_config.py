@@ -108,7 +108,9 @@ def test_it_takes_what_dp_fedavg_wraps(name):
   experiment.setup(_config(algorithm=name, partition='dirichlet'))
 
 
-@pytest.mark.parametrize('name', ['fedexp', 'fedmr', 'depthfl', 'clusamp'])
+@pytest.mark.parametrize(
+  'name', ['fedexp', 'ft_full', 'fedmr', 'depthfl', 'clusamp']
+)
 def test_it_refuses_what_dp_fedavg_refuses(name):
   with pytest.raises(errors.ConfigError, match=f'`algorithm={name}` cannot'):
     experiment.setup(_config(algorithm=name, partition='dirichlet'))
