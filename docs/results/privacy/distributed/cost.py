@@ -9,7 +9,8 @@
    (central DP) at the same z, and at a scale 256 times smaller (S = 256:
    what fewer bits would force).
 
-  .venv/bin/python docs/results/privacy/distributed/cost.py > docs/results/privacy/distributed/cost.txt
+  cd docs/results/privacy/distributed
+  ../../../../.venv/bin/python cost.py > cost.txt
 """
 
 import os
