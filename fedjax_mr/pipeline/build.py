@@ -6,7 +6,8 @@ both as the clients' data and the test set (`load_clients`; generated for
 `dataset=synthetic`), the fingerprint of the data loaded
 (`data_fingerprint`: part of a run's identity), the algorithm from the
 registry (`build_algorithm`, wrapped in DP-FedAvg where `dp_clip` is set:
-`private_algorithm`, its accountant `accountant`) and pretrained starting
+`private_algorithm`, its accountant `protection.accountant`) and
+pretrained starting
 variables
 (`pretrained_variables`, the config's `init_from`).
 Each raises `ConfigError` naming the config field at fault.
@@ -462,66 +463,6 @@ def secure_algorithm(
   return secure.secure(algorithm, p.secure.bits, bound, max_examples)
 
 
-def accountant(
-  config: config_lib.ExperimentConfig,
-  algorithm: types.Algorithm | None = None,
-  variables: types.Variables | None = None,
-  data: Any = None,
-) -> privacy.Accountant | None:
-  """The run's privacy accountant (`dp_clip` set), else None: the
-  Gaussian's, or with noise and secure aggregation the Skellam
-  mechanism's (`privacy.SkellamAccountant`), which needs the algorithm
-  as the registry builds it (`registry_algorithm`), the model and the
-  clients' data."""
-  p, n = config.privacy, config.partition.num_clients
-  if p.clip == 0:
-    return None
-  k, delta = (
-    config.server.clients_per_round,
-    p.delta or privacy.default_delta(n),
-  )
-  if not protection.distributed(p):
-    return privacy.Accountant(p.noise_multiplier, n, k, delta)
-  if algorithm is None or variables is None or data is None:
-    raise ValueError('algorithm, variables, data: distributed DP needs them')
-  cal = calibration(config, algorithm, variables, data)
-  return privacy.SkellamAccountant(
-    p.noise_multiplier, n, k, delta, cal.bound, cal.dim
-  )
-
-
-def calibration(
-  config: config_lib.ExperimentConfig,
-  algorithm: types.Algorithm,
-  variables: types.Variables,
-  data: Any,
-) -> distributed_dp.Calibration:
-  """The integers of distributed DP (`distributed_dp.calibrate`) for
-  `algorithm` (the registry's), the model `variables` and the clients'
-  `data`.
-
-  Raises:
-    ConfigError: too few `secagg_bits` for them.
-  """
-  p, s = config.privacy, config.privacy.secure
-  k = config.server.clients_per_round
-  try:
-    return distributed_dp.calibrate(
-      distributed_dp.dimension(algorithm, variables, data),
-      p.clip,
-      p.noise_multiplier,
-      k,
-      distributed_dp.min_clients(k, s.threshold),
-      s.bits,
-      s.range,
-    )
-  except ValueError as e:
-    raise errors.ConfigError(
-      f'`secagg_bits={s.bits}` is too few for distributed DP: {e}; more '
-      'bits, a smaller `secagg_range` or fewer clients a round'
-    ) from None
-
-
 def distributed_algorithm(
   config: config_lib.ExperimentConfig,
   algorithm: types.Algorithm,
@@ -542,7 +483,7 @@ def distributed_algorithm(
   _check_wraps(secure.check, algorithm, variables, config, 'secure_aggregation')
   if data is None:
     raise ValueError("data: distributed DP needs the clients' data")
-  cal = calibration(config, algorithm, variables, data)
+  cal = protection.calibration(config, algorithm, variables, data)
   return distributed_dp.distributed(algorithm, cal, config.privacy.per_layer)
 
 

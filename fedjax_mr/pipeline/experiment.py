@@ -102,7 +102,7 @@ def _setup(checked: checks.Checked) -> build.Experiment:
   except errors.ArgumentError as e:
     raise checks.value_error(config, e) from None
   if protection.distributed(config.privacy):
-    mesh = _one_cpu_device(mesh)
+    mesh = protection.noise_mesh(mesh)
   clients = build.load_clients(config, checked.partition)
   model = model_lib.get(
     config.model.name,
@@ -156,30 +156,8 @@ def _setup(checked: checks.Checked) -> build.Experiment:
     client_sizes=clients.sizes.tolist(),
     partition=clients.partition,
     data_fingerprint=clients.fingerprint,
-    accountant=build.accountant(config, base, variables, clients.data),
+    accountant=protection.accountant(config, base, variables, clients.data),
   )
-
-
-def _one_cpu_device(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
-  """`mesh`, or one device of it where it is several CPU devices:
-  distributed DP's clients draw their noise on the host from inside the
-  round (`jax.pure_callback`), whose arguments JAX first puts on CPU
-  device 0; a callback from another CPU device of the same program then
-  waits for device 0, which waits for it (a deadlock). Accelerators run
-  the program, not CPU device 0, and keep their mesh.
-
-  Raises:
-    ConfigError: several processes of CPU devices.
-  """
-  if mesh.devices.size == 1 or mesh.devices.flat[0].platform != 'cpu':
-    return mesh
-  if jax.process_count() > 1:
-    raise errors.ConfigError(
-      '`secure_aggregation` with `dp_noise_multiplier` > 0 runs on one CPU '
-      'device (its clients draw their noise on the host, from inside the '
-      'round); run one process'
-    )
-  return distributed.make_mesh(1)
 
 
 def train_and_evaluate(
@@ -349,7 +327,7 @@ def _run(
   )
   progress.announce(experiment, state, mapping, log)
   round_fn = (make_round or _compile_round)(experiment, mapping['client_chunk'])
-  accountant = experiment.accountant or build.accountant(config)
+  accountant = experiment.accountant or protection.accountant(config)
   last = _last_round(config, accountant, log)
   loop = _Loop(
     experiment._replace(config=config.replace(rounds=last)),

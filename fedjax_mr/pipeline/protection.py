@@ -1,7 +1,8 @@
 """The privacy of the round's sum, as configured: the config part
-`Privacy` (flags `dp_*`, `secure_aggregation`, `secagg_*`) and its checks
-(`check_privacy`). `build` wraps the algorithm as it says
-(`build.private_algorithm`, `build.secure_algorithm`).
+`Privacy` (flags `dp_*`, `secure_aggregation`, `secagg_*`), its checks
+(`check_privacy`), the run's accountant (`accountant`), distributed DP's
+integers (`calibration`) and the devices it runs on (`noise_mesh`). `build`
+wraps the algorithm as it says (`build.protected`).
 """
 
 from __future__ import annotations
@@ -10,9 +11,14 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
+
 from fedjax_mr import privacy
 from fedjax_mr.core import config_tree
 from fedjax_mr.core import errors
+from fedjax_mr.core import types
+from fedjax_mr.privacy import distributed_dp
+from fedjax_mr.runtime import distributed as distributed_lib
 
 _field = config_tree.field
 
@@ -195,7 +201,7 @@ def _secure(config: Any) -> list[tuple[bool, str]]:
   K clients' sum, a finite range of at least 1, at least two clients, an
   even number of neighbours below K (0: all), a threshold over 1/2, and
   with noise a fixed clip norm (the bits' fit with the noise is
-  `build.calibration`'s, which knows the model)."""
+  `calibration`'s, which knows the model)."""
   p, s = config.privacy, config.privacy.secure
   if not s.enabled:
     return []
@@ -238,3 +244,85 @@ def _secure(config: Any) -> list[tuple[bool, str]]:
       'within the clip norm would be a sum without noise',
     ),
   ]
+
+
+def accountant(
+  config: Any,
+  algorithm: types.Algorithm | None = None,
+  variables: types.Variables | None = None,
+  data: Any = None,
+) -> privacy.Accountant | None:
+  """The run's privacy accountant (`dp_clip` set), else None: the
+  Gaussian's, or with noise and secure aggregation the Skellam
+  mechanism's (`privacy.SkellamAccountant`), which needs the algorithm
+  as the registry builds it (`registry_algorithm`), the model and the
+  clients' data."""
+  p, n = config.privacy, config.partition.num_clients
+  if p.clip == 0:
+    return None
+  k, delta = (
+    config.server.clients_per_round,
+    p.delta or privacy.default_delta(n),
+  )
+  if not distributed(p):
+    return privacy.Accountant(p.noise_multiplier, n, k, delta)
+  if algorithm is None or variables is None or data is None:
+    raise ValueError('algorithm, variables, data: distributed DP needs them')
+  cal = calibration(config, algorithm, variables, data)
+  return privacy.SkellamAccountant(
+    p.noise_multiplier, n, k, delta, cal.bound, cal.dim
+  )
+
+
+def calibration(
+  config: Any,
+  algorithm: types.Algorithm,
+  variables: types.Variables,
+  data: Any,
+) -> distributed_dp.Calibration:
+  """The integers of distributed DP (`distributed_dp.calibrate`) for
+  `algorithm` (the registry's), the model `variables` and the clients'
+  `data`.
+
+  Raises:
+    ConfigError: too few `secagg_bits` for them.
+  """
+  p, s = config.privacy, config.privacy.secure
+  k = config.server.clients_per_round
+  try:
+    return distributed_dp.calibrate(
+      distributed_dp.dimension(algorithm, variables, data),
+      p.clip,
+      p.noise_multiplier,
+      k,
+      distributed_dp.min_clients(k, s.threshold),
+      s.bits,
+      s.range,
+    )
+  except ValueError as e:
+    raise errors.ConfigError(
+      f'`secagg_bits={s.bits}` is too few for distributed DP: {e}; more '
+      'bits, a smaller `secagg_range` or fewer clients a round'
+    ) from None
+
+
+def noise_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  """`mesh`, or one device of it where it is several CPU devices:
+  distributed DP's clients draw their noise on the host from inside the
+  round (`jax.pure_callback`), whose arguments JAX first puts on CPU
+  device 0; a callback from another CPU device of the same program then
+  waits for device 0, which waits for it (a deadlock). Accelerators run
+  the program, not CPU device 0, and keep their mesh.
+
+  Raises:
+    ConfigError: several processes of CPU devices.
+  """
+  if mesh.devices.size == 1 or mesh.devices.flat[0].platform != 'cpu':
+    return mesh
+  if jax.process_count() > 1:
+    raise errors.ConfigError(
+      '`secure_aggregation` with `dp_noise_multiplier` > 0 runs on one CPU '
+      'device (its clients draw their noise on the host, from inside the '
+      'round); run one process'
+    )
+  return distributed_lib.make_mesh(1)

@@ -48,6 +48,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 from typing import Any
@@ -312,78 +313,86 @@ def distributed(
       f'the calibration for {cal.clients_per_round}'
     )
   host = _host_randomize(cal)
-
-  def client_update(shared, per_client_k, client_state_k, data, cid, key):
-    output, state = inner.client_update(
-      shared, per_client_k, client_state_k, data, cid, key
-    )
-    start = private.start_model(inner, shared, per_client_k)
-    update = (
-      jax.tree.map(
-        lambda t, s: t.astype(jnp.float32) - s.astype(jnp.float32),
-        output.variables,
-        start,
-      ),
-      jax.tree.map(lambda e: e.astype(jnp.float32), output.extra),
-    )
-    clipped, _ = dp.clip(update, cal.clip_norm, per_layer)
-    flat = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(clipped)])
-    if flat.size != cal.dim:
-      raise ValueError(
-        f'calibration: made for d={cal.dim}, the update has {flat.size}'
-      )
-    flat = jnp.where(jnp.all(jnp.isfinite(flat)), flat, 0.0)
-    noised = jax.pure_callback(
-      host,
-      jax.ShapeDtypeStruct(flat.shape, jnp.int32),
-      flat * jnp.float32(cal.scale),
-      cid,
-      jax.random.key_data(key),
-      vmap_method='sequential',
-    )
-    model_part, extra_part = _split(noised, clipped)
-    sent, beyond = _sent_codes(
-      start, cal, jax.random.fold_in(key, ROUNDING_KEY)
-    )
-    upload = {
-      'models': _codes(jax.tree.map(jnp.add, sent, model_part)),
-      'weight': jnp.uint32(1),
-      'clipped': beyond.astype(jnp.uint32),
-    }
-    if jax.tree.leaves(extra_part):
-      upload['controls'] = _codes(extra_part)
-    hidden = jnp.float32(jnp.nan)
-    return output._replace(loss=hidden, extra=upload), state
-
-  def aggregate(state, sums, client_ids, round_index, key):
-    total = sums.total
-    step = jnp.float32(1 / cal.scale)
-
-    def values(tree):
-      return jax.tree.map(
-        lambda t: fixed_point.signed(t, cal.bits).astype(jnp.float32) * step,
-        tree,
-      )
-
-    count = fixed_point.signed(total['weight'], cal.bits)
-    decoded = {
-      'weight': count.astype(jnp.float32),
-      'models': values(total['models']),
-    }
-    if 'controls' in total:
-      decoded['controls'] = values(total['controls'])
-    new, metrics = inner.aggregate(
-      state, sums._replace(total=decoded), client_ids, round_index, key
-    )
-    return new, {
-      **metrics,
-      'train_loss': jnp.float32(jnp.nan),
-      'secagg_clipped': fixed_point.signed(total['clipped'], cal.bits),
-      'dp_clients': count,
-    }
-
   return inner._replace(
-    client_update=client_update,
-    aggregate=aggregate,
+    client_update=functools.partial(
+      _client_update, inner, cal, host, per_layer
+    ),
+    aggregate=functools.partial(_aggregate, inner, cal),
     contribution=lambda output: output.extra,
   )
+
+
+def _client_update(
+  inner, cal, host, per_layer, shared, per_client_k, client_state_k, data,
+  cid, key,
+):  # fmt: skip
+  """`distributed`'s client: trains as `inner`'s, clips its update, and
+  uploads the integers of the module docstring (its loss NaN)."""
+  output, state = inner.client_update(
+    shared, per_client_k, client_state_k, data, cid, key
+  )
+  start = private.start_model(inner, shared, per_client_k)
+  update = (
+    jax.tree.map(
+      lambda t, s: t.astype(jnp.float32) - s.astype(jnp.float32),
+      output.variables,
+      start,
+    ),
+    jax.tree.map(lambda e: e.astype(jnp.float32), output.extra),
+  )
+  clipped, _ = dp.clip(update, cal.clip_norm, per_layer)
+  flat = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(clipped)])
+  if flat.size != cal.dim:
+    raise ValueError(
+      f'calibration: made for d={cal.dim}, the update has {flat.size}'
+    )
+  flat = jnp.where(jnp.all(jnp.isfinite(flat)), flat, 0.0)
+  noised = jax.pure_callback(
+    host,
+    jax.ShapeDtypeStruct(flat.shape, jnp.int32),
+    flat * jnp.float32(cal.scale),
+    cid,
+    jax.random.key_data(key),
+    vmap_method='sequential',
+  )
+  model_part, extra_part = _split(noised, clipped)
+  sent, beyond = _sent_codes(start, cal, jax.random.fold_in(key, ROUNDING_KEY))
+  upload = {
+    'models': _codes(jax.tree.map(jnp.add, sent, model_part)),
+    'weight': jnp.uint32(1),
+    'clipped': beyond.astype(jnp.uint32),
+  }
+  if jax.tree.leaves(extra_part):
+    upload['controls'] = _codes(extra_part)
+  hidden = jnp.float32(jnp.nan)
+  return output._replace(loss=hidden, extra=upload), state
+
+
+def _aggregate(inner, cal, state, sums, client_ids, round_index, key):
+  """`distributed`'s server: the sum read as signed integers over the
+  scale, the exact count of clients, `inner`'s aggregate."""
+  total = sums.total
+  step = jnp.float32(1 / cal.scale)
+
+  def values(tree):
+    return jax.tree.map(
+      lambda t: fixed_point.signed(t, cal.bits).astype(jnp.float32) * step,
+      tree,
+    )
+
+  count = fixed_point.signed(total['weight'], cal.bits)
+  decoded = {
+    'weight': count.astype(jnp.float32),
+    'models': values(total['models']),
+  }
+  if 'controls' in total:
+    decoded['controls'] = values(total['controls'])
+  new, metrics = inner.aggregate(
+    state, sums._replace(total=decoded), client_ids, round_index, key
+  )
+  return new, {
+    **metrics,
+    'train_loss': jnp.float32(jnp.nan),
+    'secagg_clipped': fixed_point.signed(total['clipped'], cal.bits),
+    'dp_clients': count,
+  }
