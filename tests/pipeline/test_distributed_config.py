@@ -1,7 +1,7 @@
-"""Distributed DP as configured (noise with `secure_aggregation`,
-`build.distributed_algorithm`, `protection.accountant`): its rules in one line, its accountant and
-calibration from the model and data, a simulated run's records and its
-resume, and the algorithms it takes."""
+"""Distributed DP as configured (noise with `secure_aggregation`:
+`build.distributed_algorithm`, `protection.accountant`): its rules in one
+line, its accountant and calibration from the model and data, a simulated
+run's records and its resume, and the algorithms it takes."""
 
 import json
 
