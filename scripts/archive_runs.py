@@ -63,7 +63,10 @@ def kind(folder):
   if {'config.json', 'metrics.jsonl'} <= has:
     rounds = config.get('rounds')
     last = _last_row(os.path.join(folder, 'metrics.jsonl'))
-    diverged = not math.isfinite(last.get('train_loss', 0.0))
+    # A null train loss is a run whose clients upload none (distributed
+    # DP), not a divergence.
+    loss = last.get('train_loss', 0.0)
+    diverged = loss is not None and not math.isfinite(loss)
     done = rounds is not None and last.get('round', 0) >= rounds
     return 'training', done or diverged
   if 'meta.json' in has:

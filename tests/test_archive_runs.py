@@ -37,15 +37,22 @@ def test_finished_and_diverged_runs_are_copied_unfinished_ones_not(
   _run(src / 'fedmr' / 's0', 3, [1.0, 0.5])  # still to resume
   # Only the last row's loss counts as divergence.
   _run(src / 'moon' / 's0', 3, [1.0, float('inf'), 0.3])
+  # A null loss (distributed DP uploads none): finished by its rounds.
+  _run(src / 'ddp' / 'done', 2, [None, None])
+  _run(src / 'ddp' / 'half', 2, [None])
   (src / 'fedavg' / 's0' / 'probe.json').write_text('{}')  # experiments.probe
   archive.main(str(src), str(dest))
-  assert 'unfinished, left out: fedmr/s0' in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert 'unfinished, left out: fedmr/s0' in out
+  assert 'ddp/half' in out
   kept = sorted(
     os.path.relpath(os.path.join(d, f), dest)
     for d, _, files in os.walk(dest)
     for f in files
   )
   assert kept == [
+    'ddp/done/config.json',
+    'ddp/done/metrics.jsonl',
     'fedavg/s0/config.json',
     'fedavg/s0/metrics.jsonl',
     'fedavg/s0/probe.json',
