@@ -22,6 +22,7 @@ from tests import test_readme_records as readme_records
 from tests.deploy import test_overhead_record as overhead_record
 from tests.deploy import test_payload_record as payload_record
 from tests.privacy import test_records as privacy_records
+from tests.privacy import test_distributed_records as distributed_records
 from tests.privacy import test_secure_records as secure_records
 
 REPO = os.path.dirname(os.path.dirname(__file__))
@@ -73,6 +74,7 @@ CASES = [
     **docs_tables.TABLES,
     **privacy_records.TABLES,
     **secure_records.TABLES,
+    **distributed_records.TABLES,
   }.items()
 ]
 

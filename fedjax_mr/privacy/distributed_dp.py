@@ -70,10 +70,12 @@ from fedjax_mr.privacy import skellam
 # adds d/4 to S² = 2^32 under the bound's root).
 MAX_UNITS = 2.0**16
 # A scale below this many times √d is refused: the rounding would add
-# more than 1/128 to the bound, and so to the noise.
+# more than about 0.2 % to the bound (d/4 beside S² = 64 d), and so to
+# the noise.
 MIN_UNITS_PER_ROOT_DIM = 8.0
 # Standard deviations of the summed noise that the bits hold beyond the
-# largest sum (one value past them has probability below e^-70).
+# largest sum (a value past them has probability about e^-72, by
+# Bernstein's inequality for the Poisson variables).
 TAIL = 12.0
 # Folded into a client's key for the rounding of the model it was sent.
 ROUNDING_KEY = 0x6464
