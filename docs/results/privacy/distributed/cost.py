@@ -8,6 +8,10 @@
    the Skellam accountant at the run's B and d against the Gaussian's
    (central DP) at the same z, and at a scale 256 times smaller (S = 256:
    what fewer bits would force).
+3. A round of run.sh's setting (FedAvg, z 1.127) compiled as
+   experiments.run compiles it: central DP on this machine's two host
+   devices and on one, distributed DP (one CPU device: its host step);
+   timed alternately after a compiling round, medians of 5.
 
   cd docs/results/privacy/distributed
   ../../../../.venv/bin/python cost.py > cost.txt
@@ -22,12 +26,18 @@ import time
 sys.path.insert(
   0, os.path.join(os.path.dirname(__file__), '..', '..', '..', '..')
 )
+# Two host devices, as experiments.run makes on a 2-core machine (part 3).
+os.environ['XLA_FLAGS'] = (
+  os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2'
+).strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from fedjax_mr import privacy  # noqa: E402
 from fedjax_mr.models import model as model_lib  # noqa: E402
+from fedjax_mr.pipeline import config as config_lib  # noqa: E402
+from fedjax_mr.pipeline import experiment  # noqa: E402
 from fedjax_mr.privacy import distributed_dp  # noqa: E402
 from fedjax_mr.privacy import skellam  # noqa: E402
 
@@ -81,6 +91,52 @@ def epsilons():
     )
 
 
+ROUND = dict(
+  algorithm='fedavg',
+  num_clients=N,
+  clients_per_round=K,
+  partition='iid',
+  local_epochs=5,
+  batch_size=10,
+  lr=0.05,
+  seed=0,
+  weighting='uniform',
+  dp_clip=CLIP,
+  dp_noise_multiplier=1.127,
+)
+KINDS = {
+  'central, 2 devices': {},
+  'central, 1 device': {'num_devices': 1},
+  'distributed, 1 device': {'secure_aggregation': True},
+}
+
+
+def round_times():
+  print()
+  print('3. a round of run.sh (FedAvg, z 1.127), medians of 5')
+  steps = {}
+  for name, flags in KINDS.items():
+    config = config_lib.ExperimentConfig.from_flat(**ROUND, **flags)
+    exp = experiment.setup(config)
+    step = experiment._compile_round(exp, 1)
+    state, _ = step(exp.state, exp.data, exp.key)  # compiles
+    jax.block_until_ready(state)
+    steps[name] = [step, state, exp]
+  times = {name: [] for name in KINDS}
+  for _ in range(5):
+    for name in KINDS:
+      step, state, exp = steps[name]
+      t0 = time.perf_counter()
+      state, metrics = step(state, exp.data, exp.key)
+      jax.block_until_ready((state, metrics))
+      times[name].append(time.perf_counter() - t0)
+      steps[name][1] = state
+  base = statistics.median(times['central, 2 devices'])
+  for name in KINDS:
+    t = statistics.median(times[name])
+    print(f'{name:22s} {t:.2f} s a round ({t / base:.2f}x)')
+
+
 if __name__ == '__main__':
   commit = subprocess.run(
     ['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True
@@ -93,3 +149,4 @@ if __name__ == '__main__':
   print(f'machine: {cpu}, {os.cpu_count()} CPUs; commit {commit}')
   host_step()
   epsilons()
+  round_times()
