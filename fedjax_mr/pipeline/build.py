@@ -5,11 +5,9 @@ The dataset (`load_dataset`), the clients' partition (`make_partition`),
 both as the clients' data and the test set (`load_clients`; generated for
 `dataset=synthetic`), the fingerprint of the data loaded
 (`data_fingerprint`: part of a run's identity), the algorithm from the
-registry (`build_algorithm`, wrapped in DP-FedAvg where `dp_clip` is set:
-`private_algorithm`, its accountant `protection.accountant`) and
-pretrained starting
-variables
-(`pretrained_variables`, the config's `init_from`).
+registry (`build_algorithm`, wrapped as the privacy part says:
+`protected`; its accountant is `protection.accountant`) and pretrained
+starting variables (`pretrained_variables`, the config's `init_from`).
 Each raises `ConfigError` naming the config field at fault.
 """
 
@@ -67,7 +65,8 @@ class Experiment(NamedTuple):
     data_fingerprint: `data_fingerprint` of the data loaded (kept in
       config.json and each checkpoint; a resume on other data is
       refused), or None (not checked).
-    accountant: the run's privacy accountant (`accountant`), or None.
+    accountant: the run's privacy accountant (`protection.accountant`), or
+      None.
   """
 
   config: config_lib.ExperimentConfig

@@ -255,15 +255,13 @@ def accountant(
   """The run's privacy accountant (`dp_clip` set), else None: the
   Gaussian's, or with noise and secure aggregation the Skellam
   mechanism's (`privacy.SkellamAccountant`), which needs the algorithm
-  as the registry builds it (`registry_algorithm`), the model and the
+  as the registry builds it (`build.registry_algorithm`), the model and the
   clients' data."""
   p, n = config.privacy, config.partition.num_clients
   if p.clip == 0:
     return None
-  k, delta = (
-    config.server.clients_per_round,
-    p.delta or privacy.default_delta(n),
-  )
+  k = config.server.clients_per_round
+  delta = p.delta or privacy.default_delta(n)
   if not distributed(p):
     return privacy.Accountant(p.noise_multiplier, n, k, delta)
   if algorithm is None or variables is None or data is None:
