@@ -53,6 +53,7 @@ from flwr.app import RecordDict
 from fedjax_mr.core import files
 from fedjax_mr.deploy import codec
 from fedjax_mr.deploy import node as node_lib
+from fedjax_mr.pipeline import protection
 from fedjax_mr.privacy import distributed_dp
 from fedjax_mr.privacy import secagg
 
@@ -394,8 +395,11 @@ def _mask(experiment, part, kept, seed, where, ctx) -> RecordDict:
     )
   for v, ciphertext in got.items():  # each must open before any mask
     secagg.open_share(seed, client, v, peers[v][:32], ciphertext, ctx)
-  secret = noise_secret(where[2])
-  with distributed_dp.node_secret(lambda c: secret):
+  if protection.distributed(experiment.config.privacy):
+    secret = noise_secret(where[2])
+    with distributed_dp.node_secret(lambda c: secret):
+      output = node_lib.client_output(experiment, part, *where)
+  else:
     output = node_lib.client_output(experiment, part, *where)
   values = np.concatenate(
     [np.asarray(x, np.uint32).ravel() for x in jax.tree.leaves(output.extra)]

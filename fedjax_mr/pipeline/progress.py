@@ -189,7 +189,7 @@ class Timer:
     if 'dp_epsilon' in row:
       acc += f' | ε {row["dp_epsilon"]:.3g}'
     loss = row['train_loss']
-    # NaN where the clients upload none (distributed DP).
+    # None (or NaN) where the clients upload none (distributed DP).
     loss = f'{loss:.4f}' if loss is not None and loss == loss else 'n/a'
     return (
       f'round {r}/{self.total} | train loss {loss}{acc} | '

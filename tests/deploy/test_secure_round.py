@@ -361,3 +361,9 @@ def test_with_secagg_the_nodes_count_is_the_noises():
       assert secagg.threshold(k - 1, fraction) == (
         distributed_dp.min_clients(k, fraction)
       )
+
+
+def test_a_plain_secure_round_makes_no_noise_secret(tmp_path):
+  experiment = _experiment(devices=1)
+  _rounds(experiment, SecureLocal(experiment, str(tmp_path)), rounds=1)
+  assert not list(tmp_path.glob(f'node*/secagg/{secure_node.NOISE_SECRET}'))
