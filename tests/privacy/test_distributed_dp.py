@@ -139,12 +139,12 @@ def test_without_noise_it_is_dp_fedavgs_round_within_the_steps(name):
 
 def test_the_sum_carries_the_accounted_noise():
   """z = 1: the decoded mean minus the noise-free one (z tiny), over every
-  value of 8 rounds' models, has the variance of K clients' noise,
-  K (zB)² / m, over (sK)²; within 6 standard errors (0.36 of it)."""
+  value of 5 rounds' models, has the variance of K clients' noise,
+  K (zB)² / m, over (sK)²; within 6 standard errors (0.44 of it)."""
   model, data, _, wrapped, cal = _wrapped('fedavg', z=1.0)
   _, _, _, quiet, _ = _wrapped('fedavg', z=1e-6)
   diffs = []
-  for key in range(8):
+  for key in range(5):
     _, (new, _) = _round(wrapped, model, data, key)
     _, (ref, _) = _round(quiet, model, data, key)
     for a, b in zip(
@@ -153,7 +153,7 @@ def test_the_sum_carries_the_accounted_noise():
       diffs.append((np.asarray(a) - np.asarray(b)).ravel())
   diff = np.concatenate(diffs)
   want = cal.client_variance * K / (cal.scale * K) ** 2
-  assert diff.size >= 500
+  assert diff.size >= 350
   assert abs(diff.var() / want - 1) < 6 * math.sqrt(2 / diff.size)
 
 
