@@ -173,14 +173,15 @@ def poisson(lam: float, n: int, stream: _Stream) -> np.ndarray:
     us = 0.5 - np.abs(u)
     with np.errstate(divide='ignore', invalid='ignore'):
       k = np.floor((2 * a / us + b) * u + lam + 0.43)
-    fast = (us >= 0.07) & (v <= vr)
-    possible = (k >= 0) & ~((us < 0.013) & (v > us))
-    with np.errstate(divide='ignore', invalid='ignore'):
-      # us = 0 (u = -1/2) makes k infinite: not `possible`, never taken.
-      kk = np.where(possible, k, 0.0)
-      slow = np.log(v) + math.log(invalpha) - np.log(a / (us * us) + b)
-      slow = slow <= -lam + kk * loglam - special.gammaln(kk + 1)
-    ok = fast | (possible & slow)
+    ok = (us >= 0.07) & (v <= vr)  # the squeeze: most are taken here
+    # The rest: the exact test where k can be taken (us = 0, u = -1/2,
+    # makes k infinite: never `possible`).
+    possible = ~ok & (k >= 0) & ~((us < 0.013) & (v > us))
+    at = np.flatnonzero(possible)
+    kk, ua, va = k[at], us[at], v[at]
+    with np.errstate(divide='ignore'):
+      left = np.log(va) + math.log(invalpha) - np.log(a / (ua * ua) + b)
+    ok[at] = left <= -lam + kk * loglam - special.gammaln(kk + 1)
     out[todo[ok]] = k[ok].astype(np.int64)
     todo = todo[~ok]
   return out
