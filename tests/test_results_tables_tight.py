@@ -21,8 +21,8 @@ from tests import test_docs_tables as docs_tables
 from tests import test_readme_records as readme_records
 from tests.deploy import test_overhead_record as overhead_record
 from tests.deploy import test_payload_record as payload_record
-from tests.privacy import test_records as privacy_records
 from tests.privacy import test_distributed_records as distributed_records
+from tests.privacy import test_records as privacy_records
 from tests.privacy import test_secure_records as secure_records
 
 REPO = os.path.dirname(os.path.dirname(__file__))
