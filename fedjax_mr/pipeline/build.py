@@ -471,13 +471,6 @@ def distributed_algorithm(
   """`algorithm` with distributed DP over secure aggregation
   (`distributed_dp.distributed`); refused in one line naming `algorithm`
   where DP-FedAvg or secure aggregation does not apply to it."""
-  name = config.algorithm.name
-  if config_lib.multi_model(config) and algorithm.contribution is None:
-    raise errors.ConfigError(
-      f'`algorithm={name}` cannot run with `dp_clip` and '
-      '`secure_aggregation`: its server reads every client model, not '
-      'their sum'
-    )
   _check_wraps(private.check, algorithm, variables, config, 'dp_clip')
   _check_wraps(secure.check, algorithm, variables, config, 'secure_aggregation')
   if data is None:

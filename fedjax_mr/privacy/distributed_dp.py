@@ -334,14 +334,7 @@ def _client_update(
     shared, per_client_k, client_state_k, data, cid, key
   )
   start = private.start_model(inner, shared, per_client_k)
-  update = (
-    jax.tree.map(
-      lambda t, s: t.astype(jnp.float32) - s.astype(jnp.float32),
-      output.variables,
-      start,
-    ),
-    jax.tree.map(lambda e: e.astype(jnp.float32), output.extra),
-  )
+  update = private.update_of(start, output)
   clipped, _ = dp.clip(update, cal.clip_norm, per_layer)
   flat = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(clipped)])
   if flat.size != cal.dim:

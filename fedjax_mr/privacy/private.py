@@ -62,6 +62,20 @@ def start_model(
   return shared
 
 
+def update_of(start: types.Variables, output: types.ClientOutput) -> tuple:
+  """A client's update, in float32: `(trained - start, extra)`, the
+  model's change from the model it was sent and its further uploads
+  (SCAFFOLD's control delta)."""
+  return (
+    jax.tree.map(
+      lambda t, s: t.astype(jnp.float32) - s.astype(jnp.float32),
+      output.variables,
+      start,
+    ),
+    jax.tree.map(lambda e: e.astype(jnp.float32), output.extra),
+  )
+
+
 def _clipped(
   start: types.Variables,
   output: types.ClientOutput,
@@ -72,14 +86,7 @@ def _clipped(
   model's change from `start` and its further uploads (`extra`: SCAFFOLD's
   control delta) together, a leaf that no factor below 1 scales kept as
   trained; and the update's norm before."""
-  update = (
-    jax.tree.map(
-      lambda t, s: t.astype(jnp.float32) - s.astype(jnp.float32),
-      output.variables,
-      start,
-    ),
-    jax.tree.map(lambda e: e.astype(jnp.float32), output.extra),
-  )
+  update = update_of(start, output)
   clipped, norm = dp.clip(update, clip_norm, per_layer)
   if per_layer:
     bound = clip_norm / math.sqrt(len(jax.tree.leaves(update)))

@@ -194,21 +194,28 @@ def test_a_round_completes_with_a_client_lost_at_any_stage(
   assert any(f'secure stage {stage}' in line for line in lines)
 
 
-def test_below_the_threshold_the_round_fails_in_one_line(tmp_path):
-  experiment = _experiment(clients=7, k=5)  # t = 4 of 5 holders
+def _lose_masked_inputs(experiment, folder, count):
+  """`(the round's error, the transport)`: a round whose first `count`
+  clients lose their masked input."""
   lost = set()
 
   def lose(stage, client):
-    if stage == 'mask' and len(lost) < 2:
+    if stage == 'mask' and len(lost) < count:
       lost.add(client)
     return stage == 'mask' and client in lost
 
-  transport = SecureLocal(experiment, str(tmp_path), lose=lose)
+  transport = SecureLocal(experiment, folder, lose=lose)
   collect = secure_round.make_collect(experiment, transport, log=print)
   step = server.make_round(experiment, 2, transport, NODES, collect=collect)
   with pytest.raises(server.NoClientError) as e:
     step(experiment.state, experiment.data, experiment.key)
-  assert str(e.value) == (
+  return str(e.value), transport
+
+
+def test_below_the_threshold_the_round_fails_in_one_line(tmp_path):
+  experiment = _experiment(clients=7, k=5)  # t = 4 of 5 holders
+  error, _ = _lose_masked_inputs(experiment, str(tmp_path), 2)
+  assert error == (
     'round 1: secure aggregation needs 4 clients, 3 sent their masked input'
   )
 
@@ -334,19 +341,8 @@ def test_fewer_noised_inputs_than_accounted_fail_the_round(tmp_path):
   experiment = _experiment(
     devices=1, secagg_neighbours=2, secagg_threshold=0.51, **NOISED
   )
-  lost = set()
-
-  def lose(stage, client):
-    if stage == 'mask' and len(lost) < 3:
-      lost.add(client)
-    return stage == 'mask' and client in lost
-
-  transport = SecureLocal(experiment, str(tmp_path), lose=lose)
-  collect = secure_round.make_collect(experiment, transport, log=print)
-  step = server.make_round(experiment, 2, transport, NODES, collect=collect)
-  with pytest.raises(server.NoClientError) as e:
-    step(experiment.state, experiment.data, experiment.key)
-  assert str(e.value) == (
+  error, transport = _lose_masked_inputs(experiment, str(tmp_path), 3)
+  assert error == (
     'round 1: secure aggregation needs 3 clients, 2 sent their noised input'
   )
   assert 'unmask' not in transport.stages

@@ -20,17 +20,11 @@ from fedjax_mr.privacy import private
 from fedjax_mr.privacy import skellam
 from fedjax_mr.training import engine
 from tests import helpers
-from tests.algorithms import contract
+from tests.privacy import test_secure as secure_test
 
-SIZES = [5, 9, 3, 12, 7, 4]
-K = 4
+K = secure_test.K
 CLIP = 0.5
-
-
-def _setting():
-  model = helpers.linear_bn_model()
-  data, _ = helpers.toy_data(SIZES)
-  return model, data, contract.local_training(model)
+_setting, _round = secure_test._setting, secure_test._round
 
 
 def _make(name, local):
@@ -48,12 +42,6 @@ def _wrapped(name, z=1.0, m=3, bits=32, value_range=10.0):
   d = distributed_dp.dimension(inner, variables, data)
   cal = distributed_dp.calibrate(d, CLIP, z, K, m, bits, value_range)
   return model, data, inner, distributed_dp.distributed(inner, cal), cal
-
-
-def _round(algorithm, model, data, key=4):
-  fn = jax.jit(engine.make_round_fn(algorithm, clients_per_round=K))
-  state = engine.init_state(algorithm, model.init(jax.random.key(0)), 6)
-  return state, jax.device_get(fn(state, data, jax.random.key(key)))
 
 
 def test_min_clients_by_hand():
