@@ -13,7 +13,6 @@ import pytest
 from fedjax_mr.algorithms import fedavg
 from fedjax_mr.algorithms import fedmut
 from fedjax_mr.algorithms import scaffold
-from fedjax_mr.core import types
 from fedjax_mr.privacy import accounting
 from fedjax_mr.privacy import distributed_dp
 from fedjax_mr.privacy import private
@@ -80,31 +79,7 @@ def test_the_round_is_the_aggregate_of_the_uploads_integer_sum(name):
   the same bits."""
   model, data, _, wrapped, _ = _wrapped(name)
   state, (new, metrics) = _round(wrapped, model, data)
-  key = jax.random.key(4)
-  ids = engine.make_sample_fn(wrapped, K)(state.replace(clients=()), data, key)
-  _, k_dispatch, k_clients, k_aggregate = engine.round_keys(key, state.round)
-  sent = wrapped.dispatch(state.server, ids, state.round, k_dispatch)
-  keys = engine.client_keys(k_clients, clients_per_round=K)
-  outs = []
-  for p in range(K):
-    row = jax.tree.map(lambda x: x[p], sent.per_client)
-    cs = jax.tree.map(lambda x: x[ids[p]], state.clients)
-    out, _ = jax.jit(wrapped.client_update)(
-      sent.shared, row, cs, data, ids[p], keys[p]
-    )
-    assert np.isnan(float(out.loss))
-    outs.append(out)
-  uploads = [wrapped.contribution(o) for o in outs]
-  total = jax.tree.map(lambda *u: sum(reversed(u), jnp.uint32(0)), *uploads)
-  sums = types.Sums(
-    total,
-    jnp.stack([o.num_examples for o in outs]),
-    jnp.stack([o.loss for o in outs]),
-    jnp.stack([o.num_steps for o in outs]),
-  )
-  want, want_metrics = jax.jit(wrapped.aggregate)(
-    state.server, sums, ids, state.round, k_aggregate
-  )
+  want, want_metrics, total = secure_test.plain_round(wrapped, state, data)
   helpers.tree_equal(new.server, want)
   assert int(metrics['dp_clients']) == K == int(want_metrics['dp_clients'])
   assert np.isnan(metrics['train_loss'])

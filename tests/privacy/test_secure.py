@@ -43,15 +43,12 @@ def _round(algorithm, model, data, key=4):
   return state, jax.device_get(fn(state, data, jax.random.key(key)))
 
 
-@pytest.mark.parametrize('name', ['fedavg', 'fedmut', 'scaffold'])
-def test_the_round_is_the_aggregate_of_the_uploads_integer_sum(name):
-  """The engine's round against a plain loop: each client's wrapped update
-  on its own, the uint32 uploads summed in reverse order, the wrapped
-  aggregate: the same bits (an integer sum has no order)."""
-  model, data, local = _setting()
-  wrapped = secure.secure(_make(name, local), 32, 50.0, max(SIZES))
-  state, (new, metrics) = _round(wrapped, model, data)
-  key = jax.random.key(4)
+def plain_round(wrapped, state, data, key=4):
+  """`(server state, metrics, total)` of a round of `wrapped` as a plain
+  loop: each client's update on its own (its loss not uploaded as it
+  is), the uint32 uploads summed in reverse order, `wrapped`'s
+  aggregate."""
+  key = jax.random.key(key)
   ids = engine.make_sample_fn(wrapped, K)(state.replace(clients=()), data, key)
   _, k_dispatch, k_clients, k_aggregate = engine.round_keys(key, state.round)
   sent = wrapped.dispatch(state.server, ids, state.round, k_dispatch)
@@ -63,7 +60,7 @@ def test_the_round_is_the_aggregate_of_the_uploads_integer_sum(name):
     out, _ = jax.jit(wrapped.client_update)(
       sent.shared, row, cs, data, ids[p], keys[p]
     )
-    assert np.isnan(float(out.loss))  # the loss is not uploaded as it is
+    assert np.isnan(float(out.loss))
     uploads.append(wrapped.contribution(out))
     rows.append(out)
   total = jax.tree.map(lambda *u: sum(reversed(u), jnp.uint32(0)), *uploads)
@@ -76,6 +73,17 @@ def test_the_round_is_the_aggregate_of_the_uploads_integer_sum(name):
   want, want_metrics = jax.jit(wrapped.aggregate)(
     state.server, sums, ids, state.round, k_aggregate
   )
+  return want, want_metrics, total
+
+
+@pytest.mark.parametrize('name', ['fedavg', 'fedmut', 'scaffold'])
+def test_the_round_is_the_aggregate_of_the_uploads_integer_sum(name):
+  """The engine's round against a plain loop (`plain_round`): the same
+  bits (an integer sum has no order)."""
+  model, data, local = _setting()
+  wrapped = secure.secure(_make(name, local), 32, 50.0, max(SIZES))
+  state, (new, metrics) = _round(wrapped, model, data)
+  want, want_metrics, _ = plain_round(wrapped, state, data)
   helpers.tree_equal(new.server, want)
   for m in ('train_loss', 'secagg_clipped'):
     np.testing.assert_array_equal(metrics[m], want_metrics[m])
