@@ -161,9 +161,10 @@ class SkellamAccountant(Accountant):
     self.dim = int(dim)
 
   def event(self, rounds: int) -> dp_accounting.DpEvent:
-    raise NotImplementedError(
-      'dp-accounting has no event for the Skellam mechanism; see epsilon'
-    )
+    """`UnsupportedDpEvent`: dp-accounting has no Skellam mechanism (its
+    accountants refuse the event); `epsilon` computes ε itself."""
+    del rounds
+    return dp_accounting.UnsupportedDpEvent()
 
   def _round_rdp(self) -> tuple[np.ndarray, np.ndarray]:
     b, d = self.bound, self.dim

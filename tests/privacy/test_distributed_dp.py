@@ -175,3 +175,12 @@ def test_the_accountant_tends_to_the_gaussians_from_above():
     assert g <= near.epsilon(rounds) <= g * (1 + 1e-6)
     assert far.epsilon(rounds) > near.epsilon(rounds) * 1.001
   assert near.rounds_within(near.epsilon(120), 200) == 120
+
+
+def test_dp_accounting_is_told_it_has_no_event_for_skellam():
+  import dp_accounting
+
+  acct = accounting.SkellamAccountant(1.0, 100, 10, 1e-3, 65536.6, 1000)
+  event = acct.event(5)
+  assert isinstance(event, dp_accounting.UnsupportedDpEvent)
+  assert not dp_accounting.rdp.RdpAccountant().supports(event)
