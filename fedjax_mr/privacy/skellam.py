@@ -43,7 +43,6 @@ import hashlib
 import math
 
 import numpy as np
-from scipy import special
 
 # Integer orders α of the accountant (Theorem 9 holds at integers).
 ORDERS = tuple(range(2, 65)) + tuple(range(72, 257, 8)) + (384, 512)
@@ -51,6 +50,15 @@ ORDERS = tuple(range(2, 65)) + tuple(range(72, 257, 8)) + (384, 512)
 # A rounding is drawn again up to this many times; after them the
 # client's update is 0 (its norm is then within any bound).
 MAX_ROUNDINGS = 100
+
+
+def _gammaln(x):
+  """log Γ(x), elementwise (scipy's; imported when first needed: scipy is
+  a fifth of a program's imports, and a run without distributed DP never
+  needs it)."""
+  from scipy import special
+
+  return special.gammaln(x)
 
 
 def rdp(
@@ -101,11 +109,7 @@ def subsampled_rdp(orders: np.ndarray, q: float, base) -> np.ndarray:
   out = np.empty(len(orders))
   for i, alpha in enumerate(orders):
     js, e = j[: alpha - 1], eps[: alpha - 1]
-    log_comb = (
-      special.gammaln(alpha + 1)
-      - special.gammaln(js + 1)
-      - special.gammaln(alpha - js + 1)
-    )
+    log_comb = _gammaln(alpha + 1) - _gammaln(js + 1) - _gammaln(alpha - js + 1)
     terms = js * math.log(q) + log_comb + math.log(2) + (js - 1) * e
     # j = 2: min(4 (e^ε(2) - 1), 2 e^ε(2)).
     second = min(
@@ -148,7 +152,7 @@ def _poisson_small(lam: float, n: int, stream: _Stream) -> np.ndarray:
   """Poisson(`lam`) for lam < 10, by inversion of its distribution."""
   u = stream.uniform(n)
   k = np.arange(int(lam + 20 * math.sqrt(lam) + 40))
-  cdf = np.cumsum(np.exp(k * math.log(lam) - lam - special.gammaln(k + 1)))
+  cdf = np.cumsum(np.exp(k * math.log(lam) - lam - _gammaln(k + 1)))
   return np.searchsorted(cdf, u, side='right').astype(np.int64)
 
 
@@ -181,7 +185,7 @@ def poisson(lam: float, n: int, stream: _Stream) -> np.ndarray:
     kk, ua, va = k[at], us[at], v[at]
     with np.errstate(divide='ignore'):
       left = np.log(va) + math.log(invalpha) - np.log(a / (ua * ua) + b)
-    ok[at] = left <= -lam + kk * loglam - special.gammaln(kk + 1)
+    ok[at] = left <= -lam + kk * loglam - _gammaln(kk + 1)
     out[todo[ok]] = k[ok].astype(np.int64)
     todo = todo[~ok]
   return out
