@@ -27,6 +27,7 @@ from fedjax_mr.pipeline import checks
 from fedjax_mr.pipeline import config as config_lib
 from fedjax_mr.pipeline import energy_report
 from fedjax_mr.pipeline import experiment
+from fedjax_mr.pipeline import protection
 from fedjax_mr.pipeline import records
 from fedjax_mr.pipeline import resume
 from fedjax_mr.pipeline import stitch_config
@@ -73,6 +74,19 @@ def check(config: Config) -> str:
   resume.check_workdir(config, workdir)
   workdir_lib.check_free(workdir)
   return workdir
+
+
+def validated(config: Config) -> Config:
+  """`config` once every rule `setup` applies to its fields holds (its
+  privacy part's too), building nothing: no data read, no model (a
+  partition file is read, as `setup` reads it).
+
+  Raises:
+    ConfigError: naming the first bad field.
+  """
+  config = checks.check(config).config
+  protection.check_privacy(config)
+  return config
 
 
 def setup(config: Config) -> Experiment:

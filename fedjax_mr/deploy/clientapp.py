@@ -61,13 +61,16 @@ def train(message: Message, context: Context) -> Message:
     held = adapter.stitch_node(config)
     reply = stitch_node.serve(held, message.content, index, num_nodes)
     return Message(reply, reply_to=message)
-  experiment = adapter.setup(config)
-  state = node_lib.run_folder(context.node_config.get('state'), text)
-  if experiment.config.privacy.secure.enabled:
-    who = secure_node.identity(context.node_config)
-    reply = secure_node.serve(
-      experiment, message.content, index, num_nodes, state, who
-    )
-  else:
+  if not config.privacy.secure.enabled:
+    experiment = adapter.setup(config)
+    state = node_lib.run_folder(context.node_config.get('state'), text)
     reply = node_lib.serve(experiment, message.content, index, num_nodes, state)
+    return Message(reply, reply_to=message)
+  # A secure run: only the stage that trains sets the run up
+  # (`secure_node.Run`); every stage checks its config first.
+  config = adapter.validated(config)
+  state = node_lib.run_folder(context.node_config.get('state'), text)
+  who = secure_node.identity(context.node_config)
+  run = secure_node.Run(config, lambda: adapter.setup(config))
+  reply = secure_node.serve(run, message.content, index, num_nodes, state, who)
   return Message(reply, reply_to=message)

@@ -36,8 +36,10 @@ its shares.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
@@ -61,6 +63,22 @@ SECAGG = node_lib.SECURE_STAGE  # the record that names a request's stage
 ERROR = 'error'  # the record of a refused stage's reply
 STAGES = ('keys', 'share', 'mask', 'unmask')
 ATTEMPT_BYTES = 16
+
+
+class Run(NamedTuple):
+  """A secure run as a node's stages need it: its `config` and `setup()`,
+  which builds its experiment (`adapter.setup`: the data, the model, the
+  algorithm). Only stage `mask` trains, so only it calls `setup`: Flower
+  runs each message in a new process, and the three other stages would
+  otherwise set the run up for nothing."""
+
+  config: Any
+  setup: Callable[[], Any]
+
+  @classmethod
+  def of(cls, experiment: Any) -> Run:
+    """The run of an experiment already set up."""
+    return cls(experiment.config, lambda: experiment)
 
 
 def context(round_index: int, attempt: bytes) -> bytes:
@@ -256,7 +274,7 @@ def _ids(record: Any, num_clients: int, what: str) -> dict[int, bytes]:
 
 
 def serve(
-  experiment: Any,
+  run: Run,
   content: RecordDict,
   node: int,
   num_nodes: int,
@@ -265,16 +283,17 @@ def serve(
 ) -> RecordDict:
   """Serves a packed message of a secure run (`node.pack`): each client's
   stage with `serve_part` (signing and checking keys as `who` allows),
-  replied under its position; a stage refused is
-  replied as an `error` record saying why (the server counts the client
-  as failed and logs it). A request without a stage (a plain training
-  request, whose reply would be the client's model in the clear) refuses
-  the whole message.
+  replied under its position (the run set up once, by the first client's
+  `mask`, if any); a stage refused is replied as an `error` record saying
+  why (the server counts the client as failed and logs it). A request
+  without a stage (a plain training request, whose reply would be the
+  client's model in the clear) refuses the whole message.
 
   Raises:
     RequestError: a plain request, or a malformed message.
   """
   replies = {}
+  run = run._replace(setup=functools.cache(run.setup))
   for position, part in sorted(node_lib.unpack(content).items()):
     if SECAGG not in part:
       raise node_lib.RequestError(
@@ -283,7 +302,7 @@ def serve(
       )
     try:
       replies[position] = serve_part(
-        experiment, part, node, num_nodes, state_folder, who
+        run, part, node, num_nodes, state_folder, who
       )
     except (node_lib.RequestError, KeyError, TypeError, ValueError) as e:
       reason = str(e) or type(e).__name__
@@ -294,7 +313,7 @@ def serve(
 
 
 def serve_part(
-  experiment: Any,
+  run: Run,
   part: RecordDict,
   node: int,
   num_nodes: int,
@@ -307,7 +326,7 @@ def serve_part(
   Raises:
     RequestError: what the stage refuses (its message says why).
   """
-  n = len(experiment.client_sizes)
+  n = run.config.partition.num_clients
   meta = _meta(part, n)
   client = meta['client']
   if client % num_nodes != node:
@@ -331,12 +350,12 @@ def serve_part(
   try:
     if stage == 'share':
       _check_peers(part, who, num_nodes, ctx, n)
-      reply = _share(experiment.config, part, kept, seed, client, ctx, n)
+      reply = _share(run.config, part, kept, seed, client, ctx, n)
     elif stage == 'mask':
       where = (node, num_nodes, state_folder)
-      reply = _mask(experiment, part, kept, seed, where, ctx)
+      reply = _mask(run.setup(), part, kept, seed, where, ctx)
     else:
-      reply = _unmask(experiment.config, part, kept, seed, client, ctx)
+      reply = _unmask(run.config, part, kept, seed, client, ctx)
   except secagg.ProtocolError as e:
     raise node_lib.RequestError(str(e)) from None
   if stage == 'unmask':

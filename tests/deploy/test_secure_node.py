@@ -3,6 +3,7 @@ and in turn, its secrets its user's alone, and the messages it refuses:
 replayed, reordered, duplicated or forged ones, plain requests in a
 secure run and secure stages in a plain one."""
 
+import json
 import os
 import stat
 
@@ -10,9 +11,14 @@ import jax
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord
+from flwr.app import Context
+from flwr.app import Message
 from flwr.app import RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
+from fedjax_mr.core import errors
 from fedjax_mr.deploy import adapter
+from fedjax_mr.deploy import clientapp
 from fedjax_mr.deploy import node
 from fedjax_mr.deploy import secure_node
 from fedjax_mr.deploy import server
@@ -55,7 +61,8 @@ def _part(stage, attempt=ATTEMPT, client=ME, r=0, **records):
 
 
 def _serve(experiment, part, folder):
-  return secure_node.serve_part(experiment, part, ME % NODES, NODES, folder)
+  run = secure_node.Run.of(experiment)
+  return secure_node.serve_part(run, part, ME % NODES, NODES, folder)
 
 
 class Peers:
@@ -88,17 +95,18 @@ def _training(experiment):
   return node.request_content(sent, 1, ME, keys[1], 0)
 
 
-def _through_mask(experiment, folder, peers):
-  """ME through keys, share and mask: `(its keys, the mask reply)`."""
+def _through_mask(experiment, folder, peers, serve=_serve):
+  """ME through keys, share and mask (each stage `serve`d): `(its keys,
+  the mask reply, the mask request)`."""
   ctx = secure_node.context(0, ATTEMPT)
-  keys = _serve(experiment, _part('keys'), folder)['keys']
+  keys = serve(experiment, _part('keys'), folder)['keys']
   mine = (bytes(keys['c']), bytes(keys['s']))
-  _serve(experiment, _part('share', peers=peers.record()), folder)
+  serve(experiment, _part('share', peers=peers.record()), folder)
   shares = peers.shares_to(mine, ctx, 3)
   part = _part('mask', shares=shares)
   for name, record in _training(experiment).items():
     part[name] = record
-  return mine, _serve(experiment, part, folder), part
+  return mine, serve(experiment, part, folder), part
 
 
 def test_the_stages_in_turn_and_the_secrets_kept_private(experiment, tmp_path):
@@ -118,6 +126,66 @@ def test_the_stages_in_turn_and_the_secrets_kept_private(experiment, tmp_path):
   # A second unmasking (the server asking for the other kind) is refused.
   with pytest.raises(node.RequestError, match='no attempt'):
     _serve(experiment, _part('unmask', survivors=[6], dropped=[0]), folder)
+
+
+@pytest.fixture
+def a_run():
+  # Flower 1.42 builds a message only inside a run; as one here.
+  TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 1, 1
+  yield
+  TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+
+
+def _by_the_app(experiment, part, folder, config=None):
+  """`part`'s reply from the ClientApp (`clientapp.train`) as node 0 of
+  NODES keeping its state in `folder`, `part` at position 1 of a message
+  of the run of `config` (`experiment`'s by default)."""
+  text = json.dumps((config or experiment.config).to_dict(), sort_keys=True)
+  message = Message(
+    node.pack({1: part}, text), dst_node_id=1, message_type='train'
+  )
+  where = {'node-index': 0, 'num-nodes': NODES, 'state': folder}
+  context = Context(1, 1, where, RecordDict(), {})
+  (reply,) = node.unpack(clientapp.train(message, context).content).values()
+  assert secure_node.ERROR not in reply, reply[secure_node.ERROR]
+  return reply
+
+
+def test_only_the_stage_that_trains_sets_the_run_up(
+  experiment, tmp_path, monkeypatch, a_run
+):
+  # Flower runs each message in a process of its own: the keys, share
+  # and unmask stages do not read the data nor build the model.
+  made = []
+  setup = adapter.setup
+  monkeypatch.setattr(adapter, 'setup', lambda c: made.append(c) or setup(c))
+  folder = str(tmp_path / 'node0')
+  stages = []
+
+  def serve(experiment, part, folder):
+    stages.append((str(part[secure_node.SECAGG]['stage']), len(made)))
+    return _by_the_app(experiment, part, folder)
+
+  _, reply, _ = _through_mask(experiment, folder, Peers(), serve)
+  assert reply['masked']["['y']"].numpy().dtype == np.uint32
+  serve(experiment, _part('unmask', survivors=[0, 4], dropped=[6]), folder)
+  assert stages == [('keys', 0), ('share', 0), ('mask', 0), ('unmask', 1)]
+  assert made == [experiment.config]
+
+
+def test_a_stage_of_a_config_the_run_would_refuse_is_refused_first(
+  experiment, tmp_path, a_run
+):
+  # What the server sends is checked by every stage, as the run's set-up
+  # checks it: a threshold of 1/10 would let 1 of 5 shares rebuild a
+  # client's secrets.
+  config = config_lib.ExperimentConfig.from_flat(
+    **{**experiment.config.flat(), 'secagg_threshold': 0.1}
+  )
+  folder = str(tmp_path / 'node0')
+  with pytest.raises(errors.ConfigError, match='secagg_threshold'):
+    _by_the_app(experiment, _part('keys'), folder, config)
+  assert not os.path.exists(folder)
 
 
 def test_stages_out_of_turn_or_of_another_attempt_are_refused(
@@ -200,16 +268,17 @@ def test_a_training_request_of_another_client_is_refused(experiment, tmp_path):
 
 def test_plain_and_secure_requests_stay_in_their_own_runs(experiment, tmp_path):
   plain = _experiment()
+  run = secure_node.Run.of(experiment)
   request = node.pack({1: _training(experiment)})
   with pytest.raises(node.RequestError, match='masked inputs only'):
-    secure_node.serve(experiment, request, 0, NODES, str(tmp_path))
+    secure_node.serve(run, request, 0, NODES, str(tmp_path))
   staged = node.pack({1: _part('keys')})
   with pytest.raises(node.RequestError, match='without secure aggregation'):
     node.serve(plain, staged, 0, NODES, str(tmp_path))
   # A refused stage is replied as an error record, its reason in it.
   reply = node.unpack(
     secure_node.serve(
-      experiment, node.pack({1: _part('mask')}), 0, NODES, str(tmp_path)
+      run, node.pack({1: _part('mask')}), 0, NODES, str(tmp_path)
     )
   )
   assert 'no attempt' in str(reply[1][secure_node.ERROR]['reason'])

@@ -54,7 +54,7 @@ class SecureLocal:
     for n, parts in by_node.items():
       packed = node.pack(parts)
       served = secure_node.serve(
-        self.experiment,
+        secure_node.Run.of(self.experiment),
         packed,
         n,
         NODES,
