@@ -83,6 +83,14 @@ def test_the_cost_lines_are_their_records():
     assert line in lines, line
 
 
+def test_the_flower_cost_before_is_its_record():
+  # The ratio when every stage set the run up, from its own record.
+  with open(os.path.join(RECORDS, 'flower_3991ea0.txt')) as f:
+    (ratio,) = re.findall(r'^secure / plain: (\S+)x$', f.read(), re.M)
+  text = ' '.join(docs_text.read(PAGE).split())
+  assert f'set the run up, {ratio}x: `flower_3991ea0.txt`' in text
+
+
 def test_the_first_ranges_cost_is_its_records():
   """The page's account of the first range (10^4 for every value):
   range_1e4/ holds those secure runs, and the steps it names."""
