@@ -257,9 +257,9 @@ def test_a_script_beside_the_clone_imports_the_package(tmp_path, strict):
 
 def test_a_program_or_a_node_loads_the_accountants_only_for_privacy():
   # dp-accounting and scipy (its optimizers, statistics, signals) were
-  # 0.75 s of a program's 1.8 s of imports (AMD EPYC), paid by every
-  # program and every warm SuperExec of a federation: imported when an ε
-  # or a Skellam draw is first asked for.
+  # 0.9 s of the 2.3 s of CPU a program took to start (AMD EPYC), paid by
+  # every program and every warm SuperExec of a federation: imported when
+  # an ε or a Skellam draw is first asked for.
   code = (
     'import sys, experiments.run, fedjax_mr.deploy.flower.warm; '
     "print(sorted(m for m in ('dp_accounting', 'scipy') if m in sys.modules))"

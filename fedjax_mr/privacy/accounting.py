@@ -12,9 +12,9 @@ of N (`SampledWithoutReplacementDpEvent`), composed over the rounds.
 The protection is user-level: all of one client's examples at once.
 
 Host code (numpy and the accountant): it runs between rounds, never
-inside one. `dp-accounting` (with scipy's optimizers and statistics: 0.75 s
-of a program's 1.8 s of imports) is imported when an ε is first asked for,
-so a run without DP never loads it.
+inside one. `dp-accounting` (with scipy's optimizers and statistics:
+0.9 s of the 2.3 s of CPU a program took to start, AMD EPYC) is imported
+when an ε is first asked for, so a run without DP never loads it.
 
 References:
   Wang, Balle, Kasiviswanathan. "Subsampled Rényi Differential Privacy

@@ -53,9 +53,8 @@ MAX_ROUNDINGS = 100
 
 
 def _gammaln(x):
-  """log Γ(x), elementwise (scipy's; imported when first needed: scipy is
-  a fifth of a program's imports, and a run without distributed DP never
-  needs it)."""
+  """log Γ(x), elementwise (scipy's, imported when first needed: a run
+  without distributed DP does not pay for its import)."""
   from scipy import special
 
   return special.gammaln(x)
