@@ -374,9 +374,9 @@ def test_a_killed_node_fails_its_clients_and_rejoins(tmp_path, fed):
   # federation is whole again for the tests after this one.
   fed.nodes[1] = fed.start_node(1)
   deadline = time.monotonic() + 300
-  # (Each look is a `flwr` process: a few seconds apart.)
+  # (Each look is one Control API request of this process.)
   while fed.online_nodes() < nodes and time.monotonic() < deadline:
-    time.sleep(3)
+    time.sleep(0.25)
   deploy(3)
   assert not failures, failures
   rows = _rows(workdir, 'metrics.jsonl')
