@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -384,9 +385,9 @@ def test_a_killed_node_fails_its_clients_and_rejoins(tmp_path, fed):
   assert any(c % nodes == 1 for c in rows[2]['client_ids'])
 
 
-def _secret_at(fed, node, client, round_index, stage):
-  """Whether `client`'s secrets on `node` (secure_node's file) are kept
-  at `stage` of round `round_index` (0-based)."""
+def _stage_kept(fed, node, client, round_index):
+  """The stage at which `client`'s secrets on `node` (secure_node's file)
+  are kept in round `round_index` (0-based); None: none kept for it."""
   pattern = os.path.join(
     fed.folder,
     'nodes',
@@ -401,9 +402,17 @@ def _secret_at(fed, node, client, round_index, stage):
         kept = json.load(f)
     except (OSError, ValueError):
       continue
-    if (kept['round'], kept['stage']) == (round_index, stage):
-      return True
-  return False
+    if kept['round'] == round_index:
+      return kept['stage']
+  return None
+
+
+def _superexec_of(fed, node):
+  """The SuperExec of `fed`'s SuperNode `node` (it starts a process for
+  each of the node's messages)."""
+  return [p for _, p, parent in fed._superexecs if parent is fed.nodes[node]][
+    -1
+  ]
 
 
 def test_a_secure_run_with_a_node_killed_before_unmasking_equals_the_simulation(
@@ -436,15 +445,30 @@ def test_a_secure_run_with_a_node_killed_before_unmasking_equals_the_simulation(
   run = threading.Thread(target=deploy)
   run.start()
   deadline = time.monotonic() + 600
-  while not _secret_at(fed, 1, 4, 1, 'mask'):
-    assert run.is_alive() and time.monotonic() < deadline, (failures, lines)
-    time.sleep(0.05)
-  # Its reply on its way (the node writes the file, then replies); its
-  # unmasking message takes a new ClientApp process, seconds away.
-  time.sleep(1.0)
-  assert _secret_at(fed, 1, 4, 1, 'mask')  # nothing revealed yet
-  fed.nodes[1].kill()
-  fed.nodes[1].wait()
+
+  def wait(until):
+    while not until():
+      assert run.is_alive() and time.monotonic() < deadline, (failures, lines)
+      time.sleep(0.05)
+
+  wait(lambda: _stage_kept(fed, 1, 4, 1) == 'mask')
+  # Client 4's masked input is made, its reply on its way (the node writes
+  # the file, then replies). Node 1's SuperExec, which starts a process
+  # for each of the node's messages, is held (SIGSTOP: the process that
+  # replies is its child and goes on), so node 1 cannot start unmasking.
+  superexec = _superexec_of(fed, 1)
+  os.kill(superexec.pid, signal.SIGSTOP)
+  try:
+    assert _stage_kept(fed, 1, 4, 1) == 'mask'  # nothing revealed yet
+    # Node 0's clients of the round (6 and 0) revealed their shares: the
+    # server held every masked input and asked for the shares.
+    wait(lambda: {_stage_kept(fed, 0, c, 1) for c in (6, 0)} == {None})
+    assert _stage_kept(fed, 1, 4, 1) == 'mask'
+  finally:
+    fed.nodes[1].kill()
+    fed.nodes[1].wait()
+    superexec.kill()  # held, it would not see its node end
+    superexec.wait()
   run.join(900)
   assert not failures, failures
   assert any(
