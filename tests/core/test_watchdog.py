@@ -34,6 +34,9 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
   # SIGKILL, which it cannot handle. The parent waits for the process that
   # leaves to say it is up: Popen returns once exec has begun, when the new
   # program's environment may not be readable yet (/proc/PID/environ empty).
+  # That process execs nothing after it says so (`bash -c "...; sleep 600"`
+  # exec'd sleep after its echo: the same window, which a fresh clone of
+  # b28abb6 hit).
   last, said = str(tmp_path / 'last.json'), str(tmp_path / 'said')
   parent = subprocess.Popen(
     [
@@ -53,7 +56,9 @@ def test_the_watchdog_stops_the_group_when_its_parent_is_killed(tmp_path):
         env = {**os.environ, watchdog.MARK_VARIABLE: 'M1'}
         child = subprocess.Popen(['sleep', '600'], process_group=dog.pid)
         away = subprocess.Popen(
-          ['bash', '-c', "trap '' TERM; echo up; sleep 600"], env=env,
+          [sys.executable, '-c', 'import signal, time; '
+           'signal.signal(signal.SIGTERM, signal.SIG_IGN); '
+           'print("up", flush=True); time.sleep(600)'], env=env,
           start_new_session=True, stdout=subprocess.PIPE, text=True)
         assert away.stdout.readline().strip() == 'up'
         print(dog.pid, child.pid, away.pid, flush=True)
