@@ -76,22 +76,24 @@ def check(config: Config) -> str:
   return workdir
 
 
-def validated(config: Config) -> Config:
-  """`config` once every rule `setup` applies to its fields holds (its
-  privacy part's too), building nothing: no data read, no model (a
-  partition file is read, as `setup` reads it).
+def validated(config: Config) -> checks.Checked:
+  """`config` checked once (`checks.check`, which `setup` takes as it is)
+  and its privacy part's rules too: every rule `setup` applies to its
+  fields, building nothing (no data read, no model; a partition file is
+  read, once).
 
   Raises:
     ConfigError: naming the first bad field.
   """
-  config = checks.check(config).config
-  protection.check_privacy(config)
-  return config
+  checked = checks.check(config)
+  protection.check_privacy(checked.config)
+  return checked
 
 
-def setup(config: Config) -> Experiment:
-  """The experiment `experiments.run` builds from `config`: the same data,
-  partition, model, algorithm and initial state."""
+def setup(config: Config | checks.Checked) -> Experiment:
+  """The experiment `experiments.run` builds from `config` (or from what
+  `validated` returned for it): the same data, partition, model,
+  algorithm and initial state."""
   return experiment.setup(config)
 
 

@@ -68,9 +68,9 @@ def train(message: Message, context: Context) -> Message:
     return Message(reply, reply_to=message)
   # A secure run: only the stage that trains sets the run up
   # (`secure_node.Run`); every stage checks its config first.
-  config = adapter.validated(config)
+  checked = adapter.validated(config)
   state = node_lib.run_folder(context.node_config.get('state'), text)
   who = secure_node.identity(context.node_config)
-  run = secure_node.Run(config, lambda: adapter.setup(config))
+  run = secure_node.Run(checked.config, lambda: adapter.setup(checked))
   reply = secure_node.serve(run, message.content, index, num_nodes, state, who)
   return Message(reply, reply_to=message)
