@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 from flwr.app import ConfigRecord
 from flwr.app import RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedjax_mr.core import errors
 from fedjax_mr.deploy import federation
@@ -19,14 +18,8 @@ from fedjax_mr.deploy import server
 from fedjax_mr.deploy import serverapp as apps
 from fedjax_mr.deploy.flower import commands
 
-
-@pytest.fixture(autouse=True)
-def a_run():
-  # Flower 1.42 builds a message only inside a run (a ServerApp process
-  # has its run's and its own node's ids); as one here.
-  TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-  yield
-  TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+# Flower 1.42 builds a message only inside a run (tests/deploy/conftest.py).
+pytestmark = pytest.mark.usefixtures('a_run')
 
 
 class FakeGrid:
